@@ -1,0 +1,38 @@
+"""commfuse: a torch.compile backend that removes and hides the communication of hybrid-parallel training.
+
+    import commfuse
+    model = torch.compile(model, backend="commfuse")           # default pipeline
+    model = torch.compile(model, backend=commfuse.backend(commfuse.Config(dump_dir="dumps")))
+    commfuse.optimize(gm)                                        # any FX graph
+    print(commfuse.analyze(gm).table())                          # what the compiler sees
+"""
+
+from __future__ import annotations
+
+from ._version import __version__
+from .api import analyze, last_report, optimize
+from .backend import CommfuseBackend, backend, commfuse_backend
+from .config import DUMP_DIR_ENV, Config
+from .costmodel.topology import Topology
+from .errors import CommfuseError, ConfigError, PassError, VerificationError
+from .report import AnalysisReport, PipelineReport
+from .session import setup
+
+
+def _register_dynamo_backend() -> None:
+    # The entry point in pyproject makes "commfuse" known without an import; registering
+    # here too covers source checkouts that were not pip-installed.
+    from ._torch_private import dynamo_backend_registry
+
+    reg = dynamo_backend_registry()
+    if "commfuse" not in reg._COMPILER_FNS:
+        reg.register_backend(name="commfuse", compiler_fn=commfuse_backend)
+
+
+_register_dynamo_backend()
+
+__all__ = [
+    "AnalysisReport", "CommfuseBackend", "CommfuseError", "Config", "ConfigError", "DUMP_DIR_ENV", "PassError",
+    "PipelineReport", "Topology", "VerificationError", "__version__", "analyze", "backend", "commfuse_backend",
+    "last_report", "optimize", "setup",
+]

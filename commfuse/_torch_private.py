@@ -1,0 +1,96 @@
+"""Every private PyTorch API commfuse touches, in one place.
+
+commfuse supports torch>=2.13,<2.14. Each name below is private (underscored or
+undocumented) and may move between releases; when upgrading PyTorch, this is the
+module to audit. Import these names from here, never directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Functional collectives: the ops Dynamo/AOTAutograd put in graphs for every
+# c10d collective issued by DTensor or `torch.distributed._functional_collectives`.
+c10d_functional = torch.ops._c10d_functional
+# Autograd-aware variants (e.g. `all_to_all_single_autograd`); they appear in
+# pre-dispatch graphs and are decomposed to `_c10d_functional` before partitioning.
+c10d_functional_autograd = torch.ops._c10d_functional_autograd
+
+
+def resolve_process_group(group_name: str):
+    """Map the string group name stored in a graph to a live ProcessGroup.
+
+    Private: `torch.distributed.distributed_c10d._resolve_process_group`.
+    Returns None when no process group of that name exists in this process
+    (e.g. a graph loaded from disk), so callers degrade to "ranks unknown".
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(group_name)
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
+def fake_tensor_mode_of(gm: torch.fx.GraphModule):
+    """The FakeTensorMode that produced `node.meta['val']` in this graph, if any.
+
+    Private: `torch._guards.detect_fake_mode` (semi-public, underscored module).
+    """
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+
+def aot_autograd(**kwargs):
+    """Private module path: `torch._dynamo.backends.common.aot_autograd`."""
+    from torch._dynamo.backends.common import aot_autograd as _aot
+
+    return _aot(**kwargs)
+
+
+def default_partition(*args, **kwargs):
+    """Private: `torch._functorch.partitioners.default_partition` (what aot_eager uses)."""
+    from torch._functorch.partitioners import default_partition as _dp
+
+    return _dp(*args, **kwargs)
+
+
+def make_boxed_func(fn):
+    """Private: `torch._functorch.aot_autograd.make_boxed_func` (boxed calling convention)."""
+    from torch._functorch.aot_autograd import make_boxed_func as _mbf
+
+    return _mbf(fn)
+
+
+def inductor_compile_fx(gm, example_inputs, **kwargs):
+    """Private: `torch._inductor.compile_fx.compile_fx` (what backend='inductor' calls)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, **kwargs)
+
+
+def dynamo_backend_registry():
+    """Private: `torch._dynamo.backends.registry` (_COMPILER_FNS, register_backend)."""
+    import torch._dynamo.backends.registry as reg
+
+    return reg
+
+
+def inductor_config():
+    """Private: `torch._inductor.config` (pass hooks and comm-reordering switches)."""
+    import torch._inductor.config as cfg
+
+    return cfg
+
+
+def custom_graph_pass_base():
+    """Semi-public: `torch._inductor.custom_graph_pass.CustomGraphPass` (cache-keyed hooks)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass

@@ -1,0 +1,48 @@
+"""`commfuse.optimize` and `commfuse.analyze`: the pass list on any FX graph."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.fx as fx
+
+from .config import Config
+from .ir.graph_ir import CollectiveIR, IRBuildOptions
+from .passes.base import Stage
+from .passes.pipeline import Pipeline
+from .report import AnalysisReport, PipelineReport, build_analysis_report
+from .session import current_session
+
+
+def _roles(config: Config) -> tuple[dict[str, str], dict[str, str]]:
+    s = current_session()
+    roles = {**s.group_roles, **{k: v.value for k, v in config.group_roles.items()}}
+    sources = {**s.role_sources, **{k: "user" for k in config.group_roles}}
+    return roles, sources
+
+
+def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind: str = "graph") -> fx.GraphModule:
+    """Run the configured pipeline (joint-stage passes, then schedule-stage passes) on `gm` in place.
+
+    Accepts any FX GraphModule, e.g. a whole training step traced with `make_fx`.
+    Returns `gm`; the pipeline report is appended to `gm.meta["commfuse_reports"]`
+    (see `last_report`).
+    """
+    config = config or Config()
+    roles, sources = _roles(config)
+    pipeline = Pipeline(config, topology=config.topology or current_session().topology,
+                        group_roles=roles, role_sources=sources)
+    pipeline.run(gm, graph_kind=graph_kind, stages={Stage.JOINT, Stage.SCHEDULE})
+    return gm
+
+
+def last_report(gm: fx.GraphModule) -> Optional[PipelineReport]:
+    reports = gm.meta.get("commfuse_reports") or []
+    return reports[-1] if reports else None
+
+
+def analyze(gm: fx.GraphModule, config: Optional[Config] = None, *, graph: str = "graph") -> AnalysisReport:
+    """Every collective of `gm` with kind, group, bytes, logical dim and role; totals per kind and group."""
+    roles, sources = _roles(config or Config())
+    ir = CollectiveIR(gm, IRBuildOptions(group_roles=roles, role_sources=sources))
+    return build_analysis_report(ir, graph=graph)

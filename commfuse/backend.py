@@ -1,0 +1,150 @@
+"""The torch.compile backend: `torch.compile(model, backend="commfuse")`.
+
+Where passes run (see docs/architecture.md):
+* JOINT-stage passes rewrite the joint forward+backward graph before AOTAutograd
+  partitions it (and the inference graph when no gradient is needed);
+* SCHEDULE-stage passes reorder the partitioned forward and backward graphs.
+
+Who executes:
+* inner_compiler="inductor": `compile_fx` with commfuse's passes installed as
+  Inductor's `joint_custom_pre_pass` and `post_grad_custom_post_pass`
+  (`CustomGraphPass`es whose `uuid()` covers commfuse's version, config and
+  topology, so compile caches key on them). A pass the user already installed
+  there is chained after commfuse's, not replaced. When the pipeline schedules,
+  Inductor's own comm reordering/bucketing is switched off for that compile.
+* inner_compiler="eager": AOTAutograd with commfuse's partition hook and
+  eager lowering, numerically identical to `backend="aot_eager"` with no passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from . import _torch_private as priv
+from .config import Config
+from .lowering import lower_eager
+from .passes.base import Stage
+from .passes.pipeline import Pipeline
+from .session import current_session
+
+
+def _graph_kind_post_grad(gm: fx.GraphModule) -> str:
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(n.startswith("tangents") for n in names):
+        return "backward"
+    if any(n.startswith("primals") for n in names):
+        return "forward"
+    return "inference"
+
+
+def _make_custom_pass(fn: Callable[[fx.Graph], None], key: str, chained: Any):
+    base = priv.custom_graph_pass_base()
+
+    class CommfuseGraphPass(base):  # type: ignore[misc, valid-type]
+        """Inductor hook running a commfuse pipeline stage, then any user pass it replaced."""
+
+        def __call__(self, graph: fx.Graph) -> None:
+            fn(graph)
+            if chained is not None:
+                chained(graph)
+
+        def uuid(self) -> Optional[Any]:
+            if chained is None:
+                return key
+            other = chained.uuid() if hasattr(chained, "uuid") else None
+            # A user pass without a uuid makes the graph uncacheable, as Inductor intends.
+            return None if other is None else (key, other)
+
+    return CommfuseGraphPass()
+
+
+class CommfuseBackend:
+    """A Dynamo backend; `commfuse.backend(config)` makes one."""
+
+    def __init__(self, config: Optional[Config] = None) -> None:
+        self.config = config or Config()
+        # Built now so that a bad pass name fails at `backend(...)`, not mid-compile.
+        self._pipeline_names = self.config.pass_names()
+
+    def _pipeline(self) -> Pipeline:
+        session = current_session()
+        roles = {**session.group_roles, **{k: v.value for k, v in self.config.group_roles.items()}}
+        sources = {**session.role_sources, **{k: "user" for k in self.config.group_roles}}
+        return Pipeline(self.config, topology=self.config.topology or session.topology,
+                        group_roles=roles, role_sources=sources)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
+        pipeline = self._pipeline()
+        if self.config.inner_compiler == "eager":
+            return self._compile_eager(gm, example_inputs, pipeline)
+        return self._compile_inductor(gm, example_inputs, pipeline)
+
+    # -- eager --------------------------------------------------------------
+    def _compile_eager(self, gm, example_inputs, pipeline: Pipeline):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+            pipeline.run(joint, graph_kind="joint", stages={Stage.JOINT})
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        def compile_stage(kind: str, stages: set[Stage]):
+            def compiler(g: fx.GraphModule, _inputs):
+                pipeline.run(g, graph_kind=kind, stages=stages)
+                return lower_eager(g)
+
+            return compiler
+
+        return priv.aot_autograd(
+            fw_compiler=compile_stage("forward", {Stage.SCHEDULE}),
+            bw_compiler=compile_stage("backward", {Stage.SCHEDULE}),
+            inference_compiler=compile_stage("inference", {Stage.JOINT, Stage.SCHEDULE}),
+            partition_fn=partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+
+    # -- inductor -----------------------------------------------------------
+    def _compile_inductor(self, gm, example_inputs, pipeline: Pipeline):
+        cfg = priv.inductor_config()
+        key = self.config.cache_key(pipeline.topology)
+        # Inductor runs joint passes on the inference graph too (no partition there),
+        # so the joint hook must also apply JOINT passes to it; post-grad passes then
+        # see it as "inference".
+        def joint_hook(graph: fx.Graph) -> None:
+            gm_ = graph.owning_module
+            has_tangents = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
+            pipeline.run(gm_, graph_kind="joint" if has_tangents else "inference", stages={Stage.JOINT})
+
+        def post_grad_hook(graph: fx.Graph) -> None:
+            gm_ = graph.owning_module
+            pipeline.run(gm_, graph_kind=_graph_kind_post_grad(gm_), stages={Stage.SCHEDULE})
+
+        patches: dict[str, Any] = {
+            "joint_custom_pre_pass": _make_custom_pass(joint_hook, "joint:" + key, cfg.joint_custom_pre_pass),
+            "post_grad_custom_post_pass": _make_custom_pass(post_grad_hook, "post:" + key,
+                                                            cfg.post_grad_custom_post_pass),
+        }
+        if any(p.stage is Stage.SCHEDULE for p in pipeline.passes):
+            # commfuse orders these graphs; Inductor's own comm reordering would undo it.
+            patches.update({
+                "reorder_for_compute_comm_overlap": False,
+                "bucket_all_gathers_fx": "none",
+                "bucket_reduce_scatters_fx": "none",
+                "bucket_all_reduces_fx": "none",
+                "aten_distributed_optimizations.enable_overlap_scheduling": False,
+            })
+        return priv.inductor_compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def backend(config: Optional[Config] = None, **overrides: Any) -> CommfuseBackend:
+    """A commfuse Dynamo backend with a non-default config: `torch.compile(m, backend=commfuse.backend(cfg))`."""
+    if overrides:
+        config = Config(**{**(config or Config()).model_dump(), **overrides})
+    return CommfuseBackend(config)
+
+
+def commfuse_backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
+    """The default-config backend registered as "commfuse"."""
+    return CommfuseBackend()(gm, example_inputs)

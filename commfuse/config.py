@@ -1,0 +1,80 @@
+"""`commfuse.Config`: every knob of the compiler, validated on construction."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+
+from .costmodel.topology import Topology
+from .ir.collective import ParallelRole
+
+DUMP_DIR_ENV = "COMMFUSE_DUMP_DIR"
+
+
+class Config(BaseModel):
+    """Configuration of one commfuse backend / `optimize` call.
+
+    passes: ordered pass names; None means the default pipeline. Each pass runs on
+        the graph stage it declares (joint graph or scheduled fw/bw graphs).
+    inner_compiler: "inductor" (default: Inductor generates code) or "eager"
+        (the rewritten graph runs op by op; used by multi-rank numeric tests).
+    dump_dir: write graphs before/after each changing pass here; falls back to
+        the COMMFUSE_DUMP_DIR environment variable.
+    strict: re-raise pass failures instead of falling back to the unchanged graph.
+    verify: run the verifier after every changing pass.
+    debug: also re-propagate fake tensors in the verifier (slower, stricter).
+    topology: ranks/nodes and links; None means the one given to `commfuse.setup`.
+    group_roles: process-group name -> parallel role, overriding inference.
+    svg_max_nodes: graphs with more nodes are dumped as text/JSON only (Graphviz is slow).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    passes: Optional[list[str]] = None
+    inner_compiler: Literal["inductor", "eager"] = "inductor"
+    dump_dir: Optional[str] = None
+    strict: bool = False
+    verify: bool = True
+    debug: bool = False
+    topology: Optional[Topology] = None
+    group_roles: dict[str, ParallelRole] = Field(default_factory=dict)
+    svg_max_nodes: PositiveInt = 4000
+
+    @field_validator("passes")
+    @classmethod
+    def _known_passes(cls, v: Optional[list[str]]) -> Optional[list[str]]:
+        if v is None:
+            return v
+        from .passes.registry import available_passes
+
+        known = available_passes()
+        unknown = [p for p in v if p not in known]
+        if unknown:
+            raise ValueError(f"unknown pass name(s) {unknown}; available passes: {sorted(known)}")
+        return v
+
+    def pass_names(self) -> list[str]:
+        from .passes.registry import DEFAULT_PIPELINE
+
+        return list(DEFAULT_PIPELINE) if self.passes is None else list(self.passes)
+
+    def resolved_dump_dir(self) -> Optional[str]:
+        return self.dump_dir or os.environ.get(DUMP_DIR_ENV) or None
+
+    def cache_key(self, topology: Optional[Topology] = None) -> str:
+        """Everything that can change the produced graph (not dumps, not strictness)."""
+        from ._version import __version__
+
+        topo = topology or self.topology
+        payload = {
+            "version": __version__,
+            "passes": self.pass_names(),
+            "inner": self.inner_compiler,
+            "roles": {k: v.value for k, v in sorted(self.group_roles.items())},
+            "topology": topo.model_dump() if topo else None,
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

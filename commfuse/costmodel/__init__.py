@@ -1,0 +1,5 @@
+"""Cost model, topology and (later) the timeline simulator."""
+
+from .topology import PRESETS, Topology
+
+__all__ = ["PRESETS", "Topology"]

@@ -1,0 +1,12 @@
+"""commfuse's collective IR: a typed, read-only view over FX graphs."""
+
+from .collective import Collective, GroupInfo, ParallelRole
+from .dims import DimType, DimTypeAnalysis, NodeDims, OpCategory
+from .graph_ir import CollectiveIR, IRBuildOptions
+from .kinds import CollectiveKind, CollectiveOpSpec, collective_spec, is_wait, register_collective_op
+
+__all__ = [
+    "Collective", "CollectiveIR", "CollectiveKind", "CollectiveOpSpec", "DimType", "DimTypeAnalysis",
+    "GroupInfo", "IRBuildOptions", "NodeDims", "OpCategory", "ParallelRole", "collective_spec",
+    "is_wait", "register_collective_op",
+]

@@ -1,0 +1,228 @@
+"""`CollectiveIR`: a typed view over an FX graph, built once per graph version.
+
+The IR never mutates the graph. Passes that change the graph report it, and the
+pipeline drops the IR (and every other cached analysis) so the next pass sees a
+fresh one — the MLIR analysis-manager discipline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+
+from .._torch_private import resolve_process_group
+from . import volume
+from .collective import Collective, GroupInfo, ParallelRole
+from .dims import DimTypeAnalysis
+from .kinds import CollectiveKind, collective_spec, is_wait
+from .layout import match_gather_shuffle, match_scatter_shuffle
+from .roles import infer_role
+from .shapes import Size, nbytes, shape_of, tensor_meta
+
+
+def _resolve_group(name: str, size_hint: int | None) -> GroupInfo:
+    pg = resolve_process_group(name)
+    if pg is None:
+        return GroupInfo(name=name, size=size_hint, ranks=None)
+    import torch.distributed as dist
+
+    try:
+        ranks = tuple(dist.get_process_group_ranks(pg))
+    except (RuntimeError, ValueError):
+        ranks = None
+    return GroupInfo(name=name, size=pg.size(), ranks=ranks)
+
+
+def _flatten_nodes(x) -> list[fx.Node]:
+    if isinstance(x, fx.Node):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [n for item in x for n in _flatten_nodes(item)]
+    return []
+
+
+def _waits_of(start: fx.Node, coalesced: bool) -> list[fx.Node]:
+    if not coalesced:
+        return [u for u in start.users if u.op == "call_function" and is_wait(u.target)]
+    waits = []
+    for g in start.users:
+        if g.op == "call_function" and g.target is operator.getitem:
+            waits.extend(u for u in g.users if u.op == "call_function" and is_wait(u.target))
+    return waits
+
+
+def _sum_sizes(vals: list[Size | None]) -> Size | None:
+    if any(v is None for v in vals):
+        return None
+    total: Size = 0
+    for v in vals:
+        total = total + v  # type: ignore[operator]
+    return total
+
+
+@dataclass
+class IRBuildOptions:
+    group_roles: Mapping[str, str] = field(default_factory=dict)  # group name -> role (user/mesh given)
+    role_sources: Mapping[str, str] = field(default_factory=dict)  # group name -> "user" | "mesh"
+
+
+class CollectiveIR:
+    """Every collective of a graph with its group, sizes, logical dims and role."""
+
+    def __init__(self, gm: fx.GraphModule, options: IRBuildOptions | None = None) -> None:
+        self.gm = gm
+        self.options = options or IRBuildOptions()
+        self.backward_nodes = _tangent_dependents(gm)
+        self.collectives: list[Collective] = []
+        self._by_start: dict[fx.Node, Collective] = {}
+        self._groups: dict[str, GroupInfo] = {}
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and collective_spec(node.target) is not None:
+                c = self._build(node, len(self.collectives))
+                self.collectives.append(c)
+                self._by_start[node] = c
+
+    # -- construction -------------------------------------------------------
+    def _group(self, name: str, size_hint: int | None) -> GroupInfo:
+        if name not in self._groups:
+            self._groups[name] = _resolve_group(name, size_hint)
+        g = self._groups[name]
+        if g.size is None and size_hint is not None:
+            g = self._groups[name] = GroupInfo(name, size_hint, g.ranks)
+        return g
+
+    def _build(self, node: fx.Node, index: int) -> Collective:
+        spec = collective_spec(node.target)
+        assert spec is not None
+        args = spec.parse(tuple(node.args), dict(node.kwargs))
+        inputs = _flatten_nodes(args.inputs)
+        group = self._group(args.group_name, args.group_size)
+        waits = _waits_of(node, spec.coalesced)
+        if spec.coalesced:
+            outputs = [w for w in waits]
+        else:
+            outputs = [node]
+        in_shapes = [shape_of(i) for i in inputs]
+        out_shapes = [shape_of(o) for o in outputs]
+        in_bytes = _sum_sizes([nbytes(i) for i in inputs])
+        out_bytes = _sum_sizes([nbytes(o) for o in outputs])
+        dtypes = {tensor_meta(i).dtype for i in inputs if tensor_meta(i) is not None}
+        dtype = dtypes.pop() if len(dtypes) == 1 else None
+        send_bytes = None
+        if spec.kind is CollectiveKind.BATCH_P2P:
+            ops = node.args[0]
+            send_bytes = _sum_sizes([nbytes(t) for op, t in zip(ops, inputs) if op == "isend"])
+        c = Collective(
+            index=index,
+            start=node,
+            kind=spec.kind,
+            group=group,
+            waits=waits,
+            inputs=inputs,
+            reduce_op=args.reduce_op,
+            dtype=dtype,
+            input_shapes=in_shapes,
+            output_shapes=out_shapes,
+            input_bytes=in_bytes,
+            output_bytes=out_bytes,
+            logged_bytes=volume.logged_bytes(spec.kind, in_bytes, out_bytes),
+            wire_bytes=volume.wire_bytes(spec.kind, group.size, in_bytes, out_bytes, send_bytes=send_bytes),
+            coalesced=spec.coalesced,
+            inplace=spec.inplace,
+        )
+        if spec.kind is CollectiveKind.ALL_TO_ALL:
+            c.extra["equal_splits"] = args.input_split_sizes is None or len(set(map(str, args.input_split_sizes))) <= 1
+        self._logical_layout(c)
+        self._role(c)
+        return c
+
+    def _logical_layout(self, c: Collective) -> None:
+        c.logical_dim = 0 if c.kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER,
+                                        CollectiveKind.ALL_TO_ALL) else None
+        c.logical_input = c.inputs[0] if len(c.inputs) == 1 else None
+        c.logical_output = c.waits[0] if len(c.waits) == 1 and not c.coalesced else None
+        n = c.group.size
+        if c.coalesced or not c.inputs:
+            return
+        if c.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL):
+            sh = match_scatter_shuffle(c.inputs[0], n)
+            if sh is not None:
+                c.logical_dim, c.logical_input = sh.dim, sh.outer
+                c.layout_nodes.extend(sh.nodes)
+        if c.kind in (CollectiveKind.ALL_GATHER, CollectiveKind.ALL_TO_ALL) and len(c.waits) == 1:
+            sh = match_gather_shuffle(c.waits[0], n)
+            if sh is not None:
+                if c.kind is CollectiveKind.ALL_GATHER:
+                    c.logical_dim = sh.dim
+                else:
+                    c.logical_concat_dim = sh.dim
+                c.logical_output = sh.outer
+                c.layout_nodes.extend(sh.nodes)
+        if c.kind is CollectiveKind.ALL_TO_ALL and c.logical_concat_dim is None:
+            c.logical_concat_dim = 0
+
+    def _role(self, c: Collective) -> None:
+        given = self.options.group_roles.get(c.group.name)
+        if given is not None:
+            c.role = ParallelRole(given)
+            c.role_source = self.options.role_sources.get(c.group.name, "user")
+            return
+        src = c.logical_input or (c.inputs[0] if c.inputs else None)
+        c.role = infer_role(c, in_backward=src in self.backward_nodes)
+        c.role_source = "inferred" if c.role is not ParallelRole.UNKNOWN else "unknown"
+
+    # -- queries ------------------------------------------------------------
+    def collective_at(self, node: fx.Node) -> Collective | None:
+        return self._by_start.get(node)
+
+    @property
+    def groups(self) -> dict[str, GroupInfo]:
+        return dict(self._groups)
+
+    @cached_property
+    def dims(self) -> DimTypeAnalysis:
+        return DimTypeAnalysis(self.gm)
+
+    def by_group(self) -> dict[str, list[Collective]]:
+        out: dict[str, list[Collective]] = defaultdict(list)
+        for c in self.collectives:
+            out[c.group.name].append(c)
+        return dict(out)
+
+    def sequence_hashes(self) -> dict[str, str]:
+        """Per process group: a stable hash of the ordered collective signatures.
+
+        Two ranks whose hashes differ for a group would issue different collectives
+        on it, i.e. hang or corrupt data. Used by the verifier and the cross-rank check.
+        """
+        return {g: _hash([c.signature() for c in cs]) for g, cs in sorted(self.by_group().items())}
+
+    def order_hash(self) -> str:
+        """Hash of the single total issue order across all groups."""
+        return _hash([c.signature() for c in self.collectives])
+
+
+def _tangent_dependents(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes computed from a tangent input: the backward region of a joint/backward graph."""
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name.startswith("tangents"):
+            out.add(n)
+        elif any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _hash(items: list[tuple]) -> str:
+    h = hashlib.sha256()
+    for it in items:
+        h.update(repr(it).encode())
+        h.update(b"\x00")
+    return h.hexdigest()[:16]

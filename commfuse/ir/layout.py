@@ -1,0 +1,112 @@
+"""Recognise DTensor's layout shuffles around dim-0 collectives.
+
+DTensor (and most hand-written SP code) implements a collective along dim d by a
+dim-0 collective plus a shuffle:
+
+* all_gather along d:   ``w = wait(all_gather(x)); cat(split(w, n0/N, 0)[0..N-1], dim=d)``
+* reduce_scatter along d: ``reduce_scatter(cat(split(x, xd/N, d)[0..N-1], 0))``
+* all_to_all from split dim s to concat dim c: the same shuffles on both sides.
+
+Matching is exact: the split must produce exactly N equal pieces consumed in
+order by one cat and by nothing else; otherwise the collective is reported as
+the dim-0 collective it literally is.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .shapes import shape_of
+
+aten = torch.ops.aten
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+_CATS = {aten.cat.default}
+
+
+@dataclass
+class Shuffle:
+    dim: int  # the logical dim (normalised, >= 0)
+    outer: fx.Node  # the node on the far side of the shuffle (cat output or split input)
+    nodes: list[fx.Node]  # split, getitems and cat
+
+
+def _arg(node: fx.Node, idx: int, name: str, default=None):
+    if len(node.args) > idx:
+        return node.args[idx]
+    return node.kwargs.get(name, default)
+
+
+def _split_dim(node: fx.Node) -> int:
+    dim = _arg(node, 2, "dim", 0)
+    rank = len(shape_of(node.args[0]) or ())
+    return dim % rank if rank else dim
+
+
+def _cat_dim(node: fx.Node) -> int:
+    dim = _arg(node, 1, "dim", 0)
+    rank = len(shape_of(node) or ())
+    return dim % rank if rank else dim
+
+
+def _ordered_getitems(split: fx.Node, n: int) -> list[fx.Node] | None:
+    """The split's getitem users, ordered by index, iff there are exactly n distinct ones."""
+    by_idx: dict[int, fx.Node] = {}
+    for u in split.users:
+        if u.op != "call_function" or u.target is not operator.getitem:
+            return None
+        if u.args[1] in by_idx:
+            return None
+        by_idx[u.args[1]] = u
+    if sorted(by_idx) != list(range(n)):
+        return None
+    return [by_idx[i] for i in range(n)]
+
+
+def _equal_pieces(split: fx.Node, n: int) -> bool:
+    shapes = [shape_of(u) for u in split.users]
+    return len(shapes) == n and all(s is not None and s == shapes[0] for s in shapes)
+
+
+def match_gather_shuffle(wait: fx.Node, group_size: int | None) -> Shuffle | None:
+    """wait -> split(dim 0, N pieces) -> one cat(dim d) of all pieces in order."""
+    if group_size is None or len(wait.users) != 1:
+        return None
+    (split,) = wait.users
+    if split.op != "call_function" or split.target not in _SPLITS or _split_dim(split) != 0:
+        return None
+    pieces = _ordered_getitems(split, group_size)
+    if pieces is None or not _equal_pieces(split, group_size):
+        return None
+    cats = {u for p in pieces for u in p.users}
+    if len(cats) != 1 or any(len(p.users) != 1 for p in pieces):
+        return None
+    (cat,) = cats
+    if cat.op != "call_function" or cat.target not in _CATS or list(cat.args[0]) != pieces:
+        return None
+    return Shuffle(dim=_cat_dim(cat), outer=cat, nodes=[split, *pieces, cat])
+
+
+def match_scatter_shuffle(inp: fx.Node, group_size: int | None) -> Shuffle | None:
+    """x -> split(dim d, N pieces) -> cat(dim 0) of all pieces in order -> collective input."""
+    if group_size is None or inp.op != "call_function" or inp.target not in _CATS or _cat_dim(inp) != 0:
+        return None
+    if len(inp.users) != 1:
+        return None
+    pieces = list(inp.args[0])
+    if len(pieces) != group_size or any(
+        not isinstance(p, fx.Node) or p.target is not operator.getitem or len(p.users) != 1 for p in pieces
+    ):
+        return None
+    splits = {p.args[0] for p in pieces}
+    if len(splits) != 1:
+        return None
+    (split,) = splits
+    if split.op != "call_function" or split.target not in _SPLITS:
+        return None
+    if _ordered_getitems(split, group_size) != pieces or not _equal_pieces(split, group_size):
+        return None
+    return Shuffle(dim=_split_dim(split), outer=split.args[0], nodes=[split, *pieces, inp])

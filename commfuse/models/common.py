@@ -1,0 +1,167 @@
+"""Helpers shared by the example models, their tests and the example scripts.
+
+Nothing here is specific to one model:
+
+* deterministic weight initialisation from a seed, so that every rank builds
+  the same full weights before parallelisation (and an unsharded reference
+  built in another process gets them too);
+* turning sharded results back into full tensors for comparisons
+  (:func:`full_tensor`, :func:`all_gather_cat`);
+* a graph-recording ``torch.compile`` backend built on AOTAutograd that runs
+  the captured graphs eagerly (:class:`GraphRecorder`);
+* picking the default backend and spawning gloo CPU ranks for the examples.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "GraphRecorder",
+    "all_gather_cat",
+    "default_backend",
+    "full_tensor",
+    "init_weights_",
+    "spawn_gloo",
+]
+
+
+# --------------------------------------------------------------------------- init
+
+
+@torch.no_grad()
+def init_weights_(module: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
+    """Re-initialise every parameter of ``module`` from ``seed``, in place.
+
+    Uses a private ``torch.Generator`` (the global RNG is left alone) and visits
+    parameters in ``named_parameters()`` order, which is the same on every rank
+    and in every process as long as the module structure is the same. Vectors
+    (norm weights, biases) get ones / zeros, matrices N(0, std).
+    Must be called BEFORE parallelisation (it writes full tensors).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        if p.ndim == 1:
+            p.fill_(0.0 if name.endswith("bias") else 1.0)
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * std)
+    return module
+
+
+# ------------------------------------------------------------------ comparisons
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The full (unsharded, reduced) value of ``t``; plain tensors pass through.
+
+    For a DTensor this runs collectives (all_gather / all_reduce), so every rank
+    of its mesh must call it.
+    """
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def all_gather_cat(
+    t: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Concatenate the plain tensor ``t`` of every rank of ``group`` along ``dim``
+    (eager, for checking results; every rank gets the result)."""
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+# ------------------------------------------------------------ graph recording
+
+
+class GraphRecorder:
+    """A ``torch.compile`` backend that records the AOTAutograd forward and
+    backward graphs and runs them eagerly (no Inductor, so compiling is fast).
+
+    Usage::
+
+        rec = GraphRecorder()
+        cmodel = torch.compile(model, backend=rec.backend, fullgraph=True)
+        loss_fn(cmodel(x)).backward()
+        print(rec.forward_code, rec.backward_code)
+
+    ``rec.forward_graphs`` / ``rec.backward_graphs`` hold the GraphModules (one
+    per compiled region; the backward one appears once backward has run).
+    """
+
+    def __init__(self) -> None:
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+
+        self.forward_graphs: list[torch.fx.GraphModule] = []
+        self.backward_graphs: list[torch.fx.GraphModule] = []
+
+        def fw(gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable:
+            self.forward_graphs.append(gm)
+            return make_boxed_func(gm.forward)
+
+        def bw(gm: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Callable:
+            self.backward_graphs.append(gm)
+            return make_boxed_func(gm.forward)
+
+        self.backend = aot_autograd(fw_compiler=fw, bw_compiler=bw)
+
+    @property
+    def forward_code(self) -> str:
+        return "\n".join(g.code for g in self.forward_graphs)
+
+    @property
+    def backward_code(self) -> str:
+        return "\n".join(g.code for g in self.backward_graphs)
+
+
+# ---------------------------------------------------------------- examples
+
+
+def default_backend() -> str | Callable:
+    """``"commfuse"`` when the commfuse backend is importable, else ``"aot_eager"``.
+
+    The entry point in pyproject registers the name only for installed packages,
+    so the backend callable itself is returned when it can be imported.
+    """
+    try:
+        from commfuse.backend import commfuse_backend  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 - any failure means "not available yet"
+        return "aot_eager"
+    return commfuse_backend
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _gloo_entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    # One intra-op thread per rank: the ranks share the machine's few cores.
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(fn: Callable[..., None], world_size: int, *args: Any) -> None:
+    """Run ``fn(*args)`` on ``world_size`` fresh processes, each inside an
+    initialised gloo default process group (for the torchrun-free examples).
+    ``fn`` must be a module-level (picklable) function."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_gloo_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size)

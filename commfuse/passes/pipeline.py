@@ -1,0 +1,128 @@
+"""Run an ordered list of passes with verification, dumps and fallback.
+
+For every pass of the requested stage(s), in order:
+1. snapshot the graph;
+2. run the pass; if it changed the graph: recompile, drop cached analyses,
+   verify (when `config.verify`), dump the new graph;
+3. if the pass raised or the verifier rejected its output: with `config.strict`
+   re-raise, otherwise restore the snapshot, warn naming the pass and the reason,
+   and go on with the next pass.
+
+Only failures that are deterministic in the graph reach step 3 (passes decide
+from graph, config and topology), so every rank falls back the same way.
+Rank-local failures (dump I/O) are handled inside the dump writer and never
+change the graph. If the *input* graph fails verification, no pass runs: a
+graph commfuse cannot reason about is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Iterable, Optional
+
+import torch.fx as fx
+
+from ..config import Config
+from ..costmodel.topology import Topology
+from ..dumps import DumpWriter
+from ..errors import PassError, VerificationError
+from ..report import PassRecord, PipelineReport
+from .base import Stage
+from .context import PassContext
+from .registry import get_pass
+from .verifier import verify_graph
+
+log = logging.getLogger("commfuse")
+
+
+def _snapshot(graph: fx.Graph) -> fx.Graph:
+    copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = copy.graph_copy(graph, val_map)
+    copy.output(out)
+    copy._codegen = graph._codegen
+    return copy
+
+
+def _restore(graph: fx.Graph, snapshot: fx.Graph) -> None:
+    """Make `graph` (same object: callers such as Inductor hold it) equal to `snapshot` again."""
+    for node in reversed(list(graph.nodes)):
+        node.users.clear()
+        graph.erase_node(node)
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(snapshot, val_map)
+    graph.output(out)
+
+
+class Pipeline:
+    def __init__(self, config: Config, *, topology: Optional[Topology] = None,
+                 group_roles: Optional[dict[str, str]] = None, role_sources: Optional[dict[str, str]] = None) -> None:
+        self.config = config
+        self.topology = topology
+        self.group_roles = group_roles or {}
+        self.role_sources = role_sources or {}
+        self.passes = [get_pass(name) for name in config.pass_names()]
+
+    def run(self, gm: fx.GraphModule, *, graph_kind: str, stages: Iterable[Stage]) -> PipelineReport:
+        stages = set(stages)
+        cfg = self.config
+        ctx = PassContext(gm, cfg, graph_kind=graph_kind, topology=self.topology,
+                          group_roles=self.group_roles, role_sources=self.role_sources)
+        dump_dir = cfg.resolved_dump_dir()
+        dumper = DumpWriter(dump_dir, graph_kind, svg_max_nodes=cfg.svg_max_nodes) if dump_dir else None
+        report = PipelineReport(graph=graph_kind, dump_dir=str(dumper.dir) if dumper else None)
+        selected = [p for p in self.passes if p.stage in stages]
+
+        pre = verify_graph(gm, ir=ctx.ir) if cfg.verify else None
+        if dumper:
+            dumper.write_graph("input", gm, ctx.ir)
+        if pre is not None and not pre.ok:
+            report.input_problems = pre.problems
+            if selected:
+                report.skipped_reason = "input graph failed verification; no pass was run"
+                warnings.warn(f"commfuse: {graph_kind} graph left unchanged: input graph failed verification: "
+                              f"{pre.problems[0]}", RuntimeWarning, stacklevel=2)
+            selected = []
+
+        for p in selected:
+            record = PassRecord(name=p.name, stage=p.stage.value)
+            report.passes.append(record)
+            snapshot = _snapshot(gm.graph)
+            t0 = time.perf_counter()
+            try:
+                result = p.run(ctx)
+                record.changed, record.counts, record.refusals = result.changed, result.counts, result.refusals
+                if result.changed:
+                    gm.recompile()
+                    ctx.invalidate()
+                    if cfg.verify:
+                        v = verify_graph(gm, ir=ctx.ir, deep=cfg.debug)
+                        if not v.ok:
+                            raise VerificationError(v.problems, after_pass=p.name)
+            except Exception as e:  # noqa: BLE001 - any pass failure falls back (or re-raises when strict)
+                record.seconds = time.perf_counter() - t0
+                if cfg.strict:
+                    if isinstance(e, VerificationError):
+                        raise
+                    raise PassError(p.name, e) from e
+                _restore(gm.graph, snapshot)
+                gm.recompile()
+                ctx.invalidate()
+                record.changed, record.error = False, f"{type(e).__name__}: {e}"
+                warnings.warn(f"commfuse: pass '{p.name}' failed on the {graph_kind} graph and was skipped "
+                              f"(graph restored): {record.error}", RuntimeWarning, stacklevel=2)
+                log.debug("pass %s failed", p.name, exc_info=True)
+                continue
+            record.seconds = time.perf_counter() - t0
+            if record.changed and dumper:
+                dumper.write_graph(f"after_{p.name}", gm, ctx.ir)
+
+        ir = ctx.ir
+        report.sequence_hashes = ir.sequence_hashes()
+        report.order_hash = ir.order_hash()
+        if dumper:
+            dumper.write_text("pipeline.json", report.model_dump_json(indent=2))
+        gm.meta.setdefault("commfuse_reports", []).append(report)
+        return report

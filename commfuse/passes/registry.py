@@ -1,0 +1,46 @@
+"""Pass registry: passes register by name; pipelines are lists of names."""
+
+from __future__ import annotations
+
+from typing import Type
+
+from .base import GraphPass
+
+_PASSES: dict[str, Type[GraphPass]] = {}
+
+# The pipeline `backend="commfuse"` runs. Later passes (Chimera fusion, Centauri
+# partitioning, the scheduler) join it as they land.
+DEFAULT_PIPELINE: tuple[str, ...] = ("sink_waits",)
+
+
+def register_pass(cls: Type[GraphPass]) -> Type[GraphPass]:
+    if not getattr(cls, "name", None):
+        raise TypeError(f"{cls.__name__} has no pass name")
+    if cls.name in _PASSES and _PASSES[cls.name] is not cls:
+        raise ValueError(f"pass name {cls.name!r} is already registered by {_PASSES[cls.name].__name__}")
+    _PASSES[cls.name] = cls
+    return cls
+
+
+def unregister_pass(name: str) -> None:
+    _PASSES.pop(name, None)
+
+
+def available_passes() -> dict[str, Type[GraphPass]]:
+    _load_builtin()
+    return dict(_PASSES)
+
+
+def get_pass(name: str) -> GraphPass:
+    passes = available_passes()
+    if name not in passes:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"passes: unknown pass {name!r}; available passes: {sorted(passes)}")
+    return passes[name]()
+
+
+def _load_builtin() -> None:
+    # Importing the modules registers their passes; kept lazy so that Config
+    # validation does not import every pass module at `import commfuse` time twice.
+    from . import sink_waits  # noqa: F401

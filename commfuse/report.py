@@ -1,0 +1,148 @@
+"""JSON-serialisable reports: what the IR saw (`analyze`) and what the pipeline did."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional, Union
+
+from pydantic import BaseModel, Field
+
+from .ir.graph_ir import CollectiveIR
+from .ir.shapes import size_to_json
+
+JsonSize = Union[int, str, None]
+
+
+class CollectiveReport(BaseModel):
+    index: int
+    node: str
+    kind: str
+    group: str
+    group_size: Optional[int]
+    group_ranks: Optional[list[int]]
+    reduce_op: Optional[str]
+    dtype: Optional[str]
+    input_shapes: list[Optional[list[JsonSize]]]
+    output_shapes: list[Optional[list[JsonSize]]]
+    logged_bytes: JsonSize
+    wire_bytes: JsonSize
+    logical_dim: Optional[int]
+    logical_concat_dim: Optional[int]
+    logical_input: Optional[str]
+    logical_output: Optional[str]
+    waits: list[str]
+    role: str
+    role_source: str
+
+
+class Totals(BaseModel):
+    count: int = 0
+    logged_bytes: JsonSize = 0
+    wire_bytes: JsonSize = 0
+
+
+class AnalysisReport(BaseModel):
+    """Every collective of one graph with its fields, and totals per kind and per group."""
+
+    graph: str = "graph"
+    num_nodes: int
+    collectives: list[CollectiveReport]
+    by_kind: dict[str, Totals]
+    by_group: dict[str, Totals]
+    total: Totals
+    sequence_hashes: dict[str, str]
+    order_hash: str
+
+    def to_json(self, **kw) -> str:
+        return self.model_dump_json(indent=2, **kw)
+
+    def table(self) -> str:
+        """A fixed-width text table, one line per collective kind."""
+        lines = [f"{'kind':<16}{'count':>6}{'logged B/rank':>16}{'wire B/rank':>16}"]
+        for k, t in sorted(self.by_kind.items()):
+            lines.append(f"{k:<16}{t.count:>6}{str(t.logged_bytes):>16}{str(t.wire_bytes):>16}")
+        t = self.total
+        lines.append(f"{'total':<16}{t.count:>6}{str(t.logged_bytes):>16}{str(t.wire_bytes):>16}")
+        return "\n".join(lines)
+
+
+def _shape(s) -> Optional[list[JsonSize]]:
+    return None if s is None else [size_to_json(x) for x in s]
+
+
+def _add(a, b):
+    if a is None or b is None:
+        return None
+    return a + b
+
+
+def build_analysis_report(ir: CollectiveIR, *, graph: str = "graph") -> AnalysisReport:
+    rows: list[CollectiveReport] = []
+    sums: dict[str, dict[str, list]] = {"kind": defaultdict(lambda: [0, 0, 0]), "group": defaultdict(lambda: [0, 0, 0])}
+    total = [0, 0, 0]
+    for c in ir.collectives:
+        rows.append(
+            CollectiveReport(
+                index=c.index,
+                node=c.name,
+                kind=c.kind.value,
+                group=c.group.name,
+                group_size=c.group.size,
+                group_ranks=list(c.group.ranks) if c.group.ranks is not None else None,
+                reduce_op=c.reduce_op,
+                dtype=str(c.dtype).replace("torch.", "") if c.dtype is not None else None,
+                input_shapes=[_shape(s) for s in c.input_shapes],
+                output_shapes=[_shape(s) for s in c.output_shapes],
+                logged_bytes=size_to_json(c.logged_bytes),
+                wire_bytes=size_to_json(c.wire_bytes),
+                logical_dim=c.logical_dim,
+                logical_concat_dim=c.logical_concat_dim,
+                logical_input=c.logical_input.name if c.logical_input is not None else None,
+                logical_output=c.logical_output.name if c.logical_output is not None else None,
+                waits=[w.name for w in c.waits],
+                role=c.role.value,
+                role_source=c.role_source,
+            )
+        )
+        for acc in (sums["kind"][c.kind.value], sums["group"][c.group.name], total):
+            acc[0] += 1
+            acc[1] = _add(acc[1], c.logged_bytes)
+            acc[2] = _add(acc[2], c.wire_bytes)
+
+    def totals(acc) -> Totals:
+        return Totals(count=acc[0], logged_bytes=size_to_json(acc[1]), wire_bytes=size_to_json(acc[2]))
+
+    return AnalysisReport(
+        graph=graph,
+        num_nodes=len(ir.gm.graph.nodes),
+        collectives=rows,
+        by_kind={k: totals(v) for k, v in sorted(sums["kind"].items())},
+        by_group={k: totals(v) for k, v in sorted(sums["group"].items())},
+        total=totals(total),
+        sequence_hashes=ir.sequence_hashes(),
+        order_hash=ir.order_hash(),
+    )
+
+
+class PassRecord(BaseModel):
+    name: str
+    stage: str
+    changed: bool = False
+    counts: dict[str, int] = Field(default_factory=dict)
+    refusals: list[str] = Field(default_factory=list)
+    error: Optional[str] = None  # set when the pass failed and the graph was restored
+    seconds: float = 0.0
+
+
+class PipelineReport(BaseModel):
+    graph: str
+    passes: list[PassRecord] = Field(default_factory=list)
+    input_problems: list[str] = Field(default_factory=list)  # verifier findings on the input graph
+    skipped_reason: Optional[str] = None
+    sequence_hashes: dict[str, str] = Field(default_factory=dict)
+    order_hash: str = ""
+    dump_dir: Optional[str] = None
+
+    @property
+    def changed(self) -> bool:
+        return any(p.changed for p in self.passes)
