@@ -94,3 +94,14 @@ def custom_graph_pass_base():
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     return CustomGraphPass
+
+
+def reset_graph_namespace(graph) -> None:
+    """Forget every name a Graph has handed out, so re-inserted nodes keep their names.
+
+    Private: `torch.fx.graph._Namespace` and `Graph._graph_namespace`. Used only when
+    restoring a graph in place after a failed pass.
+    """
+    from torch.fx.graph import _Namespace
+
+    graph._graph_namespace = _Namespace()

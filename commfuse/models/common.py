@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,13 +26,49 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "Batch",
     "GraphRecorder",
     "all_gather_cat",
     "default_backend",
     "full_tensor",
+    "global_loss",
     "init_weights_",
     "spawn_gloo",
 ]
+
+
+# -------------------------------------------------------------------- batches
+
+
+class Batch(NamedTuple):
+    """One rank's inputs and target, and how its loss relates to the global one.
+
+    A rank's loss is ``sum(per-element loss) / loss_denominator``.
+    ``loss_reduce`` says how the per-rank losses make up the global loss
+    (the one the unsharded reference computes on the full batch):
+
+    * ``"none"``: every rank already holds the global loss (replicated data);
+    * ``"sum"``: the global loss is the sum of the per-rank losses (sharded
+      data, ``loss_denominator`` = the global element count);
+    * ``"avg"``: the global loss is their mean (DDP: each rank averages over
+      its local batch).
+    """
+
+    inputs: torch.Tensor
+    target: torch.Tensor
+    loss_denominator: int
+    loss_reduce: Literal["none", "sum", "avg"]
+
+
+def global_loss(loss: torch.Tensor, batch: Batch, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The global loss from this rank's ``loss`` (eager collective; for logging
+    and checks, every rank of ``group`` must call it)."""
+    total = loss.detach().clone()
+    if batch.loss_reduce != "none":
+        dist.all_reduce(total, group=group)
+        if batch.loss_reduce == "avg":
+            total /= dist.get_world_size(group)
+    return total
 
 
 # --------------------------------------------------------------------------- init

@@ -48,7 +48,7 @@ Inputs per rank (:func:`make_inputs`)
 
 Loss convention (:func:`loss_fn`): each rank's loss is its share of the
 global loss (``sum`` of its elements / global element count), so with SP the
-global loss is the SUM of the per-rank losses (``LlamaBatch.partial``) and
+global loss is the SUM of the per-rank losses (``Batch.loss_reduce``) and
 without SP every rank holds the full loss. Gradients then equal the unsharded
 model's gradients of the global mean loss exactly.
 """
@@ -56,8 +56,6 @@ model's gradients of the global mean loss exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -72,12 +70,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from commfuse.models.common import init_weights_
+from commfuse.models.common import Batch, init_weights_
 
 __all__ = [
     "Attention",
     "FeedForward",
-    "LlamaBatch",
     "LlamaConfig",
     "LlamaModel",
     "RMSNorm",
@@ -306,20 +303,6 @@ def parallelize_llama(
 # ------------------------------------------------------------ data and loss
 
 
-class LlamaBatch(NamedTuple):
-    """One rank's inputs and target, with the global loss normaliser.
-
-    ``partial`` is True when the per-rank losses are partial sums of the global
-    loss (sequence parallelism, MSE); otherwise every rank's loss is the full
-    global loss.
-    """
-
-    inputs: torch.Tensor
-    target: torch.Tensor
-    loss_denominator: int
-    partial: bool
-
-
 def make_inputs(
     config: LlamaConfig,
     batch: int,
@@ -329,7 +312,7 @@ def make_inputs(
     world_size: int = 1,
     sequence_parallel: bool = True,
     seed: int = 1234,
-) -> LlamaBatch:
+) -> Batch:
     """Rank ``rank``'s share of a deterministic global batch.
 
     ``world_size=1`` (or ``sequence_parallel=False``) gives the full batch, which
@@ -340,20 +323,20 @@ def make_inputs(
     if config.vocab:
         tokens = torch.randint(0, config.vocab, (batch, seq_len + 1), generator=gen)
         # Token ids (and the replicated logits) are never sequence-sharded.
-        return LlamaBatch(tokens[:, :-1], tokens[:, 1:], batch * seq_len, partial=False)
+        return Batch(tokens[:, :-1], tokens[:, 1:], batch * seq_len, loss_reduce="none")
     x = torch.randn(batch, seq_len, config.dim, generator=gen)
     target = torch.randn(batch, seq_len, config.dim, generator=gen)
     denom = x.numel()
     if not sequence_parallel or world_size == 1:
-        return LlamaBatch(x, target, denom, partial=False)
+        return Batch(x, target, denom, loss_reduce="none")
     if seq_len % world_size:
         raise ValueError(f"seq_len {seq_len} not divisible by world size {world_size}")
     shard = seq_len // world_size
     sl = slice(rank * shard, (rank + 1) * shard)
-    return LlamaBatch(x[:, sl].contiguous(), target[:, sl].contiguous(), denom, partial=True)
+    return Batch(x[:, sl].contiguous(), target[:, sl].contiguous(), denom, loss_reduce="sum")
 
 
-def loss_fn(out: torch.Tensor, batch: LlamaBatch) -> torch.Tensor:
+def loss_fn(out: torch.Tensor, batch: Batch) -> torch.Tensor:
     """This rank's share of the global mean loss (cross-entropy for token
     models, MSE otherwise); see the module docstring for the convention."""
     if batch.target.dtype == torch.long:

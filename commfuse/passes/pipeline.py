@@ -24,6 +24,7 @@ from typing import Iterable, Optional
 
 import torch.fx as fx
 
+from .._torch_private import reset_graph_namespace
 from ..config import Config
 from ..costmodel.topology import Topology
 from ..dumps import DumpWriter
@@ -51,6 +52,7 @@ def _restore(graph: fx.Graph, snapshot: fx.Graph) -> None:
     for node in reversed(list(graph.nodes)):
         node.users.clear()
         graph.erase_node(node)
+    reset_graph_namespace(graph)
     val_map: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(snapshot, val_map)
     graph.output(out)
