@@ -20,10 +20,16 @@ from .session import setup
 
 
 def _register_dynamo_backend() -> None:
-    # The entry point in pyproject makes "commfuse" known without an import; registering
-    # here too covers source checkouts that were not pip-installed.
+    # When installed, the `torch_dynamo_backends` entry point makes "commfuse" known
+    # without an import, and Dynamo registers it itself on first lookup (registering
+    # here too would make that lookup fail with "duplicate name"). A source checkout
+    # that was not pip-installed has no entry point: register on import instead.
+    from importlib.metadata import entry_points
+
     from ._torch_private import dynamo_backend_registry
 
+    if any(e.name == "commfuse" for e in entry_points(group="torch_dynamo_backends")):
+        return
     reg = dynamo_backend_registry()
     if "commfuse" not in reg._COMPILER_FNS:
         reg.register_backend(name="commfuse", compiler_fn=commfuse_backend)

@@ -1,0 +1,117 @@
+"""The torch.compile backend in one process (no process group needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import commfuse
+from commfuse.testing.numerics import assert_bitwise_equal_tree
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.n = nn.LayerNorm(32)
+        self.b = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.n(self.a(x)))).softmax(-1)
+
+
+def _step(model, x):
+    out = model(x)
+    out.pow(2).sum().backward()
+    grads = {k: p.grad.clone() for k, p in getattr(model, "_orig_mod", model).named_parameters()}
+    return out.detach(), grads
+
+
+def _fresh(seed: int = 0) -> MLP:
+    torch.manual_seed(seed)
+    return MLP()
+
+
+def test_backend_registered_by_name_and_entry_point():
+    from importlib.metadata import entry_points
+
+    assert "commfuse" in torch._dynamo.list_backends()
+    eps = [e for e in entry_points(group="torch_dynamo_backends") if e.name == "commfuse"]
+    assert eps and eps[0].load() is commfuse.commfuse_backend
+
+
+def test_entry_point_works_without_import():
+    # torch.compile(backend="commfuse") in a fresh interpreter that never imports commfuse.
+    code = ("import torch\nm=torch.nn.Linear(4,4)\nc=torch.compile(m, backend='commfuse')\n"
+            "torch._dynamo.config.suppress_errors=False\n"
+            "import torch._dynamo.backends.registry as r\nprint(r.lookup_backend('commfuse').__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "commfuse.backend"
+
+
+@pytest.mark.parametrize("passes", [[], None])
+def test_eager_inner_compiler_is_bitwise_equal_to_eager(passes):
+    x = torch.randn(4, 16)
+    ref = _step(_fresh(), x)
+    torch._dynamo.reset()
+    cfg = commfuse.Config(passes=passes, inner_compiler="eager", strict=True)
+    got = _step(torch.compile(_fresh(), backend=commfuse.backend(cfg)), x)
+    assert_bitwise_equal_tree(got, ref)
+
+
+def test_inference_graph_runs_pipeline(tmp_path):
+    torch._dynamo.reset()
+    cfg = commfuse.Config(inner_compiler="eager", dump_dir=str(tmp_path))
+    m = torch.compile(_fresh(), backend=commfuse.backend(cfg))
+    with torch.no_grad():
+        m(torch.randn(2, 16))
+    assert [p.name for p in tmp_path.iterdir()] == ["inference_000"]
+
+
+def test_state_dict_unchanged_by_compilation():
+    m = _fresh()
+    before = {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()}
+    torch._dynamo.reset()
+    c = torch.compile(m, backend=commfuse.backend(inner_compiler="eager"))
+    _step(c, torch.randn(2, 16))
+    assert {k: (tuple(v.shape), v.dtype) for k, v in m.state_dict().items()} == before
+
+
+@pytest.mark.slow
+def test_inductor_inner_compiler_equals_torch_compile(tmp_path):
+    """Empty pass list through Inductor == plain torch.compile (Inductor), bitwise."""
+    x = torch.randn(4, 16)
+    torch._dynamo.reset()
+    ref = _step(torch.compile(_fresh()), x)
+    torch._dynamo.reset()
+    got = _step(torch.compile(_fresh(), backend=commfuse.backend(passes=[], dump_dir=str(tmp_path))), x)
+    assert_bitwise_equal_tree(got, ref)
+    # The commfuse hooks ran inside Inductor (joint, forward, backward dumps exist).
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["backward_000", "forward_000", "joint_000"]
+
+
+@pytest.mark.slow
+def test_inductor_chains_user_post_grad_pass():
+    import torch._inductor.config as icfg
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    seen = []
+
+    class UserPass(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(len(graph.nodes))
+
+        def uuid(self):
+            return "user-pass-v1"
+
+    torch._dynamo.reset()
+    with icfg.patch(post_grad_custom_post_pass=UserPass()):
+        m = torch.compile(_fresh(), backend=commfuse.backend(passes=["sink_waits"]))
+        with torch.no_grad():
+            m(torch.randn(2, 16))
+    assert seen, "the user's post-grad pass was dropped"
