@@ -28,6 +28,7 @@ from .config import Config
 from .lowering import lower_eager
 from .passes.base import Stage
 from .passes.pipeline import Pipeline
+from .report import PipelineReport
 from .session import current_session
 
 
@@ -68,13 +69,17 @@ class CommfuseBackend:
         self.config = config or Config()
         # Built now so that a bad pass name fails at `backend(...)`, not mid-compile.
         self._pipeline_names = self.config.pass_names()
+        # One report per graph this backend compiled (joint/forward/backward/inference), in order.
+        self.reports: list[PipelineReport] = []
 
     def _pipeline(self) -> Pipeline:
         session = current_session()
         roles = {**session.group_roles, **{k: v.value for k, v in self.config.group_roles.items()}}
         sources = {**session.role_sources, **{k: "user" for k in self.config.group_roles}}
-        return Pipeline(self.config, topology=self.config.topology or session.topology,
-                        group_roles=roles, role_sources=sources)
+        pipeline = Pipeline(self.config, topology=self.config.topology or session.topology,
+                            group_roles=roles, role_sources=sources)
+        pipeline.on_report = self.reports.append
+        return pipeline
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         pipeline = self._pipeline()

@@ -29,7 +29,7 @@ class Config(BaseModel):
     debug: also re-propagate fake tensors in the verifier (slower, stricter).
     topology: ranks/nodes and links; None means the one given to `commfuse.setup`.
     group_roles: process-group name -> parallel role, overriding inference.
-    svg_max_nodes: graphs with more nodes are dumped as text/JSON only (Graphviz is slow).
+    svg_max_nodes: larger graphs are drawn condensed (compute runs collapsed; Graphviz is slow).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -42,7 +42,7 @@ class Config(BaseModel):
     debug: bool = False
     topology: Optional[Topology] = None
     group_roles: dict[str, ParallelRole] = Field(default_factory=dict)
-    svg_max_nodes: PositiveInt = 4000
+    svg_max_nodes: PositiveInt = 250
 
     @field_validator("passes")
     @classmethod

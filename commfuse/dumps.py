@@ -22,7 +22,7 @@ from pathlib import Path
 import torch.fx as fx
 
 from .ir.graph_ir import CollectiveIR
-from .render import dot_to_svg, graph_to_dot
+from .render import condensed_dot, dot_to_svg, graph_to_dot
 from .report import build_analysis_report
 
 _COUNTERS: dict[tuple[str, str], itertools.count] = defaultdict(itertools.count)
@@ -35,14 +35,14 @@ def next_graph_index(dump_dir: str, kind: str) -> int:
 
 
 class DumpWriter:
-    def __init__(self, dump_dir: str, kind: str, *, svg_max_nodes: int = 4000, index: int | None = None) -> None:
+    def __init__(self, dump_dir: str, kind: str, *, svg_max_nodes: int = 250, index: int | None = None) -> None:
         self.kind = kind
         self.index = next_graph_index(dump_dir, kind) if index is None else index
         self.dir = Path(dump_dir) / f"{kind}_{self.index:03d}"
         self.svg_max_nodes = svg_max_nodes
         self._order = 0
         self._failed = False
-        self._svg_skipped_noted = False
+        self._svg_failed = False
 
     def _warn(self, what: str, err: BaseException) -> None:
         if not self._failed:
@@ -60,14 +60,28 @@ class DumpWriter:
             (self.dir / f"{stem}.py.txt").write_text(gm.print_readable(print_output=False))
             report = build_analysis_report(ir, graph=f"{self.kind}_{self.index:03d}/{stem}")
             (self.dir / f"{stem}.json").write_text(report.to_json())
-            if len(gm.graph.nodes) <= self.svg_max_nodes:
-                svg = dot_to_svg(graph_to_dot(gm, ir, title=f"{self.kind} {self.index} {stem}"))
-                if svg is not None:
-                    (self.dir / f"{stem}.svg").write_bytes(svg)
-                else:
-                    (self.dir / f"{stem}.dot").write_text(graph_to_dot(gm, ir, title=stem))
         except Exception as e:  # noqa: BLE001 - any dump failure must not reach compilation
             self._warn(str(self.dir / stem), e)
+            return
+        self._write_picture(stem, gm, ir)
+
+    def _write_picture(self, stem: str, gm: fx.GraphModule, ir: CollectiveIR) -> None:
+        if self._svg_failed:
+            return
+        title = f"{self.kind} {self.index} {stem}"
+        try:
+            full = len(gm.graph.nodes) <= self.svg_max_nodes
+            dot = graph_to_dot(gm, ir, title=title) if full else condensed_dot(gm, ir, title=title)
+            svg = dot_to_svg(dot)
+            if svg is not None:
+                (self.dir / f"{stem}.svg").write_bytes(svg)
+            else:  # Graphviz not installed: the DOT source is still a picture a user can render
+                (self.dir / f"{stem}.dot").write_text(dot)
+        except Exception as e:  # noqa: BLE001 - a picture that cannot be drawn costs only the picture
+            self._svg_failed = True
+            warnings.warn(f"commfuse: cannot render {self.dir / stem}.svg ({type(e).__name__}: {e}); "
+                          "SVG dumps are skipped for this graph, text and JSON dumps continue",
+                          RuntimeWarning, stacklevel=3)
 
     def write_text(self, name: str, text: str) -> None:
         if self._failed:

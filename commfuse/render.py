@@ -54,7 +54,45 @@ def graph_to_dot(gm: fx.GraphModule, ir: CollectiveIR, *, title: str = "") -> st
     return "\n".join(lines)
 
 
-def dot_to_svg(dot: str, *, timeout_s: float = 60.0) -> bytes | None:
+def condensed_dot(gm: fx.GraphModule, ir: CollectiveIR, *, title: str = "") -> str:
+    """A picture of a large graph: collectives and waits kept, each run of compute
+    between them (in graph order) collapsed into one box that says how many ops it holds."""
+    colors = {g: _PALETTE[i % len(_PALETTE)] for i, g in enumerate(sorted(ir.groups))}
+    coll = {c.start: c for c in ir.collectives}
+    wait_of = {w: c for c in ir.collectives for w in c.waits}
+    box: dict[fx.Node, str] = {}
+    runs: list[tuple[str, list[fx.Node]]] = []
+    for n in gm.graph.nodes:
+        if n in coll or n in wait_of:
+            box[n] = n.name
+            continue
+        if not runs or runs[-1][0] == "__closed__" or (runs and runs[-1][1] and runs[-1][1][-1].next is not n):
+            runs.append((f"run{len(runs)}", []))
+        runs[-1][1].append(n)
+        box[n] = runs[-1][0]
+    lines = ["digraph G {", "  rankdir=TB; node [shape=box, fontsize=9, fontname=Helvetica];",
+             f'  labelloc=t; label=<{_label(title)} (condensed: {len(gm.graph.nodes)} nodes)>;']
+    for name, nodes in runs:
+        ops = sorted({getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in nodes if n.op == "call_function"})
+        shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
+        lines.append(f'  "{name}" [label=<{len(nodes)} ops<br/><i>{_label(shown)}</i>>, color=gray];')
+    for n, c in coll.items():
+        col = colors[c.group.name]
+        text = f"<b>{_label(c.kind.value)}</b> {_label(n.name)}<br/>{_label(c.group.describe())}"
+        lines.append(f'  "{_label(n.name)}" [label=<{text}>, style=filled, fillcolor="{col}", fontcolor=white];')
+    for w, c in wait_of.items():
+        lines.append(f'  "{_label(w.name)}" [label=<wait {_label(w.name)}>, style=dashed, color="{colors[c.group.name]}"];')
+    edges = set()
+    for n in gm.graph.nodes:
+        for a in n.all_input_nodes:
+            if box[a] != box[n]:
+                edges.add((box[a], box[n]))
+    lines.extend(f'  "{_label(a)}" -> "{_label(b)}";' for a, b in sorted(edges))
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def dot_to_svg(dot: str, *, timeout_s: float = 30.0) -> bytes | None:
     """SVG bytes, or None when Graphviz's `dot` is not installed."""
     exe = shutil.which("dot")
     if exe is None:

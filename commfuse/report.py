@@ -142,6 +142,7 @@ class PipelineReport(BaseModel):
     sequence_hashes: dict[str, str] = Field(default_factory=dict)
     order_hash: str = ""
     dump_dir: Optional[str] = None
+    analysis: Optional[AnalysisReport] = None  # the graph after the pipeline
 
     @property
     def changed(self) -> bool:

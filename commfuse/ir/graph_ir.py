@@ -169,14 +169,18 @@ class CollectiveIR:
             c.logical_concat_dim = 0
 
     def _role(self, c: Collective) -> None:
+        src = c.logical_input or (c.inputs[0] if c.inputs else None)
+        inferred = infer_role(c, in_backward=src in self.backward_nodes)
         given = self.options.group_roles.get(c.group.name)
-        if given is not None:
+        if given is None:
+            c.role = inferred
+            c.role_source = "inferred" if inferred is not ParallelRole.UNKNOWN else "unknown"
+        elif ParallelRole(given) is ParallelRole.TP and inferred is ParallelRole.SP:
+            # Sequence parallelism runs on the TP group: a sequence-dim gather/scatter there is SP.
+            c.role, c.role_source = ParallelRole.SP, self.options.role_sources.get(c.group.name, "user") + "+inferred"
+        else:
             c.role = ParallelRole(given)
             c.role_source = self.options.role_sources.get(c.group.name, "user")
-            return
-        src = c.logical_input or (c.inputs[0] if c.inputs else None)
-        c.role = infer_role(c, in_backward=src in self.backward_nodes)
-        c.role_source = "inferred" if c.role is not ParallelRole.UNKNOWN else "unknown"
 
     # -- queries ------------------------------------------------------------
     def collective_at(self, node: fx.Node) -> Collective | None:

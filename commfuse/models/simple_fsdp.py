@@ -143,7 +143,7 @@ def make_inputs(
     local = batch // world_size
     sl = slice(rank * local, (rank + 1) * local)
     x, target = x[sl].contiguous(), target[sl].contiguous()
-    return Batch(x, target, loss_denominator=x.numel(), loss_reduce="avg")
+    return Batch(x, target, x.numel(), "none" if world_size == 1 else "avg")
 
 
 def loss_fn(out: torch.Tensor, batch: Batch) -> torch.Tensor:

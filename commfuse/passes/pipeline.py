@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch.fx as fx
 
@@ -29,7 +29,7 @@ from ..config import Config
 from ..costmodel.topology import Topology
 from ..dumps import DumpWriter
 from ..errors import PassError, VerificationError
-from ..report import PassRecord, PipelineReport
+from ..report import PassRecord, PipelineReport, build_analysis_report
 from .base import Stage
 from .context import PassContext
 from .registry import get_pass
@@ -66,6 +66,7 @@ class Pipeline:
         self.group_roles = group_roles or {}
         self.role_sources = role_sources or {}
         self.passes = [get_pass(name) for name in config.pass_names()]
+        self.on_report: Optional[Callable[[PipelineReport], None]] = None
 
     def run(self, gm: fx.GraphModule, *, graph_kind: str, stages: Iterable[Stage]) -> PipelineReport:
         stages = set(stages)
@@ -122,9 +123,12 @@ class Pipeline:
                 dumper.write_graph(f"after_{p.name}", gm, ctx.ir)
 
         ir = ctx.ir
-        report.sequence_hashes = ir.sequence_hashes()
-        report.order_hash = ir.order_hash()
+        report.analysis = build_analysis_report(ir, graph=graph_kind)
+        report.sequence_hashes = report.analysis.sequence_hashes
+        report.order_hash = report.analysis.order_hash
         if dumper:
             dumper.write_text("pipeline.json", report.model_dump_json(indent=2))
         gm.meta.setdefault("commfuse_reports", []).append(report)
+        if self.on_report is not None:
+            self.on_report(report)
         return report

@@ -186,8 +186,10 @@ def _init_worker(rank: int, world_size: int, store_path: str, pg_timeout_s: floa
     if sys.platform == "linux" and os.path.exists("/sys/class/net/lo"):
         # All ranks live on this host; don't let gloo pick an external NIC.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # n ranks each with an inductor compile-worker pool would oversubscribe
+    # the CPUs and cost seconds of start-up per rank; compile in-process.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     import torch
-    import torch._dynamo  # noqa: F401  (pre-import: the first job shouldn't pay for it)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -243,16 +245,25 @@ def _restored_global_state() -> Iterator[None]:
 
 def _run_job(job_id: int, parent_path: Sequence[str], payload: bytes) -> tuple[Any, ...]:
     """Run one job; return the reply message (never raises)."""
-    import torch._dynamo
-
     try:
         _sync_sys_path(parent_path)
         _destroy_subgroups()
-        torch._dynamo.reset()
+        # Not imported yet means nothing to reset; importing dynamo costs ~1 s
+        # per (re)started worker, which jobs that never compile shouldn't pay.
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None:
+            dynamo.reset()
         fn, args, kwargs = pickle.loads(payload)
         with _restored_global_state():
             value = fn(*args, **kwargs)
-        return ("ok", job_id, pickle.dumps(value))
+        try:
+            data = pickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"the job's return value ({type(value).__name__}) cannot be pickled "
+                f"back to the parent: {exc}"
+            ) from exc
+        return ("ok", job_id, data)
     # BaseException: pytest.fail/skip raise BaseException subclasses, and the
     # worker must survive anything the job throws.
     except BaseException as exc:  # noqa: BLE001
@@ -562,8 +573,9 @@ class RankPool:
                 if replies.errors and grace_deadline is None:
                     grace_deadline = time.monotonic() + self.failure_grace_s
         except BaseException:
-            # e.g. KeyboardInterrupt: ranks are mid-job, start from scratch.
-            self._restart()
+            # e.g. KeyboardInterrupt: ranks are mid-job and pytest is probably
+            # exiting; kill them now, the next run() starts fresh ones.
+            self._teardown(graceful=False)
             raise
         return replies
 
