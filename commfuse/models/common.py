@@ -33,6 +33,7 @@ __all__ = [
     "full_tensor",
     "global_loss",
     "init_weights_",
+    "print_loss_comparison",
     "spawn_gloo",
 ]
 
@@ -174,6 +175,16 @@ def default_backend() -> str | Callable:
     except Exception:  # noqa: BLE001 - any failure means "not available yet"
         return "aot_eager"
     return commfuse_backend
+
+
+def print_loss_comparison(title: str, backend: object, eager: list[float], compiled: list[float]) -> None:
+    """Print both loss curves and check they agree (fp32, a few steps)."""
+    label = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
+    print(f"{title}, backend={label}")
+    for step, (e, c) in enumerate(zip(eager, compiled)):
+        print(f"step {step}: eager loss {e:.6f}   compiled loss {c:.6f}   diff {abs(e - c):.2e}")
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-5)
+    print("compiled matches eager")
 
 
 def _free_port() -> int:

@@ -1,0 +1,34 @@
+"""backend="commfuse" on real gloo process groups: every example matches eager, fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+
+from _multirank_jobs import compiled_matches_eager
+
+EXPECTED_KINDS = {
+    "llama_tp_sp": ["all_gather", "reduce_scatter"],
+    "moe_ep": ["all_reduce", "all_to_all"],
+    "simple_fsdp": ["all_gather", "reduce_scatter"],
+}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("example", sorted(EXPECTED_KINDS))
+def test_four_rank_training_matches_eager(rank_pool_4, example, dtype):
+    results = rank_pool_4.run(compiled_matches_eager, example, dtype, timeout=240)
+    assert len(results) == 4
+    for r in results:
+        assert r["graphs"] == ["joint", "forward", "backward"]
+        assert set(EXPECTED_KINDS[example]) <= set(r["kinds"]), r["kinds"]
+    assert all(r["state_dict"] == results[0]["state_dict"] for r in results)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("example", sorted(EXPECTED_KINDS))
+def test_inductor_end_to_end(rank_pool_2, example):
+    """One Inductor end-to-end run per example (2 ranks: cold Inductor compiles dominate)."""
+    results = rank_pool_2.run(compiled_matches_eager, example, "float32", "inductor", 1, timeout=540)
+    assert all(set(EXPECTED_KINDS[example]) <= set(r["kinds"]) for r in results)
