@@ -105,3 +105,13 @@ def reset_graph_namespace(graph) -> None:
     from torch.fx.graph import _Namespace
 
     graph._graph_namespace = _Namespace()
+
+
+def default_store():
+    """The c10d Store of the default process group (used for the cross-rank agreement check).
+
+    Private: `torch.distributed.distributed_c10d._get_default_store`.
+    """
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()

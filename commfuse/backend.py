@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from . import _torch_private as priv
+from .agreement import FrameRecord, wrap_first_call
 from .config import Config
 from .lowering import lower_eager
 from .passes.base import Stage
@@ -78,14 +79,19 @@ class CommfuseBackend:
         sources = {**session.role_sources, **{k: "user" for k in self.config.group_roles}}
         pipeline = Pipeline(self.config, topology=self.config.topology or session.topology,
                             group_roles=roles, role_sources=sources)
-        pipeline.on_report = self.reports.append
         return pipeline
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         pipeline = self._pipeline()
+        record = FrameRecord()
+        pipeline.on_report = lambda r: (self.reports.append(r), record.add(r))
         if self.config.inner_compiler == "eager":
-            return self._compile_eager(gm, example_inputs, pipeline)
-        return self._compile_inductor(gm, example_inputs, pipeline)
+            compiled = self._compile_eager(gm, example_inputs, pipeline)
+        else:
+            compiled = self._compile_inductor(gm, example_inputs, pipeline)
+        if self.config.agreement_enabled() and _real_multi_rank():
+            compiled = wrap_first_call(compiled, record, timeout_s=self.config.agreement_timeout_s)
+        return compiled
 
     # -- eager --------------------------------------------------------------
     def _compile_eager(self, gm, example_inputs, pipeline: Pipeline):
@@ -141,6 +147,14 @@ class CommfuseBackend:
                 "aten_distributed_optimizations.enable_overlap_scheduling": False,
             })
         return priv.inductor_compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _real_multi_rank() -> bool:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return False
+    return dist.get_backend() != "fake"  # one process pretends to be N ranks: nothing to compare
 
 
 def backend(config: Optional[Config] = None, **overrides: Any) -> CommfuseBackend:

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
 
 from .costmodel.topology import Topology
 from .ir.collective import ParallelRole
@@ -29,6 +29,9 @@ class Config(BaseModel):
     debug: also re-propagate fake tensors in the verifier (slower, stricter).
     topology: ranks/nodes and links; None means the one given to `commfuse.setup`.
     group_roles: process-group name -> parallel role, overriding inference.
+    check_agreement: compare every rank's collective sequence at the first execution of
+        each compiled frame and raise instead of hanging (default: on when `debug`).
+    agreement_timeout_s: how long a rank waits for the others in that check.
     svg_max_nodes: larger graphs are drawn condensed (compute runs collapsed; Graphviz is slow).
     """
 
@@ -43,6 +46,11 @@ class Config(BaseModel):
     topology: Optional[Topology] = None
     group_roles: dict[str, ParallelRole] = Field(default_factory=dict)
     svg_max_nodes: PositiveInt = 250
+    check_agreement: Optional[bool] = None
+    agreement_timeout_s: PositiveFloat = 120.0
+
+    def agreement_enabled(self) -> bool:
+        return self.debug if self.check_agreement is None else self.check_agreement
 
     @field_validator("passes")
     @classmethod

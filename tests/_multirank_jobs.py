@@ -71,3 +71,91 @@ def _state_dict_meta(model_factory, inputs) -> list:
     after = {k: (tuple(v.shape), str(v.dtype)) for k, v in m.state_dict().items()}
     assert before == after, (before, after)
     return sorted(before)
+
+
+# -- cross-rank agreement ---------------------------------------------------------
+from commfuse.passes import GraphPass, PassResult, Stage, register_pass, unregister_pass  # noqa: E402
+
+
+class RankDependentSwap(GraphPass):
+    """Test-only, deliberately WRONG pass: on rank 1 it issues the all_gather before the all_reduce."""
+
+    name = "test_rank_dependent_swap"
+    stage = Stage.JOINT
+
+    def run(self, ctx):
+        if dist.get_rank() != 1:
+            return PassResult(changed=False)
+        ar = next(c.start for c in ctx.ir.collectives if c.kind.value == "all_reduce")
+        ag = next(c.start for c in ctx.ir.collectives if c.kind.value == "all_gather")
+        ar.prepend(ag)
+        return PassResult(changed=True, counts={"swapped": 1})
+
+
+def _two_collectives(x, y):
+    import torch.distributed._functional_collectives as funcol
+
+    x2, y3 = x * 2, y * 3
+    a = funcol.all_reduce(x2, "sum", dist.group.WORLD)
+    b = funcol.all_gather_tensor(y3, 0, dist.group.WORLD)
+    return a.sum() + b.sum()
+
+
+def planted_disagreement(timeout_s: float) -> str:
+    """Every rank must end with AgreementError (not a hang, not a wrong result)."""
+    from commfuse.agreement import AgreementError
+
+    register_pass(RankDependentSwap)
+    try:
+        torch._dynamo.reset()
+        cfg = commfuse.Config(passes=["test_rank_dependent_swap"], inner_compiler="eager",
+                              check_agreement=True, agreement_timeout_s=timeout_s)
+        fn = torch.compile(_two_collectives, backend=commfuse.backend(cfg))
+        try:
+            fn(torch.ones(4), torch.ones(2))
+        except AgreementError as e:
+            return str(e)
+        return "no error"
+    finally:
+        unregister_pass("test_rank_dependent_swap")
+
+
+def simulated_cache_hit_rank1() -> float:
+    """Rank 1 has no record (as after a compile-cache hit): the exchange must still complete."""
+    from commfuse import agreement
+
+    torch._dynamo.reset()
+    orig = agreement.FrameRecord.add
+    if dist.get_rank() == 1:
+        agreement.FrameRecord.add = lambda self, report: None
+    try:
+        cfg = commfuse.Config(inner_compiler="eager", check_agreement=True, agreement_timeout_s=30)
+        out = torch.compile(_two_collectives, backend=commfuse.backend(cfg))(torch.ones(4), torch.ones(2))
+    finally:
+        agreement.FrameRecord.add = orig
+    return float(out)
+
+
+def inductor_cache_hit_on_rank0_only(cache_dir: str) -> dict:
+    """Real caches: rank 0 has Inductor's FX-graph and AOTAutograd caches on, rank 1 off.
+
+    Round 1 compiles on both ranks (and fills rank 0's cache). Round 2 recompiles after a
+    Dynamo reset: rank 0 now hits its cache (commfuse's hooks do not run there), rank 1
+    compiles afresh. The agreement exchange at the first execution must complete on both.
+    """
+    import os
+
+    import torch._functorch.config as fcfg
+    import torch._inductor.config as icfg
+
+    rank = dist.get_rank()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{cache_dir}/rank{rank}"
+    cfg = commfuse.Config(check_agreement=True, agreement_timeout_s=240)
+    results = {}
+    with icfg.patch(fx_graph_cache=rank == 0), fcfg.patch(enable_autograd_cache=rank == 0):
+        for rnd in (1, 2):
+            torch._dynamo.reset()
+            be = commfuse.backend(cfg)
+            out = torch.compile(_two_collectives, backend=be)(torch.ones(4), torch.ones(2))
+            results[rnd] = {"out": float(out), "hooks_ran": len(be.reports)}
+    return results

@@ -239,6 +239,30 @@ def test_llama_matches_reference(sp: bool) -> None:
     _check_pair(eager, compiled, _llama_reference(LLAMA), _llama_counts(LLAMA, sp))
 
 
+def _llama_sgd_job() -> dict[str, torch.Tensor]:
+    model = llama.parallelize_llama(llama.build_llama(LLAMA, SEED), _mesh())
+    batch = llama.make_inputs(LLAMA, BATCH, SEQ, rank=dist.get_rank(), world_size=dist.get_world_size())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    llama.loss_fn(model(batch.inputs), batch).backward()
+    opt.step()
+    return {n: full_tensor(p.detach()) for n, p in model.named_parameters()}
+
+
+@pytest.mark.multirank
+def test_llama_sgd_step_matches_reference() -> None:
+    """An optimizer step on the TP+SP model updates the weights like the
+    unsharded one; in particular the norm weights, whose grads are Partial
+    DTensors that the update itself has to reduce."""
+    weights = get_pool(WORLD).run(_llama_sgd_job)[0]
+    reference = llama.build_llama(LLAMA, SEED)
+    batch = llama.make_inputs(LLAMA, BATCH, SEQ)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    llama.loss_fn(reference(batch.inputs), batch).backward()
+    opt.step()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(weights[name], p.detach(), msg=name)
+
+
 @pytest.mark.multirank
 def test_llama_with_vocab_matches_reference() -> None:
     results = get_pool(WORLD).run(_llama_job, LLAMA_VOCAB, True, False)

@@ -161,12 +161,14 @@ class RankTimeout(RankPoolError):
 # --------------------------------------------------------------------------
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, store_dir: str) -> None:
     """Exit hard when the parent dies, even if the main thread is stuck in a
     collective (gloo waits release the GIL, so this thread keeps running)."""
     while True:
         time.sleep(_PARENT_POLL_S)
         if os.getppid() != parent_pid:
+            # A killed parent could not remove the store directory.
+            shutil.rmtree(store_dir, ignore_errors=True)
             os._exit(1)
 
 
@@ -285,7 +287,9 @@ def _worker_main(
     if hasattr(signal, "SIGUSR1"):
         # The parent sends SIGUSR1 to hung ranks to get their Python stacks.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(
+        target=_watch_parent, args=(parent_pid, os.path.dirname(store_path)), daemon=True
+    ).start()
     try:
         _init_worker(rank, world_size, store_path, pg_timeout_s)
     except BaseException as exc:  # noqa: BLE001
@@ -295,8 +299,9 @@ def _worker_main(
     while True:
         try:
             msg = _recv(conn)
-        except (EOFError, OSError):
-            break  # parent went away
+        except (EOFError, OSError):  # the parent died (it would have sent "stop")
+            shutil.rmtree(os.path.dirname(store_path), ignore_errors=True)
+            break
         if msg[0] == "stop":
             break
         _, job_id, parent_path, payload = msg
