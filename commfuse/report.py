@@ -52,6 +52,8 @@ class AnalysisReport(BaseModel):
     total: Totals
     sequence_hashes: dict[str, str]
     order_hash: str
+    # control-flow / higher-order nodes whose subgraphs hold collectives commfuse cannot analyse
+    hidden_collectives: dict[str, int] = Field(default_factory=dict)
 
     def to_json(self, **kw) -> str:
         return self.model_dump_json(indent=2, **kw)
@@ -121,6 +123,7 @@ def build_analysis_report(ir: CollectiveIR, *, graph: str = "graph") -> Analysis
         total=totals(total),
         sequence_hashes=ir.sequence_hashes(),
         order_hash=ir.order_hash(),
+        hidden_collectives={n.name: k for n, k in ir.hidden_collectives.items()},
     )
 
 
@@ -138,6 +141,7 @@ class PipelineReport(BaseModel):
     graph: str
     passes: list[PassRecord] = Field(default_factory=list)
     input_problems: list[str] = Field(default_factory=list)  # verifier findings on the input graph
+    notes: list[str] = Field(default_factory=list)  # what the pipeline saw but could not act on
     skipped_reason: Optional[str] = None
     sequence_hashes: dict[str, str] = Field(default_factory=dict)
     order_hash: str = ""

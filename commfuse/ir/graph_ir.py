@@ -83,11 +83,19 @@ class CollectiveIR:
         self.collectives: list[Collective] = []
         self._by_start: dict[fx.Node, Collective] = {}
         self._groups: dict[str, GroupInfo] = {}
+        # Higher-order ops (cond, while_loop, checkpoint wrappers, ...) whose subgraphs hold
+        # collectives: node -> how many. Passes cannot see inside; they must treat these
+        # nodes as opaque barriers (dims are ND there; nothing may move across them).
+        self.hidden_collectives: dict[fx.Node, int] = {}
         for node in gm.graph.nodes:
             if node.op == "call_function" and collective_spec(node.target) is not None:
                 c = self._build(node, len(self.collectives))
                 self.collectives.append(c)
                 self._by_start[node] = c
+            elif node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+                n = _count_nested_collectives(gm, node)
+                if n:
+                    self.hidden_collectives[node] = n
 
     # -- construction -------------------------------------------------------
     def _group(self, name: str, size_hint: int | None) -> GroupInfo:
@@ -211,6 +219,20 @@ class CollectiveIR:
     def order_hash(self) -> str:
         """Hash of the single total issue order across all groups."""
         return _hash([c.signature() for c in self.collectives])
+
+
+def _count_nested_collectives(gm: fx.GraphModule, node: fx.Node) -> int:
+    count = 0
+    for a in node.all_input_nodes:
+        if a.op == "get_attr":
+            sub = getattr(gm, str(a.target), None)
+            if isinstance(sub, fx.GraphModule):
+                for n in sub.graph.nodes:
+                    if n.op == "call_function" and collective_spec(n.target) is not None:
+                        count += 1
+                    elif n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator):
+                        count += _count_nested_collectives(sub, n)
+    return count
 
 
 def _tangent_dependents(gm: fx.GraphModule) -> set[fx.Node]:

@@ -78,6 +78,10 @@ class Pipeline:
         report = PipelineReport(graph=graph_kind, dump_dir=str(dumper.dir) if dumper else None)
         selected = [p for p in self.passes if p.stage in stages]
 
+        if ctx.ir.hidden_collectives:
+            hidden = ", ".join(f"{n.name}: {k}" for n, k in ctx.ir.hidden_collectives.items())
+            report.notes.append(f"collectives inside control flow / higher-order ops ({hidden}) are not analysed; "
+                                "passes treat those nodes as opaque")
         pre = verify_graph(gm, ir=ctx.ir) if cfg.verify else None
         if dumper:
             dumper.write_graph("input", gm, ctx.ir)
