@@ -44,6 +44,9 @@ SEED = 0
 # Divisible by 8 where it matters (heads, ffn, vocab, experts, seq, dims), so
 # the same configs run on 4 gloo ranks and on the 8-rank fake group.
 LLAMA = llama.LlamaConfig(n_layers=2, dim=32, n_heads=8, ffn_dim=64)
+# Eager+compiled pairs on gloo use one block: compile time grows with depth,
+# and the 2-block residual stream is covered by the eager multi-rank tests.
+LLAMA_1 = llama.LlamaConfig(n_layers=1, dim=32, n_heads=8, ffn_dim=64)
 LLAMA_VOCAB = llama.LlamaConfig(n_layers=2, dim=32, n_heads=8, ffn_dim=64, vocab=64)
 BATCH, SEQ = 8, 16
 MOE_KW: dict[str, Any] = dict(dim=32, num_experts=8, ffn_dim=64, capacity_factor=1.0)
@@ -117,15 +120,11 @@ def _reference(model: nn.Module, batch: Batch, loss_of: Callable, out_of: Callab
 # ------------------------------------------------------------------- Llama
 
 
-def _llama_loss(out: torch.Tensor, batch: Batch) -> torch.Tensor:
-    return llama.loss_fn(out, batch)
-
-
 def _llama_job(config: llama.LlamaConfig, sp: bool, compiled: bool) -> Result:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = llama.parallelize_llama(llama.build_llama(config, SEED), _mesh(), sequence_parallel=sp)
     batch = llama.make_inputs(config, BATCH, SEQ, rank=rank, world_size=world, sequence_parallel=sp)
-    out, loss, rec = _step(model, batch, _llama_loss, compiled)
+    out, loss, rec = _step(model, batch, llama.loss_fn, compiled)
     if batch.loss_reduce == "sum":  # sequence shards -> full sequence
         out = all_gather_cat(out.detach(), dim=1)
     grads = {n: full_tensor(p.grad) for n, p in model.named_parameters()}
@@ -134,7 +133,7 @@ def _llama_job(config: llama.LlamaConfig, sp: bool, compiled: bool) -> Result:
 
 def _llama_reference(config: llama.LlamaConfig) -> Result:
     model = llama.build_llama(config, SEED)
-    return _reference(model, llama.make_inputs(config, BATCH, SEQ), _llama_loss)
+    return _reference(model, llama.make_inputs(config, BATCH, SEQ), llama.loss_fn)
 
 
 def _llama_counts(config: llama.LlamaConfig, sp: bool) -> tuple[dict[str, int], dict[str, int]]:
@@ -186,22 +185,18 @@ def _moe_reference(top_k: int, world: int) -> Result:
 # -------------------------------------------------------------- SimpleFSDP
 
 
-def _fsdp_loss(out: torch.Tensor, batch: Batch) -> torch.Tensor:
-    return simple_fsdp.loss_fn(out, batch)
-
-
 def _fsdp_job(mode: str, compiled: bool) -> Result:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = simple_fsdp.data_parallel(llama.build_llama(LLAMA, SEED), _mesh(), mode)  # type: ignore[arg-type]
-    batch = simple_fsdp.make_inputs(LLAMA, BATCH, SEQ, rank=rank, world_size=world)
-    out, loss, rec = _step(model, batch, _fsdp_loss, compiled)
+    model = simple_fsdp.data_parallel(llama.build_llama(LLAMA_1, SEED), _mesh(), mode)  # type: ignore[arg-type]
+    batch = simple_fsdp.make_inputs(LLAMA_1, BATCH, SEQ, rank=rank, world_size=world)
+    out, loss, rec = _step(model, batch, simple_fsdp.loss_fn, compiled)
     grads = {simple_fsdp.unwrapped_name(n): full_tensor(p.grad) for n, p in model.named_parameters()}
     return _result(all_gather_cat(out.detach(), dim=0), loss, batch, grads, rec)
 
 
 def _fsdp_reference() -> Result:
-    model = llama.build_llama(LLAMA, SEED)
-    return _reference(model, simple_fsdp.make_inputs(LLAMA, BATCH, SEQ), _fsdp_loss)
+    model = llama.build_llama(LLAMA_1, SEED)
+    return _reference(model, simple_fsdp.make_inputs(LLAMA_1, BATCH, SEQ), simple_fsdp.loss_fn)
 
 
 def _fsdp_counts(mode: str, num_params: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -235,8 +230,8 @@ def _check_pair(eager: Result, compiled: Result, reference: Result, counts: tupl
 @pytest.mark.multirank
 @pytest.mark.parametrize("sp", [True, False], ids=["tp_sp", "tp"])
 def test_llama_matches_reference(sp: bool) -> None:
-    eager, compiled = _run_pair(_llama_job, LLAMA, sp)
-    _check_pair(eager, compiled, _llama_reference(LLAMA), _llama_counts(LLAMA, sp))
+    eager, compiled = _run_pair(_llama_job, LLAMA_1, sp)
+    _check_pair(eager, compiled, _llama_reference(LLAMA_1), _llama_counts(LLAMA_1, sp))
 
 
 def _llama_sgd_job() -> dict[str, torch.Tensor]:

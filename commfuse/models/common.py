@@ -136,8 +136,8 @@ class GraphRecorder:
     """
 
     def __init__(self) -> None:
-        from torch._dynamo.backends.common import aot_autograd
         from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
 
         self.forward_graphs: list[torch.fx.GraphModule] = []
         self.backward_graphs: list[torch.fx.GraphModule] = []
@@ -181,7 +181,7 @@ def print_loss_comparison(title: str, backend: object, eager: list[float], compi
     """Print both loss curves and check they agree (fp32, a few steps)."""
     label = backend if isinstance(backend, str) else getattr(backend, "__name__", repr(backend))
     print(f"{title}, backend={label}")
-    for step, (e, c) in enumerate(zip(eager, compiled)):
+    for step, (e, c) in enumerate(zip(eager, compiled, strict=True)):
         print(f"step {step}: eager loss {e:.6f}   compiled loss {c:.6f}   diff {abs(e - c):.2e}")
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=1e-5)
     print("compiled matches eager")

@@ -33,9 +33,12 @@ Collectives (forward / backward graph under ``torch.compile``):
 
 * SP: ``all_gather_into_tensor`` (before attention and FFN) and
   ``reduce_scatter_tensor`` (after ``wo`` and ``w2``) in the forward, and the
-  mirror images in the backward;
-* TP only: ``all_reduce`` after ``wo``/``w2`` in the forward and ``all_reduce``
-  of the input gradient of the column-parallel layers in the backward.
+  mirror images in the backward. The norm-weight gradients come out as
+  ``Partial`` DTensors: their all_reduce happens where they are consumed
+  (optimizer step, ``full_tensor()``), outside the compiled graph;
+* TP only: ``all_reduce`` after ``wo``/``w2`` in the forward; in the backward
+  one ``all_reduce`` per column-parallel layer for its input gradient (5 per
+  block: wq, wk and wv each reduce theirs although they share the input).
 
 Inputs per rank (:func:`make_inputs`)
 ------------------------------------
@@ -56,6 +59,7 @@ model's gradients of the global mean loss exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -219,8 +223,10 @@ class LlamaModel(nn.Module):
         return h
 
 
-def build_llama(config: LlamaConfig = LlamaConfig(), seed: int = 0) -> LlamaModel:
-    """A :class:`LlamaModel` with deterministic weights (same on every rank)."""
+def build_llama(config: LlamaConfig | None = None, seed: int = 0) -> LlamaModel:
+    """A :class:`LlamaModel` with deterministic weights (same on every rank);
+    ``config`` defaults to ``LlamaConfig()``."""
+    config = config or LlamaConfig()
     model = LlamaModel(
         config.n_layers, config.dim, config.n_heads, config.ffn_dim, config.vocab, config.rope
     )

@@ -1,0 +1,259 @@
+"""Benchmark baselines: how a workload's model is run, and where its graphs come from.
+
+Every baseline runs the same model on the same inputs; they differ in the
+compiler. For the collective metrics each baseline also says which graphs it
+actually executed:
+
+* ``eager``: no compilation. Eager DTensor issues the collectives of the
+  AOTAutograd forward/backward graphs, so those are captured afterwards with a
+  recording AOT backend (``commfuse.testing.graphs.capture_aot_graphs``).
+* ``inductor`` / ``inductor+comm``: ``torch.compile`` with Inductor; the
+  graphs are recorded right after Inductor's post-grad passes (where its own
+  comm bucketing runs), i.e. what Inductor lowered.
+* ``commfuse...``: ``backend=commfuse.backend(...)``; the graphs are the
+  pipeline's own reports (``backend.reports[i].analysis``) of the forward /
+  backward graphs it handed to the inner compiler.
+
+Adding a baseline: subclass :class:`Baseline` (or instantiate one of the
+classes below) and call :func:`register_baseline`. Baselines are looked up
+by name inside the rank processes, so registration must happen at import
+time of this module (or of a module it imports).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from benchmarks.workloads import Built
+
+__all__ = [
+    "Baseline",
+    "CommfuseBaseline",
+    "CompiledGraph",
+    "EagerBaseline",
+    "InductorBaseline",
+    "Session",
+    "baseline_names",
+    "get_baseline",
+    "register_baseline",
+]
+
+# Inductor's own communication optimisations as torch 2.13 names them
+# (torch/_inductor/config.py): comm/compute reordering in the scheduler and
+# FX bucketing of every all_gather / reduce_scatter / all_reduce.
+INDUCTOR_COMM_PATCHES: dict[str, Any] = {
+    "reorder_for_compute_comm_overlap": True,
+    "bucket_all_gathers_fx": "all",
+    "bucket_reduce_scatters_fx": "all",
+    "bucket_all_reduces_fx": "all",
+}
+
+
+@dataclass
+class CompiledGraph:
+    """A graph a baseline executed: its kind (forward/backward/inference) and the module."""
+
+    kind: str
+    gm: fx.GraphModule
+
+
+@dataclass
+class Session:
+    """One baseline applied to one model on one rank.
+
+    ``run`` is what the training step calls; ``graphs()`` (called after the
+    measured steps) returns the graphs that were executed; ``pipeline_reports``
+    holds commfuse's per-graph ``PipelineReport`` dumps (empty for non-commfuse).
+    """
+
+    run: Callable[..., Any]
+    graphs: Callable[[], list[CompiledGraph]]
+    pipeline_reports: Callable[[], list[dict[str, Any]]] = lambda: []
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Base class. ``inner`` is what executes the graphs ("eager" / "inductor" / "-")."""
+
+    name: str
+    description: str
+    inner: str
+    uses_inductor: bool = False
+
+    @contextlib.contextmanager
+    def session(self, built: Built) -> Iterator[Session]:
+        """Context for the whole measurement of ``built`` on this rank: compile
+        (lazily, on the first step), the steps, and collecting the graphs."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+
+@contextlib.contextmanager
+def _fresh_inductor_cache() -> Iterator[None]:
+    """Compile from scratch: a fresh on-disk cache (FX graph, AOT and C++ kernel
+    caches) so that an earlier baseline's kernels do not make a later one look
+    fast. Private: ``torch._inductor.utils.fresh_cache``."""
+    from torch._inductor.utils import fresh_cache
+
+    with fresh_cache():
+        yield
+
+
+def _kind_of(gm: fx.GraphModule) -> str:
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(n.startswith("tangents") for n in names):
+        return "backward"
+    return "forward" if any(n.startswith("primals") for n in names) else "inference"
+
+
+@contextlib.contextmanager
+def _record_inductor_post_grad(sink: list[CompiledGraph]) -> Iterator[None]:
+    """Record every top-level graph right after Inductor's post-grad passes
+    (bucketing included), i.e. the graph Inductor then lowers.
+
+    Private: ``torch._inductor.compile_fx._recursive_post_grad_passes``; it
+    calls itself for subgraphs through the module global, hence the depth
+    counter (only top-level graphs are recorded).
+    """
+    import torch._inductor.compile_fx as cfx
+
+    original = cfx._recursive_post_grad_passes
+    depth = [0]
+
+    def recording(gm: fx.GraphModule, is_inference: bool = False) -> None:
+        depth[0] += 1
+        try:
+            original(gm, is_inference)
+        finally:
+            depth[0] -= 1
+        if depth[0] == 0:
+            # Keep a reference; analysed after the measured steps, so the
+            # analysis is not part of the compile time.
+            sink.append(CompiledGraph("inference" if is_inference else _kind_of(gm), gm))
+
+    cfx._recursive_post_grad_passes = recording
+    try:
+        yield
+    finally:
+        cfx._recursive_post_grad_passes = original
+
+
+@dataclass(frozen=True)
+class EagerBaseline(Baseline):
+    """No compilation; graphs captured afterwards with a recording AOT backend."""
+
+    @contextlib.contextmanager
+    def session(self, built):
+        def graphs() -> list[CompiledGraph]:
+            from commfuse.testing.graphs import capture_aot_graphs
+
+            # One extra forward+backward, traced and run by a recording
+            # AOTAutograd backend: the collectives eager DTensor issues are
+            # those of these graphs.
+            got = capture_aot_graphs(built.model, *built.inputs, loss=built.loss)
+            return [CompiledGraph(k, getattr(got, k)) for k in ("forward", "backward", "inference")
+                    if getattr(got, k) is not None]
+
+        yield Session(run=built.model, graphs=graphs)
+
+
+@dataclass(frozen=True)
+class InductorBaseline(Baseline):
+    """``torch.compile(model)`` (Inductor) under ``config_patches``; fresh caches."""
+
+    config_patches: Mapping[str, Any] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def session(self, built):
+        import torch._inductor.config as inductor_config
+
+        recorded: list[CompiledGraph] = []
+        with _fresh_inductor_cache(), inductor_config.patch(dict(self.config_patches)), \
+                _record_inductor_post_grad(recorded):
+            compiled = torch.compile(built.model, backend="inductor")
+            yield Session(run=compiled, graphs=lambda: list(recorded))
+
+
+@dataclass(frozen=True)
+class CommfuseBaseline(Baseline):
+    """``backend=commfuse.backend(inner_compiler=inner, passes=passes)``;
+    ``passes=None`` is the default pipeline."""
+
+    passes: tuple[str, ...] | None = None
+
+    @contextlib.contextmanager
+    def session(self, built):
+        import commfuse
+
+        kwargs: dict[str, Any] = {"inner_compiler": self.inner}
+        if self.passes is not None:
+            kwargs["passes"] = list(self.passes)
+        be = commfuse.backend(**kwargs)
+
+        def graphs() -> list[CompiledGraph]:
+            # The pipeline's reports carry the analysis already; the joint
+            # graph is not executed (it is partitioned into forward/backward).
+            return []
+
+        def reports() -> list[dict[str, Any]]:
+            return [r.model_dump(mode="json") for r in be.reports]
+
+        ctx = _fresh_inductor_cache() if self.uses_inductor else contextlib.nullcontext()
+        with ctx:
+            yield Session(run=torch.compile(built.model, backend=be), graphs=graphs, pipeline_reports=reports)
+
+
+# ----------------------------------------------------------------- registry
+
+_BASELINES: dict[str, Baseline] = {}
+
+
+def register_baseline(baseline: Baseline) -> Baseline:
+    if baseline.name in _BASELINES and _BASELINES[baseline.name] != baseline:
+        raise ValueError(f"baseline {baseline.name!r} is already registered")
+    _BASELINES[baseline.name] = baseline
+    return baseline
+
+
+def _register_builtin() -> None:
+    from commfuse.passes import available_passes
+
+    register_baseline(EagerBaseline("eager", "no compilation (eager DTensor)", inner="-"))
+    register_baseline(InductorBaseline("inductor", "torch.compile default (Inductor)", inner="inductor",
+                                       uses_inductor=True))
+    register_baseline(InductorBaseline(
+        "inductor+comm", "Inductor with its comm passes: reorder_for_compute_comm_overlap, "
+        "bucket_{all_gathers,reduce_scatters,all_reduces}_fx='all'", inner="inductor",
+        uses_inductor=True, config_patches=INDUCTOR_COMM_PATCHES))
+    for inner in ("inductor", "eager"):
+        prefix = "commfuse" if inner == "inductor" else "commfuse-eager"
+        register_baseline(CommfuseBaseline(prefix, f"commfuse default pipeline, {inner} inner compiler",
+                                           inner=inner, uses_inductor=inner == "inductor"))
+        register_baseline(CommfuseBaseline(f"{prefix}:none", f"commfuse with no passes, {inner} inner compiler "
+                                           "(the reference single passes are attributed against)",
+                                           inner=inner, uses_inductor=inner == "inductor", passes=()))
+        # One baseline per registered pass, so gains can be attributed; new
+        # passes appear here without touching the runner.
+        for name in sorted(available_passes()):
+            register_baseline(CommfuseBaseline(f"{prefix}:{name}", f"commfuse with only pass {name!r}, "
+                                               f"{inner} inner compiler", inner=inner,
+                                               uses_inductor=inner == "inductor", passes=(name,)))
+
+
+def get_baseline(name: str) -> Baseline:
+    if name not in _BASELINES:
+        raise KeyError(f"unknown baseline {name!r}; known: {baseline_names()}")
+    return _BASELINES[name]
+
+
+def baseline_names() -> list[str]:
+    return list(_BASELINES)
+
+
+_register_builtin()

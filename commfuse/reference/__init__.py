@@ -1,0 +1,34 @@
+"""Reference semantics of collective programs: all ranks of an FX graph in one process.
+
+    from commfuse.reference import run_reference
+    outs = run_reference(gm, [inputs_rank0, inputs_rank1, ...], groups={"1": [[0, 2], [1, 3]]})
+
+See :mod:`.interpreter` (execution model), :mod:`.semantics` (what each collective
+computes; :func:`register_semantics` for new kinds) and :mod:`.groups` (group names
+-> ranks). docs/reliability.md describes how the pass fuzzer uses it.
+"""
+
+from .errors import (
+    CollectiveMismatchError,
+    DeadlockError,
+    GroupResolutionError,
+    ReferenceSemanticsError,
+    UnknownCollectiveError,
+)
+from .groups import GroupSpec, GroupTable, groups_from_process_groups
+from .interpreter import ReferenceInterpreter, run_reference
+from .semantics import (
+    P2PPlan,
+    RankCall,
+    reduce_tensors,
+    register_semantics,
+    registered_kinds,
+    unregister_semantics,
+)
+
+__all__ = [
+    "CollectiveMismatchError", "DeadlockError", "GroupResolutionError", "GroupSpec", "GroupTable", "P2PPlan",
+    "RankCall", "ReferenceInterpreter", "ReferenceSemanticsError", "UnknownCollectiveError",
+    "groups_from_process_groups", "reduce_tensors", "register_semantics", "registered_kinds", "run_reference",
+    "unregister_semantics",
+]

@@ -1,0 +1,278 @@
+"""Programs that exercise every collective kind, for checking the reference against real ranks.
+
+Each case is a module-level function ``fn(ctx, rank, *inputs) -> outputs`` written with the
+``_c10d_functional`` ops and ``torch.distributed._functional_collectives`` (what DTensor and
+traced graphs use), over the world and two sub-group partitions of a 4-rank world:
+
+* ``ctx["world"]``: ranks [0, 1, 2, 3];
+* ``ctx["strided"]``: this rank's block of [[0, 2], [1, 3]];
+* ``ctx["blocked"]``: this rank's block of [[0, 1], [2, 3]].
+
+:func:`gloo_job` runs a case eagerly inside an initialised process group (one rank of a
+gloo :class:`~commfuse.testing.RankPool`); :func:`trace_case` traces it with ``make_fx``
+on every rank of a fake world and returns the graphs and the group mapping that
+:class:`~commfuse.reference.ReferenceInterpreter` needs. tests/test_reference.py
+compares the two per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+c10d = torch.ops._c10d_functional
+W = c10d.wait_tensor.default
+
+WORLD_SIZE = 4
+PARTITIONS: dict[str, list[list[int]]] = {
+    "strided": [[0, 2], [1, 3]],
+    "blocked": [[0, 1], [2, 3]],
+}
+
+
+def make_groups(rank: int) -> tuple[dict[str, Any], dict[str, list[int]]]:
+    """Create the sub-groups (every rank creates every group, in one fixed order, as c10d requires).
+
+    Returns ``ctx`` (role -> this rank's ProcessGroup) and ``names`` (group name -> ranks) for the
+    groups this rank belongs to.
+    """
+    ctx: dict[str, Any] = {"world": dist.group.WORLD}
+    names: dict[str, list[int]] = {dist.group.WORLD.group_name: list(range(dist.get_world_size()))}
+    for role, blocks in PARTITIONS.items():
+        for block in blocks:
+            pg = dist.new_group(block)
+            if rank in block:
+                ctx[role] = pg
+                names[pg.group_name] = list(block)
+    return ctx, names
+
+
+def _name(pg) -> str:
+    return pg.group_name
+
+
+def _inputs(case: str, rank: int, seed: int) -> list[torch.Tensor]:
+    spec = CASES[case]
+    g = torch.Generator().manual_seed(seed * 1000 + rank * 17 + sum(map(ord, case)))
+    out = []
+    for shape in spec.shapes(rank) if callable(spec.shapes) else spec.shapes:
+        t = torch.randn(*shape, generator=g)
+        out.append(1.0 + 0.1 * t if spec.near_one else t)
+    return out
+
+
+# --------------------------------------------------------------------------- cases
+def _ar(op: str, role: str) -> Callable:
+    def fn(ctx, rank, x):
+        return W(c10d.all_reduce.default(x, op, _name(ctx[role])))
+    fn.__name__ = f"all_reduce_{op}_{role}"
+    return fn
+
+
+def all_reduce_inplace(ctx, rank, x):
+    buf = x.clone()
+    r = W(c10d.all_reduce_.default(buf, "sum", _name(ctx["strided"])))
+    return r * 1  # read the result through the wait
+
+
+def all_reduce_coalesced(ctx, rank, x, y):
+    a, b = c10d.all_reduce_coalesced.default([x, y], "avg", _name(ctx["world"]))
+    return W(a), W(b)
+
+
+def all_reduce_coalesced_inplace(ctx, rank, x, y):
+    bufs = [x.clone(), y.clone()]
+    a, b = c10d.all_reduce_coalesced_.default(bufs, "max", _name(ctx["blocked"]))
+    return W(a) + 0, W(b) + 0
+
+
+def all_gather_dim0(ctx, rank, x):
+    return W(c10d.all_gather_into_tensor.default(x, 2, _name(ctx["strided"])))
+
+
+def all_gather_dim1(ctx, rank, x):
+    # DTensor's shuffle: dim-0 gather + split/cat to gather along dim 1
+    return funcol.all_gather_single(x, 1, ctx["world"]) * 1
+
+
+def all_gather_coalesced(ctx, rank, x, y):
+    a, b = c10d.all_gather_into_tensor_coalesced.default([x, y], 4, _name(ctx["world"]))
+    return W(a), W(b)
+
+
+def reduce_scatter_sum(ctx, rank, x):
+    return W(c10d.reduce_scatter_tensor.default(x, "sum", 2, _name(ctx["blocked"])))
+
+
+def reduce_scatter_avg_dim1(ctx, rank, x):
+    return funcol.reduce_scatter_single(x, "avg", 1, ctx["world"]) * 1
+
+
+def reduce_scatter_coalesced(ctx, rank, x, y):
+    a, b = c10d.reduce_scatter_tensor_coalesced.default([x, y], "sum", 4, _name(ctx["world"]))
+    return W(a), W(b)
+
+
+def all_to_all_equal(ctx, rank, x):
+    return W(c10d.all_to_all_single.default(x, [2, 2, 2, 2], [2, 2, 2, 2], _name(ctx["world"])))
+
+
+# rank r sends SPLITS[r][j] rows to rank j of the world
+SPLITS = [[1, 2, 0, 1], [0, 1, 1, 3], [2, 2, 2, 0], [1, 0, 1, 1]]
+
+
+def _a2a_shapes(rank: int) -> list[tuple[int, ...]]:
+    return [(sum(SPLITS[rank]), 3)]
+
+
+def all_to_all_uneven(ctx, rank, x):
+    out_splits = [SPLITS[j][rank] for j in range(WORLD_SIZE)]
+    return W(c10d.all_to_all_single.default(x, out_splits, SPLITS[rank], _name(ctx["world"])))
+
+
+def all_to_all_subgroup(ctx, rank, x):
+    return W(c10d.all_to_all_single.default(x, [3, 3], [3, 3], _name(ctx["strided"])))
+
+
+def broadcast(ctx, rank, x):
+    return W(c10d.broadcast.default(x, 1, _name(ctx["strided"])))  # root: group rank 1
+
+
+def broadcast_inplace(ctx, rank, x):
+    buf = x.clone()
+    return W(c10d.broadcast_.default(buf, 2, _name(ctx["world"]))) + 0
+
+
+def p2p_ring(ctx, rank, x):
+    # world ring: send to the next rank, receive from the previous one (peers are group ranks)
+    n = WORLD_SIZE
+    s = c10d.isend.default(x, (rank + 1) % n, 0, _name(ctx["world"]))
+    r = c10d.irecv.default(torch.empty_like(x), (rank - 1) % n, 0, _name(ctx["world"]))
+    W(s)
+    return W(r) * 1
+
+
+def p2p_subgroup(ctx, rank, x):
+    pg = ctx["strided"]
+    me = dist.get_group_rank(pg, rank)
+    if me == 0:  # the two members order their calls differently (a pipeline stage pair)
+        s = c10d.isend.default(x * 2, 1, 5, _name(pg))
+        r = c10d.irecv.default(torch.empty_like(x), 1, 5, _name(pg))
+    else:
+        r = c10d.irecv.default(torch.empty_like(x), 0, 5, _name(pg))
+        s = c10d.isend.default(x * 2, 0, 5, _name(pg))
+    W(s)
+    return W(r) + 0
+
+
+def batch_p2p(ctx, rank, x, y):
+    n = WORLD_SIZE
+    outs = c10d.batch_p2p_ops.default(
+        ["isend", "irecv", "isend", "irecv"], [(rank + 1) % n, (rank - 1) % n, (rank + 2) % n, (rank + 2) % n],
+        [0, 0, 1, 1], [x, torch.empty_like(x), y, torch.empty_like(y)], _name(ctx["world"]))
+    outs = [W(o) for o in outs]
+    return outs[1] * 1, outs[3] * 1
+
+
+def mixed_program(ctx, rank, x, w):
+    # TP-style matmul + all_reduce on a sub-group, sequence gather on the world, scatter back
+    h = torch.relu(x @ w)
+    h = funcol.all_reduce(h, "sum", ctx["blocked"])
+    g = funcol.all_gather_single(h, 1, ctx["world"])
+    s = torch.softmax(g, dim=-1)
+    return funcol.reduce_scatter_single(s, "sum", 1, ctx["strided"]) * 1
+
+
+@dataclass
+class Case:
+    fn: Callable
+    shapes: Any  # list of shapes, or rank -> list of shapes
+    exact: bool  # pure data movement: bitwise equal to gloo
+    per_rank: bool = False  # rank-dependent program: one graph per rank
+    near_one: bool = False  # inputs near 1 (products)
+
+
+CASES: dict[str, Case] = {}
+for _op in ("sum", "avg", "max", "min", "product"):
+    for _role in ("world", "strided"):
+        _f = _ar(_op, _role)
+        CASES[_f.__name__] = Case(_f, [(4, 3)], exact=_op in ("max", "min"), near_one=_op == "product")
+CASES.update({
+    "all_reduce_inplace": Case(all_reduce_inplace, [(4, 3)], exact=True),  # 2 summands: exact
+    "all_reduce_coalesced": Case(all_reduce_coalesced, [(4, 3), (2, 5)], exact=False),
+    "all_reduce_coalesced_inplace": Case(all_reduce_coalesced_inplace, [(4, 3), (2, 5)], exact=True),
+    "all_gather_dim0": Case(all_gather_dim0, [(2, 3)], exact=True),
+    "all_gather_dim1": Case(all_gather_dim1, [(2, 3, 2)], exact=True),
+    "all_gather_coalesced": Case(all_gather_coalesced, [(2, 3), (1, 4)], exact=True),
+    "reduce_scatter_sum": Case(reduce_scatter_sum, [(4, 3)], exact=True),
+    "reduce_scatter_avg_dim1": Case(reduce_scatter_avg_dim1, [(2, 8, 3)], exact=False),
+    "reduce_scatter_coalesced": Case(reduce_scatter_coalesced, [(4, 3), (8, 2)], exact=False),
+    "all_to_all_equal": Case(all_to_all_equal, [(8, 3)], exact=True),
+    "all_to_all_uneven": Case(all_to_all_uneven, _a2a_shapes, exact=True, per_rank=True),
+    "all_to_all_subgroup": Case(all_to_all_subgroup, [(6, 2)], exact=True),
+    "broadcast": Case(broadcast, [(3, 3)], exact=True),
+    "broadcast_inplace": Case(broadcast_inplace, [(3, 3)], exact=True),
+    "p2p_ring": Case(p2p_ring, [(2, 3)], exact=True, per_rank=True),
+    "p2p_subgroup": Case(p2p_subgroup, [(2, 3)], exact=True, per_rank=True),
+    "batch_p2p": Case(batch_p2p, [(2, 3), (3,)], exact=True, per_rank=True),
+    "mixed_program": Case(mixed_program, [(2, 4, 8), (8, 8)], exact=False),
+})
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, funcol.AsyncCollectiveTensor):
+        x = x.wait()
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+
+def gloo_job(cases: list[str] | None = None, seed: int = 0) -> dict[str, Any]:
+    """Run cases eagerly on this rank of an initialised (gloo) world of 4 ranks.
+
+    Returns case -> list of plain output tensors (or ``"error: ..."``)."""
+    rank = dist.get_rank()
+    ctx, _ = make_groups(rank)
+    results: dict[str, Any] = {}
+    for case in cases or list(CASES):
+        out = CASES[case].fn(ctx, rank, *_inputs(case, rank, seed))
+        results[case] = _plain(out if isinstance(out, (list, tuple)) else [out])
+    return results
+
+
+def trace_case(case: str, seed: int = 0, *, per_rank: bool | None = None):
+    """make_fx-trace a case on a fake world: returns (graphs, groups, inputs).
+
+    ``graphs`` is one GraphModule traced on rank 0 (with ``groups`` mapping each name to
+    its partition) or, for rank-dependent cases, one graph per rank (``groups`` maps each
+    name to its block).
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ..testing.fake_pg import fake_process_group
+
+    spec = CASES[case]
+    per_rank = spec.per_rank if per_rank is None else per_rank
+    inputs = [_inputs(case, r, seed) for r in range(WORLD_SIZE)]
+    graphs, names = [], {}
+    for r in range(WORLD_SIZE if per_rank else 1):
+        with fake_process_group(WORLD_SIZE, rank=r):
+            ctx, nm = make_groups(r)
+            names.update(nm)
+
+            def f(*args, _ctx=ctx, _r=r):
+                out = spec.fn(_ctx, _r, *args)
+                return list(out) if isinstance(out, (list, tuple)) else [out]
+
+            graphs.append(make_fx(f, tracing_mode="fake")(*inputs[r]))
+    if per_rank:
+        return graphs, names, inputs
+    groups: dict[str, Any] = {}
+    for name, ranks in names.items():
+        part = next((p for p in PARTITIONS.values() if ranks in p), None)
+        groups[name] = part if part is not None else ranks
+    return graphs[0], groups, inputs
