@@ -159,3 +159,46 @@ def test_symbolic_shapes_stay_symbolic():
     (c,) = report.collectives
     assert isinstance(c.input_shapes[0][0], str)  # e.g. "s0"
     assert "s" in str(c.logged_bytes) and c.wire_bytes is not None
+
+
+def _capture_example(name: str, world: int):
+    from commfuse.models import llama, moe, simple_fsdp
+
+    mesh = init_device_mesh("cpu", (world,))
+    if name == "moe":
+        m = moe.parallelize_moe(moe.build_moe(dim=16, num_experts=world * 2, ffn_dim=32, seed=0), mesh)
+        x = moe.make_inputs(world * 2, 4, 16, rank=0, world_size=world).inputs
+    else:
+        cfg = llama.LlamaConfig(n_layers=1, dim=32, n_heads=4, ffn_dim=64)
+        m = simple_fsdp.data_parallel(llama.build_llama(cfg, seed=0), mesh, "fully_shard")
+        x = simple_fsdp.make_inputs(cfg, world * 2, 8, rank=0, world_size=world).inputs
+    return capture_aot_graphs(m, x)
+
+
+def test_moe_graph_tagging():
+    with fake_process_group(8):
+        graphs = _capture_example("moe", 8)
+        fw = commfuse.analyze(graphs["forward"])
+        bw = commfuse.analyze(graphs["backward"])
+    a2a = [c for c in fw.collectives if c.kind == "all_to_all"]
+    assert len(a2a) == 2 and {c.role for c in a2a} == {"ep"} and {c.group_size for c in a2a} == {8}
+    # Dispatch and combine exchange equal shares: wire = 7/8 of the buffer.
+    assert all(c.wire_bytes * 8 == c.logged_bytes * 7 for c in a2a)
+    kinds = sorted(c.kind for c in bw.collectives)
+    assert kinds == ["all_reduce", "all_reduce", "all_to_all", "all_to_all"]
+    # The replicated router/norm gradients are DP all_reduces of gradients.
+    assert {c.role for c in bw.collectives if c.kind == "all_reduce"} == {"dp"}
+
+
+def test_simple_fsdp_graph_tagging():
+    with fake_process_group(8):
+        graphs = _capture_example("fsdp", 8)
+        fw = commfuse.analyze(graphs["forward"])
+        bw = commfuse.analyze(graphs["backward"])
+    assert fw.collectives and {(c.kind, c.role, c.logical_dim) for c in fw.collectives} == {("all_gather", "fsdp", 0)}
+    assert bw.collectives and {(c.kind, c.role, c.reduce_op) for c in bw.collectives} == {
+        ("reduce_scatter", "fsdp", "avg")}
+    # Every parameter is gathered once in forward and its gradient reduce-scattered once in backward.
+    assert len(fw.collectives) == len(bw.collectives)
+    ag = fw.collectives[0]
+    assert ag.logged_bytes * 7 == ag.wire_bytes  # all_gather: logged = send count, wire = (N-1) x send
