@@ -24,6 +24,12 @@ def _label(text: str) -> str:
     return html.escape(text, quote=True)
 
 
+def _collective_label(c, sub: str = "") -> str:
+    dim = "" if c.logical_dim is None else f" dim {c.logical_dim}"
+    return (f"<b>{_label(c.kind.value)}{dim}</b> {_label(c.name)}<br/>{_label(c.group.describe())}"
+            f"<br/>{_label(f'{c.logged_bytes} B logged, {c.wire_bytes} B wire per rank')}{sub}")
+
+
 def graph_to_dot(gm: fx.GraphModule, ir: CollectiveIR, *, title: str = "") -> str:
     colors = {g: _PALETTE[i % len(_PALETTE)] for i, g in enumerate(sorted(ir.groups))}
     coll = {c.start: c for c in ir.collectives}
@@ -39,7 +45,7 @@ def graph_to_dot(gm: fx.GraphModule, ir: CollectiveIR, *, title: str = "") -> st
         if n in coll:
             c = coll[n]
             col = colors[c.group.name]
-            text = f"<b>{_label(c.kind.value)}</b> {_label(n.name)}<br/>{_label(c.group.describe())}{sub}"
+            text = _collective_label(c, sub)
             lines.append(f'  "{_label(n.name)}" [label=<{text}>, style=filled, fillcolor="{col}", fontcolor=white];')
         elif n in wait_of or (n.op == "call_function" and is_wait(n.target)):
             col = colors.get(wait_of[n].group.name, "black") if n in wait_of else "black"
@@ -78,7 +84,7 @@ def condensed_dot(gm: fx.GraphModule, ir: CollectiveIR, *, title: str = "") -> s
         lines.append(f'  "{name}" [label=<{len(nodes)} ops<br/><i>{_label(shown)}</i>>, color=gray];')
     for n, c in coll.items():
         col = colors[c.group.name]
-        text = f"<b>{_label(c.kind.value)}</b> {_label(n.name)}<br/>{_label(c.group.describe())}"
+        text = _collective_label(c)
         lines.append(f'  "{_label(n.name)}" [label=<{text}>, style=filled, fillcolor="{col}", fontcolor=white];')
     for w, c in wait_of.items():
         lines.append(f'  "{_label(w.name)}" [label=<wait {_label(w.name)}>, style=dashed, color="{colors[c.group.name]}"];')
