@@ -115,3 +115,18 @@ def default_store():
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+def copy_graph(graph):
+    """A node-for-node copy of an FX Graph (metadata copied shallowly), same codegen.
+
+    Private: `Graph._tracer_cls`, `Graph._codegen` (the copy must generate the same
+    calling convention, e.g. pytree in/out specs of make_fx graphs).
+    """
+    import torch.fx as fx
+
+    copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    out = copy.graph_copy(graph, {})
+    copy.output(out)
+    copy._codegen = graph._codegen
+    return copy

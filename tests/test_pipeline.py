@@ -347,3 +347,38 @@ def test_optimize_on_make_fx_training_step():
     assert [(c.kind, c.role) for c in report.collectives] == [("all_gather", "fsdp"), ("reduce_scatter", "unknown")]
     assert verify_graph(gm).ok
     assert commfuse.last_report(gm).passes[0].name == "sink_waits"
+
+
+class _WrongMeta(GraphPass):
+    """Test pass: records a wrong shape on a compute node (only fake re-propagation can tell)."""
+
+    name = "test_wrong_meta"
+    stage = Stage.JOINT
+
+    def run(self, ctx):
+        node = next(n for n in ctx.gm.graph.nodes if n.target is torch.ops.aten.relu.default)
+        node.meta["val"] = torch.empty(5, 5, device="meta")
+        return PassResult(changed=True)
+
+
+def test_debug_verifier_repropagates_fake_tensors():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        a = torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0"))
+        return torch.mm(a, w).relu()
+
+    register_pass(_WrongMeta)
+    try:
+        with fake_process_group(2):
+            gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 3), torch.randn(3, 4))
+            ok = make_fx(f, tracing_mode="fake")(torch.randn(4, 3), torch.randn(3, 4))
+        assert verify_graph(ok, deep=True).ok
+        commfuse.optimize(gm, commfuse.Config(passes=["test_wrong_meta"]))  # shallow: not detectable
+        assert commfuse.last_report(gm).passes[0].changed
+        with fake_process_group(2):
+            gm2 = make_fx(f, tracing_mode="fake")(torch.randn(4, 3), torch.randn(3, 4))
+        with pytest.raises(VerificationError, match=r"relu: recorded \(5, 5\)/torch.float32 but computes \(4, 4\)"):
+            commfuse.optimize(gm2, commfuse.Config(passes=["test_wrong_meta"], debug=True, strict=True))
+    finally:
+        unregister_pass("test_wrong_meta")

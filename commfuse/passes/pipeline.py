@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Optional
 
 import torch.fx as fx
 
-from .._torch_private import reset_graph_namespace
+from .._torch_private import copy_graph, reset_graph_namespace
 from ..config import Config
 from ..costmodel.topology import Topology
 from ..dumps import DumpWriter
@@ -39,12 +39,7 @@ log = logging.getLogger("commfuse")
 
 
 def _snapshot(graph: fx.Graph) -> fx.Graph:
-    copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
-    val_map: dict[fx.Node, fx.Node] = {}
-    out = copy.graph_copy(graph, val_map)
-    copy.output(out)
-    copy._codegen = graph._codegen
-    return copy
+    return copy_graph(graph)
 
 
 def _restore(graph: fx.Graph, snapshot: fx.Graph) -> None:

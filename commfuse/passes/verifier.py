@@ -96,7 +96,7 @@ def _check_collective_meta(c, problems: list[str]) -> None:
     elif c.kind is CollectiveKind.REDUCE_SCATTER and n and ins:
         expected = (ins[0] // n, *ins[1:]) if isinstance(ins[0], int) else None
     if expected is not None and tuple(expected) != tuple(out):
-        problems.append(f"{c.name}: {c.kind.value} over {n} ranks maps {list(ins)} to {list(out)}, expected {list(expected)}")
+        problems.append(f"{c.name}: {c.kind.value} over {n if n else '?'} ranks maps {list(ins)} to {list(out)}, expected {list(expected)}")
 
 
 def _check_waits_meta(gm: fx.GraphModule, problems: list[str]) -> None:
