@@ -202,3 +202,27 @@ def test_simple_fsdp_graph_tagging():
     assert len(fw.collectives) == len(bw.collectives)
     ag = fw.collectives[0]
     assert ag.logged_bytes * 7 == ag.wire_bytes  # all_gather: logged = send count, wire = (N-1) x send
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_gather_as_single_view_and_slice_shuffles(batch):
+    """The two other layouts torch 2.13 emits: a view when leading local dims are 1, and slice+cat
+    in the autograd collectives' backward."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        full = funcol.all_gather_tensor_autograd(x, 1, dist.group.WORLD)  # x: [1, s, h] -> view form
+        y = full.tanh()
+        (g,) = torch.autograd.grad(y.sum(), [x])  # backward: reduce_scatter along dim 1
+        return y, g
+
+    with fake_process_group(4):
+        gm = make_fx(f, tracing_mode="fake")(torch.randn(batch, 2, 8, requires_grad=True))
+        report = commfuse.analyze(gm)
+    layouts = {n.target for c in CollectiveIR(gm).collectives for n in c.layout_nodes}
+    if batch == 1:
+        assert layouts == {torch.ops.aten.view.default}
+    got = [(c.kind, c.logical_dim, c.role) for c in report.collectives]
+    assert got == [("all_gather", 1, "sp"), ("reduce_scatter", 1, "sp")], (got, gm.code)

@@ -10,13 +10,13 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
-import commfuse
 from commfuse.ir import kinds as ir_kinds
 from commfuse.ir.kinds import CollectiveArgs, CollectiveKind, CollectiveOpSpec, register_collective_op
 from commfuse.reference import (
     CollectiveMismatchError,
     DeadlockError,
     GroupResolutionError,
+    InFlightMutationError,
     ReferenceInterpreter,
     UnknownCollectiveError,
     register_semantics,
@@ -134,7 +134,8 @@ def _per_rank(fn_for_rank, *args, world=4, setup=None):
 def test_mismatched_collectives_are_reported():
     gms = _per_rank(lambda r: (lambda x: W(c10d.all_reduce.default(x, "sum" if r != 2 else "max", "0"))),
                     torch.randn(2))
-    with pytest.raises(CollectiveMismatchError, match=r"reduce_op differs between ranks: \['sum', 'sum', 'max', 'sum'\]"):
+    with pytest.raises(CollectiveMismatchError,
+                       match=r"reduce_op differs between ranks: \['sum', 'sum', 'max', 'sum'\]"):
         run_reference(gms, _rank_inputs(4, (2,)))
     gms = _per_rank(lambda r: (lambda x: W(c10d.all_reduce.default(x, "sum", "0")) if r else
                                W(c10d.broadcast.default(x, 0, "0"))), torch.randn(2))
@@ -175,7 +176,8 @@ def test_unknown_collective_names_the_op_and_custom_kind_can_be_registered():
     register_collective_op(op, CollectiveOpSpec(CollectiveKind.M2MS, lambda a, k: CollectiveArgs((a[0],), a[1])))
     try:
         gm = _trace(lambda x: W(op(x, "0")), torch.randn(2))
-        with pytest.raises(UnknownCollectiveError, match=r"commfuse_reftest::m2ms .*kind 'many_to_many_scatter'.*register"):
+        with pytest.raises(UnknownCollectiveError,
+                           match=r"commfuse_reftest::m2ms .*kind 'many_to_many_scatter'.*register"):
             run_reference(gm, _rank_inputs(2, (2,)))
 
         def reversed_gather(calls):  # test semantics: every rank gets the inputs in reverse rank order
@@ -226,13 +228,16 @@ def gloo_results(rank_pool_4):
     return rank_pool_4.run(cc.gloo_job, None, 0, timeout=180)
 
 
+# every case as one SPMD graph and as one graph per rank (rank-dependent programs: per rank only)
+_GLOO_PARAMS = [pytest.param(case, per_rank, id=f"{case}-{'graph_per_rank' if per_rank else 'one_graph'}")
+                for case in sorted(cc.CASES) for per_rank in (False, True)
+                if per_rank or not cc.CASES[case].per_rank]
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("per_rank", [False, True], ids=["one_graph", "graph_per_rank"])
-@pytest.mark.parametrize("case", sorted(cc.CASES))
+@pytest.mark.parametrize("case, per_rank", _GLOO_PARAMS)
 def test_reference_matches_gloo(gloo_results, case, per_rank):
     spec = cc.CASES[case]
-    if spec.per_rank and not per_rank:
-        pytest.skip("rank-dependent program (p2p peers / uneven splits): one graph per rank only")
     graphs, groups, inputs = cc.trace_case(case, per_rank=per_rank)
     outs = run_reference(graphs, inputs, groups=groups)
     for r in range(cc.WORLD_SIZE):
@@ -242,6 +247,23 @@ def test_reference_matches_gloo(gloo_results, case, per_rank):
             assert_close_tree(outs[r], gloo_results[r][case], msg=f"{case} on rank {r}", summands=cc.WORLD_SIZE)
 
 
-def test_commfuse_public_namespace_untouched():
-    # the reference is a subpackage; importing it must not change commfuse's top-level API
-    assert not hasattr(commfuse, "run_reference")
+def test_input_modified_while_in_flight_is_a_race():
+    c = c10d
+
+    def f(x):
+        work = c.all_gather_into_tensor.default(x, 2, "0")
+        x.add_(1)  # x is read by the in-flight gather: modifying it before the wait is a race
+        return W(work)
+
+    gm = _trace(f, torch.randn(2), world=2)
+    with pytest.raises(InFlightMutationError, match=r"all_gather_into_tensor .*modified before its wait wait_tensor"):
+        run_reference(gm, _rank_inputs(2, (2,)))
+
+    def ok(x):
+        y = W(c.all_gather_into_tensor.default(x, 2, "0"))
+        x.add_(1)
+        return y
+
+    gm = _trace(ok, torch.randn(2), world=2)
+    ins = _rank_inputs(2, (2,))
+    assert torch.equal(run_reference(gm, ins)[1], torch.cat([ins[0][0], ins[1][0]]))

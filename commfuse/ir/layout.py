@@ -7,6 +7,11 @@ dim-0 collective plus a shuffle:
 * reduce_scatter along d: ``reduce_scatter(cat(split(x, xd/N, d)[0..N-1], 0))``
 * all_to_all from split dim s to concat dim c: the same shuffles on both sides.
 
+Two other forms PyTorch 2.13 emits are recognised too: the pieces may be N equal,
+in-order ``aten.slice`` calls instead of a split (the autograd collectives'
+backward), and when every dim before d has local size 1 a gather along d is a
+single ``view`` (``torch._utils._maybe_view_chunk_cat``: ``[N, s, h] -> [1, N*s, h]``).
+
 Matching is exact: the split must produce exactly N equal pieces consumed in
 order by one cat and by nothing else; otherwise the collective is reported as
 the dim-0 collective it literally is.
@@ -25,6 +30,7 @@ from .shapes import shape_of
 aten = torch.ops.aten
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _CATS = {aten.cat.default}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 @dataclass
@@ -71,11 +77,78 @@ def _equal_pieces(split: fx.Node, n: int) -> bool:
     return len(shapes) == n and all(s is not None and s == shapes[0] for s in shapes)
 
 
-def match_gather_shuffle(wait: fx.Node, group_size: int | None) -> Shuffle | None:
-    """wait -> split(dim 0, N pieces) -> one cat(dim d) of all pieces in order."""
-    if group_size is None or len(wait.users) != 1:
+def _slice_pieces(src: fx.Node, pieces: list, n: int) -> int | None:
+    """The dim along which `pieces` are N equal, in-order, covering slices of `src`, else None."""
+    shape = shape_of(src)
+    if shape is None or len(pieces) != n:
         return None
-    (split,) = wait.users
+    dim = None
+    for i, p in enumerate(pieces):
+        if not isinstance(p, fx.Node) or p.target is not aten.slice.Tensor or p.args[0] is not src:
+            return None
+        d = _arg(p, 1, "dim", 0) % len(shape)
+        start, end = _arg(p, 2, "start", 0), _arg(p, 3, "end", None)
+        size = shape[d]
+        if not isinstance(size, int) or size % n or (dim is not None and d != dim):
+            return None
+        k = size // n
+        if start != i * k or (end if end is not None else size) not in ((i + 1) * k,) + ((size,) if i == n - 1 else ()):
+            return None
+        dim = d
+    return dim
+
+
+def _match_view_gather(wait: fx.Node, view: fx.Node, n: int) -> Shuffle | None:
+    """[N*a0, ...] viewed as the cat along d, valid when every local dim before d has size 1."""
+    ins, outs = shape_of(wait), shape_of(view)
+    if ins is None or outs is None or len(ins) != len(outs) or not ins or not isinstance(ins[0], int):
+        return None
+    if ins[0] % n:
+        return None
+    local = (ins[0] // n, *ins[1:])
+    diff = [d for d in range(len(outs)) if outs[d] != local[d]]
+    if len(diff) != 1 or diff[0] == 0:
+        return None
+    d = diff[0]
+    if outs[d] != local[d] * n or any(local[j] != 1 for j in range(d)):
+        return None
+    return Shuffle(dim=d, outer=view, nodes=[view])
+
+
+def _match_view_scatter(inp: fx.Node, n: int) -> Shuffle | None:
+    """A [1, .., N*s_d, ..] tensor viewed as [N, .., s_d, ..]: the scatter along d (leading local dims 1)."""
+    src = inp.args[0] if inp.args else None
+    ins, outs = shape_of(src), shape_of(inp)
+    if ins is None or outs is None or len(ins) != len(outs) or not outs or not isinstance(outs[0], int):
+        return None
+    if outs[0] % n:
+        return None
+    local = (outs[0] // n, *outs[1:])
+    diff = [d for d in range(len(ins)) if ins[d] != local[d]]
+    if len(diff) != 1 or diff[0] == 0:
+        return None
+    d = diff[0]
+    if ins[d] != local[d] * n or any(local[j] != 1 for j in range(d)):
+        return None
+    return Shuffle(dim=d, outer=src, nodes=[inp])
+
+
+def match_gather_shuffle(wait: fx.Node, group_size: int | None) -> Shuffle | None:
+    """wait -> split(dim 0, N pieces) -> one cat(dim d) of all pieces in order (or the slice/view forms)."""
+    if group_size is None or not wait.users:
+        return None
+    users = list(wait.users)
+    if len(users) == group_size and len({u for p in users for u in p.users}) == 1:
+        cat = next(iter(users[0].users))
+        if cat.op == "call_function" and cat.target in _CATS and all(len(p.users) == 1 for p in users):
+            pieces = list(cat.args[0])
+            if set(pieces) == set(users) and _slice_pieces(wait, pieces, group_size) == 0:
+                return Shuffle(dim=_cat_dim(cat), outer=cat, nodes=[*pieces, cat])
+    if len(users) != 1:
+        return None
+    (split,) = users
+    if split.op == "call_function" and split.target in _VIEWS:
+        return _match_view_gather(wait, split, group_size)
     if split.op != "call_function" or split.target not in _SPLITS or _split_dim(split) != 0:
         return None
     pieces = _ordered_getitems(split, group_size)
@@ -91,12 +164,23 @@ def match_gather_shuffle(wait: fx.Node, group_size: int | None) -> Shuffle | Non
 
 
 def match_scatter_shuffle(inp: fx.Node, group_size: int | None) -> Shuffle | None:
-    """x -> split(dim d, N pieces) -> cat(dim 0) of all pieces in order -> collective input."""
-    if group_size is None or inp.op != "call_function" or inp.target not in _CATS or _cat_dim(inp) != 0:
+    """x -> split(dim d, N pieces) -> cat(dim 0) of all pieces in order -> collective input
+    (or the slice/view forms)."""
+    if group_size is None or inp.op != "call_function":
+        return None
+    if inp.target in _VIEWS and len(inp.users) == 1:
+        return _match_view_scatter(inp, group_size)
+    if inp.target not in _CATS or _cat_dim(inp) != 0:
         return None
     if len(inp.users) != 1:
         return None
     pieces = list(inp.args[0])
+    srcs = {p.args[0] for p in pieces if isinstance(p, fx.Node) and p.target is aten.slice.Tensor}
+    if len(srcs) == 1 and all(len(p.users) == 1 for p in pieces):
+        (src,) = srcs
+        d = _slice_pieces(src, pieces, group_size)
+        if d is not None:
+            return Shuffle(dim=d, outer=src, nodes=[*pieces, inp])
     if len(pieces) != group_size or any(
         not isinstance(p, fx.Node) or p.target is not operator.getitem or len(p.users) != 1 for p in pieces
     ):

@@ -63,12 +63,17 @@ def verify_graph(gm: fx.GraphModule, *, ir: CollectiveIR | None = None, deep: bo
 
 def _check_waits(c, problems: list[str]) -> None:
     outputs = [g for g in c.start.users] if c.coalesced else [c.start]
+    order = {n: i for i, n in enumerate(c.start.graph.nodes)} if c.inplace else {}
     for out in outputs:
         if c.coalesced and not (out.op == "call_function" and out.target is operator.getitem):
             problems.append(f"{c.name}: coalesced result used by {out.name} without getitem/wait")
             continue
         waits = [u for u in out.users if u.op == "call_function" and is_wait(u.target)]
         others = [u for u in out.users if u not in waits]
+        if c.inplace and len(waits) == 1:
+            # An in-place collective's result *is* its input buffer: tracing records later
+            # reads of that buffer as uses of the collective node. Only reads before the wait race.
+            others = [u for u in others if order[u] < order[waits[0]]]
         if not waits:
             problems.append(f"{c.name}: {c.kind.value} result {out.name} is never waited (missing wait_tensor)")
         elif len(waits) > 1:

@@ -12,6 +12,7 @@ from .errors import (
     CollectiveMismatchError,
     DeadlockError,
     GroupResolutionError,
+    InFlightMutationError,
     ReferenceSemanticsError,
     UnknownCollectiveError,
 )
@@ -27,7 +28,8 @@ from .semantics import (
 )
 
 __all__ = [
-    "CollectiveMismatchError", "DeadlockError", "GroupResolutionError", "GroupSpec", "GroupTable", "P2PPlan",
+    "CollectiveMismatchError", "DeadlockError", "GroupResolutionError", "GroupSpec", "GroupTable",
+    "InFlightMutationError", "P2PPlan",
     "RankCall", "ReferenceInterpreter", "ReferenceSemanticsError", "UnknownCollectiveError",
     "groups_from_process_groups", "reduce_tensors", "register_semantics", "registered_kinds", "run_reference",
     "unregister_semantics",

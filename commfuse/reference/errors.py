@@ -27,3 +27,8 @@ class CollectiveMismatchError(ReferenceSemanticsError):
 class DeadlockError(ReferenceSemanticsError):
     """Some ranks can never proceed: a collective some members never reach, a receive with
     no matching send, or a send nobody receives. On real hardware: a hang."""
+
+
+class InFlightMutationError(ReferenceSemanticsError):
+    """A tensor a collective (or send) reads was modified between the collective's issue and
+    its wait. Real backends read the input asynchronously until the wait: a data race."""

@@ -49,7 +49,8 @@ class GroupTable:
         elif all(isinstance(r, int) for r in spec):
             blocks = [tuple(int(r) for r in spec)]
         else:
-            raise GroupResolutionError(f"group {name!r}: expected a list of ranks or a list of rank lists, got {spec!r}")
+            raise GroupResolutionError(
+                f"group {name!r}: expected a list of ranks or a list of rank lists, got {spec!r}")
         seen: set[int] = set()
         for b in blocks:
             if not b:
@@ -88,7 +89,9 @@ class GroupTable:
         return block
 
 
-def groups_from_process_groups(pgs: Iterable, partitions: Sequence[Sequence[Sequence[int]]] = ()) -> dict[str, GroupSpec]:
+def groups_from_process_groups(
+    pgs: Iterable, partitions: Sequence[Sequence[Sequence[int]]] = ()
+) -> dict[str, GroupSpec]:
     """Mapping for live process groups (e.g. created with ``dist.new_group`` under a fake
     process group): name -> its ranks, or -> the partition among ``partitions`` that
     contains its ranks (for one SPMD graph run on all ranks)."""

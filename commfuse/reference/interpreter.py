@@ -13,7 +13,10 @@ overlaps or orders it; the pass fuzzer compares optimised graphs with their inpu
 on it. What it checks on the way: every member of a group issues the same op with
 matching arguments (else :class:`CollectiveMismatchError`), group sizes agree with
 the group mapping, every rank can proceed (else :class:`DeadlockError`: what would
-be a hang), and every send is received.
+be a hang), every send is received, and nothing modifies a tensor a collective reads
+(its input; for in-place collectives its buffer; for sends the sent tensor) between
+the collective and its wait (else :class:`InFlightMutationError`: real backends read
+it asynchronously until the wait).
 
 Two ways to give the program:
 
@@ -42,7 +45,13 @@ import torch
 import torch.fx as fx
 
 from ..ir.kinds import CollectiveOpSpec, collective_spec, is_wait
-from .errors import CollectiveMismatchError, DeadlockError, ReferenceSemanticsError, UnknownCollectiveError
+from .errors import (
+    CollectiveMismatchError,
+    DeadlockError,
+    InFlightMutationError,
+    ReferenceSemanticsError,
+    UnknownCollectiveError,
+)
 from .groups import GroupSpec, GroupTable
 from .semantics import P2PPlan, RankCall, Semantics, _op_name, semantics_for
 
@@ -164,6 +173,11 @@ class _Rank:
     # blocked state
     wait_key: tuple | None = None  # rendezvous key
     p2p: tuple[P2PPlan, RankCall, list[tuple]] | None = None  # plan, call, mailbox keys of its receives
+    # id(result tensor) -> (node, [(tensor read by the collective, its bits at issue)]): checked at the wait
+    inflight: dict = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.inflight = {}
 
 
 class ReferenceInterpreter:
@@ -191,7 +205,8 @@ class ReferenceInterpreter:
         else:
             graphs = list(graphs)
             if len(graphs) != world_size:
-                raise ValueError(f"got {len(graphs)} graphs for a world of {world_size} ranks (need one or one per rank)")
+                raise ValueError(f"got {len(graphs)} graphs for a world of {world_size} ranks "
+                                 f"(give one graph, or one per rank)")
             cache: dict[int, list[_Instr]] = {}
             for g in graphs:
                 if id(g) not in cache:
@@ -254,7 +269,10 @@ class ReferenceInterpreter:
                 env[st.pc] = out
                 st.pc += 1
             elif k == _WAIT:
-                env[st.pc] = _load(ins.args, env)[0]
+                val = _load(ins.args, env)[0]
+                if st.inflight:
+                    self._check_inflight(st, val, ins.node)
+                env[st.pc] = val
                 st.pc += 1
             elif k == _COLLECTIVE:
                 if not self._collective(st, ins):
@@ -294,7 +312,8 @@ class ReferenceInterpreter:
                                           f"{_op_name(ins.target)}: {e!r}") from e
         block = self.groups.resolve(parsed.group_name, st.rank)
         return RankCall(rank=st.rank, group_rank=block.index(st.rank), group=block, group_name=parsed.group_name,
-                        args=parsed, raw_args=tuple(a), raw_kwargs=dict(kw), spec=ins.spec, node=ins.node)
+                        args=parsed, raw_args=tuple(a), raw_kwargs=dict(kw), spec=ins.spec, node=ins.node,
+                        target=ins.target)
 
     def _collective(self, st: _Rank, ins: _Instr) -> bool:
         call = self._call(st, ins)
@@ -316,7 +335,7 @@ class ReferenceInterpreter:
         del self._rv[key]
         members = [arrived[r] for r in call.group]
         calls = [c for _, c in members]
-        targets = {c.node.target for c in calls}
+        targets = {c.target for c in calls}
         if len(targets) > 1:
             ops = "; ".join(c.where() for c in calls)
             raise CollectiveMismatchError(f"ranks of group {call.group_name!r} {list(call.group)} issue different "
@@ -328,6 +347,7 @@ class ReferenceInterpreter:
         for (mst, c), res in zip(members, results):
             if c.spec.inplace:
                 res = _write_inplace(c, res)
+            _watch(mst, c, res, c.tensors)
             mst.env[mst.pc] = res
             mst.pc += 1
             mst.wait_key = None
@@ -366,10 +386,24 @@ class ReferenceInterpreter:
                     f"but it sent {tuple(msg.shape)}/{msg.dtype}")
             buf.copy_(msg)
             got.append(buf)
-        st.env[st.pc] = plan.finish(got)
+        res = plan.finish(got)
+        if plan.sends:
+            _watch(st, call, res, _sent_tensors(call))
+        st.env[st.pc] = res
         st.pc += 1
         st.p2p = None
         return True
+
+    def _check_inflight(self, st: _Rank, val: Any, wait: fx.Node) -> None:
+        entry = st.inflight.pop(id(val), None)
+        if entry is None:
+            return
+        node, watched = entry
+        for t, snap in watched:
+            if not _same_bits(t, snap):
+                raise InFlightMutationError(
+                    f"rank {st.rank}: a tensor read by {node.name} ({_op_name(node.target)}) was modified before "
+                    f"its wait {wait.name}: the collective may still be reading it (data race)")
 
     def _describe_stuck(self, stuck: list[_Rank]) -> str:
         lines = []
@@ -388,6 +422,36 @@ class ReferenceInterpreter:
             else:
                 lines.append(where)
         return "deadlock (on real hardware: a hang):\n  " + "\n  ".join(lines)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
+    return torch.equal(a, b)
+
+
+def _sent_tensors(call: RankCall) -> list[torch.Tensor]:
+    if call.spec.coalesced:  # batch_p2p: the isend entries (others: receive buffers, not read)
+        a, k = call.raw_args, call.raw_kwargs
+        ops = a[0] if len(a) > 0 else k["op_list"]
+        tensors = a[3] if len(a) > 3 else k["tensors"]
+        return [t if op == "isend" else None for op, t in zip(ops, tensors)]
+    return [call.tensors[0]]
+
+
+def _watch(st: _Rank, call: RankCall, result: Any, read: list) -> None:
+    """Remember what the collective reads, to check at its wait(s) that nobody modified it."""
+    results = list(result) if isinstance(result, (list, tuple)) else [result]
+    if len(results) == len(read):  # coalesced: result i is waited separately and covers input i
+        pairs = [(r, [t]) for r, t in zip(results, read)]
+    else:
+        pairs = [(r, list(read)) for r in results]
+    for r, ts in pairs:
+        if isinstance(r, torch.Tensor):
+            st.inflight[id(r)] = (call.node, [(t, t.clone()) for t in ts if isinstance(t, torch.Tensor)])
 
 
 def _write_inplace(call: RankCall, result: Any) -> Any:

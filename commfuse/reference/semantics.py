@@ -59,6 +59,7 @@ class RankCall:
     raw_kwargs: dict
     spec: CollectiveOpSpec
     node: fx.Node  # this rank's node
+    target: Any = None  # the op (as compiled; the node may have been rewritten since)
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -72,7 +73,7 @@ class RankCall:
         return out
 
     def where(self) -> str:
-        return f"rank {self.rank} node {self.node.name} ({_op_name(self.node.target)})"
+        return f"rank {self.rank} node {self.node.name} ({_op_name(self.target)})"
 
 
 @dataclass
@@ -153,7 +154,7 @@ def _mismatch(calls: list[RankCall], what: str) -> CollectiveMismatchError:
     c0 = calls[0]
     ops = "; ".join(c.where() for c in calls)
     return CollectiveMismatchError(
-        f"{_op_name(c0.node.target)} on group {c0.group_name!r} (ranks {list(c0.group)}): {what} [{ops}]"
+        f"{_op_name(c0.target)} on group {c0.group_name!r} (ranks {list(c0.group)}): {what} [{ops}]"
     )
 
 

@@ -1,0 +1,86 @@
+"""Command line: ``python -m commfuse.fuzz --programs 20000 --seed 1 --jobs 2``.
+
+Exit status 1 when any failure was found (0 otherwise), so a campaign can gate a release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m commfuse.fuzz", description=__doc__)
+    ap.add_argument("--programs", type=int, default=500, help="programs to check (default 500)")
+    ap.add_argument("--seed", type=int, default=0, help="campaign seed (program i: random.Random(f'{seed}:{i}'))")
+    ap.add_argument("--start", type=int, default=0, help="first program index")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (built-in passes only)")
+    ap.add_argument("--time-limit", type=float, default=None, help="stop after this many seconds")
+    ap.add_argument("--passes", default=None, help="comma-separated pass names (default: every registered pass)")
+    ap.add_argument("--no-default", action="store_true", help="do not also check the default pipeline")
+    ap.add_argument("--no-shrink", action="store_true", help="report failures without shrinking them")
+    ap.add_argument("--save-dir", default=None, help="save shrunk failures here (e.g. tests/fuzz_regressions)")
+    ap.add_argument("--report", default=None, help="write the campaign report as JSON to this file")
+    ap.add_argument("--show", default=None, metavar="SEED:INDEX", help="print one program and its traced graph")
+    ap.add_argument("--replay", nargs="*", default=None, metavar="CASE.json", help="replay saved regression cases")
+    ap.add_argument("--feature", action="append", default=[], help="optional generator feature, e.g. "
+                    "inplace_buffer_reads (see commfuse.fuzz.generator.FEATURES)")
+    ap.add_argument("--check-ir", action="store_true", help="also check the CollectiveIR against each program")
+    ap.add_argument("-q", "--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+
+    from . import campaign, regressions
+    from .check import all_pipelines, check_program
+
+    log = None if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
+    passes = a.passes.split(",") if a.passes else None
+
+    if a.show:
+        seed, index = (int(x) for x in a.show.split(":"))
+        pipes = all_pipelines(passes, include_default=not a.no_default)
+        prog = campaign.program_for(seed, index, pipes, a.feature)
+        print(json.dumps(prog.to_json(), indent=1, sort_keys=True))
+        from .check import prepare
+
+        prep = prepare(prog)
+        for r, gm in enumerate(prep.traced.graphs):
+            print(f"# graph (rank {r if prep.traced.per_rank else 'any'}); groups {prep.traced.groups}")
+            print(gm.code)
+        res = check_program(prog, pipes, check_ir=a.check_ir)
+        print("\n".join(f.headline() for f in res.failures) or "passes every pipeline")
+        return 1 if res.failures else 0
+
+    if a.replay is not None:
+        paths = a.replay or sorted(str(p) for p in Path("tests/fuzz_regressions").glob("*.json"))
+        bad = 0
+        for p in paths:
+            reg = regressions.load_regression(p)
+            _, fails = regressions.replay(reg)
+            state = "FAILS" if fails else "passes"
+            bad += bool(fails)
+            print(f"{p}: {state} ({reg.status}) {reg.title}")
+            for f in fails:
+                print("   ", f.headline())
+        return 1 if bad else 0
+
+    if a.jobs > 1:
+        rep = campaign.run_parallel(a.programs, a.seed, a.jobs, passes=passes, include_default=not a.no_default,
+                                    shrink_failures=not a.no_shrink, save_dir=a.save_dir, time_limit=a.time_limit,
+                                    start=a.start, features=a.feature, check_ir=a.check_ir)
+    else:
+        rep = campaign.run_campaign(a.programs, a.seed, start=a.start, time_limit=a.time_limit,
+                                    pipelines=all_pipelines(passes, include_default=not a.no_default),
+                                    shrink_failures=not a.no_shrink, save_dir=a.save_dir, progress=log,
+                                    features=a.feature, check_ir=a.check_ir)
+    print(rep.summary())
+    if a.report:
+        Path(a.report).write_text(json.dumps(rep.to_json(), indent=1) + "\n")
+    return 1 if rep.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

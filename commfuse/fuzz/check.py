@@ -1,0 +1,379 @@
+"""Check one program: every pass alone and the default pipeline, against the reference.
+
+For a program, :func:`check_program`
+
+1. traces it on a fake world (one SPMD graph traced on rank 0, or one graph per rank
+   when ranks run different code) and runs the verifier on the traced graph;
+2. runs it on the reference interpreter (the expected per-rank outputs; for joint
+   programs the outputs include the gradients);
+3. for every pipeline (each registered pass alone, ``Config(passes=[name], strict=True)``,
+   and the default pipeline, ``Config(strict=True)``): optimises a copy of every graph
+   with :func:`commfuse.optimize` inside the same fake world, requires the verifier to
+   accept the result, runs it on the reference and compares every rank's outputs with
+   the expected ones (bitwise for passes registered ``exact``, else the tolerance policy).
+
+Failures are classified (:data:`FAILURE_KINDS`); ``generator`` failures are bugs of the
+fuzzer itself (a program the reference cannot run before any pass touched it).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..config import Config
+from ..errors import PassError, VerificationError
+from ..passes.registry import DEFAULT_PIPELINE, available_passes
+from ..passes.verifier import verify_graph
+from ..reference import ReferenceInterpreter, ReferenceSemanticsError
+from ..testing.fake_pg import fake_process_group
+from ..testing.numerics import tolerances
+from .program import Program, Traced, create_groups, make_inputs, trace_rank
+from .targets import fuzz_target
+
+FAILURE_KINDS = {
+    "input_rejected": "the verifier rejects the traced (unoptimised) graph, so no pass runs on it",
+    "pass_error": "a pass raised (strict mode)",
+    "verifier": "the verifier rejected a pass's output",
+    "reference_error": "the optimised graph cannot run on the reference (deadlock, mismatched collectives, race)",
+    "mismatch": "the optimised graph computes different values",
+    "contract": "a pass registered keeps_collective_order changed the collective sequence (verifier hashes)",
+    "generator": "the fuzzer generated a program it cannot trace or run (a fuzzer bug)",
+    "ir": "(with check_ir) the CollectiveIR disagrees with the program about a forward collective "
+          "(kind, group, reduce op, logical gather/scatter/split/concat dim)",
+}
+
+_IR_KIND = {
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_inplace": "all_reduce",
+    "all_reduce_coalesced_inplace": "all_reduce", "all_gather": "all_gather", "all_gather_coalesced": "all_gather",
+    "reduce_scatter": "reduce_scatter", "reduce_scatter_coalesced": "reduce_scatter", "all_to_all": "all_to_all",
+    "all_to_all_uneven": "all_to_all", "broadcast": "broadcast", "broadcast_inplace": "broadcast",
+}
+
+
+def ir_problems(program: Program, gm: fx.GraphModule) -> list[str]:
+    """Compare the IR of rank 0's traced graph with the program's forward collectives (the
+    first collectives in graph order, in program order; backward ones follow in joint graphs).
+    Must run inside the fake world the graph was traced in (group ranks resolve there)."""
+    from ..ir.graph_ir import CollectiveIR
+
+    cs = CollectiveIR(gm).collectives
+    expected: list[tuple[dict, Optional[str]]] = []
+    for op in program.ops:
+        if op["op"] == "p2p":
+            expected += [(op, "batch_p2p")] if op.get("batch") else [(op, "send"), (op, "recv")]
+        elif op["op"] in _IR_KIND:
+            expected.append((op, _IR_KIND[op["op"]]))
+    if len(cs) < len(expected):
+        return [f"the IR finds {len(cs)} collectives, the program issues at least {len(expected)}"]
+    problems = []
+    for (op, kind), c in zip(expected, cs):
+        part = program.groups[op["group"]]
+        n = len(part[0])
+        where = f"{c.name} (program op {op['op']} {op['out']})"
+        if c.kind.value != kind:
+            problems.append(f"{where}: kind {c.kind.value}, expected {kind}")
+            continue
+        if c.group.size != n or (c.group.ranks is not None and list(c.group.ranks) not in [list(b) for b in part]):
+            problems.append(f"{where}: group size {c.group.size} ranks {c.group.ranks}, expected one of {part}")
+        if "reduce" in op and c.reduce_op != op["reduce"]:
+            problems.append(f"{where}: reduce op {c.reduce_op}, expected {op['reduce']}")
+        if n > 1 and op["op"] in ("all_gather", "reduce_scatter") and c.logical_dim != op["dim"]:
+            problems.append(f"{where}: logical dim {c.logical_dim}, expected {op['dim']} "
+                            f"(input {c.input_shapes}, output {c.output_shapes})")
+        if n > 1 and op["op"] == "all_to_all" and (c.logical_dim, c.logical_concat_dim) != \
+                (op["split_dim"], op["concat_dim"]):
+            problems.append(f"{where}: logical dims {c.logical_dim}->{c.logical_concat_dim}, expected "
+                            f"{op['split_dim']}->{op['concat_dim']}")
+    return problems
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """A pass list to check: one pass alone (``name`` = the pass) or the default pipeline."""
+
+    name: str
+    passes: Optional[tuple[str, ...]]  # None: the default pipeline
+    exact: bool = False
+    topology: Any = None
+    keeps_order: bool = False
+
+    def config(self) -> Config:
+        return Config(passes=list(self.passes) if self.passes is not None else None, strict=True,
+                      topology=self.topology)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "passes": list(self.passes) if self.passes is not None else None,
+                "exact": self.exact}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PipelineSpec":
+        passes = d.get("passes")
+        if d["name"] == "default":
+            return default_pipeline()
+        return single_pass_pipeline(passes[0]) if passes and len(passes) == 1 else \
+            cls(d["name"], tuple(passes) if passes is not None else None, d.get("exact", False))
+
+
+def single_pass_pipeline(name: str) -> PipelineSpec:
+    t = fuzz_target(name)
+    return PipelineSpec(name, (name,), exact=t.exact, topology=t.topology, keeps_order=t.keeps_collective_order)
+
+
+def default_pipeline() -> PipelineSpec:
+    targets = [fuzz_target(p) for p in DEFAULT_PIPELINE]
+    return PipelineSpec("default", None, exact=all(t.exact for t in targets),
+                        keeps_order=all(t.keeps_collective_order for t in targets))
+
+
+def all_pipelines(passes: Optional[Sequence[str]] = None, *, include_default: bool = True) -> list[PipelineSpec]:
+    names = sorted(available_passes()) if passes is None else list(passes)
+    out = [single_pass_pipeline(p) for p in names]
+    if include_default:
+        out.append(default_pipeline())
+    return out
+
+
+def applicable(pipe: PipelineSpec, program: Program) -> bool:
+    if pipe.passes is None:
+        return True
+    return all(fuzz_target(p).accepts(program) for p in pipe.passes)
+
+
+@dataclass
+class Failure:
+    pipeline: str
+    kind: str
+    message: str
+
+    def signature(self) -> tuple[str, str, str]:
+        """(pipeline, kind, exception type): what a shrunk program must still reproduce."""
+        m = re.search(r"\b([A-Z]\w*(?:Error|Exception))\b", self.message)
+        exc = m.group(1) if m and self.kind in ("generator", "pass_error", "reference_error") else ""
+        return self.pipeline, self.kind, exc
+
+    def headline(self) -> str:
+        lines = [ln.strip() for ln in self.message.strip().splitlines() if ln.strip()]
+        first = lines[0] if lines else ""
+        if first.endswith(":") and len(lines) > 1:
+            first = f"{first} {lines[1]}"
+        return f"[{self.pipeline}] {self.kind}: {first[:300]}"
+
+
+@dataclass
+class CheckResult:
+    program: Program
+    failures: list[Failure] = field(default_factory=list)
+    pipelines_run: list[str] = field(default_factory=list)
+    graph_nodes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def _copy_gm(gm: fx.GraphModule) -> fx.GraphModule:
+    g = fx.Graph(tracer_cls=gm.graph._tracer_cls)
+    out = g.graph_copy(gm.graph, {})
+    g.output(out)
+    g._codegen = gm.graph._codegen
+    new = fx.GraphModule(gm, g)
+    new.meta = {k: v for k, v in gm.meta.items() if k != "commfuse_reports"}
+    return new
+
+
+def _optimize(gm: fx.GraphModule, pipe: PipelineSpec, before=None) -> Optional[Failure]:
+    """Run the pipeline on ``gm``; ``before``: the input's verifier report (for order contracts)."""
+    import commfuse
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            commfuse.optimize(gm, pipe.config())
+    except VerificationError as e:
+        return Failure(pipe.name, "verifier", str(e))
+    except PassError as e:
+        return Failure(pipe.name, "pass_error", f"{e}\n{''.join(traceback.format_exception(e.cause))[-3000:]}")
+    except Exception as e:  # noqa: BLE001 - anything a pipeline raises is a failure of that pipeline
+        return Failure(pipe.name, "pass_error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
+    v = verify_graph(gm)
+    if not v.ok:
+        return Failure(pipe.name, "verifier", "verifier rejects the optimised graph:\n  " + "\n  ".join(v.problems))
+    if pipe.keeps_order and before is not None and (v.sequence_hashes, v.order_hash) != \
+            (before.sequence_hashes, before.order_hash):
+        return Failure(pipe.name, "contract", f"collective sequence changed: per-group hashes "
+                       f"{before.sequence_hashes} -> {v.sequence_hashes}, order {before.order_hash} -> {v.order_hash}")
+    return None
+
+
+@dataclass
+class Prepared:
+    """A traced program, its reference (compiled before any pass ran) and its optimised graphs."""
+
+    traced: Traced
+    reference: ReferenceInterpreter
+    optimised: dict[str, list]  # pipeline name -> optimised graphs (one, or one per rank)
+    failures: list[Failure]
+    graph_nodes: int = 0  # nodes of the traced graphs (before any pass)
+
+
+def _groups_mapping(program: Program, names: dict[str, list[int]]) -> dict[str, Any]:
+    if program.per_rank:
+        return dict(names)  # one graph per rank: every name is one block
+    out: dict[str, Any] = {}
+    for name, ranks in names.items():  # one SPMD graph: a name stands for its whole partition
+        out[name] = next((part for part in program.groups.values() if list(ranks) in [list(b) for b in part]),
+                         list(ranks))
+    return out
+
+
+def prepare(program: Program, pipelines: Sequence[PipelineSpec] = (), *, check_ir: bool = False) -> Prepared:
+    """Trace ``program`` (in a fake world per traced rank), compile its reference, and optimise
+    a copy of every graph with every pipeline (in the same fake worlds)."""
+    n = program.world_size
+    inputs = [make_inputs(program, r) for r in range(n)]
+    ranks = list(range(n)) if program.per_rank else [0]
+    graphs, names_all, pre_reports = [], {}, []
+    failures: list[Failure] = []
+    rejected = False
+    for r in ranks:
+        with fake_process_group(n, rank=r):
+            gm, names = trace_rank(program, r, inputs[r])
+            if check_ir and r == 0:
+                probs = ir_problems(program, gm)
+                if probs:
+                    failures.append(Failure("ir", "ir", "the IR disagrees with the program:\n  " + "\n  ".join(probs)))
+        graphs.append(gm)
+        names_all.update(names)
+        pre = verify_graph(gm)
+        pre_reports.append(pre)
+        if not pre.ok and not rejected:
+            rejected = True
+            failures.append(Failure("input", "input_rejected",
+                                    "verifier rejects the traced graph:\n  " + "\n  ".join(pre.problems)))
+    traced = Traced(program, graphs, _groups_mapping(program, names_all), inputs)
+    reference = ReferenceInterpreter(graphs[0] if len(graphs) == 1 else graphs, n, traced.groups)
+    nodes = sum(len(g.graph.nodes) for g in graphs)
+    optimised: dict[str, list] = {}
+    if rejected:
+        return Prepared(traced, reference, optimised, failures, nodes)
+    failed: set[str] = set()
+    for r, gm, pre in zip(ranks, graphs, pre_reports):
+        with fake_process_group(n, rank=r):
+            create_groups(program, r)  # the same names as at trace time: passes may resolve them
+            for k, p in enumerate(pipelines):
+                if p.name in failed:
+                    continue
+                # the reference is compiled: the last pipeline may rewrite the traced graph itself
+                opt = gm if k == len(pipelines) - 1 else _copy_gm(gm)
+                f = _optimize(opt, p, pre)
+                if f is not None:
+                    failures.append(f)
+                    failed.add(p.name)
+                    continue
+                optimised.setdefault(p.name, []).append(opt)
+    return Prepared(traced, reference, {k: v for k, v in optimised.items() if k not in failed}, failures, nodes)
+
+
+def run_on_reference(traced: Traced, graphs: list) -> list[Any]:
+    """Run ``graphs`` (one SPMD graph or one per rank) of ``traced``'s program on the reference."""
+    prog = graphs[0] if len(graphs) == 1 else graphs
+    return ReferenceInterpreter(prog, traced.program.world_size, traced.groups).run(traced.inputs)
+
+
+def _flat(x: Any) -> list:
+    if isinstance(x, (list, tuple)):
+        return [y for v in x for y in _flat(v)]
+    return [x]
+
+
+def _bitwise_equal(a: Any, b: Any) -> bool:
+    fa, fb = _flat(a), _flat(b)
+    if len(fa) != len(fb):
+        return False
+    for x, y in zip(fa, fb):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                return False
+            if x.is_floating_point():
+                ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+                if not torch.equal(x.contiguous().view(ints), y.contiguous().view(ints)):
+                    return False
+            elif not torch.equal(x, y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def compare_outputs(actual: list, expected: list, *, exact: bool, program: Program) -> Optional[str]:
+    """None if every rank's outputs agree, else a description of every difference."""
+    from ..testing.numerics import assert_bitwise_equal_tree, assert_close_tree
+
+    problems = []
+    for r, (a, e) in enumerate(zip(actual, expected)):
+        if _bitwise_equal(a, e):
+            continue
+        try:
+            if exact:
+                assert_bitwise_equal_tree(a, e, msg=f"on rank {r}")
+            else:
+                summands = program.max_group_size() if program.torch_dtype in (torch.bfloat16, torch.float16) else None
+                assert_close_tree(a, e, dtype=program.torch_dtype, msg=f"on rank {r}",
+                                  rtol=None, atol=None, summands=summands)
+        except AssertionError as err:
+            problems.append(str(err))
+    if not problems:
+        return None
+    policy = "bitwise (pass registered exact)" if exact else \
+        f"tolerances({program.dtype}) = {tolerances(program.torch_dtype)}"
+    return f"outputs differ from the unoptimised graph ({policy}):\n" + "\n".join(problems)
+
+
+def check_program(program: Program, pipelines: Optional[Sequence[PipelineSpec]] = None, *,
+                  check_ir: bool = False) -> CheckResult:
+    """Check ``program`` under ``pipelines`` (default: every pass alone + the default pipeline);
+    ``check_ir``: also compare the CollectiveIR of the traced graph with the program."""
+    t0 = time.perf_counter()
+    pipes = [p for p in (all_pipelines() if pipelines is None else pipelines) if applicable(p, program)]
+    res = CheckResult(program, pipelines_run=[p.name for p in pipes])
+    try:
+        prep = prepare(program, pipes, check_ir=check_ir)
+    except Exception as e:  # noqa: BLE001
+        res.failures.append(Failure("trace", "generator", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
+        res.seconds = time.perf_counter() - t0
+        return res
+    traced, optimised = prep.traced, prep.optimised
+    res.failures.extend(prep.failures)
+    res.graph_nodes = prep.graph_nodes
+    try:
+        expected = prep.reference.run(traced.inputs)
+    except Exception as e:  # noqa: BLE001
+        res.failures.append(Failure("reference", "generator", f"the unoptimised program fails on the reference: "
+                                    f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
+        res.seconds = time.perf_counter() - t0
+        return res
+    exact = {p.name: p.exact for p in pipes}
+    for name, graphs in optimised.items():
+        try:
+            actual = run_on_reference(traced, graphs)
+        except ReferenceSemanticsError as e:
+            res.failures.append(Failure(name, "reference_error", f"{type(e).__name__}: {e}"))
+            continue
+        except Exception as e:  # noqa: BLE001 - e.g. an op called with wrong arguments after a bad rewrite
+            res.failures.append(Failure(name, "reference_error", f"{type(e).__name__}: {e}\n"
+                                        f"{traceback.format_exc()[-2000:]}"))
+            continue
+        diff = compare_outputs(actual, expected, exact=exact[name], program=program)
+        if diff is not None:
+            res.failures.append(Failure(name, "mismatch", diff))
+    res.seconds = time.perf_counter() - t0
+    return res

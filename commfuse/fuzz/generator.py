@@ -1,0 +1,590 @@
+"""Random hybrid-parallel programs, reproducible from a seed.
+
+:func:`generate_program` builds a :class:`~commfuse.fuzz.program.Program` from a
+``random.Random``: chains of matmuls, element-wise ops, layer norms, softmax, a
+router-like top-k, residual branches, views/permutes/transposes, in-place updates,
+and collectives of every kind over random groups (the world and sub-group
+partitions), with random gather/scatter/split/concat dims and shapes chosen
+divisible where the collective needs it, in fp32 or bf16, forward-only or joint
+(forward + ``torch.autograd.grad``).
+
+*Families* weight the building blocks towards one style of parallelism (``tp``,
+``sp``, ``moe``, ``fsdp``, ``pp``, ``coalesced``) or mix them all (``mixed``); a pass
+registered with the fuzzer names the families it wants (see :mod:`.targets`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from .program import OPS, Program, _shape_rule
+
+FAMILIES: dict[str, dict[str, float]] = {
+    "mixed": {
+        "unary": 3, "binary": 2, "residual": 2, "matmul": 3, "linear": 1, "scores": 1, "layer_norm": 2,
+        "softmax": 1, "router_topk": 1, "reduce": 1, "view": 3, "cat": 1, "mutate": 2,
+        "all_reduce": 3, "all_gather": 3, "reduce_scatter": 3, "all_to_all": 2, "dispatch": 0.3, "combine": 3,
+        "broadcast": 1, "coalesced": 1, "inplace": 1, "p2p": 0.2,
+        "tp_mlp": 1, "sp_block": 1, "fsdp_linear": 1, "moe_block": 0.2, "update_after_collective": 1,
+    },
+    "tp": {"unary": 2, "binary": 1, "residual": 2, "matmul": 2, "linear": 1, "layer_norm": 2, "all_reduce": 3,
+           "tp_mlp": 4, "view": 1, "mutate": 1},
+    "sp": {"unary": 1, "residual": 1, "matmul": 2, "layer_norm": 2, "softmax": 1, "scores": 1, "view": 3,
+           "all_gather": 4, "reduce_scatter": 4, "sp_block": 4, "all_to_all": 1},
+    "moe": {"unary": 1, "matmul": 2, "router_topk": 3, "all_to_all": 3, "dispatch": 3, "combine": 4,
+            "moe_block": 4, "residual": 1},
+    "fsdp": {"unary": 1, "matmul": 1, "layer_norm": 1, "fsdp_linear": 5, "reduce_scatter": 2, "all_reduce": 1,
+             "residual": 1, "mutate": 1, "update_after_collective": 1},
+    "pp": {"unary": 2, "matmul": 2, "layer_norm": 1, "p2p": 4, "residual": 1, "all_reduce": 1},
+    "coalesced": {"unary": 1, "matmul": 1, "coalesced": 4, "inplace": 3, "broadcast": 2, "all_reduce": 1,
+                  "mutate": 1, "update_after_collective": 1},
+}
+FAMILY_WEIGHTS = {"mixed": 6, "tp": 1, "sp": 1, "moe": 0.6, "fsdp": 1, "pp": 0.4, "coalesced": 1}
+MAX_NUMEL = 4096
+
+
+@dataclass
+class Val:
+    name: str
+    shape: tuple  # rank 0's shape (for varying values only dim 0 differs between ranks)
+    vary: Optional[int] = None  # id of the uneven all_to_all it came from; None: same shape on all ranks
+    bounded: bool = False  # |x| <= ~1 (products of it across ranks stay small)
+    grad: bool = True  # depends differentiably on the inputs (joint programs)
+    is_input: bool = False
+    coll_input: bool = False  # read by a collective (mutating it later tests the wait placement)
+    root: str = ""  # the value whose memory this one views (itself unless made by a view op)
+    uses: int = 0
+    step: int = 0
+
+
+# Optional program features, off by default (see generate_program):
+#   inplace_buffer_reads: ops after an in-place collective read its buffer directly (after the
+#   wait) instead of the wait's result. The verifier currently rejects such graphs
+#   (docs/reliability.md, finding 1), so CI campaigns leave it off.
+FEATURES = ("inplace_buffer_reads",)
+
+
+class _Gen:
+    def __init__(self, rng: random.Random, world_size: int, dtype: str, joint: bool, family: str,
+                 features: frozenset = frozenset()) -> None:
+        self.rng = rng
+        self.features = features
+        self.n = world_size
+        self.prog = Program(world_size=world_size, groups={"world": [list(range(world_size))]}, inputs=[], ops=[],
+                            outputs=[], dtype=dtype, joint=joint, seed=rng.randrange(2**31), family=family)
+        self.vals: list[Val] = []
+        self.counter = 0
+        self.step = 0
+        self.vary_info: dict[int, tuple[str, list[list[int]]]] = {}
+        self._groups()
+
+    # -- setup --------------------------------------------------------------------
+    def _groups(self) -> None:
+        n, rng = self.n, self.rng
+        cands: list[list[list[int]]] = []
+        if n >= 4:
+            for size in (2, n // 2):
+                if 1 < size < n and n % size == 0:
+                    cands.append([list(range(b * size, (b + 1) * size)) for b in range(n // size)])  # contiguous
+                    stride = n // size
+                    cands.append([list(range(b, n, stride)) for b in range(stride)])  # strided
+        if n >= 2 and rng.random() < 0.1:
+            cands.append([[r] for r in range(n)])
+        uniq = []
+        for c in cands:
+            if c not in uniq:
+                uniq.append(c)
+        rng.shuffle(uniq)
+        for i, part in enumerate(uniq[: rng.choice([0, 1, 1, 2])]):
+            self.prog.groups[f"p{i + 1}"] = part
+
+    def unit(self) -> int:
+        """A size divisible by every group size (the world size)."""
+        return self.n * self.rng.choice([1, 1, 2, 2, 3, 4]) if self.n <= 4 else self.n * self.rng.choice([1, 2])
+
+    def small(self) -> int:
+        return self.rng.choice([1, 2, 2, 3])
+
+    def new_name(self, prefix: str = "v") -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def new_input(self, shape: tuple, init: str = "act") -> Val:
+        name = self.new_name("x" if init == "act" else "w")
+        self.prog.inputs.append({"name": name, "shape": list(shape), "init": init})
+        v = Val(name, tuple(shape), is_input=True, step=self.step, bounded=init in ("bias",), root=name)
+        self.vals.append(v)
+        return v
+
+    # -- helpers -----------------------------------------------------------------------
+    def pick(self, pred: Callable[[Val], bool] = lambda v: True, *, recent: bool = True) -> Optional[Val]:
+        cands = [v for v in self.vals if pred(v)]
+        if not cands:
+            return None
+        if recent and self.rng.random() < 0.7:
+            # prefer unconsumed, recent values: chains rather than fans
+            cands.sort(key=lambda v: (v.uses > 0, -v.step))
+            return cands[0] if self.rng.random() < 0.6 else self.rng.choice(cands[: max(1, len(cands) // 2)])
+        return self.rng.choice(cands)
+
+    def group(self, pred: Callable[[int], bool] = lambda n: True) -> Optional[str]:
+        roles = [r for r, p in self.prog.groups.items() if pred(len(p[0]))]
+        return self.rng.choice(roles) if roles else None
+
+    def gsize(self, role: str) -> int:
+        return len(self.prog.groups[role][0])
+
+    def emit(self, op: str, ins: list[Val], n_out: int = 1, *, bounded: bool = False, vary: Optional[int] = None,
+             grad: Optional[bool] = None, **attrs) -> Optional[list[Val]]:
+        spec = {"op": op, "in": [v.name for v in ins], "out": [self.new_name() for _ in range(n_out)], **attrs}
+        try:
+            shapes = _shape_rule(self.prog, spec, [v.shape for v in ins])
+        except Exception:  # noqa: BLE001 - an invalid combination: try something else
+            return None
+        if any(_numel(s) > MAX_NUMEL or any(d < 1 for d in s) for s in shapes):
+            return None
+        if len(shapes) != n_out:
+            return None
+        if vary is None:
+            vary = next((v.vary for v in ins if v.vary is not None), None)
+        if grad is None:
+            grad = any(v.grad for v in ins) and not (self.prog.joint and _detaches(op, attrs))
+        self.prog.ops.append(spec)
+        for v in ins:
+            v.uses += 1
+            v.coll_input = v.coll_input or OPS[op].collective
+        self.step += 1
+        outs = [Val(name, tuple(s), vary=vary, bounded=bounded, grad=grad, step=self.step,
+                    root=ins[0].root if op in _VIEW_OPS else name)
+                for name, s in zip(spec["out"], shapes)]
+        self.vals.extend(outs)
+        return outs
+
+    # -- building blocks (return False when not applicable) -------------------------------
+    def b_unary(self) -> bool:
+        x = self.pick()
+        fn = self.rng.choice(["relu", "gelu", "tanh", "sigmoid", "silu", "neg", "abs", "scale"])
+        return bool(self.emit("unary", [x], bounded=fn in ("tanh", "sigmoid") or (x.bounded and fn != "scale"), fn=fn))
+
+    def b_binary(self, residual: bool = False) -> bool:
+        a = self.pick()
+        same = lambda v: v is not a and v.shape == a.shape and v.vary == a.vary  # noqa: E731
+        b = self.pick(same, recent=not residual)
+        if b is None:
+            if a.vary is not None:
+                return False
+            b = self.pick(lambda v: v is not a and v.vary is None and _broadcasts(v.shape, a.shape))
+            if b is None:
+                return False
+        fn = "add" if residual else self.rng.choice(["add", "sub", "mul"])
+        return bool(self.emit("binary", [a, b], fn=fn))
+
+    def b_residual(self) -> bool:
+        return self.b_binary(residual=True)
+
+    def b_matmul(self, linear: bool = False) -> bool:
+        x = self.pick(lambda v: len(v.shape) >= 2 or v.vary is None)
+        k = x.shape[-1]
+        reuse = self.pick(lambda v: v.is_input and len(v.shape) == 2 and v.shape[0] == k and v is not x, recent=False)
+        w = reuse if reuse is not None and self.rng.random() < 0.3 else self.new_input((k, self.unit()), "weight")
+        if linear:
+            b = self.new_input((w.shape[1],), "bias")
+            return bool(self.emit("linear", [x, w, b]))
+        return bool(self.emit("matmul", [x, w]))
+
+    def b_linear(self) -> bool:
+        return self.b_matmul(linear=True)
+
+    def b_scores(self) -> bool:
+        q = self.pick(lambda v: len(v.shape) >= 2 and v.vary is None)
+        if q is None:
+            return False
+        k = self.pick(lambda v: v.shape == q.shape and v.vary is None) or q
+        return bool(self.emit("scores", [q, k]))
+
+    def b_layer_norm(self) -> bool:
+        x = self.pick()
+        ins = [x]
+        if self.rng.random() < 0.5:
+            h = x.shape[-1]
+            ins += [self.new_input((h,), "ln_weight"), self.new_input((h,), "bias")]
+        return bool(self.emit("layer_norm", ins))
+
+    def b_softmax(self) -> bool:
+        x = self.pick()
+        dim = -1
+        if x.vary is None and self.rng.random() < 0.5:
+            dim = self.rng.randrange(len(x.shape))
+        log = self.rng.random() < 0.2
+        return bool(self.emit("softmax", [x], bounded=not log, dim=dim, log=log))
+
+    def b_router_topk(self) -> bool:
+        x = self.pick(lambda v: len(v.shape) >= 2)
+        e = self.rng.choice([4, 8])
+        wr = self.new_input((x.shape[-1], e), "weight")
+        return bool(self.emit("router_topk", [x, wr], 2, k=self.rng.choice([1, 2])))
+
+    def b_reduce(self) -> bool:
+        x = self.pick(lambda v: v.vary is None and len(v.shape) >= 2)
+        if x is None:
+            return False
+        return bool(self.emit("reduce", [x], fn=self.rng.choice(["sum", "mean", "amax"]),
+                              dim=self.rng.randrange(len(x.shape))))
+
+    def b_view(self) -> bool:
+        x = self.pick(lambda v: len(v.shape) >= 2)
+        r = len(x.shape)
+        lo = 1 if x.vary is not None else 0  # never touch a varying dim 0
+        kind = self.rng.choice(["transpose", "permute", "split_dim", "merge_dims", "contiguous"])
+        if kind == "transpose" and r - lo >= 2:
+            a, b = self.rng.sample(range(lo, r), 2)
+            return bool(self.emit("transpose", [x], dims=[a, b]))
+        if kind == "permute" and r - lo >= 2:
+            rest = list(range(lo, r))
+            self.rng.shuffle(rest)
+            return bool(self.emit("permute", [x], perm=list(range(lo)) + rest))
+        if kind == "split_dim" and r < 4:
+            dims = [(d, f) for d in range(lo, r) for f in (2, 3, 4) if x.shape[d] % f == 0 and x.shape[d] > f]
+            if dims:
+                d, f = self.rng.choice(dims)
+                return bool(self.emit("split_dim", [x], dim=d, factor=f))
+        if kind == "merge_dims" and r >= 3 and r - 1 > lo:
+            return bool(self.emit("merge_dims", [x], dim=self.rng.randrange(lo, r - 1)))
+        return bool(self.emit("contiguous", [x]))
+
+    def b_cat(self) -> bool:
+        a = self.pick(lambda v: v.vary is None and len(v.shape) >= 1)
+        if a is None:
+            return False
+        b = self.pick(lambda v: v.shape == a.shape and v.vary is None) or a
+        return bool(self.emit("cat", [a, b], dim=self.rng.randrange(len(a.shape))))
+
+    def b_mutate(self) -> bool:
+        if self.prog.joint:
+            return False
+        a = None
+        if self.rng.random() < 0.6:  # e.g. an optimizer step on a tensor a collective read
+            a = self.pick(lambda v: v.vary is None and v.coll_input)
+        a = a or self.pick(lambda v: v.vary is None)
+        # b must not share memory with a (torch refuses overlapping in-place updates)
+        b = self.pick(lambda v: v.vary is None and _broadcasts(v.shape, a.shape) and v.root != a.root)
+        if b is None:
+            return False
+        fn = self.rng.choice(["add_", "mul_"]) if b.bounded else "add_"
+        outs = self.emit("mutate", [a, b], fn=fn)
+        return bool(outs)
+
+    # -- collectives -----------------------------------------------------------------
+    def b_all_reduce(self) -> bool:
+        role = self.group()
+        red = self.rng.choice(["sum", "sum", "sum", "avg", "max", "min", "product"])
+        x = self.pick(lambda v: v.vary is None)
+        if red == "product" and not x.bounded:
+            x = self.emit("unary", [x], bounded=True, fn="tanh")
+            if not x:
+                return False
+            x = x[0]
+        return bool(self.emit("all_reduce", [x], bounded=x.bounded and red in ("avg", "max", "min", "product"),
+                              group=role, reduce=red))
+
+    def b_all_gather(self, x: Optional[Val] = None, dim: Optional[int] = None, role: Optional[str] = None) -> bool:
+        x = x or self.pick(lambda v: v.vary is None and len(v.shape) >= 1)
+        if x is None:
+            return False
+        role = role or self.group()
+        dim = self.rng.randrange(len(x.shape)) if dim is None else dim
+        return bool(self.emit("all_gather", [x], bounded=x.bounded, group=role, dim=dim))
+
+    def b_reduce_scatter(self, x: Optional[Val] = None, dim: Optional[int] = None, role: Optional[str] = None) -> bool:
+        x = x or self.pick(lambda v: v.vary is None and len(v.shape) >= 1)
+        if x is None:
+            return False
+        role = role or self.group()
+        n = self.gsize(role)
+        dims = [d for d in range(len(x.shape)) if x.shape[d] % n == 0] if dim is None else [dim]
+        if not dims or x.shape[dims[0]] % n:
+            return False
+        red = self.rng.choice(["sum", "sum", "avg", "max", "min"])
+        return bool(self.emit("reduce_scatter", [x], group=role, dim=self.rng.choice(dims), reduce=red))
+
+    def b_all_to_all(self) -> bool:
+        x = self.pick(lambda v: v.vary is None and len(v.shape) >= 1)
+        role = self.group()
+        n = self.gsize(role)
+        dims = [d for d in range(len(x.shape)) if x.shape[d] % n == 0]
+        if not dims:
+            return False
+        s = self.rng.choice(dims)
+        c = self.rng.randrange(len(x.shape))
+        return bool(self.emit("all_to_all", [x], bounded=x.bounded, group=role, split_dim=s, concat_dim=c))
+
+    def b_dispatch(self) -> bool:
+        x = self.pick(lambda v: v.vary is None and len(v.shape) >= 2)
+        role = self.group(lambda n: n >= 2)
+        if x is None or role is None:
+            return False
+        n, t = self.gsize(role), x.shape[0]
+        splits = [_composition(self.rng, t, n) for _ in range(n)]
+        vid = len(self.vary_info) + 1
+        outs = self.emit("all_to_all_uneven", [x], vary=vid, bounded=x.bounded, group=role, splits=splits)
+        if outs:
+            self.vary_info[vid] = (role, splits)
+        return bool(outs)
+
+    def b_combine(self) -> bool:
+        x = self.pick(lambda v: v.vary is not None)
+        if x is None:
+            return False
+        role, splits = self.vary_info[x.vary]
+        rows = sum(splits[0])
+        outs = self.emit("all_to_all_uneven", [x], bounded=x.bounded, group=role, splits=splits, inverse=True)
+        if outs:
+            outs[0].vary = None
+            outs[0].shape = (rows, *x.shape[1:])
+        return bool(outs)
+
+    def b_broadcast(self) -> bool:
+        x = self.pick(lambda v: v.vary is None)
+        role = self.group()
+        if self.rng.random() < 0.3:
+            return bool(self.emit("broadcast_inplace", [x], bounded=x.bounded, group=role,
+                                  src=self.rng.randrange(self.gsize(role)), **self._buffer_read()))
+        src = self.rng.randrange(self.gsize(role))
+        return bool(self.emit("broadcast", [x], bounded=x.bounded, group=role, src=src))
+
+    def _buffer_read(self) -> dict:
+        if "inplace_buffer_reads" in self.features and self.rng.random() < 0.5:
+            return {"read_buffer": True}
+        return {}
+
+    def b_coalesced(self) -> bool:
+        role = self.group()
+        n = self.gsize(role)
+        kind = self.rng.choice(["all_reduce_coalesced", "all_gather_coalesced", "reduce_scatter_coalesced"])
+        pred = (lambda v: v.vary is None and len(v.shape) >= 1 and v.shape[0] % n == 0) \
+            if kind == "reduce_scatter_coalesced" else (lambda v: v.vary is None and len(v.shape) >= 1)
+        xs = []
+        for _ in range(self.rng.choice([2, 2, 3])):
+            v = self.pick(lambda v: pred(v) and v not in xs, recent=False)
+            if v is not None:
+                xs.append(v)
+        if not xs:
+            return False
+        attrs = {"group": role}
+        if kind != "all_gather_coalesced":
+            attrs["reduce"] = self.rng.choice(["sum", "avg"])
+        return bool(self.emit(kind, xs, len(xs), **attrs))
+
+    def b_inplace(self) -> bool:
+        role = self.group()
+        if self.rng.random() < 0.5:
+            x = self.pick(lambda v: v.vary is None)
+            return bool(self.emit("all_reduce_inplace", [x], group=role, reduce=self.rng.choice(["sum", "max"]),
+                                  **self._buffer_read()))
+        xs = []
+        for _ in range(2):
+            v = self.pick(lambda v: v.vary is None and v not in xs, recent=False)
+            if v is not None:
+                xs.append(v)
+        return bool(self.emit("all_reduce_coalesced_inplace", xs, len(xs), group=role,
+                              reduce=self.rng.choice(["sum", "avg"]), **self._buffer_read()))
+
+    def b_p2p(self) -> bool:
+        role = self.group(lambda n: n >= 2)
+        x = self.pick(lambda v: v.vary is None)
+        if role is None:
+            return False
+        n = self.gsize(role)
+        return bool(self.emit("p2p", [x], bounded=x.bounded, group=role, shift=self.rng.randrange(1, n),
+                              batch=self.rng.random() < 0.4))
+
+    # -- macros: the patterns hybrid-parallel models emit ---------------------------------
+    def b_update_after_collective(self) -> bool:
+        """A collective reads x, then x is updated in place before the result is used (a
+        gradient zeroed after its all_reduce, a parameter stepped after its gather): the
+        wait must stay above the update."""
+        if self.prog.joint:
+            return False
+        kind = self.rng.choice(["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p"])
+        if kind == "p2p" and self.group(lambda n: n >= 2) is None:
+            return False
+        if not getattr(self, f"b_{kind}")():
+            return False
+        op = self.prog.ops[-1]
+        x = next(v for v in self.vals if v.name == op["in"][-1])
+        b = self.pick(lambda v: v.vary is None and _broadcasts(v.shape, x.shape) and v.root != x.root)
+        if b is None or x.vary is not None:
+            return True
+        if not self.emit("mutate", [x, b], fn="add_"):
+            return True
+        res = next(v for v in self.vals if v.name == op["out"][0])
+        self.emit("unary", [res], fn="relu")
+        return True
+
+
+    def b_tp_mlp(self) -> bool:
+        x = self.pick(lambda v: v.vary is None and len(v.shape) >= 2)
+        if x is None:
+            return False
+        h = x.shape[-1]
+        w1 = self.new_input((h, self.unit()), "weight")
+        y = self.emit("matmul", [x, w1])
+        y = y and self.emit("unary", y, fn="gelu")
+        w2 = self.new_input((y[0].shape[-1], h), "weight") if y else None
+        y = y and self.emit("matmul", [y[0], w2])
+        y = y and self.emit("all_reduce", y, group=self.group(), reduce="sum")
+        return bool(y and self.emit("binary", [x, y[0]], fn="add"))
+
+    def b_sp_block(self) -> bool:
+        x = self.pick(lambda v: v.vary is None and len(v.shape) >= 2)
+        if x is None:
+            return False
+        role = self.group()
+        dim = 1 if len(x.shape) >= 3 else 0
+        y = self.emit("layer_norm", [x])
+        y = y and self.emit("all_gather", y, group=role, dim=dim)
+        if not y:
+            return False
+        w = self.new_input((y[0].shape[-1], y[0].shape[-1]), "weight")
+        y = self.emit("matmul", [y[0], w])
+        return bool(y) and self.b_reduce_scatter(y[0], dim, role)
+
+    def b_fsdp_linear(self) -> bool:
+        x = self.pick(lambda v: len(v.shape) >= 2)
+        role = self.group(lambda n: x.shape[-1] % n == 0)
+        if role is None:
+            return False
+        shard = self.new_input((x.shape[-1] // self.gsize(role), self.unit()), "weight")
+        w = self.emit("all_gather", [shard], group=role, dim=0)
+        return bool(w and self.emit("matmul", [x, w[0]]))
+
+    def b_moe_block(self) -> bool:
+        x = self.pick(lambda v: v.vary is None and len(v.shape) == 2)
+        if x is None:
+            x = self.pick(lambda v: v.vary is None and len(v.shape) == 3)
+            if x is None:
+                return False
+            x = self.emit("merge_dims", [x], dim=0)
+            if not x:
+                return False
+            x = x[0]
+        r = self.emit("router_topk", [x, self.new_input((x.shape[-1], 4), "weight")], 2, k=1)
+        if not r or not self.b_dispatch_of(r[0]):
+            return False
+        y = self.vals[-1]
+        y = self.emit("matmul", [y, self.new_input((y.shape[-1], y.shape[-1]), "weight")])
+        y = y and self.emit("unary", y, fn="gelu")
+        if not y:
+            return False
+        return self.b_combine()
+
+    def b_dispatch_of(self, x: Val) -> bool:
+        role = self.group(lambda n: n >= 2)
+        if role is None:
+            return False
+        n, t = self.gsize(role), x.shape[0]
+        splits = [_composition(self.rng, t, n) for _ in range(n)]
+        vid = len(self.vary_info) + 1
+        outs = self.emit("all_to_all_uneven", [x], vary=vid, group=role, splits=splits)
+        if outs:
+            self.vary_info[vid] = (role, splits)
+        return bool(outs)
+
+    # -- driver --------------------------------------------------------------------------
+    def run(self, n_blocks: int) -> Program:
+        rng = self.rng
+        b = self.small()
+        s, h = self.unit(), self.unit()
+        shape = rng.choice([(s, h), (b, s, h), (b, s, h), (b, 2, s, h)])
+        self.new_input(shape)
+        if rng.random() < 0.4:
+            self.new_input(shape)
+        weights = FAMILIES[self.prog.family]
+        names = list(weights)
+        tries = 0
+        while len(self.prog.ops) < n_blocks and tries < 6 * n_blocks:
+            tries += 1
+            name = rng.choices(names, [weights[k] for k in names])[0]
+            if name == "p2p" and self.n < 2:
+                continue
+            getattr(self, f"b_{name}")()
+        self._outputs()
+        return self.prog
+
+    def _outputs(self) -> None:
+        made = [v for v in self.vals if not v.is_input]
+        if not made:  # nothing was generated: a trivial program
+            x = self.vals[0]
+            self.emit("unary", [x], fn="relu")
+            made = [v for v in self.vals if not v.is_input]
+        leaves = [v for v in made if v.uses == 0]
+        outs = leaves[-4:]
+        if made[-1] not in outs:
+            outs.append(made[-1])
+        if self.prog.joint and not any(v.grad for v in outs):
+            g = [v for v in made if v.grad]
+            if g:
+                outs.append(g[-1])
+        self.prog.outputs = [v.name for v in outs]
+
+
+# ops whose result may share memory with their (first) input
+_VIEW_OPS = {"transpose", "permute", "split_dim", "merge_dims", "contiguous", "mutate"}
+
+
+def _detaches(op: str, attrs: dict) -> bool:
+    """In joint programs these collectives run on detached values (no autograd formula)."""
+    if op in ("all_gather", "all_to_all", "all_to_all_uneven"):
+        return False
+    if op == "all_reduce":
+        return attrs.get("reduce") not in ("sum", "avg")
+    if op == "reduce_scatter":
+        return attrs.get("reduce") != "sum"
+    return OPS[op].collective
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _broadcasts(src: tuple, dst: tuple) -> bool:
+    if len(src) > len(dst):
+        return False
+    return all(s == d or s == 1 for s, d in zip(src[::-1], dst[::-1]))
+
+
+def _composition(rng: random.Random, total: int, parts: int) -> list[int]:
+    """Random non-negative integers summing to ``total`` (zeros allowed: empty sends)."""
+    cuts = sorted(rng.randint(0, total) for _ in range(parts - 1))
+    bounds = [0, *cuts, total]
+    return [bounds[i + 1] - bounds[i] for i in range(parts)]
+
+
+def generate_program(
+    rng: random.Random,
+    *,
+    family: Optional[str] = None,
+    world_size: Optional[int] = None,
+    dtype: Optional[str] = None,
+    joint: Optional[bool] = None,
+    max_blocks: int = 10,
+    features: Sequence[str] = (),
+) -> Program:
+    """A random program; every choice not given is drawn from ``rng``. ``features``: optional
+    program features (:data:`FEATURES`) to generate too."""
+    bad = [f for f in features if f not in FEATURES]
+    if bad:
+        raise ValueError(f"unknown fuzz features {bad}; known: {list(FEATURES)}")
+    family = family or rng.choices(list(FAMILY_WEIGHTS), list(FAMILY_WEIGHTS.values()))[0]
+    if family not in FAMILIES:
+        raise ValueError(f"unknown fuzz family {family!r}; known: {sorted(FAMILIES)}")
+    world_size = world_size or rng.choice([2, 4, 4, 4, 8])
+    dtype = dtype or rng.choice(["float32", "float32", "float32", "bfloat16"])
+    joint = rng.random() < 0.25 if joint is None else joint
+    gen = _Gen(rng, world_size, dtype, joint, family, frozenset(features))
+    return gen.run(rng.randint(2, max_blocks))

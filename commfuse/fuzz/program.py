@@ -1,0 +1,525 @@
+"""Fuzz programs: a JSON-able description of a hybrid-parallel program, and how to trace it.
+
+A :class:`Program` is a straight-line list of ops over named values::
+
+    {"op": "matmul", "in": ["v0", "w1"], "out": ["v2"]}
+    {"op": "all_gather", "in": ["v2"], "out": ["v3"], "group": "p1", "dim": 1}
+
+Inputs are activations or parameters (``inputs``), ``groups`` maps a role name to a
+partition of the world (``"world"`` is ``[[0..N-1]]``; ``"p1"`` might be
+``[[0, 2], [1, 3]]``), and every collective names a role: each rank uses its block.
+Values are SSA names except that ``mutate`` updates a value in place (later readers
+see the new contents, as in the Python program).
+
+:func:`build_callable` turns a program into a Python function written with
+``torch.distributed._functional_collectives`` / ``_c10d_functional`` ops (what DTensor
+and traced programs use), and :func:`trace_program` traces it with ``make_fx`` on a
+fake world, giving graphs with fake-tensor metadata on every node. With ``joint``
+the function also calls ``torch.autograd.grad`` and returns the gradients, so the
+graph is a joint forward+backward graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+c10d = torch.ops._c10d_functional
+_W = c10d.wait_tensor.default
+
+FORMAT = 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Program:
+    world_size: int
+    groups: dict[str, list[list[int]]]
+    inputs: list[dict]  # {"name", "shape", "init": act|weight|bias|ln_weight}
+    ops: list[dict]
+    outputs: list[str]
+    dtype: str = "float32"
+    joint: bool = False
+    seed: int = 0  # data seed
+    family: str = "mixed"
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def per_rank(self) -> bool:
+        """True when ranks run different code (p2p peers, uneven all_to_all splits): one graph per rank."""
+        return any(OPS[o["op"]].rank_dependent for o in self.ops)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def collectives(self) -> list[dict]:
+        return [o for o in self.ops if OPS[o["op"]].collective]
+
+    def max_group_size(self) -> int:
+        sizes = [len(self.groups[o["group"]][0]) for o in self.collectives()]
+        return max(sizes, default=1)
+
+    def summary(self) -> str:
+        kinds = ",".join(o["op"] for o in self.ops)
+        return (f"N={self.world_size} {self.dtype}{' joint' if self.joint else ''} {self.family} "
+                f"{len(self.ops)} ops [{kinds}]")
+
+    # ------------------------------------------------------------------ json
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["format"] = FORMAT
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Program":
+        d = dict(d)
+        fmt = d.pop("format", FORMAT)
+        if fmt != FORMAT:
+            raise ValueError(f"fuzz program format {fmt} is not supported (this commfuse reads format {FORMAT})")
+        return cls(**d)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+    def copy(self) -> "Program":
+        return Program.from_json(copy.deepcopy(self.to_json()))
+
+
+# ---------------------------------------------------------------------------
+# Ops
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world_size: int
+    pgs: dict[str, Any]  # role -> this rank's ProcessGroup
+    group_rank: dict[str, int]
+    group_size: dict[str, int]
+    joint: bool
+
+
+@dataclass(frozen=True)
+class OpDef:
+    fn: Callable[..., list]  # fn(ctx, op, *inputs) -> list of outputs
+    collective: bool = False
+    rank_dependent: bool = False
+    inplace: bool = False  # mutates its first input (non-joint programs only)
+
+
+def _unary(ctx, op, x):
+    f = op["fn"]
+    if f == "scale":
+        return [x * op.get("c", 0.5)]
+    return [{"relu": torch.relu, "gelu": F.gelu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu,
+             "neg": torch.neg, "abs": torch.abs}[f](x)]
+
+
+def _binary(ctx, op, a, b):
+    return [{"add": torch.add, "sub": torch.sub, "mul": torch.mul}[op["fn"]](a, b)]
+
+
+def _matmul(ctx, op, x, w):
+    return [x @ w]
+
+
+def _linear(ctx, op, x, w, b):
+    return [x @ w + b]
+
+
+def _scores(ctx, op, q, k):
+    return [(q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))]
+
+
+def _layer_norm(ctx, op, x, *affine):
+    w, b = affine if affine else (None, None)
+    return [F.layer_norm(x, (x.shape[-1],), w, b)]
+
+
+def _softmax(ctx, op, x):
+    d = op["dim"]
+    return [torch.log_softmax(x, d) if op.get("log") else torch.softmax(x, d)]
+
+
+def _router_topk(ctx, op, x, wr):
+    logits = x @ wr
+    probs = torch.softmax(logits.float(), dim=-1).to(x.dtype)
+    top_v, top_i = torch.topk(probs, op["k"], dim=-1)
+    mask = torch.zeros_like(probs).scatter(-1, top_i, 1.0)
+    gate = top_v.sum(dim=-1, keepdim=True)
+    return [x * gate, probs * mask]
+
+
+def _reduce(ctx, op, x):
+    f, d = op["fn"], op["dim"]
+    if f == "amax":
+        return [x.amax(dim=d, keepdim=True)]
+    return [getattr(x, f)(dim=d, keepdim=True)]
+
+
+def _transpose(ctx, op, x):
+    return [x.transpose(*op["dims"])]
+
+
+def _permute(ctx, op, x):
+    return [x.permute(*op["perm"])]
+
+
+def _split_dim(ctx, op, x):
+    d, f = op["dim"], op["factor"]
+    s = list(x.shape)
+    return [x.reshape(*s[:d], f, s[d] // f, *s[d + 1:])]
+
+
+def _merge_dims(ctx, op, x):
+    d = op["dim"]
+    s = list(x.shape)
+    return [x.reshape(*s[:d], s[d] * s[d + 1], *s[d + 2:])]
+
+
+def _contiguous(ctx, op, x):
+    return [x.contiguous()]
+
+
+def _cat(ctx, op, a, b):
+    return [torch.cat([a, b], dim=op["dim"])]
+
+
+def _mutate(ctx, op, a, b):
+    # in-place update of an existing value (e.g. an optimizer step on a parameter)
+    if op["fn"] == "add_":
+        a.add_(b)
+    else:
+        a.mul_(b)
+    return [a]
+
+
+# -- collectives ---------------------------------------------------------------------
+class _AllReduce(torch.autograd.Function):
+    """all_reduce(sum/avg) with its SPMD adjoint (the same all_reduce of the gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, op, pg):
+        ctx.op, ctx.pg = op, pg
+        return funcol.all_reduce(x, op, pg)
+
+    @staticmethod
+    def backward(ctx, gy):
+        return funcol.all_reduce(gy, ctx.op, ctx.pg), None, None
+
+
+def _pg(ctx, op):
+    return ctx.pgs[op["group"]]
+
+
+def _nograd(ctx, *xs):
+    return [x.detach() for x in xs] if ctx.joint else list(xs)
+
+
+def _all_reduce(ctx, op, x):
+    red, pg = op["reduce"], _pg(ctx, op)
+    if ctx.joint and red in ("sum", "avg"):
+        return [_AllReduce.apply(x, red, pg)]
+    (x,) = _nograd(ctx, x)
+    return [funcol.all_reduce(x, red, pg)]
+
+
+def _all_gather(ctx, op, x):
+    pg = _pg(ctx, op)
+    if ctx.joint:
+        return [funcol.all_gather_single_autograd(x, op["dim"], pg)]
+    return [funcol.all_gather_single(x, op["dim"], pg)]
+
+
+def _reduce_scatter(ctx, op, x):
+    pg = _pg(ctx, op)
+    if ctx.joint and op["reduce"] == "sum":  # the autograd variant only differentiates 'sum'
+        return [funcol.reduce_scatter_single_autograd(x, op["reduce"], op["dim"], pg)]
+    (x,) = _nograd(ctx, x)
+    return [funcol.reduce_scatter_single(x, op["reduce"], op["dim"], pg)]
+
+
+def _all_to_all(ctx, op, x):
+    # DTensor's Shard(s) -> Shard(c): split dim s into n pieces stacked on dim 0, a dim-0
+    # all_to_all, then the received pieces concatenated on dim c.
+    pg, n = _pg(ctx, op), ctx.group_size[op["group"]]
+    s, c = op["split_dim"], op["concat_dim"]
+    a2a = funcol.all_to_all_single_autograd if ctx.joint else funcol.all_to_all_single
+    inp = x if s == 0 else torch.cat(torch.chunk(x, n, dim=s), dim=0)
+    out = a2a(inp.contiguous(), None, None, pg)
+    if c != 0:
+        out = torch.cat(torch.chunk(out, n, dim=0), dim=c)
+    return [out]
+
+
+def _all_to_all_uneven(ctx, op, x):
+    # MoE dispatch (or, with "inverse", combine): group rank g sends splits[g][j] rows to j.
+    pg, g = _pg(ctx, op), ctx.group_rank[op["group"]]
+    S = op["splits"]
+    send, recv = list(S[g]), [row[g] for row in S]
+    if op.get("inverse"):
+        send, recv = recv, send
+    a2a = funcol.all_to_all_single_autograd if ctx.joint else funcol.all_to_all_single
+    return [a2a(x.contiguous(), recv, send, pg)]
+
+
+def _broadcast(ctx, op, x):
+    (x,) = _nograd(ctx, x)
+    return [funcol.broadcast(x, op["src"], _pg(ctx, op))]
+
+
+def _all_reduce_coalesced(ctx, op, *xs):
+    return list(funcol.all_reduce_coalesced(_nograd(ctx, *xs), op["reduce"], _pg(ctx, op)))
+
+
+def _all_gather_coalesced(ctx, op, *xs):
+    return list(funcol.all_gather_single_coalesced(_nograd(ctx, *xs), _pg(ctx, op)))
+
+
+def _reduce_scatter_coalesced(ctx, op, *xs):
+    return list(funcol.reduce_scatter_single_coalesced(_nograd(ctx, *xs), op["reduce"], [0] * len(xs),
+                                                       _pg(ctx, op)))
+
+
+def _all_reduce_inplace(ctx, op, x):
+    # "read_buffer": later ops read the buffer itself (after the wait), as code written with
+    # in-place collectives does, instead of the wait's result
+    (x,) = _nograd(ctx, x)
+    buf = x.clone()
+    r = _W(c10d.all_reduce_.default(buf, op["reduce"], _pg(ctx, op).group_name))
+    return [buf if op.get("read_buffer") else r]
+
+
+def _all_reduce_coalesced_inplace(ctx, op, *xs):
+    bufs = [x.clone() for x in _nograd(ctx, *xs)]
+    outs = c10d.all_reduce_coalesced_.default(bufs, op["reduce"], _pg(ctx, op).group_name)
+    outs = [_W(o) for o in outs]
+    return bufs if op.get("read_buffer") else outs
+
+
+def _broadcast_inplace(ctx, op, x):
+    (x,) = _nograd(ctx, x)
+    buf = x.clone()
+    r = _W(c10d.broadcast_.default(buf, op["src"], _pg(ctx, op).group_name))
+    return [buf if op.get("read_buffer") else r]
+
+
+def _p2p(ctx, op, x):
+    # ring shift inside the group: send to group rank g+shift, receive from g-shift (peers are group ranks)
+    (x,) = _nograd(ctx, x)
+    pg, g, n = _pg(ctx, op), ctx.group_rank[op["group"]], ctx.group_size[op["group"]]
+    dst, src, name = (g + op["shift"]) % n, (g - op["shift"]) % n, pg.group_name
+    x = x.contiguous()
+    if op.get("batch"):
+        outs = c10d.batch_p2p_ops.default(["isend", "irecv"], [dst, src], [0, 0], [x, torch.empty_like(x)], name)
+        _W(outs[0])
+        return [_W(outs[1])]
+    s = c10d.isend.default(x, dst, 0, name)
+    r = c10d.irecv.default(torch.empty_like(x), src, 0, name)
+    _W(s)
+    return [_W(r)]
+
+
+OPS: dict[str, OpDef] = {
+    "unary": OpDef(_unary),
+    "binary": OpDef(_binary),
+    "matmul": OpDef(_matmul),
+    "linear": OpDef(_linear),
+    "scores": OpDef(_scores),
+    "layer_norm": OpDef(_layer_norm),
+    "softmax": OpDef(_softmax),
+    "router_topk": OpDef(_router_topk),
+    "reduce": OpDef(_reduce),
+    "transpose": OpDef(_transpose),
+    "permute": OpDef(_permute),
+    "split_dim": OpDef(_split_dim),
+    "merge_dims": OpDef(_merge_dims),
+    "contiguous": OpDef(_contiguous),
+    "cat": OpDef(_cat),
+    "mutate": OpDef(_mutate, inplace=True),
+    "all_reduce": OpDef(_all_reduce, collective=True),
+    "all_gather": OpDef(_all_gather, collective=True),
+    "reduce_scatter": OpDef(_reduce_scatter, collective=True),
+    "all_to_all": OpDef(_all_to_all, collective=True),
+    "all_to_all_uneven": OpDef(_all_to_all_uneven, collective=True, rank_dependent=True),
+    "broadcast": OpDef(_broadcast, collective=True),
+    "all_reduce_coalesced": OpDef(_all_reduce_coalesced, collective=True),
+    "all_gather_coalesced": OpDef(_all_gather_coalesced, collective=True),
+    "reduce_scatter_coalesced": OpDef(_reduce_scatter_coalesced, collective=True),
+    "all_reduce_inplace": OpDef(_all_reduce_inplace, collective=True),
+    "all_reduce_coalesced_inplace": OpDef(_all_reduce_coalesced_inplace, collective=True),
+    "broadcast_inplace": OpDef(_broadcast_inplace, collective=True),
+    "p2p": OpDef(_p2p, collective=True, rank_dependent=True),
+}
+
+
+# ---------------------------------------------------------------------------
+# Running / tracing
+# ---------------------------------------------------------------------------
+
+
+def _loss_terms(outs: list[torch.Tensor]) -> torch.Tensor | None:
+    terms = [(o.float() * torch.sin(o.float()).detach()).sum() for o in outs
+             if isinstance(o, torch.Tensor) and o.requires_grad]
+    return sum(terms) if terms else None
+
+
+def build_callable(program: Program, ctx: Ctx) -> Callable[..., list]:
+    """The program as a Python function of its inputs (for one rank: ``ctx``)."""
+    names = [i["name"] for i in program.inputs]
+
+    def fn(*args):
+        env: dict[str, Any] = dict(zip(names, args))
+        for op in program.ops:
+            outs = OPS[op["op"]].fn(ctx, op, *[env[v] for v in op["in"]])
+            if len(outs) != len(op["out"]):
+                raise ValueError(f"op {op['op']} produced {len(outs)} values for outputs {op['out']}")
+            env.update(zip(op["out"], outs))
+        outs = [env[v] for v in program.outputs]
+        if not program.joint:
+            return outs
+        loss = _loss_terms(outs)
+        if loss is None:
+            return outs
+        params = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return outs + [g for g in grads if g is not None]
+
+    return fn
+
+
+def make_inputs(program: Program, rank: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s input values: deterministic in (program seed, rank, input index)."""
+    out = []
+    for idx, spec in enumerate(program.inputs):
+        g = torch.Generator().manual_seed((program.seed * 1_000_003 + rank * 7_919 + idx) % (2**63))
+        shape = spec["shape"]
+        t = torch.randn(*shape, generator=g)
+        init = spec.get("init", "act")
+        if init == "weight":
+            t = t / math.sqrt(shape[0])
+        elif init == "ln_weight":
+            t = 1.0 + 0.1 * t
+        elif init == "bias":
+            t = 0.1 * t
+        out.append(t.to(program.torch_dtype))
+    return out
+
+
+def create_groups(program: Program, rank: int) -> tuple[Ctx, dict[str, list[int]]]:
+    """Create the program's process groups (every rank creates every block, in one fixed order).
+
+    Returns the rank's Ctx and name -> ranks of every group this rank belongs to."""
+    pgs, grank, gsize, names = {}, {}, {}, {}
+    world = list(range(program.world_size))
+    for role in sorted(program.groups):
+        for block in program.groups[role]:
+            if list(block) == world:
+                pg = dist.group.WORLD
+            else:
+                pg = dist.new_group(list(block))
+            if rank in block:
+                pgs[role], grank[role], gsize[role] = pg, list(block).index(rank), len(block)
+                names[pg.group_name] = list(block)
+    ctx = Ctx(rank=rank, world_size=program.world_size, pgs=pgs, group_rank=grank, group_size=gsize,
+              joint=program.joint)
+    return ctx, names
+
+
+@dataclass
+class Traced:
+    """Graphs of one program: one SPMD graph (traced on rank 0) or one per rank."""
+
+    program: Program
+    graphs: list  # GraphModules, one (SPMD) or world_size (per rank)
+    groups: dict[str, Any]  # group name -> partition (SPMD) or block (per rank)
+    inputs: list[list[torch.Tensor]]  # per rank
+
+    @property
+    def per_rank(self) -> bool:
+        return len(self.graphs) > 1
+
+
+def trace_rank(program: Program, rank: int, inputs: list[torch.Tensor]):
+    """make_fx-trace ``program`` as ``rank``; must run inside ``fake_process_group``.
+
+    Returns (GraphModule, group name -> ranks of the groups this rank belongs to)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    ctx, names = create_groups(program, rank)
+    args = []
+    for t in inputs:
+        t = t.clone()
+        if program.joint and t.is_floating_point():
+            t.requires_grad_(True)
+        args.append(t)
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # invalid candidates of the shrinker would log every meta failure
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm = make_fx(build_callable(program, ctx), tracing_mode="fake")(*args)
+    finally:
+        fake_log.setLevel(level)
+    return gm, names
+
+
+def value_shapes(program: Program) -> dict[str, tuple]:
+    """Shapes of every value on rank 0, computed on meta tensors without a process group.
+
+    Collectives are modelled by their shape effect only. Used by the shrinker to find a
+    same-shaped replacement for a removed op's outputs."""
+    shapes: dict[str, tuple] = {i["name"]: tuple(i["shape"]) for i in program.inputs}
+    for op in program.ops:
+        try:
+            outs = _shape_rule(program, op, [shapes[v] for v in op["in"]])
+        except Exception:  # noqa: BLE001 - unknown shape: the shrinker then drops dependents instead
+            return shapes
+        shapes.update(zip(op["out"], outs))
+    return shapes
+
+
+def _shape_rule(program: Program, op: dict, ins: list[tuple]) -> list[tuple]:
+    name = op["op"]
+    if name in ("all_reduce", "broadcast", "all_reduce_inplace", "broadcast_inplace", "p2p", "all_reduce_coalesced",
+                "all_reduce_coalesced_inplace"):
+        return list(ins)
+    n = len(program.groups[op["group"]][0]) if "group" in op else 1
+    if name == "all_gather":
+        s = list(ins[0])
+        s[op["dim"]] *= n
+        return [tuple(s)]
+    if name == "reduce_scatter":
+        s = list(ins[0])
+        s[op["dim"]] //= n
+        return [tuple(s)]
+    if name == "all_gather_coalesced":
+        return [(s[0] * n, *s[1:]) for s in ins]
+    if name == "reduce_scatter_coalesced":
+        return [(s[0] // n, *s[1:]) for s in ins]
+    if name == "all_to_all":
+        s = list(ins[0])
+        s[op["split_dim"]] //= n
+        s[op["concat_dim"]] *= n
+        return [tuple(s)]
+    if name == "all_to_all_uneven":
+        S = op["splits"]
+        rows = sum(S[0]) if op.get("inverse") else sum(row[0] for row in S)
+        return [(rows, *ins[0][1:])]
+    # compute ops: evaluate on meta tensors
+    meta = [torch.empty(s, device="meta", dtype=program.torch_dtype) for s in ins]
+    ctx = Ctx(rank=0, world_size=program.world_size, pgs={}, group_rank={}, group_size={}, joint=False)
+    return [tuple(o.shape) for o in OPS[name].fn(ctx, op, *meta)]

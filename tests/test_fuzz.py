@@ -1,0 +1,258 @@
+"""The pass fuzzer: every registered pass is fuzzed, a CI-sized campaign passes, deliberately
+wrong passes are caught and shrunk, and saved regression cases replay."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from commfuse.fuzz.generator import FEATURES
+from commfuse.fuzz import (
+    FAMILIES,
+    FUZZ_NOTES,
+    Program,
+    check_program,
+    generate_program,
+    load_regression,
+    make_regression,
+    passes_missing_fuzz_entry,
+    program_for,
+    register_fuzz_target,
+    registered_targets,
+    replay,
+    run_campaign,
+    save_regression,
+    shrink,
+    single_pass_pipeline,
+    unregister_fuzz_target,
+)
+from commfuse.fuzz.program import OPS
+from commfuse.ir.kinds import is_wait
+from commfuse.passes import GraphPass, PassResult, Stage, available_passes, register_pass, unregister_pass
+
+c10d = torch.ops._c10d_functional
+REGRESSIONS = Path(__file__).parent / "fuzz_regressions"
+CI_PROGRAMS = int(os.environ.get("COMMFUSE_FUZZ_PROGRAMS", "500"))
+CI_SEED = int(os.environ.get("COMMFUSE_FUZZ_SEED", "20240"))
+
+
+def _say(capsys, line: str) -> None:
+    """Print to the terminal even under output capture (the CI log shows what was fuzzed)."""
+    with capsys.disabled():
+        print("\n" + line)
+
+
+# -- registration ------------------------------------------------------------------------
+def test_every_registered_pass_has_a_fuzz_entry_or_a_note():
+    missing = passes_missing_fuzz_entry()
+    assert not missing, (
+        f"passes {missing} have neither a fuzz registration (commfuse.fuzz.register_fuzz_target in "
+        f"commfuse/fuzz/targets.py) nor a reasoned note in commfuse.fuzz.FUZZ_NOTES; see docs/contributing.md"
+    )
+    for name, note in FUZZ_NOTES.items():
+        assert len(note.split()) >= 8, f"FUZZ_NOTES[{name!r}] must say why ({note!r})"
+
+
+def test_unregistered_pass_is_reported_missing():
+    class _NewPass(GraphPass):
+        """Test pass with no fuzz entry."""
+
+        name = "test_fuzz_unregistered"
+        stage = Stage.SCHEDULE
+
+        def run(self, ctx):
+            return PassResult(changed=False)
+
+    register_pass(_NewPass)
+    try:
+        assert "test_fuzz_unregistered" in passes_missing_fuzz_entry()
+        register_fuzz_target("test_fuzz_unregistered", generators=["tp"], exact=True)
+        assert "test_fuzz_unregistered" not in passes_missing_fuzz_entry()
+        t = registered_targets()["test_fuzz_unregistered"]
+        assert t.accepts(generate_program(random.Random(0), family="tp"))
+        assert not t.accepts(generate_program(random.Random(0), family="sp"))
+    finally:
+        unregister_pass("test_fuzz_unregistered")
+        unregister_fuzz_target("test_fuzz_unregistered")
+    with pytest.raises(ValueError, match="unknown generators"):
+        register_fuzz_target("x", generators=["nope"])
+
+
+# -- programs ----------------------------------------------------------------------------
+def test_programs_are_reproducible_and_json_roundtrip():
+    a, b = program_for(7, 3), program_for(7, 3)
+    assert a.dumps() == b.dumps() and a.dumps() != program_for(7, 4).dumps()
+    assert Program.from_json(json.loads(a.dumps())).dumps() == a.dumps()
+
+
+def test_generator_covers_every_op_and_family():
+    seen, per_rank, joint = set(), 0, 0
+    for i in range(400):
+        p = generate_program(random.Random(f"cov:{i}"))
+        seen |= {o["op"] for o in p.ops}
+        per_rank += p.per_rank
+        joint += p.joint
+    assert seen == set(OPS), sorted(set(OPS) - seen)
+    assert per_rank and joint
+    for fam in FAMILIES:
+        assert generate_program(random.Random(1), family=fam).family == fam
+
+
+def test_shrink_is_greedy_and_keeps_the_failure():
+    progs = (generate_program(random.Random(i), family="tp", world_size=4, dtype="bfloat16", max_blocks=12)
+             for i in range(100))
+    prog = next(p for p in progs if len(p.ops) >= 6 and any(o["op"] == "matmul" for o in p.ops))
+
+    def has_matmul(p: Program) -> bool:  # a stand-in failure: "the program contains a matmul"
+        return any(o["op"] == "matmul" for o in p.ops)
+
+    small, checks = shrink(prog, has_matmul)
+    assert has_matmul(small) and len(small.ops) == 1 and small.dtype == "float32" and checks > 0
+    assert all(d <= 2 for i in small.inputs for d in i["shape"])
+
+
+# -- the CI campaign ---------------------------------------------------------------------
+def test_fuzz_campaign(capsys):
+    """CI_PROGRAMS seeded programs, every registered pass alone and the default pipeline."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # Every generator feature and the IR check are on: the in-place-buffer verifier bug and
+        # the view/slice layout gaps they found are fixed (tests/fuzz_regressions/*, status fixed).
+        rep = run_campaign(CI_PROGRAMS, CI_SEED, shrink_failures=True, features=FEATURES, check_ir=True)
+    _say(capsys, rep.summary())
+    assert rep.programs == CI_PROGRAMS
+    assert rep.generator_errors == 0, rep.summary()
+    assert not rep.failures, rep.summary() + "\n\n" + "\n\n".join(b.failure.message[:3000] for b in rep.bugs)
+    assert rep.per_rank > 0 and rep.joint > 0
+    assert set(rep.pipeline_checks) == set(available_passes()) | {"default"}
+
+
+# -- deliberately wrong passes are caught ------------------------------------------------
+class _WrongReduceOp(GraphPass):
+    """Test-only, deliberately wrong: turns the first sum all_reduce into a max all_reduce."""
+
+    name = "test_wrong_reduce_op"
+    stage = Stage.JOINT
+
+    def run(self, ctx):
+        for n in ctx.gm.graph.nodes:
+            if n.target is c10d.all_reduce.default and n.args[1] == "sum":
+                n.args = (n.args[0], "max", *n.args[2:])
+                return PassResult(changed=True, counts={"broken": 1})
+        return PassResult(changed=False)
+
+
+class _SwapResults(GraphPass):
+    """Test-only, deliberately wrong: two collectives with same-shaped results swap their waits' users."""
+
+    name = "test_swap_results"
+    stage = Stage.SCHEDULE
+
+    def run(self, ctx):
+        order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
+        cs = [c for c in ctx.ir.collectives if not c.coalesced and len(c.waits) == 1 and c.waits[0].users]
+        for i, a in enumerate(cs):
+            for b in cs[i + 1:]:
+                wa, wb = a.waits[0], b.waits[0]
+                if (a.output_shapes[0], a.dtype) != (b.output_shapes[0], b.dtype):
+                    continue
+                if min(order[u] for u in [*wa.users, *wb.users]) < max(order[wa], order[wb]):
+                    continue
+                ua, ub = list(wa.users), list(wb.users)
+                for u in ua:
+                    u.replace_input_with(wa, wb)
+                for u in ub:
+                    u.replace_input_with(wb, wa)
+                return PassResult(changed=True, counts={"swapped": 1})
+        return PassResult(changed=False)
+
+
+class _SinkPastMutations(GraphPass):
+    """Test-only, deliberately wrong: sink_waits without its mutation barrier."""
+
+    name = "test_sink_past_mutation"
+    stage = Stage.SCHEDULE
+
+    def run(self, ctx):
+        order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
+        moved = 0
+        for w in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and is_wait(n.target)]:
+            if w.users:
+                target = min(w.users, key=lambda u: order[u])
+                if w.next is not target:
+                    target.prepend(w)
+                    moved += 1
+        return PassResult(changed=moved > 0)
+
+
+@pytest.mark.parametrize("cls, kind, max_ops", [
+    (_WrongReduceOp, "mismatch", 3),
+    (_SwapResults, "mismatch", 5),
+    (_SinkPastMutations, "reference_error", 5),
+], ids=["wrong_reduce_op", "swapped_results", "wait_sunk_past_mutation"])
+def test_wrong_pass_is_caught_shrunk_saved_and_replayed(capsys, tmp_path, cls, kind, max_ops):
+    register_pass(cls)
+    try:
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rep = run_campaign(400, seed=3, pipelines=[single_pass_pipeline(cls.name)], stop_after_failures=1,
+                               save_dir=tmp_path)
+        assert rep.bugs, f"the fuzzer missed the wrong pass {cls.name} in {rep.programs} programs"
+        bug = rep.bugs[0]
+        _say(capsys, f"{cls.name}: caught at program {bug.index} ({bug.failure.kind}), shrunk from "
+                      f"{len(bug.program.ops)} to {len(bug.shrunk.ops)} ops in {bug.shrink_checks} checks, "
+                      f"{time.perf_counter() - t0:.1f} s: {bug.shrunk.summary()}")
+        assert bug.failure.kind == kind and bug.failure.pipeline == cls.name
+        assert len(bug.shrunk.ops) <= min(max_ops, len(bug.program.ops))
+        reg = load_regression(bug.saved)
+        assert reg.program.dumps() == bug.shrunk.dumps() and reg.failure_kind == kind
+        _, fails = replay(reg)
+        assert [f.kind for f in fails] == [kind]
+    finally:
+        unregister_pass(cls.name)
+    # without the pass (e.g. after the fix, or the pass renamed) the case no longer applies
+    assert cls.name not in available_passes()
+
+
+def test_regression_roundtrip(tmp_path):
+    prog = program_for(0, 1)
+    res = check_program(prog)
+    assert res.ok, [f.headline() for f in res.failures]
+    from commfuse.fuzz.check import Failure
+
+    reg = make_regression(prog, Failure("sink_waits", "mismatch", "example"), single_pass_pipeline("sink_waits"),
+                          status="fixed")
+    path = save_regression(tmp_path, reg)
+    again = load_regression(path)
+    assert again.status == "fixed" and again.program.dumps() == prog.dumps()
+    assert replay(again)[1] == []
+
+
+# -- saved regression cases --------------------------------------------------------------
+def _cases():
+    return sorted(REGRESSIONS.glob("*.json")) if REGRESSIONS.is_dir() else []
+
+
+@pytest.mark.parametrize("path", _cases(), ids=lambda p: p.stem)
+def test_saved_regression_case(path):
+    reg = load_regression(path)
+    names = reg.pipeline["passes"] if reg.pipeline and reg.pipeline.get("passes") else []
+    missing = [n for n in names if n not in available_passes()]
+    if missing:
+        pytest.skip(f"passes {missing} are no longer registered")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, fails = replay(reg)
+    if reg.status == "open":
+        if fails:
+            pytest.xfail(f"open bug: {reg.title}: {fails[0].headline()}")
+        pytest.fail(f"{path.name} is marked open but passes now: set \"status\": \"fixed\" in the file")
+    assert not fails, "\n".join(f.message for f in fails)
