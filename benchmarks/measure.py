@@ -22,9 +22,13 @@ dilute the differences.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import sys
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +65,9 @@ class GraphCollectives:
     num_nodes: int
     by_kind: dict[str, KindTotals]
     total: KindTotals
+    # c10d op -> count for ops the IR does not recognise (their bytes are not
+    # in the totals); None when the graph was not available to check.
+    unrecognised: dict[str, int] | None = None
 
 
 @dataclass
@@ -87,13 +94,36 @@ def _timed(step: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Point file descriptor 2 at /dev/null (C++ writes bypass sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _peak_alloc_bytes(step: Callable[[], None]) -> int | None:
     """Peak bytes held by the CPU allocator during ``step``, above its start level."""
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    # Kineto prints a start/stop line to stderr per session; silence just
+    # those two calls, not the step.
+    with _quiet_stderr():
+        prof.__enter__()
+    try:
         step()
+    finally:
+        with _quiet_stderr():
+            prof.__exit__(None, None, None)
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     if not events:
         return None
@@ -117,10 +147,31 @@ def _collectives_from_analysis(analysis: Any) -> GraphCollectives:
     )
 
 
+def _unrecognised(gm: Any) -> dict[str, int]:
+    """c10d ops in ``gm`` the IR has no spec for (e.g. an op a bucketing pass emits)."""
+    from commfuse.ir import collective_spec, is_wait
+
+    out: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        name = str(n.target)
+        if (n.op == "call_function" and name.startswith(_C10D_NAMESPACES)
+                and collective_spec(n.target) is None and not is_wait(n.target)):
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+_C10D_NAMESPACES = ("_c10d_functional.", "_c10d_functional_autograd.", "c10d.", "_dtensor.")
+
+
 def _analyse(graphs: list[CompiledGraph]) -> list[GraphCollectives]:
     import commfuse
 
-    return [_collectives_from_analysis(commfuse.analyze(g.gm, graph=g.kind)) for g in graphs]
+    out = []
+    for g in graphs:
+        summary = _collectives_from_analysis(commfuse.analyze(g.gm, graph=g.kind))
+        summary.unrecognised = _unrecognised(g.gm)
+        out.append(summary)
+    return out
 
 
 def _step_fn(run: Callable[..., Any], built: Built) -> Callable[[], None]:
@@ -134,6 +185,9 @@ def _step_fn(run: Callable[..., Any], built: Built) -> Callable[[], None]:
 
 def measure(workload: str, baseline: str, warmup: int, steps: int) -> RankMeasurement:
     """Measure ``baseline`` on ``workload`` on this rank (see the module docstring)."""
+    # Deep-copying graphs for capture trips a pytree deprecation warning in
+    # torch 2.13 (per graph, per rank); it says nothing about the benchmark.
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     built = get_workload(workload).build(world, rank)

@@ -226,3 +226,22 @@ def test_gather_as_single_view_and_slice_shuffles(batch):
         assert layouts == {torch.ops.aten.view.default}
     got = [(c.kind, c.logical_dim, c.role) for c in report.collectives]
     assert got == [("all_gather", 1, "sp"), ("reduce_scatter", 1, "sp")], (got, gm.code)
+
+
+def test_dead_slice_piece_is_not_a_shuffle():
+    """Fuzzer find (seed 11, program 78, with the slice matcher): a wait whose N slices include a
+    dead one must not crash the IR (it is not a shuffle: the pieces are not all consumed)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        w = funcol.all_to_all_single(x, None, None, dist.group.WORLD)
+        _dead = w[:, 0:8]
+        return w[:, 8:16] + 1
+
+    with fake_process_group(2):
+        gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 16))
+        assert any(n.target is torch.ops.aten.slice.Tensor and not n.users for n in gm.graph.nodes)
+        (c,) = commfuse.analyze(gm).collectives
+    assert (c.kind, c.logical_dim, c.logical_concat_dim) == ("all_to_all", 0, 0)

@@ -156,6 +156,11 @@ def _register_builtin() -> None:
         f.all_gather_into_tensor_coalesced.default,
         CollectiveOpSpec(K.ALL_GATHER, _coalesced(_p_all_gather), coalesced=True),
     )
+    # `_out` variants (Inductor's bucketing emits them) write into a given buffer: in-place semantics.
+    register_collective_op(f.all_gather_into_tensor_out.default,
+                           CollectiveOpSpec(K.ALL_GATHER, _p_all_gather, inplace=True))
+    register_collective_op(f.reduce_scatter_tensor_out.default,
+                           CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter, inplace=True))
     register_collective_op(f.reduce_scatter_tensor.default, CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter))
     register_collective_op(fa.reduce_scatter_tensor.default, CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter))
     register_collective_op(

@@ -138,9 +138,10 @@ def match_gather_shuffle(wait: fx.Node, group_size: int | None) -> Shuffle | Non
     if group_size is None or not wait.users:
         return None
     users = list(wait.users)
-    if len(users) == group_size and len({u for p in users for u in p.users}) == 1:
+    if (len(users) == group_size and all(len(p.users) == 1 for p in users)
+            and len({u for p in users for u in p.users}) == 1):
         cat = next(iter(users[0].users))
-        if cat.op == "call_function" and cat.target in _CATS and all(len(p.users) == 1 for p in users):
+        if cat.op == "call_function" and cat.target in _CATS:
             pieces = list(cat.args[0])
             if set(pieces) == set(users) and _slice_pieces(wait, pieces, group_size) == 0:
                 return Shuffle(dim=_cat_dim(cat), outer=cat, nodes=[*pieces, cat])

@@ -22,6 +22,8 @@ operation-level overlap on it.
 
 from __future__ import annotations
 
+import bisect
+
 import torch.fx as fx
 
 from ..ir.kinds import is_wait
@@ -39,6 +41,11 @@ class SinkWaits(GraphPass):
     def run(self, ctx: PassContext) -> PassResult:
         graph = ctx.gm.graph
         order = {n: i for i, n in enumerate(graph.nodes)}
+        # Positions of memory-mutating nodes, sorted: the barrier search is a bisect, so the
+        # pass stays O(n log n) on deep graphs. Positions are those before any move; waits
+        # only move down past non-mutating nodes, so the relative order of the rest holds.
+        mutations = [order[n] for n in graph.nodes if _mutates(n)]
+        by_pos = {order[n]: n for n in graph.nodes}
         inplace_waits = {w for c in ctx.ir.collectives if c.inplace for w in c.waits}
         moved = 0
         skipped_inplace = 0
@@ -50,7 +57,7 @@ class SinkWaits(GraphPass):
             if not w.users:
                 continue
             target = min(w.users, key=lambda u: order[u])
-            barrier = _first_mutation_between(w, target)
+            barrier = _first_mutation_between(order[w], order[target], mutations, by_pos)
             if barrier is not None:
                 target = barrier
             if w.next is target:
@@ -68,10 +75,6 @@ def _mutates(node: fx.Node) -> bool:
     return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
-def _first_mutation_between(start: fx.Node, end: fx.Node) -> fx.Node | None:
-    n = start.next
-    while n is not end:
-        if _mutates(n):
-            return n
-        n = n.next
-    return None
+def _first_mutation_between(start: int, end: int, mutations: list[int], by_pos: dict[int, fx.Node]) -> fx.Node | None:
+    i = bisect.bisect_right(mutations, start)
+    return by_pos[mutations[i]] if i < len(mutations) and mutations[i] < end else None

@@ -1,0 +1,196 @@
+"""Benchmark runner CLI: every workload x baseline of a suite, side by side, in one run.
+
+    python benchmarks/run.py --suite quick|full|smoke --json out.json [--plot DIR] [--markdown FILE]
+    python benchmarks/run.py --from-json out.json --plot DIR      # re-render a stored run
+
+Runs each workload x baseline on a pool of gloo ranks (one intra-op thread
+each), then the compile-time scaling points in fresh processes, prints the
+table and writes the JSON (after every run, so an interrupted run keeps
+what it measured). See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# Runnable as a script from a checkout: make `benchmarks` and `commfuse` importable
+# (the rank pool copies sys.path into its workers).
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+# Kineto prints a line per profiler start/stop; level 6 silences it. Set before
+# the rank processes start so they inherit it.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+from benchmarks.baselines import get_baseline  # noqa: E402
+from benchmarks.metrics import METRICS, RunRecord, compute_metrics  # noqa: E402
+from benchmarks.report import SCHEMA, environment, markdown_tables, text_tables, write_plots  # noqa: E402
+from benchmarks.suites import SUITES, Suite, get_suite  # noqa: E402
+from benchmarks.workloads import get_workload  # noqa: E402
+
+NOTES = [
+    "step times are wall-clock on gloo over loopback on a shared CPU: they show compute and the gloo cost of "
+    "each collective, not GPU-interconnect overlap. gloo implements reduce_scatter as a full all_reduce, so "
+    "wall-clock on gloo does not show reduce_scatter savings; bytes are therefore counted with NCCL semantics "
+    "(logged) and ring conventions (wire) by commfuse.analyze, not measured on the wire.",
+    "peak alloc = peak bytes held by torch's CPU allocator during one step above the level at its start "
+    "(torch.profiler memory events); memory not allocated through torch's allocator (gloo buffers, Python "
+    "objects) is not included.",
+    "compile s = first step minus the median step; Inductor-based runs start from a fresh, empty Inductor cache "
+    "(cold compile, TORCHINDUCTOR_COMPILE_THREADS=1 per rank); one-time imports are paid by a warm-up job first.",
+    "collectives of non-commfuse baselines come from commfuse.analyze on the graphs they executed (Inductor: "
+    "after its post-grad passes, bucketing included; eager: AOT-captured forward/backward graphs); for "
+    "commfuse baselines from the pipeline's reports. 'unrecog.' counts c10d ops the IR does not know: their "
+    "bytes are missing from the totals.",
+    "load = the machine's 1-minute load average after each run; above the number of cores, other processes "
+    "competed for the CPU and step and compile times are inflated.",
+    "'-eager' baselines run the (rewritten) graphs op by op (inner_compiler='eager'); ':none' = no passes, "
+    "':<pass>' = only that pass, to attribute gains.",
+]
+
+
+def _settings(suite: Suite) -> dict[str, Any]:
+    return {
+        "world_size": suite.world_size,
+        "backend": "gloo",
+        "threads_per_rank": 1,
+        "warmup": suite.warmup,
+        "steps": suite.steps,
+        "step": "forward + loss + backward, gradients set to None (no optimizer)",
+        "step_time": "per step the slowest rank after a barrier; median and IQR over the timed steps",
+        "memory": "peak CPU-allocator bytes during one profiled step above its start level, max over ranks",
+        "compile_time": "first step minus median step; cold Inductor cache per run",
+        "scaling_world_size": suite.scaling_world,
+        "scaling": {mode: list(layers) for mode, layers in suite.scaling},
+    }
+
+
+def _skeleton(suite: Suite) -> dict[str, Any]:
+    matrix = suite.matrix()
+    workloads = list(dict.fromkeys(w for w, _ in matrix))
+    baselines = list(dict.fromkeys(b for _, b in matrix))
+    return {
+        "schema": SCHEMA,
+        "suite": suite.name,
+        "suite_description": suite.description,
+        "environment": environment(),
+        "settings": _settings(suite),
+        "metrics": {m.name: {"header": m.header, "unit": m.unit, "description": m.description}
+                    for m in METRICS.values()},
+        "workloads": {w: {"family": get_workload(w).family.name, "size": get_workload(w).size,
+                          "description": get_workload(w).family.description, "params": get_workload(w).params}
+                      for w in workloads},
+        "baselines": {b: {"description": get_baseline(b).description, "inner": get_baseline(b).inner}
+                      for b in baselines},
+        "results": [],
+        "scaling": {"world_size": suite.scaling_world, "points": []},
+        "notes": list(NOTES),
+        "wall_s": None,
+    }
+
+
+def _write(doc: dict[str, Any], path: Path | None) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+
+
+def _load() -> float | None:
+    """1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_matrix(suite: Suite, doc: dict[str, Any], json_path: Path | None) -> None:
+    """Every (workload, baseline) of the suite on one pool of gloo ranks."""
+    from benchmarks.measure import measure, warm_up
+    from commfuse.testing.rank_pool import RankPool, RankPoolError
+
+    with RankPool(suite.world_size, timeout_s=suite.job_timeout_s) as pool:
+        t = time.perf_counter()
+        pool.run(warm_up, suite.uses_inductor, timeout=suite.job_timeout_s)
+        _log(f"warm-up: {time.perf_counter() - t:.1f} s")
+        for workload, baseline in suite.matrix():
+            record = RunRecord(workload, baseline, suite.world_size)
+            t = time.perf_counter()
+            try:
+                record.ranks = pool.run(measure, workload, baseline, suite.warmup, suite.steps,
+                                        timeout=suite.job_timeout_s)
+            except RankPoolError as exc:  # a failing baseline must not stop the comparison
+                record.error = str(exc)
+            record.wall_s = time.perf_counter() - t
+            metrics = compute_metrics(record)
+            doc["results"].append({
+                "workload": workload, "baseline": baseline, "error": record.error, "wall_s": record.wall_s,
+                # The machine may be shared: other processes' load inflates step and compile times.
+                "load_avg_1m": _load(),
+                "metrics": metrics, "raw": {"ranks": [r.to_json() for r in record.ranks]},
+            })
+            status = "FAILED" if record.error else (
+                f"step {METRICS['step_ms_median'].fmt(metrics['step_ms_median'])} ms, "
+                f"compile {METRICS['compile_s'].fmt(metrics['compile_s'])} s, "
+                f"{METRICS['collectives'].fmt(metrics['collectives'])}")
+            _log(f"{workload:16s} {baseline:28s} {record.wall_s:6.1f} s  {status}")
+            _write(doc, json_path)
+
+
+def run_suite(suite: Suite, json_path: Path | None, *, scaling: bool = True) -> dict[str, Any]:
+    from benchmarks.scaling import run_scaling
+
+    t0 = time.perf_counter()
+    doc = _skeleton(suite)
+    run_matrix(suite, doc, json_path)
+    if scaling and suite.scaling:
+        # After the pool is gone: the scaling processes get the machine to themselves.
+        points = run_scaling(suite.scaling, suite.scaling_world, timeout_s=suite.job_timeout_s, log=_log)
+        doc["scaling"]["points"] = [dataclasses.asdict(p) for p in points]
+    doc["wall_s"] = time.perf_counter() - t0
+    _write(doc, json_path)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="commfuse benchmark runner (workloads x baselines, one run)")
+    ap.add_argument("--suite", choices=sorted(SUITES), default="quick")
+    ap.add_argument("--json", type=Path, help="write every raw number and the metrics here")
+    ap.add_argument("--plot", type=Path, help="write comparison.png and scaling.png into this directory")
+    ap.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
+    ap.add_argument("--no-scaling", action="store_true", help="skip the compile-time scaling points")
+    ap.add_argument("--from-json", type=Path, help="re-render a stored run instead of measuring")
+    args = ap.parse_args(argv)
+
+    if args.from_json:
+        doc = json.loads(args.from_json.read_text())
+    else:
+        doc = run_suite(get_suite(args.suite), args.json, scaling=not args.no_scaling)
+    print(text_tables(doc))
+    if doc.get("wall_s") is not None:
+        print(f"\nwall time: {doc['wall_s']:.0f} s")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown_tables(doc) + "\n")
+    if args.plot:
+        for path in write_plots(doc, args.plot):
+            print(f"wrote {path}")
+    failed = [r for r in doc["results"] if r["error"]] + [p for p in doc["scaling"]["points"] if p["error"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Suites: which workloads x baselines, how many steps, and which scaling points a run measures.
+
+``smoke`` is what the test suite runs (every workload family, cheap
+baselines); ``quick`` is the everyday comparison (< 5 min on 2 cores);
+``full`` adds sizes, the Inductor-based baselines and the 4..32-layer
+compile-time scaling with Inductor alongside (about 25 min on 2 cores:
+a cold Inductor compile of a small model costs 20-70 s there).
+
+Baseline lists are built from the registries, so a newly registered pass
+gets its single-pass baseline in every suite without editing this file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from benchmarks.baselines import baseline_names, get_baseline
+from benchmarks.workloads import workload_names
+
+__all__ = ["SUITES", "Suite", "get_suite"]
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    description: str
+    workloads: tuple[str, ...]
+    baselines: tuple[str, ...]
+    # Inductor-based baselines only on these workloads (None: on all). A cold
+    # Inductor compile is the expensive part of a run.
+    inductor_workloads: tuple[str, ...] | None = None
+    world_size: int = 2
+    warmup: int = 3
+    steps: int = 15
+    # Compile-time scaling: (mode, layer counts) pairs; modes in benchmarks.scaling.MODES.
+    scaling: tuple[tuple[str, tuple[int, ...]], ...] = (("commfuse-eager", (4, 8)),)
+    scaling_world: int = 8
+    job_timeout_s: float = 900.0
+
+    def matrix(self) -> list[tuple[str, str]]:
+        """(workload, baseline) pairs in run order: per workload, every baseline."""
+        pairs = []
+        for w in self.workloads:
+            for b in self.baselines:
+                if get_baseline(b).uses_inductor and self.inductor_workloads is not None \
+                        and w not in self.inductor_workloads:
+                    continue
+                pairs.append((w, b))
+        return pairs
+
+    @property
+    def uses_inductor(self) -> bool:
+        return any(get_baseline(b).uses_inductor for _, b in self.matrix())
+
+
+def _families(size: str) -> tuple[str, ...]:
+    return tuple(n for n in workload_names() if n.endswith(f":{size}"))
+
+
+def _single_pass(prefix: str) -> tuple[str, ...]:
+    """``prefix:<pass>`` for every registered pass (``:none`` excluded)."""
+    return tuple(n for n in baseline_names() if n.startswith(prefix + ":") and n != prefix + ":none")
+
+
+# Eager-inner commfuse variants are cheap (no codegen) and attribute gains per
+# pass against `commfuse-eager:none` (= aot_eager: same partitioner, no passes).
+_EAGER_INNER = ("commfuse-eager:none", "commfuse-eager", *_single_pass("commfuse-eager"))
+
+SUITES: dict[str, Suite] = {}
+
+
+def _register(suite: Suite) -> None:
+    SUITES[suite.name] = suite
+
+
+_register(Suite(
+    "smoke", "every workload family at size s, eager vs commfuse (eager inner); 2-layer scaling point",
+    workloads=_families("s"), baselines=("eager", "commfuse-eager"), warmup=1, steps=5,
+    scaling=(("commfuse-eager", (2,)),)))
+_register(Suite(
+    "quick", "every workload family at size s; eager and eager-inner commfuse variants (no Inductor: a cold "
+    "Inductor compile costs 20-70 s per run on 2 cores); scaling at 4 and 8 layers (commfuse pipeline only)",
+    workloads=_families("s"), baselines=("eager", *_EAGER_INNER), warmup=3, steps=30,
+    scaling=(("commfuse-eager", (4, 8)),)))
+# Shrunk to finish in about 25 minutes on 2 cores: the Inductor-based
+# baselines (a cold compile is ~1 min per run there) run at size s only, and
+# Inductor's own scaling points at 4 and 32 layers; the commfuse pipeline is
+# timed at every depth (eager inner: exact stage split) and inside Inductor at
+# the deepest point, where the project goal is stated.
+_register(Suite(
+    "full", "every workload family at sizes s and m with eager and the eager-inner commfuse variants; at "
+    "size s also Inductor, Inductor+comm passes and commfuse (Inductor inner); scaling of the pipeline at "
+    "4, 8, 16, 32 layers, Inductor's compile at 4 and 32",
+    workloads=_families("s") + _families("m"),
+    baselines=("eager", "inductor", "inductor+comm", "commfuse", *_EAGER_INNER),
+    inductor_workloads=_families("s"),
+    warmup=5, steps=50,
+    scaling=(("commfuse-eager", (4, 8, 16, 32)), ("inductor", (4, 32)), ("commfuse", (32,))),
+    job_timeout_s=1800.0))
+
+
+def get_suite(name: str) -> Suite:
+    if name not in SUITES:
+        raise KeyError(f"unknown suite {name!r}; known: {sorted(SUITES)}")
+    return SUITES[name]

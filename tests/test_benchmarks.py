@@ -1,0 +1,162 @@
+"""Tests of the benchmark runner (benchmarks/): registries, metrics, and one end-to-end run.
+
+The end-to-end test runs ``benchmarks/run.py --suite smoke`` (every workload
+family, eager vs commfuse, one scaling point; about 1.5 min on 2 cores) in a
+fresh process and checks that the JSON has every field for every
+workload x baseline. ``COMMFUSE_BENCH_SUITE=quick`` runs the quick suite
+instead (about 3-4 min). Numbers are not asserted: they are measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.baselines import baseline_names, get_baseline  # noqa: E402
+from benchmarks.measure import GraphCollectives, KindTotals, RankMeasurement  # noqa: E402
+from benchmarks.metrics import METRICS, RunRecord, compute_metrics, step_times  # noqa: E402
+from benchmarks.report import scaling_summary  # noqa: E402
+from benchmarks.scaling import growth_exponent  # noqa: E402
+from benchmarks.suites import SUITES, get_suite  # noqa: E402
+from benchmarks.workloads import get_workload, workload_names  # noqa: E402
+
+
+# ------------------------------------------------------------- registries
+
+
+def test_every_suite_resolves():
+    for suite in SUITES.values():
+        pairs = suite.matrix()
+        assert pairs, suite.name
+        for w, b in pairs:
+            get_workload(w)
+            get_baseline(b)
+
+
+def test_every_family_in_quick_suite():
+    families = {get_workload(w).family.name for w in get_suite("quick").workloads}
+    assert families == {"llama_tp_sp", "llama_tp", "moe_ep", "simple_fsdp", "dp"}
+
+
+def test_single_pass_baselines_follow_the_pass_registry():
+    from commfuse.passes import available_passes
+
+    names = set(baseline_names())
+    for p in available_passes():
+        assert f"commfuse:{p}" in names and f"commfuse-eager:{p}" in names
+        assert f"commfuse-eager:{p}" in get_suite("quick").baselines
+
+
+def test_quick_suite_has_no_inductor_full_suite_does():
+    assert not get_suite("quick").uses_inductor
+    full = get_suite("full")
+    assert {"inductor", "inductor+comm", "commfuse"} <= {b for _, b in full.matrix()}
+
+
+def test_unknown_names_are_reported():
+    with pytest.raises(KeyError, match="known"):
+        get_workload("nope:s")
+    with pytest.raises(KeyError, match="known"):
+        get_baseline("nope")
+    assert "llama_tp_sp:s" in workload_names()
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def _record() -> RunRecord:
+    graphs = [GraphCollectives("forward", 10, {"all_gather": KindTotals(2, 100, 50)}, KindTotals(2, 100, 50), {}),
+              GraphCollectives("backward", 12, {"reduce_scatter": KindTotals(2, 100, 50)},
+                               KindTotals(2, 100, 50), {})]
+    r0 = RankMeasurement(0, 2, first_step_s=3.0, step_s=[0.010, 0.020, 0.030, 0.040], peak_alloc_bytes=1000,
+                         graphs=graphs)
+    r1 = RankMeasurement(1, 2, first_step_s=3.5, step_s=[0.015, 0.010, 0.030, 0.050], peak_alloc_bytes=2000,
+                         graphs=graphs)
+    return RunRecord("llama_tp_sp:s", "eager", 2, [r0, r1])
+
+
+def test_metrics_from_raw_numbers():
+    rec = _record()
+    assert step_times(rec) == [0.015, 0.020, 0.030, 0.050]  # slowest rank per step
+    m = compute_metrics(rec)
+    assert set(m) == set(METRICS)
+    assert m["step_ms_median"] == pytest.approx(25.0)
+    assert m["step_ms_iqr"] == pytest.approx(35.0 - 18.75)
+    assert m["compile_s"] == pytest.approx(3.5 - 0.025)
+    assert m["peak_alloc_bytes"] == 2000
+    assert m["logged_bytes"] == 200 and m["wire_bytes"] == 100
+    assert m["collectives"] == {"all_gather": {"count": 2, "logged_bytes": 100, "wire_bytes": 50},
+                                "reduce_scatter": {"count": 2, "logged_bytes": 100, "wire_bytes": 50}}
+    assert m["unrecognised_collectives"] == 0
+
+
+def test_simulated_step_time_is_not_made_up():
+    m = compute_metrics(_record())
+    assert m["sim_step_dgx_h100x2"] is None
+    assert "issue #6" in METRICS["sim_step_dgx_h100x2"].fmt(None)
+
+
+def test_failed_run_has_every_metric_as_none():
+    rec = RunRecord("llama_tp_sp:s", "eager", 2, error="boom")
+    assert compute_metrics(rec) == {name: None for name in METRICS}
+
+
+def test_growth_exponent_and_goal_summary():
+    assert growth_exponent([4, 8, 16, 32], [1.0, 2.0, 4.0, 8.0]) == pytest.approx(1.0)
+    assert growth_exponent([4, 8, 16], [1.0, 4.0, 16.0]) == pytest.approx(2.0)
+    pts = [{"mode": "commfuse-eager", "layers": n, "pipeline_s": 0.1 * n, "error": None, "compile_s": 1.0}
+           for n in (4, 8)]
+    pts.append({"mode": "inductor", "layers": 8, "compile_s": 100.0, "pipeline_s": None, "error": None})
+    (line,) = scaling_summary({"scaling": {"points": pts}})
+    assert "0.80 s" in line and "0.8% of it" in line and "exponent" in line
+
+
+# ------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_suite_runs_and_json_is_complete(tmp_path):
+    suite = get_suite(os.environ.get("COMMFUSE_BENCH_SUITE", "smoke"))
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--suite", suite.name, "--json", str(out),
+         "--plot", str(tmp_path / "plots"), "--markdown", str(tmp_path / "bench.md")],
+        cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads(out.read_text())
+
+    env = doc["environment"]
+    assert env["machine"]["cpu_model"] and env["machine"]["logical_cores"]
+    assert {"python", "torch", "commfuse"} <= set(env["versions"]) and env["date"]
+    assert doc["settings"]["world_size"] == suite.world_size
+
+    got = {(r["workload"], r["baseline"]): r for r in doc["results"]}
+    assert set(got) == set(suite.matrix())
+    for (w, b), r in got.items():
+        assert r["error"] is None, (w, b, r["error"])
+        assert set(r["metrics"]) == set(METRICS), (w, b)
+        for name in METRICS:
+            if name in ("sim_step_dgx_h100x2", "unrecognised_collectives"):
+                continue  # None by design (cost model pending / graphs from commfuse's reports)
+            assert r["metrics"][name] is not None, (w, b, name)
+        ranks = r["raw"]["ranks"]
+        assert len(ranks) == suite.world_size
+        assert all(len(rk["step_s"]) == suite.steps and rk["torch_threads"] == 1 for rk in ranks)
+        assert r["metrics"]["collectives"], (w, b)  # every workload communicates
+
+    points = doc["scaling"]["points"]
+    assert len(points) == sum(len(layers) for _, layers in suite.scaling)
+    assert all(p["error"] is None and p["pipeline_s"] is not None for p in points if p["mode"] != "inductor")
+    assert (tmp_path / "plots" / "comparison.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "scaling.png").stat().st_size > 0
+    assert "n/a (cost model: issue #6)" in proc.stdout
