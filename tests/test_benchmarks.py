@@ -1,10 +1,10 @@
 """Tests of the benchmark runner (benchmarks/): registries, metrics, and one end-to-end run.
 
-The end-to-end test runs ``benchmarks/run.py --suite smoke`` (every workload
-family, eager vs commfuse, one scaling point; about 1.5 min on 2 cores) in a
-fresh process and checks that the JSON has every field for every
-workload x baseline. ``COMMFUSE_BENCH_SUITE=quick`` runs the quick suite
-instead (about 3-4 min). Numbers are not asserted: they are measurements.
+The end-to-end test runs ``benchmarks/run.py --suite quick`` (every workload,
+eager vs commfuse baselines, compile-time scaling at 4 and 8 layers; about 3 min
+on 2 cores) in a fresh process and checks that the JSON has every field for every
+workload x baseline. ``COMMFUSE_BENCH_SUITE=smoke`` runs the smaller smoke suite
+instead (about 1.5 min). Numbers are not asserted: they are measurements.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_growth_exponent_and_goal_summary():
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_suite_runs_and_json_is_complete(tmp_path):
-    suite = get_suite(os.environ.get("COMMFUSE_BENCH_SUITE", "smoke"))
+    suite = get_suite(os.environ.get("COMMFUSE_BENCH_SUITE", "quick"))
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "run.py"), "--suite", suite.name, "--json", str(out),
