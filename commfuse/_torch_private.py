@@ -3,6 +3,12 @@
 commfuse supports torch>=2.13,<2.14. Each name below is private (underscored or
 undocumented) and may move between releases; when upgrading PyTorch, this is the
 module to audit. Import these names from here, never directly.
+
+Outside the package, the benchmark runner (a measurement tool, not library code)
+also touches: `torch._inductor.utils.fresh_cache` (cold compile times),
+`torch._inductor.compile_fx._recursive_post_grad_passes` (patched to time
+commfuse's post-grad hook inside Inductor) and the profiler's `kineto_results`
+(peak allocation). Audit `benchmarks/` with this module on upgrades.
 """
 
 from __future__ import annotations
