@@ -98,9 +98,10 @@ def _slice_pieces(src: fx.Node, pieces: list, n: int) -> int | None:
     return dim
 
 
-def _match_view_gather(wait: fx.Node, view: fx.Node, n: int) -> Shuffle | None:
-    """[N*a0, ...] viewed as the cat along d, valid when every local dim before d has size 1."""
-    ins, outs = shape_of(wait), shape_of(view)
+def _view_concat_dim(stacked: fx.Node, catted: fx.Node, n: int) -> int | None:
+    """d if `catted` is `stacked` ([N*a0, ...], N pieces stacked on dim 0) seen as the cat of
+    those pieces along d, which a view can express only when every local dim before d is 1."""
+    ins, outs = shape_of(stacked), shape_of(catted)
     if ins is None or outs is None or len(ins) != len(outs) or not ins or not isinstance(ins[0], int):
         return None
     if ins[0] % n:
@@ -112,25 +113,7 @@ def _match_view_gather(wait: fx.Node, view: fx.Node, n: int) -> Shuffle | None:
     d = diff[0]
     if outs[d] != local[d] * n or any(local[j] != 1 for j in range(d)):
         return None
-    return Shuffle(dim=d, outer=view, nodes=[view])
-
-
-def _match_view_scatter(inp: fx.Node, n: int) -> Shuffle | None:
-    """A [1, .., N*s_d, ..] tensor viewed as [N, .., s_d, ..]: the scatter along d (leading local dims 1)."""
-    src = inp.args[0] if inp.args else None
-    ins, outs = shape_of(src), shape_of(inp)
-    if ins is None or outs is None or len(ins) != len(outs) or not outs or not isinstance(outs[0], int):
-        return None
-    if outs[0] % n:
-        return None
-    local = (outs[0] // n, *outs[1:])
-    diff = [d for d in range(len(ins)) if ins[d] != local[d]]
-    if len(diff) != 1 or diff[0] == 0:
-        return None
-    d = diff[0]
-    if ins[d] != local[d] * n or any(local[j] != 1 for j in range(d)):
-        return None
-    return Shuffle(dim=d, outer=src, nodes=[inp])
+    return d
 
 
 def match_gather_shuffle(wait: fx.Node, group_size: int | None) -> Shuffle | None:
@@ -149,7 +132,8 @@ def match_gather_shuffle(wait: fx.Node, group_size: int | None) -> Shuffle | Non
         return None
     (split,) = users
     if split.op == "call_function" and split.target in _VIEWS:
-        return _match_view_gather(wait, split, group_size)
+        d = _view_concat_dim(wait, split, group_size)
+        return None if d is None else Shuffle(dim=d, outer=split, nodes=[split])
     if split.op != "call_function" or split.target not in _SPLITS or _split_dim(split) != 0:
         return None
     pieces = _ordered_getitems(split, group_size)
@@ -169,8 +153,9 @@ def match_scatter_shuffle(inp: fx.Node, group_size: int | None) -> Shuffle | Non
     (or the slice/view forms)."""
     if group_size is None or inp.op != "call_function":
         return None
-    if inp.target in _VIEWS and len(inp.users) == 1:
-        return _match_view_scatter(inp, group_size)
+    if inp.target in _VIEWS and len(inp.users) == 1 and isinstance(inp.args[0], fx.Node):
+        d = _view_concat_dim(inp, inp.args[0], group_size)
+        return None if d is None else Shuffle(dim=d, outer=inp.args[0], nodes=[inp])
     if inp.target not in _CATS or _cat_dim(inp) != 0:
         return None
     if len(inp.users) != 1:
