@@ -94,6 +94,17 @@ def all_gather_dim0(ctx, rank, x):
     return W(c10d.all_gather_into_tensor.default(x, 2, _name(ctx["strided"])))
 
 
+def all_gather_out(ctx, rank, x):
+    # The out= variant Inductor's bucketing emits.
+    out = torch.empty(x.shape[0] * 2, *x.shape[1:], dtype=x.dtype)
+    return W(c10d.all_gather_into_tensor_out.default(x, 2, _name(ctx["strided"]), out=out)) + 0
+
+
+def reduce_scatter_out(ctx, rank, x):
+    out = torch.empty(x.shape[0] // 4, *x.shape[1:], dtype=x.dtype)
+    return W(c10d.reduce_scatter_tensor_out.default(x, "sum", 4, _name(ctx["world"]), out=out)) + 0
+
+
 def all_gather_dim1(ctx, rank, x):
     # DTensor's shuffle: dim-0 gather + split/cat to gather along dim 1
     return funcol.all_gather_single(x, 1, ctx["world"]) * 1
@@ -207,6 +218,8 @@ CASES.update({
     "all_reduce_coalesced_inplace": Case(all_reduce_coalesced_inplace, [(4, 3), (2, 5)], exact=True),
     "all_gather_dim0": Case(all_gather_dim0, [(2, 3)], exact=True),
     "all_gather_dim1": Case(all_gather_dim1, [(2, 3, 2)], exact=True),
+    "all_gather_out": Case(all_gather_out, [(2, 3)], exact=True),
+    "reduce_scatter_out": Case(reduce_scatter_out, [(4, 3)], exact=False),
     "all_gather_coalesced": Case(all_gather_coalesced, [(2, 3), (1, 4)], exact=True),
     "reduce_scatter_sum": Case(reduce_scatter_sum, [(4, 3)], exact=True),
     "reduce_scatter_avg_dim1": Case(reduce_scatter_avg_dim1, [(2, 8, 3)], exact=False),

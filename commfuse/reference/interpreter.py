@@ -455,7 +455,12 @@ def _watch(st: _Rank, call: RankCall, result: Any, read: list) -> None:
 
 
 def _write_inplace(call: RankCall, result: Any) -> Any:
-    """In-place collectives write their result into the input buffer(s) and return them."""
+    """In-place collectives write their result into the input buffer(s) and return them;
+    the `_out` variants (all_gather_into_tensor_out, reduce_scatter_tensor_out) into `out=`."""
+    out = call.raw_kwargs.get("out")
+    if isinstance(out, torch.Tensor):
+        out.copy_(result)
+        return out
     bufs = call.tensors
     res = list(result) if isinstance(result, (list, tuple)) else [result]
     if len(res) != len(bufs):
