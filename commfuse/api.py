@@ -11,14 +11,7 @@ from .ir.graph_ir import CollectiveIR, IRBuildOptions
 from .passes.base import Stage
 from .passes.pipeline import Pipeline
 from .report import AnalysisReport, PipelineReport, build_analysis_report
-from .session import current_session
-
-
-def _roles(config: Config) -> tuple[dict[str, str], dict[str, str]]:
-    s = current_session()
-    roles = {**s.group_roles, **{k: v.value for k, v in config.group_roles.items()}}
-    sources = {**s.role_sources, **{k: "user" for k in config.group_roles}}
-    return roles, sources
+from .session import resolved_roles
 
 
 def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind: str = "graph") -> fx.GraphModule:
@@ -28,10 +21,7 @@ def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind:
     Returns `gm`; the pipeline report is appended to `gm.meta["commfuse_reports"]`
     (see `last_report`).
     """
-    config = config or Config()
-    roles, sources = _roles(config)
-    pipeline = Pipeline(config, topology=config.topology or current_session().topology,
-                        group_roles=roles, role_sources=sources)
+    pipeline = Pipeline.for_config(config or Config())
     pipeline.run(gm, graph_kind=graph_kind, stages={Stage.JOINT, Stage.SCHEDULE})
     return gm
 
@@ -43,6 +33,6 @@ def last_report(gm: fx.GraphModule) -> Optional[PipelineReport]:
 
 def analyze(gm: fx.GraphModule, config: Optional[Config] = None, *, graph: str = "graph") -> AnalysisReport:
     """Every collective of `gm` with kind, group, bytes, logical dim and role; totals per kind and group."""
-    roles, sources = _roles(config or Config())
+    roles, sources = resolved_roles(config or Config())
     ir = CollectiveIR(gm, IRBuildOptions(group_roles=roles, role_sources=sources))
     return build_analysis_report(ir, graph=graph)

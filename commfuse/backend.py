@@ -30,7 +30,6 @@ from .lowering import lower_eager
 from .passes.base import Stage
 from .passes.pipeline import Pipeline
 from .report import PipelineReport
-from .session import current_session
 
 
 def _graph_kind_post_grad(gm: fx.GraphModule) -> str:
@@ -73,16 +72,8 @@ class CommfuseBackend:
         # One report per graph this backend compiled (joint/forward/backward/inference), in order.
         self.reports: list[PipelineReport] = []
 
-    def _pipeline(self) -> Pipeline:
-        session = current_session()
-        roles = {**session.group_roles, **{k: v.value for k, v in self.config.group_roles.items()}}
-        sources = {**session.role_sources, **{k: "user" for k in self.config.group_roles}}
-        pipeline = Pipeline(self.config, topology=self.config.topology or session.topology,
-                            group_roles=roles, role_sources=sources)
-        return pipeline
-
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
-        pipeline = self._pipeline()
+        pipeline = Pipeline.for_config(self.config)
         record = FrameRecord()
         pipeline.on_report = lambda r: (self.reports.append(r), record.add(r))
         if self.config.inner_compiler == "eager":

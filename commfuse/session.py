@@ -102,3 +102,10 @@ def reset() -> None:
     """Forget the session (tests)."""
     global _SESSION
     _SESSION = Session()
+
+
+def resolved_roles(config) -> tuple[dict[str, str], dict[str, str]]:
+    """Group roles and their sources: the session's (mesh), overridden by `config.group_roles` (user)."""
+    roles = {**_SESSION.group_roles, **{k: v.value for k, v in config.group_roles.items()}}
+    sources = {**_SESSION.role_sources, **{k: "user" for k in config.group_roles}}
+    return roles, sources

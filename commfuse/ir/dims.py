@@ -155,7 +155,7 @@ class DimTypeAnalysis:
         if pd is None:
             return self._opaque(node)
         if pd.outs is not None and isinstance(node.args[1], int) and node.args[1] < len(pd.outs):
-            return NodeDims(pd.category if pd.category is not OpCategory.OPAQUE else OpCategory.OPAQUE,
+            return NodeDims(pd.category,
                             pd.outs[node.args[1]])
         if pd.category is OpCategory.OPAQUE:
             return self._opaque(node)

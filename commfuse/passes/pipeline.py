@@ -63,6 +63,15 @@ class Pipeline:
         self.passes = [get_pass(name) for name in config.pass_names()]
         self.on_report: Optional[Callable[[PipelineReport], None]] = None
 
+    @classmethod
+    def for_config(cls, config: Config) -> "Pipeline":
+        """The pipeline `config` asks for, with the topology and roles from `commfuse.setup` filled in."""
+        from ..session import current_session, resolved_roles
+
+        roles, sources = resolved_roles(config)
+        return cls(config, topology=config.topology or current_session().topology,
+                   group_roles=roles, role_sources=sources)
+
     def run(self, gm: fx.GraphModule, *, graph_kind: str, stages: Iterable[Stage]) -> PipelineReport:
         stages = set(stages)
         cfg = self.config
