@@ -29,6 +29,11 @@ class Config(BaseModel):
     debug: also re-propagate fake tensors in the verifier (slower, stricter).
     topology: ranks/nodes and links; None means the one given to `commfuse.setup`.
     group_roles: process-group name -> parallel role, overriding inference.
+    tp_inputs_replicated: on groups whose role is given as TP or SP (by `group_roles` or a
+        DeviceMesh through `commfuse.setup`), take the graph's inputs (parameters, tokens,
+        tangents) as identical on every rank of the group -- the tensor-parallel contract.
+        Collective motion needs it to run a norm with its weight on shards; without it
+        only values the graph proves replicated (collective outputs, constants) qualify.
     check_agreement: compare every rank's collective sequence at the first execution of
         each compiled frame and raise instead of hanging (default: on when `debug`).
     agreement_timeout_s: how long a rank waits for the others in that check.
@@ -45,6 +50,7 @@ class Config(BaseModel):
     debug: bool = False
     topology: Optional[Topology] = None
     group_roles: dict[str, ParallelRole] = Field(default_factory=dict)
+    tp_inputs_replicated: bool = True
     svg_max_nodes: PositiveInt = 250
     check_agreement: Optional[bool] = None
     agreement_timeout_s: PositiveFloat = 120.0
@@ -83,6 +89,7 @@ class Config(BaseModel):
             "passes": self.pass_names(),
             "inner": self.inner_compiler,
             "roles": {k: v.value for k, v in sorted(self.group_roles.items())},
+            "tp_inputs_replicated": self.tp_inputs_replicated,
             "topology": topo.model_dump() if topo else None,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -43,4 +43,4 @@ def get_pass(name: str) -> GraphPass:
 def _load_builtin() -> None:
     # Importing the modules registers their passes; kept lazy so that Config
     # validation does not import every pass module at `import commfuse` time twice.
-    from . import sink_waits  # noqa: F401
+    from . import collective_motion, sink_waits, split_all_reduce  # noqa: F401

@@ -1,0 +1,152 @@
+"""Splicing eager rewrites into a graph (the bucketing.py discipline).
+
+A pass writes the replacement for a pattern as a plain eager function over
+functional collectives and ATen ops, :func:`splice` traces it with ``make_fx``
+under the graph's fake mode on the pattern's input values and copies the traced
+nodes into the graph. Traced templates are cached per (function, constants,
+input shapes/dtypes), so a deep graph with one repeated pattern traces once.
+
+Every spliced node carries ``meta["val"]`` (a fake tensor), so the IR, the
+verifier and the partitioner see ordinary nodes. The helpers below name the
+functional collectives the rewrites use, with the group given by name (no
+process group is resolved or created while compiling).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .._torch_private import c10d_functional
+
+_f = c10d_functional
+_TEMPLATES: dict[Hashable, fx.GraphModule] = {}
+
+
+# ----------------------------------------------------------------- collectives
+def all_reduce(x: torch.Tensor, op: str, group: str) -> torch.Tensor:
+    return _f.wait_tensor(_f.all_reduce(x, op, group))
+
+
+def all_gather(x: torch.Tensor, dim: int, n: int, group: str) -> torch.Tensor:
+    """Gather along ``dim``; for dim != 0 the dim-0 collective plus the split/cat shuffle
+    DTensor emits (the IR recognises it as a dim-``dim`` gather)."""
+    out = _f.wait_tensor(_f.all_gather_into_tensor(x.contiguous(), n, group))
+    if dim == 0:
+        return out
+    return torch.cat(torch.chunk(out, n, 0), dim)
+
+
+def reduce_scatter(x: torch.Tensor, op: str, dim: int, n: int, group: str) -> torch.Tensor:
+    if dim != 0:
+        x = torch.cat(torch.chunk(x, n, dim), 0)
+    return _f.wait_tensor(_f.reduce_scatter_tensor(x.contiguous(), op, n, group))
+
+
+def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, n: int, group: str) -> torch.Tensor:
+    """Equal-split all_to_all: chunk ``r`` along ``split_dim`` goes to rank ``r``; the
+    received pieces are concatenated in sender order along ``concat_dim``."""
+    if split_dim != 0:
+        x = torch.cat(torch.chunk(x, n, split_dim), 0)
+    out = _f.wait_tensor(_f.all_to_all_single(x.contiguous(), None, None, group))
+    if concat_dim == 0:
+        return out
+    return torch.cat(torch.chunk(out, n, 0), concat_dim)
+
+
+# ----------------------------------------------------------------- splicing
+def fake_mode_of(gm: fx.GraphModule):
+    """The fake mode the graph's ``meta["val"]`` tensors live in (None if it has none)."""
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    return detect_fake_mode(vals)
+
+
+def _val(n: Any) -> Any:
+    return n.meta["val"] if isinstance(n, fx.Node) else n
+
+
+def _key_of(v: Any) -> Hashable:
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape), v.dtype, tuple(v.stride()))
+    return ("C", repr(v))
+
+
+def trace(fn: Callable[..., Any], args: Sequence[Any], consts: tuple = (), fake_mode=None) -> fx.GraphModule:
+    """``make_fx(lambda *t: fn(*t, *consts))`` on the fake values of ``args``; cached."""
+    vals = [_val(a) for a in args]
+    key = (fn, consts, tuple(_key_of(v) for v in vals))
+    gm = _TEMPLATES.get(key)
+    if gm is None:
+        def body(*tensors):
+            return fn(*tensors, *consts)
+
+        if fake_mode is not None:
+            with fake_mode:
+                gm = make_fx(body, tracing_mode="real")(*vals)
+        else:
+            gm = make_fx(body, tracing_mode="fake")(*vals)
+        _TEMPLATES[key] = gm
+    return gm
+
+
+def splice(gm: fx.GraphModule, fn: Callable[..., Any], args: Sequence[fx.Node], *,
+           consts: tuple = (), before: fx.Node, meta_from: fx.Node | None = None) -> Any:
+    """Insert ``fn(*args, *consts)`` before ``before``; returns the node(s) of its result.
+
+    ``meta_from``: a node whose non-value metadata (stack trace, partitioner tags that
+    say forward/backward) the new nodes inherit, so the partitioner and the dumps place
+    them like the code they replace.
+    """
+    template = trace(fn, args, consts, fake_mode_of(gm))
+    placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
+    val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, args))
+    inherited = {k: v for k, v in (meta_from.meta.items() if meta_from is not None else ())
+                 if k not in ("val", "tensor_meta", "example_value")}
+    with gm.graph.inserting_before(before):
+        out = gm.graph.graph_copy(template.graph, val_map)
+    for tn in template.graph.nodes:
+        n = val_map.get(tn)
+        if n is None or tn.op == "placeholder":
+            continue
+        for k, v in inherited.items():
+            n.meta.setdefault(k, copy.copy(v))
+    return out
+
+
+def erase_dead(gm: fx.GraphModule, roots: Sequence[fx.Node]) -> int:
+    """Erase ``roots`` and, transitively, their inputs once they have no users left.
+
+    Only removes pure computation, waits and collectives whose results are unused
+    (waits are side-effecting for FX's own dead-code elimination, which is why this
+    exists). Placeholders and in-place ops are never removed.
+    """
+    from ..ir.kinds import collective_spec, is_wait
+
+    erased = 0
+    stack = list(roots)
+    seen: set[fx.Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen or getattr(n, "_erased", False) or n.users or n.op in ("placeholder", "output", "get_attr"):
+            continue
+        if n.op != "call_function":
+            continue
+        spec = collective_spec(n.target)
+        if spec is not None and spec.inplace:
+            continue
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and spec is None and not is_wait(n.target) and any(
+                a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            continue
+        seen.add(n)
+        inputs = list(n.all_input_nodes)
+        gm.graph.erase_node(n)
+        erased += 1
+        stack.extend(inputs)
+    return erased
