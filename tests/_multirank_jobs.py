@@ -12,11 +12,32 @@ import commfuse
 from commfuse.testing.numerics import assert_close_tree, train_step_outputs
 
 
+def example_config(name: str, **overrides: Any) -> commfuse.Config:
+    """The backend config a test uses for example ``name``: TP examples declare their
+    group's role, as a user would with ``commfuse.setup(mesh=...)`` or ``group_roles``."""
+    if name.startswith("llama_tp"):
+        mesh_group = dist.group.WORLD.group_name
+        overrides.setdefault("group_roles", {mesh_group: "tp"})
+    return commfuse.Config(**overrides)
+
+
 def _example(name: str, dtype: torch.dtype) -> tuple[Callable[[], torch.nn.Module], Callable[[int], Any]]:
     """(model factory, input factory) for one example model on the current world."""
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
-    if name == "llama_tp_sp":
+    if name == "llama_tp":
+        # Plain TP (no SP), embedding and head included: chimera turns it into SP.
+        from commfuse.models import llama
+
+        cfg = llama.LlamaConfig(n_layers=2, dim=32, n_heads=4, ffn_dim=64, vocab=64)
+
+        def model():
+            return llama.parallelize_llama(llama.build_llama(cfg, seed=0).to(dtype), mesh, sequence_parallel=False)
+
+        def inputs(step):
+            return llama.make_inputs(cfg, 2, 8, rank=rank, world_size=world, sequence_parallel=False,
+                                     seed=step).inputs
+    elif name == "llama_tp_sp":
         from commfuse.models import llama
 
         cfg = llama.LlamaConfig(n_layers=1, dim=32, n_heads=4, ffn_dim=64)
@@ -49,17 +70,28 @@ def _example(name: str, dtype: torch.dtype) -> tuple[Callable[[], torch.nn.Modul
     return model, inputs
 
 
-def compiled_matches_eager(name: str, dtype_name: str, inner: str = "eager", steps: int = 2) -> dict:
+def _mean_logits(out: torch.Tensor) -> torch.Tensor:
+    return out.float().mean()
+
+
+LOSSES: dict[str, Callable[[Any], torch.Tensor]] = {"llama_tp": _mean_logits}
+
+
+def compiled_matches_eager(name: str, dtype_name: str, inner: str = "eager", steps: int = 2,
+                           passes: list[str] | None = None) -> dict:
     """Train `steps` SGD steps eagerly and with backend=commfuse; assert outputs, grads, params close."""
     dtype = getattr(torch, dtype_name)
     model, inputs = _example(name, dtype)
     torch._dynamo.reset()
-    ref = train_step_outputs(model, inputs, steps=steps, lr=0.05)
-    be = commfuse.backend(commfuse.Config(inner_compiler=inner, strict=True))
-    got = train_step_outputs(model, inputs, backend=be, steps=steps, lr=0.05)
+    # Mean-reduced loss: gradients of magnitude O(1), the scale the tolerance policy assumes.
+    loss = LOSSES.get(name)
+    ref = train_step_outputs(model, inputs, steps=steps, lr=0.05, loss_fn=loss)
+    be = commfuse.backend(example_config(name, inner_compiler=inner, strict=True, passes=passes))
+    got = train_step_outputs(model, inputs, backend=be, steps=steps, lr=0.05, loss_fn=loss)
     assert_close_tree(got, ref, dtype=dtype, msg=f"{name} {dtype_name} rank {dist.get_rank()}")
     kinds = sorted({k for r in be.reports if r.analysis for k in r.analysis.by_kind})
-    return {"kinds": kinds, "graphs": [r.graph for r in be.reports], "state_dict": _state_dict_meta(model, inputs)}
+    wire = {r.graph: r.analysis.total.wire_bytes for r in be.reports if r.analysis}
+    return {"kinds": kinds, "wire": wire, "passes": [p.model_dump() for r in be.reports for p in r.passes], "graphs": [r.graph for r in be.reports], "state_dict": _state_dict_meta(model, inputs)}
 
 
 def _state_dict_meta(model_factory, inputs) -> list:

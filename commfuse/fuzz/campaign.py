@@ -52,6 +52,7 @@ class CampaignReport:
     world_sizes: collections.Counter = field(default_factory=collections.Counter)
     dtypes: collections.Counter = field(default_factory=collections.Counter)
     pipeline_checks: collections.Counter = field(default_factory=collections.Counter)
+    pipeline_changes: collections.Counter = field(default_factory=collections.Counter)
     failures: collections.Counter = field(default_factory=collections.Counter)  # (pipeline, kind) -> count
     bugs: list[FoundBug] = field(default_factory=list)
 
@@ -72,6 +73,7 @@ class CampaignReport:
             "; world sizes " + ", ".join(f"{k}: {v}" for k, v in sorted(self.world_sizes.items())) +
             "; dtypes " + ", ".join(f"{k} {v}" for k, v in sorted(self.dtypes.items())),
             "  pipelines checked " + ", ".join(f"{k} x{v}" for k, v in sorted(self.pipeline_checks.items())),
+            "  of which changed the graph " + ", ".join(f"{k} x{v}" for k, v in sorted(self.pipeline_changes.items())),
         ]
         if self.failures:
             lines.append("  FAILURES " + ", ".join(f"{p}/{k} x{c}" for (p, k), c in sorted(self.failures.items())))
@@ -87,6 +89,7 @@ class CampaignReport:
             "joint": self.joint, "graph_nodes": self.graph_nodes, "families": dict(self.families),
             "world_sizes": {str(k): v for k, v in self.world_sizes.items()}, "dtypes": dict(self.dtypes),
             "pipeline_checks": dict(self.pipeline_checks),
+            "pipeline_changes": dict(self.pipeline_changes),
             "failures": [{"pipeline": p, "kind": k, "count": c} for (p, k), c in sorted(self.failures.items())],
             "bugs": [{"index": b.index, "pipeline": b.failure.pipeline, "kind": b.failure.kind,
                       "headline": b.failure.headline(), "saved": str(b.saved) if b.saved else None,
@@ -98,7 +101,7 @@ class CampaignReport:
         self.per_rank += other.per_rank
         self.joint += other.joint
         self.graph_nodes += other.graph_nodes
-        for a in ("families", "world_sizes", "dtypes", "pipeline_checks", "failures"):
+        for a in ("families", "world_sizes", "dtypes", "pipeline_checks", "pipeline_changes", "failures"):
             getattr(self, a).update(getattr(other, a))
         self.bugs.extend(other.bugs)
 
@@ -205,6 +208,7 @@ def run_campaign(
             report.world_sizes[program.world_size] += 1
             report.dtypes[program.dtype] += 1
             report.pipeline_checks.update(res.pipelines_run)
+            report.pipeline_changes.update(res.pipelines_changed)
             for f in res.failures:
                 sig = (f.pipeline, f.kind)
                 report.failures[sig] += 1

@@ -172,6 +172,7 @@ class CheckResult:
     program: Program
     failures: list[Failure] = field(default_factory=list)
     pipelines_run: list[str] = field(default_factory=list)
+    pipelines_changed: list[str] = field(default_factory=list)  # a check that changed nothing proves little
     graph_nodes: int = 0
     seconds: float = 0.0
 
@@ -223,6 +224,7 @@ class Prepared:
     optimised: dict[str, list]  # pipeline name -> optimised graphs (one, or one per rank)
     failures: list[Failure]
     graph_nodes: int = 0  # nodes of the traced graphs (before any pass)
+    changed: set = field(default_factory=set)  # pipelines that changed at least one graph
 
 
 def _groups_mapping(program: Program, names: dict[str, list[int]]) -> dict[str, Any]:
@@ -266,6 +268,7 @@ def prepare(program: Program, pipelines: Sequence[PipelineSpec] = (), *, check_i
     if rejected:
         return Prepared(traced, reference, optimised, failures, nodes)
     failed: set[str] = set()
+    changed: set[str] = set()
     for r, gm, pre in zip(ranks, graphs, pre_reports):
         with fake_process_group(n, rank=r):
             create_groups(program, r)  # the same names as at trace time: passes may resolve them
@@ -280,7 +283,11 @@ def prepare(program: Program, pipelines: Sequence[PipelineSpec] = (), *, check_i
                     failed.add(p.name)
                     continue
                 optimised.setdefault(p.name, []).append(opt)
-    return Prepared(traced, reference, {k: v for k, v in optimised.items() if k not in failed}, failures, nodes)
+                reports = opt.meta.get("commfuse_reports", [])
+                if any(rec.changed for rep in reports for rec in rep.passes):
+                    changed.add(p.name)
+    return Prepared(traced, reference, {k: v for k, v in optimised.items() if k not in failed}, failures, nodes,
+                    changed - failed)
 
 
 def run_on_reference(traced: Traced, graphs: list) -> list[Any]:
@@ -354,6 +361,7 @@ def check_program(program: Program, pipelines: Optional[Sequence[PipelineSpec]] 
     traced, optimised = prep.traced, prep.optimised
     res.failures.extend(prep.failures)
     res.graph_nodes = prep.graph_nodes
+    res.pipelines_changed = sorted(prep.changed)
     try:
         expected = prep.reference.run(traced.inputs)
     except Exception as e:  # noqa: BLE001

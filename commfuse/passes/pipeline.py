@@ -38,11 +38,11 @@ from .verifier import verify_graph
 log = logging.getLogger("commfuse")
 
 
-def _snapshot(graph: fx.Graph) -> fx.Graph:
+def snapshot_graph(graph: fx.Graph) -> fx.Graph:
     return copy_graph(graph)
 
 
-def _restore(graph: fx.Graph, snapshot: fx.Graph) -> None:
+def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
     """Make `graph` (same object: callers such as Inductor hold it) equal to `snapshot` again."""
     for node in reversed(list(graph.nodes)):
         node.users.clear()
@@ -100,7 +100,7 @@ class Pipeline:
         for p in selected:
             record = PassRecord(name=p.name, stage=p.stage.value)
             report.passes.append(record)
-            snapshot = _snapshot(gm.graph)
+            snapshot = snapshot_graph(gm.graph)
             t0 = time.perf_counter()
             try:
                 result = p.run(ctx)
@@ -118,7 +118,7 @@ class Pipeline:
                     if isinstance(e, VerificationError):
                         raise
                     raise PassError(p.name, e) from e
-                _restore(gm.graph, snapshot)
+                restore_graph(gm.graph, snapshot)
                 gm.recompile()
                 ctx.invalidate()
                 record.changed, record.error = False, f"{type(e).__name__}: {e}"

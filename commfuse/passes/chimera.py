@@ -1,0 +1,70 @@
+"""chimera: the Chimera communication-fusion pipeline as one pass.
+
+Contract
+- Runs, on the joint (or inference) graph: ``split_all_reduce`` (every all_reduce
+  becomes reduce_scatter + all_gather), ``collective_motion`` (all_gathers move later
+  through computation that works on shards, so collectives meet or the compute
+  between them runs on shards), then ``fuse_collectives`` (adjacent pairs on one
+  group become one collective; a reduce_scatter + all_gather pair nothing used is
+  fused back into the all_reduce it came from). Each step is also a pass of its own.
+- The split is only kept where it enabled something: if, at the end, the collective
+  sequence is the one the graph started with (same kinds, groups, shapes, order) and
+  no computation moved, the graph is restored exactly and the pass reports no change.
+- Reports every step's counts (prefixed with the step) and every refusal ("why not
+  moved / fused") of every step.
+- Guarantees: those of its steps (values equal up to summation order; decisions from
+  the graph, config and roles only; no process group created); the verifier runs
+  between steps when ``Config.verify``.
+
+Not yet part of it (issue #5 follow-ups): the MoE dispatch region and router
+reordering (Chimera §3.2's gating move), so all_gather + all_to_all fusion across an
+MoE router does not happen on real models yet.
+
+Source: Chimera (ISCA '25) §3: split, reorder, fuse (Table 3), applied repeatedly.
+"""
+
+from __future__ import annotations
+
+from ..errors import VerificationError
+from .base import GraphPass, PassResult, Stage
+from .context import PassContext
+from .registry import get_pass, register_pass
+
+STEPS = ("split_all_reduce", "collective_motion", "fuse_collectives")
+
+
+@register_pass
+class Chimera(GraphPass):
+    __doc__ = __doc__
+    name = "chimera"
+    stage = Stage.JOINT
+
+    def run(self, ctx: PassContext) -> PassResult:
+        from .pipeline import restore_graph, snapshot_graph
+        from .verifier import verify_graph
+
+        gm = ctx.gm
+        start_hash = ctx.ir.order_hash()
+        snapshot = snapshot_graph(gm.graph)
+        counts: dict[str, int] = {}
+        refusals: list[str] = []
+        changed: dict[str, bool] = {}
+        for step in STEPS:
+            result = get_pass(step).run(ctx)
+            changed[step] = result.changed
+            refusals.extend(f"{step}: {r}" for r in result.refusals)
+            counts.update({f"{step}.{k}": v for k, v in result.counts.items()})
+            if result.changed:
+                gm.recompile()
+                ctx.invalidate()
+                if ctx.config.verify:
+                    v = verify_graph(gm, ir=ctx.ir, deep=ctx.config.debug)
+                    if not v.ok:
+                        raise VerificationError(v.problems, after_pass=f"{self.name}/{step}")
+        if not changed["collective_motion"] and ctx.ir.order_hash() == start_hash:
+            restore_graph(gm.graph, snapshot)
+            gm.recompile()
+            ctx.invalidate()
+            refusals.append("split_all_reduce: every split was fused back unused; graph restored")
+            return PassResult(False, counts={}, refusals=refusals)
+        return PassResult(any(changed.values()), counts=counts, refusals=refusals)
