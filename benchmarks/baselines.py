@@ -191,7 +191,7 @@ class CommfuseBaseline(Baseline):
     def session(self, built):
         import commfuse
 
-        kwargs: dict[str, Any] = {"inner_compiler": self.inner}
+        kwargs: dict[str, Any] = {"inner_compiler": self.inner, "group_roles": dict(built.roles)}
         if self.passes is not None:
             kwargs["passes"] = list(self.passes)
         be = commfuse.backend(**kwargs)

@@ -47,6 +47,8 @@ class Built:
     model: nn.Module
     inputs: tuple[Any, ...]
     loss: Callable[[Any], torch.Tensor]
+    # process-group name -> parallel role, as a user declares it (commfuse.Config.group_roles)
+    roles: dict[str, str] = field(default_factory=dict)
 
 
 Builder = Callable[..., Built]
@@ -120,11 +122,12 @@ def _llama_tp(world: int, rank: int, *, sequence_parallel: bool, n_layers: int, 
     from commfuse.models import llama
 
     cfg = llama.LlamaConfig(n_layers=n_layers, dim=dim, n_heads=n_heads, ffn_dim=ffn_dim)
-    model = llama.parallelize_llama(llama.build_llama(cfg, seed=0), _mesh(world),
-                                    sequence_parallel=sequence_parallel)
+    mesh = _mesh(world)
+    model = llama.parallelize_llama(llama.build_llama(cfg, seed=0), mesh, sequence_parallel=sequence_parallel)
     data = llama.make_inputs(cfg, batch, seq, rank=rank, world_size=world,
                              sequence_parallel=sequence_parallel, seed=1)
-    return Built(model, (data.inputs,), lambda out: llama.loss_fn(out, data))
+    return Built(model, (data.inputs,), lambda out: llama.loss_fn(out, data),
+                 roles={mesh.get_group().group_name: "tp"})
 
 
 def _build_llama_tp_sp(world: int, rank: int, **sizes: int) -> Built:

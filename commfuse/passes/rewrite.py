@@ -15,6 +15,7 @@ process group is resolved or created while compiling).
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -24,7 +25,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from .._torch_private import c10d_functional
 
 _f = c10d_functional
-_TEMPLATES: dict[Hashable, fx.GraphModule] = {}
+# Per fake mode: a template's meta["val"] tensors belong to the mode it was traced in, and
+# a graph must never mix modes (the partitioner and Inductor re-run fake tensors).
+_TEMPLATES: "weakref.WeakKeyDictionary[Any, dict[Hashable, fx.GraphModule]]" = weakref.WeakKeyDictionary()
+_NO_MODE_TEMPLATES: dict[Hashable, fx.GraphModule] = {}
 
 
 # ----------------------------------------------------------------- collectives
@@ -81,7 +85,8 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], consts: tuple = (), fake_
     """``make_fx(lambda *t: fn(*t, *consts))`` on the fake values of ``args``; cached."""
     vals = [_val(a) for a in args]
     key = (fn, consts, tuple(_key_of(v) for v in vals))
-    gm = _TEMPLATES.get(key)
+    cache = _NO_MODE_TEMPLATES if fake_mode is None else _TEMPLATES.setdefault(fake_mode, {})
+    gm = cache.get(key)
     if gm is None:
         def body(*tensors):
             return fn(*tensors, *consts)
@@ -91,7 +96,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], consts: tuple = (), fake_
                 gm = make_fx(body, tracing_mode="real")(*vals)
         else:
             gm = make_fx(body, tracing_mode="fake")(*vals)
-        _TEMPLATES[key] = gm
+        cache[key] = gm
     return gm
 
 
