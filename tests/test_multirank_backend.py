@@ -7,6 +7,8 @@ import pytest
 from _multirank_jobs import compiled_matches_eager
 
 EXPECTED_KINDS = {
+    # plain TP: chimera turns its all_reduces into reduce_scatter + all_gather (automatic SP)
+    "llama_tp": ["all_gather", "reduce_scatter"],
     "llama_tp_sp": ["all_gather", "reduce_scatter"],
     "moe_ep": ["all_reduce", "all_to_all"],
     "simple_fsdp": ["all_gather", "reduce_scatter"],

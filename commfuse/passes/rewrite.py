@@ -96,8 +96,25 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], consts: tuple = (), fake_
                 gm = make_fx(body, tracing_mode="real")(*vals)
         else:
             gm = make_fx(body, tracing_mode="fake")(*vals)
+        _drop_shape_asserts(gm)
         cache[key] = gm
     return gm
+
+
+_ASSERTS = {torch.ops.aten._assert_async.default, torch.ops.aten._assert_async.msg,
+            torch.ops.aten._assert_scalar.default}
+
+
+def _drop_shape_asserts(gm: fx.GraphModule) -> None:
+    """Templates are traced on static shapes; the runtime shape asserts make_fx may record
+    (e.g. for a data-dependent size in an input graph's fake mode) check nothing there and
+    carry no ``meta["val"]``."""
+    asserts = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _ASSERTS]
+    for n in asserts:
+        gm.graph.erase_node(n)
+    if asserts:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
 
 
 def splice(gm: fx.GraphModule, fn: Callable[..., Any], args: Sequence[fx.Node], *,

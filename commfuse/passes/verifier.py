@@ -118,7 +118,8 @@ def _check_meta_present(gm: fx.GraphModule, problems: list[str]) -> None:
         return  # graph traced without metadata: nothing to hold passes to
     for n in gm.graph.nodes:
         # ATen/c10d ops only: higher-order ops and Python operators legitimately lack it.
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and "val" not in n.meta:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and "val" not in n.meta \
+                and n.target._schema.returns:  # ops returning nothing (e.g. _assert_async) have no value
             problems.append(f"{n.name}: no 'val' metadata (a pass created it without fake-tensor propagation)")
 
 
