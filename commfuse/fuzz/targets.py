@@ -110,3 +110,18 @@ def passes_missing_fuzz_entry() -> list[str]:
 # sink_waits only moves waits: every value bitwise identical and the collective sequence
 # untouched (its contract), on every family.
 register_fuzz_target("sink_waits", exact=True, keeps_collective_order=True)
+
+# The split reduces exactly the elements the all_reduce did (the interpreter sums ranks
+# in the same order), so values are bitwise equal; the collective sequence changes.
+register_fuzz_target("split_all_reduce", exact=True)
+
+# Motion changes where sums happen (partial sums reduced across ranks): tolerance compare.
+# Fuzzed programs carry no user-given TP role, so only provably replicated operands move
+# (the TP-contract path is covered by tests/test_chimera.py on reference and gloo runs).
+register_fuzz_target("collective_motion", generators=("tp", "sp", "fsdp", "mixed"))
+register_fuzz_target("chimera", generators=("tp", "sp", "moe", "mixed"))
+
+# Fusion changes where and in which order sums happen (an all_reduce for a reduce_scatter,
+# N·x for the sum of N equal copies): tolerance compare. The families that place
+# gathers, scatters and all_to_alls next to each other on one group.
+register_fuzz_target("fuse_collectives", generators=("sp", "moe", "mixed"))

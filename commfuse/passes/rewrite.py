@@ -15,7 +15,6 @@ process group is resolved or created while compiling).
 from __future__ import annotations
 
 import copy
-import weakref
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -26,8 +25,10 @@ from .._torch_private import c10d_functional
 
 _f = c10d_functional
 # Per fake mode: a template's meta["val"] tensors belong to the mode it was traced in, and
-# a graph must never mix modes (the partitioner and Inductor re-run fake tensors).
-_TEMPLATES: "weakref.WeakKeyDictionary[Any, dict[Hashable, fx.GraphModule]]" = weakref.WeakKeyDictionary()
+# a graph must never mix modes (the partitioner and Inductor re-run fake tensors). The
+# cache lives on the mode object itself, so it goes away with the mode (a weak-keyed map
+# would not: its templates hold the mode alive).
+_CACHE_ATTR = "_commfuse_templates"
 _NO_MODE_TEMPLATES: dict[Hashable, fx.GraphModule] = {}
 
 
@@ -56,7 +57,8 @@ def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, n: int, group: 
     received pieces are concatenated in sender order along ``concat_dim``."""
     if split_dim != 0:
         x = torch.cat(torch.chunk(x, n, split_dim), 0)
-    out = _f.wait_tensor(_f.all_to_all_single(x.contiguous(), None, None, group))
+    sizes = [x.shape[0] // n] * n  # the 2.13 schema takes explicit split sizes
+    out = _f.wait_tensor(_f.all_to_all_single(x.contiguous(), sizes, sizes, group))
     if concat_dim == 0:
         return out
     return torch.cat(torch.chunk(out, n, 0), concat_dim)
@@ -85,7 +87,13 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], consts: tuple = (), fake_
     """``make_fx(lambda *t: fn(*t, *consts))`` on the fake values of ``args``; cached."""
     vals = [_val(a) for a in args]
     key = (fn, consts, tuple(_key_of(v) for v in vals))
-    cache = _NO_MODE_TEMPLATES if fake_mode is None else _TEMPLATES.setdefault(fake_mode, {})
+    if fake_mode is None:
+        cache = _NO_MODE_TEMPLATES
+    else:
+        cache = getattr(fake_mode, _CACHE_ATTR, None)
+        if cache is None:
+            cache = {}
+            setattr(fake_mode, _CACHE_ATTR, cache)
     gm = cache.get(key)
     if gm is None:
         def body(*tensors):
