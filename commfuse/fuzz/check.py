@@ -105,9 +105,9 @@ class PipelineSpec:
     topology: Any = None
     keeps_order: bool = False
 
-    def config(self) -> Config:
+    def config(self, group_roles: Optional[dict[str, str]] = None) -> Config:
         return Config(passes=list(self.passes) if self.passes is not None else None, strict=True,
-                      topology=self.topology)
+                      topology=self.topology, group_roles=group_roles or {})
 
     def to_json(self) -> dict:
         return {"name": self.name, "passes": list(self.passes) if self.passes is not None else None,
@@ -191,14 +191,16 @@ def _copy_gm(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def _optimize(gm: fx.GraphModule, pipe: PipelineSpec, before=None) -> Optional[Failure]:
-    """Run the pipeline on ``gm``; ``before``: the input's verifier report (for order contracts)."""
+def _optimize(gm: fx.GraphModule, pipe: PipelineSpec, before=None,
+              group_roles: Optional[dict[str, str]] = None) -> Optional[Failure]:
+    """Run the pipeline on ``gm``; ``before``: the input's verifier report (for order contracts);
+    ``group_roles``: what the program's user declares (the TP contract)."""
     import commfuse
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            commfuse.optimize(gm, pipe.config())
+            commfuse.optimize(gm, pipe.config(group_roles))
     except VerificationError as e:
         return Failure(pipe.name, "verifier", str(e))
     except PassError as e:
@@ -277,7 +279,8 @@ def prepare(program: Program, pipelines: Sequence[PipelineSpec] = (), *, check_i
                     continue
                 # the reference is compiled: the last pipeline may rewrite the traced graph itself
                 opt = gm if k == len(pipelines) - 1 else _copy_gm(gm)
-                f = _optimize(opt, p, pre)
+                roles = {name: "tp" for name in names_all} if program.tp_contract else None
+                f = _optimize(opt, p, pre, roles)
                 if f is not None:
                     failures.append(f)
                     failed.add(p.name)

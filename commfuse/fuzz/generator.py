@@ -587,4 +587,7 @@ def generate_program(
     dtype = dtype or rng.choice(["float32", "float32", "float32", "bfloat16"])
     joint = rng.random() < 0.25 if joint is None else joint
     gen = _Gen(rng, world_size, dtype, joint, family, frozenset(features))
-    return gen.run(rng.randint(2, max_blocks))
+    prog = gen.run(rng.randint(2, max_blocks))
+    # Derived from the data seed (no extra draw: campaign streams stay what they were).
+    prog.tp_contract = family in ("tp", "sp", "mixed") and prog.seed % 3 == 0
+    return prog

@@ -52,6 +52,9 @@ class Program:
     joint: bool = False
     seed: int = 0  # data seed
     family: str = "mixed"
+    # The tensor-parallel contract: every rank gets the same inputs, and the passes are told
+    # every group is a TP group (Config.group_roles), so they may treat inputs as replicated.
+    tp_contract: bool = False
 
     # ------------------------------------------------------------------ queries
     @property
@@ -404,7 +407,8 @@ def make_inputs(program: Program, rank: int) -> list[torch.Tensor]:
     """Rank ``rank``'s input values: deterministic in (program seed, rank, input index)."""
     out = []
     for idx, spec in enumerate(program.inputs):
-        g = torch.Generator().manual_seed((program.seed * 1_000_003 + rank * 7_919 + idx) % (2**63))
+        data_rank = 0 if program.tp_contract else rank
+        g = torch.Generator().manual_seed((program.seed * 1_000_003 + data_rank * 7_919 + idx) % (2**63))
         shape = spec["shape"]
         t = torch.randn(*shape, generator=g)
         init = spec.get("init", "act")
