@@ -1,0 +1,70 @@
+"""`AnalyticCostModel`: the `CostEstimator` built from the analytic models.
+
+What it models
+    Compute nodes through `compute.ComputeModel` (roofline per op family against
+    the topology's device), collectives through `collectives.CollectiveModel`
+    (ring/tree/hierarchical/pairwise/p2p by NCCL bus-bandwidth conventions, or
+    gloo's algorithms), and compute slowed by a concurrent collective through
+    `contention.ContentionModel` (Lagom Eqs. 4-6 on GPUs, (1+κ) on CPU/gloo).
+    Calibration enters only through `CollectiveParams`, `ComputeParams` and κ,
+    normally loaded from a `profile.CostProfile` file that every rank reads.
+
+Sources / assumptions
+    See the three modules. All answers are deterministic functions of the graph,
+    the topology and the parameters, so every rank computes the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.fx as fx
+
+from ..ir.collective import Collective
+from .collectives import CollectiveModel, CollectiveParams
+from .compute import ComputeEstimate, ComputeModel, ComputeParams
+from .contention import ContentionModel
+from .estimator import CollectiveEstimate
+from .topology import Topology
+
+
+class AnalyticCostModel:
+    """Implements `CostEstimator` (``compute_time_us(node)``, ``collective(c)``)."""
+
+    def __init__(self, topology: Topology, backend: str = "nccl",
+                 collective_params: Optional[CollectiveParams] = None,
+                 compute_params: Optional[ComputeParams] = None, *,
+                 contention_kappa: Optional[float] = None, symbol_hint: int = 4096) -> None:
+        self.topology = topology
+        self.backend = backend
+        self.collectives = CollectiveModel(topology, backend, collective_params, symbol_hint=symbol_hint)
+        self.compute = ComputeModel(topology, compute_params, symbol_hint=symbol_hint)
+        self.contention = ContentionModel(topology, backend, kappa=contention_kappa)
+
+    @classmethod
+    def from_profile(cls, profile: Any, topology: Optional[Topology] = None) -> "AnalyticCostModel":
+        """From a `CostProfile` (or a path to one); `topology` overrides the profile's."""
+        from .profile import CostProfile
+
+        if not isinstance(profile, CostProfile):
+            profile = CostProfile.load(profile)
+        return profile.build_model(topology)
+
+    # ---- CostEstimator
+
+    def compute_time_us(self, node: fx.Node) -> float:
+        return self.compute.estimate(node).time_us
+
+    def collective(self, c: Collective) -> CollectiveEstimate:
+        return self.collectives.estimate(c)
+
+    # ---- extras
+
+    def compute_estimate(self, node: fx.Node) -> ComputeEstimate:
+        return self.compute.estimate(node)
+
+    def slowdown(self, node_or_estimate: Any, concurrent: Any = None) -> float:
+        """Compute slowdown factor while `concurrent` (a collective, or CommResources) runs."""
+        est = node_or_estimate if isinstance(node_or_estimate, ComputeEstimate) else self.compute.estimate(
+            node_or_estimate)
+        return self.contention.slowdown(est, concurrent)
