@@ -7,7 +7,8 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "run the 4-rank CPU demo"}
+    commands = {"demo": "run the 4-rank CPU demo",
+                "calibrate": "measure collectives and compute here and write a cost profile"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: python -m commfuse <command> [options]\n\ncommands:")
         for name, text in commands.items():
@@ -17,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import demo
 
         return demo(argv[1:])
+    if argv[0] == "calibrate":
+        from .costmodel.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     return 2
 
 

@@ -247,7 +247,8 @@ def test_compute_flops_exact_mm_bmm_linear():
         f(*args)
     assert fc.get_total_flops() == sum(op_cost(n).flops for n in (mm, bmm, addmm))
     for n in _nodes(gm, "t.default") + _nodes(gm, "view"):
-        assert op_cost(n).family == "free" and ComputeModel(Topology.preset("dgx-h100")).time_us(n) == 0
+        assert op_cost(n).family == "view" and ComputeModel(Topology.preset("dgx-h100")).time_us(n) == 0
+        assert ComputeModel(Topology.preset("dgx-h100"), ComputeParams(view_us=3.0)).time_us(n) == 3.0
 
 
 def test_compute_flops_exact_sdpa_fwd_bwd():

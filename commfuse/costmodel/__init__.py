@@ -11,6 +11,7 @@ from .compute import ComputeEstimate, ComputeModel, ComputeParams, FamilyFit, Op
 from .contention import CommResources, ContentionModel, GpuContentionParams
 from .estimator import CollectiveEstimate, CostEstimator
 from .profile import CostProfile, Provenance
+from .simulator import ScheduleComparison, SimResult, Simulator, StreamAssignment, compare_schedules, simulate
 from .topology import PRESETS, Topology
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "CommResources", "ComputeEstimate", "ComputeModel", "ComputeParams", "ContentionModel", "CostEstimator",
     "CostProfile", "FamilyFit", "GpuContentionParams", "OpCost", "Provenance", "Topology", "bus_factor",
     "busbw_GBps", "message_bytes", "op_cost",
+    "ScheduleComparison", "SimResult", "Simulator", "StreamAssignment", "compare_schedules", "simulate",
 ]

@@ -51,7 +51,7 @@ from .collectives import concrete
 from .topology import Topology
 
 FAMILIES = ("matmul", "attention", "conv", "norm", "softmax", "pointwise", "reduction", "embedding",
-            "memory", "free", "unknown")
+            "memory", "view", "free", "unknown")
 
 _FLOP_PER_US_PER_TFLOPS = 1e6
 _BYTES_PER_US_PER_GBPS = 1e3
@@ -109,6 +109,8 @@ class ComputeParams(BaseModel):
     multiplier: dict[str, PositiveFloat] = Field(default_factory=dict, description="family -> time multiplier")
     fits: dict[str, FamilyFit] = Field(default_factory=dict, description="family -> fitted a + b x unit")
     overhead_us: NonNegativeFloat = Field(default=0.0, description="added to every non-free op (launch/dispatch)")
+    view_us: NonNegativeFloat = Field(
+        default=0.0, description="time of an ATen view/metadata op (free on a GPU stream; a dispatch on CPU eager)")
 
     @field_validator("multiplier", "fits")
     @classmethod
@@ -325,7 +327,8 @@ def op_cost(node: fx.Node, symbol_hint: int = 4096) -> OpCost:
             return free
         name = getattr(target, "__name__", str(target))
     if isinstance(target, torch._ops.OpOverload) and target.is_view or name in _FREE or not outs:
-        return free
+        # No data moves, but an eager run still dispatches the op (ComputeParams.view_us).
+        return OpCost(0, 0, "view", "fp32", 0) if isinstance(target, torch._ops.OpOverload) and outs else free
     sz = _Sizes(symbol_hint)
     ins = _tensors(list(node.args) + list(node.kwargs.values()))
     dfam = _dtype_family(ins + outs)
@@ -374,9 +377,11 @@ class ComputeModel:
         return self.estimate(node).time_us
 
     def estimate_cost(self, c: OpCost) -> ComputeEstimate:
+        p = self.params
         if c.family == "free":
             return ComputeEstimate(0.0, 0, 0, "free", "free", False, 0, c.dtype_family)
-        p = self.params
+        if c.family == "view":
+            return ComputeEstimate(p.view_us, 0, 0, "view", "free", False, 0, c.dtype_family)
         fit = p.fits.get(c.family)
         if fit is not None:
             t = fit.a_us + fit.b_us_per_unit * (c.flops if fit.unit == "flops" else c.bytes)
