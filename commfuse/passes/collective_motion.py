@@ -85,11 +85,9 @@ class RegionPlan:
 
 def _mutated_roots(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes whose memory some op writes (followed back through views)."""
-    from .shard_rules import _mutates
-
     out: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        if n.op == "call_function" and _mutates(n):
+        if n.op == "call_function" and rewrite.mutates(n):
             for a, arg in zip(n.args, n.target._schema.arguments):
                 if isinstance(a, fx.Node) and arg.alias_info is not None and arg.alias_info.is_write:
                     while True:

@@ -149,6 +149,14 @@ def splice(gm: fx.GraphModule, fn: Callable[..., Any], args: Sequence[fx.Node], 
     return out
 
 
+def mutates(node: fx.Node) -> bool:
+    """Whether ``node`` writes one of its arguments (an in-place or out= op)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 def erase_dead(gm: fx.GraphModule, roots: Sequence[fx.Node]) -> int:
     """Erase ``roots`` and, transitively, their inputs once they have no users left.
 
@@ -170,9 +178,7 @@ def erase_dead(gm: fx.GraphModule, roots: Sequence[fx.Node]) -> int:
         spec = collective_spec(n.target)
         if spec is not None and spec.inplace:
             continue
-        schema = getattr(n.target, "_schema", None)
-        if schema is not None and spec is None and not is_wait(n.target) and any(
-                a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        if spec is None and not is_wait(n.target) and mutates(n):
             continue
         seen.add(n)
         inputs = list(n.all_input_nodes)

@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..ir.shapes import shape_of
+from .rewrite import mutates
 
 aten = torch.ops.aten
 
@@ -76,11 +77,6 @@ def _static(shape) -> bool:
     return shape is not None and all(isinstance(s, int) for s in shape)
 
 
-def _mutates(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-
-
 def _pointwise(target) -> bool:
     schema = getattr(target, "_schema", None)
     return (torch.Tag.pointwise in getattr(target, "tags", ()) and schema is not None
@@ -93,7 +89,7 @@ def local_rule(node: fx.Node, state: StateOf, n: int, replicated: Replicated) ->
     Inputs without a local form are used as they are on every rank, so they must be
     ``replicated`` over the group (else rank j's shard would be computed with rank j's
     copy instead of each rank's own) and broadcast along the sharded dim."""
-    if node.op != "call_function" or _mutates(node):
+    if node.op != "call_function" or mutates(node):
         return None
     if any(not _static(shape_of(a)) for a in node.all_input_nodes if shape_of(a) is not None):
         return None

@@ -30,6 +30,7 @@ from ..ir.kinds import is_wait
 from .base import GraphPass, PassResult, Stage
 from .context import PassContext
 from .registry import register_pass
+from .rewrite import mutates
 
 
 @register_pass
@@ -44,7 +45,7 @@ class SinkWaits(GraphPass):
         # Positions of memory-mutating nodes, sorted: the barrier search is a bisect, so the
         # pass stays O(n log n) on deep graphs. Positions are those before any move; waits
         # only move down past non-mutating nodes, so the relative order of the rest holds.
-        mutations = [order[n] for n in graph.nodes if _mutates(n)]
+        mutations = [order[n] for n in graph.nodes if mutates(n)]
         by_pos = {order[n]: n for n in graph.nodes}
         inplace_waits = {w for c in ctx.ir.collectives if c.inplace for w in c.waits}
         moved = 0
@@ -66,13 +67,6 @@ class SinkWaits(GraphPass):
             moved += 1
         refusals = [f"{skipped_inplace} wait(s) of in-place collectives left in place"] if skipped_inplace else []
         return PassResult(changed=moved > 0, counts={"waits_sunk": moved}, refusals=refusals)
-
-
-def _mutates(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None:
-        return False
-    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _first_mutation_between(start: int, end: int, mutations: list[int], by_pos: dict[int, fx.Node]) -> fx.Node | None:
