@@ -25,12 +25,12 @@ import platform
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, model_validator
 
 from ..errors import ConfigError
 from .collectives import CollectiveParams
 from .compute import ComputeParams
-from .topology import PRESETS, Topology, _describe_validation_error
+from .topology import PRESETS, Topology, load_json_model
 
 
 class Provenance(BaseModel):
@@ -98,15 +98,4 @@ class CostProfile(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> "CostProfile":
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"cost profile: cannot read profile file {str(path)!r}: {e}") from e
-        if not isinstance(data, dict):
-            raise ConfigError(f"cost profile: profile file {str(path)!r} must hold a JSON object, "
-                              f"got {type(data).__name__}")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as e:
-            raise ConfigError(f"cost profile: invalid profile file {str(path)!r}: "
-                              f"{_describe_validation_error(e)}") from e
+        return load_json_model(cls, path, "cost profile", "profile file")

@@ -68,6 +68,22 @@ def _describe_validation_error(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def load_json_model(cls, path: str | Path, what: str, noun: str):
+    """``cls`` validated from the JSON file ``path``; every failure a ConfigError that names
+    the file (and the field, for invalid values). ``what`` prefixes the message, ``noun``
+    says what the file is ("topology file", "profile file")."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{what}: cannot read {noun} {str(path)!r}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what}: {noun} {str(path)!r} must hold a JSON object, got {type(data).__name__}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(f"{what}: invalid {noun} {str(path)!r}: {_describe_validation_error(e)}") from e
+
+
 class Topology(BaseModel):
     """Ranks per node, node count, link bandwidth (GB/s) / latency (us), device peaks."""
 
@@ -152,14 +168,7 @@ class Topology(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> "Topology":
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"topology: cannot read topology file {str(path)!r}: {e}") from e
-        try:
-            return cls.model_validate(data)
-        except ValidationError as e:
-            raise ConfigError(f"topology: invalid topology file {str(path)!r}: {_describe_validation_error(e)}") from e
+        return load_json_model(cls, path, "topology", "topology file")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
