@@ -46,7 +46,7 @@ from . import rewrite
 from .base import GraphPass, PassResult, Stage
 from .context import PassContext
 from .registry import register_pass
-from .shard_rules import Layout, LocalOp, Partial, Sharded, local_rule, shard_bytes
+from .shard_rules import Layout, LocalOp, Partial, Sharded, local_rule, value_bytes
 
 PARTIAL_BUDGET = 0.25  # partial-sum all_reduces may cost at most this share of the gathers removed
 _VIEWLIKE = {
@@ -249,16 +249,16 @@ def component_cost(plan: RegionPlan, members: list[fx.Node]) -> ComponentCost:
     for node in members:
         if node in plan.seeds:
             if not _outside_users(plan, node) and node.users:
-                cost.removed += (n - 1) * shard_bytes(plan.seeds[node].shard)
+                cost.removed += (n - 1) * value_bytes(plan.seeds[node].shard)
             continue
         lay = plan.layout.get(node)
         if lay is None or not _outside_users(plan, node):
             continue
         cost.boundaries += 1
         if isinstance(lay, Sharded):
-            cost.added_gather += (n - 1) * shard_bytes(node) // n
+            cost.added_gather += (n - 1) * value_bytes(node) // n
         else:
-            cost.added_reduce += 2 * (n - 1) * shard_bytes(node) // n
+            cost.added_reduce += 2 * (n - 1) * value_bytes(node) // n
     return cost
 
 
@@ -268,12 +268,6 @@ def _fake_value(gm: fx.GraphModule, target, args, kwargs):
 
     with rewrite.fake_mode_of(gm):
         return target(*fx.node.map_aggregate(args, val), **fx.node.map_aggregate(kwargs, val))
-
-
-def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
-    for k, v in src.meta.items():
-        if k not in ("val", "tensor_meta", "example_value"):
-            dst.meta.setdefault(k, v)
 
 
 def apply_region(gm: fx.GraphModule, plan: RegionPlan, members: set[fx.Node]) -> dict[str, int]:
@@ -296,13 +290,14 @@ def apply_region(gm: fx.GraphModule, plan: RegionPlan, members: set[fx.Node]) ->
                 kwargs = fx.node.map_arg(rule.kwargs, swap)
                 new = graph.call_function(node.target, args, kwargs)
                 new.meta["val"] = _fake_value(gm, node.target, args, kwargs)
-        _copy_meta(node, new)
+        rewrite.inherit_meta(node, new)
         local[node] = new
     counts = {"gathers_inserted": 0, "partial_all_reduces": 0}
-    for node in [*region, *[s.full for s in plan.seeds.values() if s.full in members]]:
+    # Seeds need no boundary: a seed with users outside the region keeps its own gather.
+    for node in region:
         outside = [u for u in node.users if u not in inside]
         lay = plan.layout.get(node)
-        if not outside or lay is None or node in plan.seeds:
+        if not outside or lay is None:
             continue
         if isinstance(lay, Sharded):
             full = rewrite.splice(gm, rewrite.all_gather, [local[node]], consts=(lay.dim, plan.n, plan.group),

@@ -136,17 +136,25 @@ def splice(gm: fx.GraphModule, fn: Callable[..., Any], args: Sequence[fx.Node], 
     template = trace(fn, args, consts, fake_mode_of(gm))
     placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
     val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, args))
-    inherited = {k: v for k, v in (meta_from.meta.items() if meta_from is not None else ())
-                 if k not in ("val", "tensor_meta", "example_value")}
     with gm.graph.inserting_before(before):
         out = gm.graph.graph_copy(template.graph, val_map)
-    for tn in template.graph.nodes:
-        n = val_map.get(tn)
-        if n is None or tn.op == "placeholder":
-            continue
-        for k, v in inherited.items():
-            n.meta.setdefault(k, copy.copy(v))
+    if meta_from is not None:
+        for tn in template.graph.nodes:
+            n = val_map.get(tn)
+            if n is not None and tn.op != "placeholder":
+                inherit_meta(meta_from, n)
     return out
+
+
+_VALUE_META = ("val", "tensor_meta", "example_value")
+
+
+def inherit_meta(src: fx.Node, dst: fx.Node) -> None:
+    """Give ``dst`` ``src``'s metadata except its value (stack trace, the partitioner's
+    forward/backward tags), without overwriting what ``dst`` has."""
+    for k, v in src.meta.items():
+        if k not in _VALUE_META:
+            dst.meta.setdefault(k, copy.copy(v))
 
 
 def mutates(node: fx.Node) -> bool:

@@ -315,8 +315,8 @@ def _partial_rule(node: fx.Node, state: StateOf) -> LocalOp | None:
     return None
 
 
-def shard_bytes(node: fx.Node) -> int:
-    """Bytes of ``node``'s full value (static shapes only)."""
+def value_bytes(node: fx.Node) -> int:
+    """Bytes of ``node``'s value as its ``meta["val"]`` has it (0 without one)."""
     v = node.meta.get("val")
     if not isinstance(v, torch.Tensor):
         return 0
