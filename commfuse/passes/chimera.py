@@ -65,6 +65,7 @@ class Chimera(GraphPass):
             restore_graph(gm.graph, snapshot)
             gm.recompile()
             ctx.invalidate()
-            refusals.append("split_all_reduce: every split was fused back unused; graph restored")
+            refusals.append("chimera: nothing moved and the collective sequence is unchanged (any split was fused "
+                            "back); graph restored")
             return PassResult(False, counts={}, refusals=refusals)
         return PassResult(any(changed.values()), counts=counts, refusals=refusals)
