@@ -34,6 +34,10 @@ class Config(BaseModel):
         tangents) as identical on every rank of the group -- the tensor-parallel contract.
         Collective motion needs it to run a norm with its weight on shards; without it
         only values the graph proves replicated (collective outputs, constants) qualify.
+    moe_capacity_regroup: let collective motion run a capacity-limited MoE layer
+        (``commfuse.moe``) on token shards that split its token groups: each shard then
+        becomes one token group, which changes which tokens are dropped (the numbers equal
+        the unoptimised program with ``token_groups = N``). Off: such layers stay on full tokens.
     check_agreement: compare every rank's collective sequence at the first execution of
         each compiled frame and raise instead of hanging (default: on when `debug`).
     agreement_timeout_s: how long a rank waits for the others in that check.
@@ -51,6 +55,7 @@ class Config(BaseModel):
     topology: Optional[Topology] = None
     group_roles: dict[str, ParallelRole] = Field(default_factory=dict)
     tp_inputs_replicated: bool = True
+    moe_capacity_regroup: bool = False
     svg_max_nodes: PositiveInt = 250
     check_agreement: Optional[bool] = None
     agreement_timeout_s: PositiveFloat = 120.0
@@ -90,6 +95,7 @@ class Config(BaseModel):
             "inner": self.inner_compiler,
             "roles": {k: v.value for k, v in sorted(self.group_roles.items())},
             "tp_inputs_replicated": self.tp_inputs_replicated,
+            "moe_capacity_regroup": self.moe_capacity_regroup,
             "topology": topo.model_dump() if topo else None,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

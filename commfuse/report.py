@@ -35,6 +35,21 @@ class CollectiveReport(BaseModel):
     role_source: str
 
 
+class EmbeddedReport(BaseModel):
+    """A collective issued from inside an op's kernel (see commfuse.ir.embedded)."""
+
+    node: str
+    op: str
+    kind: str
+    group: str
+    group_size: int
+    what: str
+    logged_bytes: int
+    wire_bytes: int
+    estimated: bool
+    backward: bool
+
+
 class Totals(BaseModel):
     count: int = 0
     logged_bytes: JsonSize = 0
@@ -54,6 +69,8 @@ class AnalysisReport(BaseModel):
     order_hash: str
     # control-flow / higher-order nodes whose subgraphs hold collectives commfuse cannot analyse
     hidden_collectives: dict[str, int] = Field(default_factory=dict)
+    # collectives ops issue from their kernels (counted in by_kind/by_group/total too)
+    embedded: list[EmbeddedReport] = Field(default_factory=list)
 
     def to_json(self, **kw) -> str:
         return self.model_dump_json(indent=2, **kw)
@@ -111,6 +128,18 @@ def build_analysis_report(ir: CollectiveIR, *, graph: str = "graph") -> Analysis
             acc[1] = _add(acc[1], c.logged_bytes)
             acc[2] = _add(acc[2], c.wire_bytes)
 
+    embedded = []
+    for e in ir.embedded:
+        for t in e.transfers:
+            embedded.append(EmbeddedReport(node=e.node.name, op=str(e.node.target), kind=t.kind.value, group=t.group,
+                                           group_size=t.group_size, what=t.what, logged_bytes=t.logged_bytes,
+                                           wire_bytes=t.wire_bytes, estimated=t.estimated,
+                                           backward=e.node in ir.backward_nodes))
+            for acc in (sums["kind"][t.kind.value], sums["group"][t.group], total):
+                acc[0] += 1
+                acc[1] = _add(acc[1], t.logged_bytes)
+                acc[2] = _add(acc[2], t.wire_bytes)
+
     def totals(acc) -> Totals:
         return Totals(count=acc[0], logged_bytes=size_to_json(acc[1]), wire_bytes=size_to_json(acc[2]))
 
@@ -124,6 +153,7 @@ def build_analysis_report(ir: CollectiveIR, *, graph: str = "graph") -> Analysis
         sequence_hashes=ir.sequence_hashes(),
         order_hash=ir.order_hash(),
         hidden_collectives={n.name: k for n, k in ir.hidden_collectives.items()},
+        embedded=embedded,
     )
 
 

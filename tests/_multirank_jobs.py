@@ -15,7 +15,7 @@ from commfuse.testing.numerics import assert_close_tree, train_step_outputs
 def example_config(name: str, **overrides: Any) -> commfuse.Config:
     """The backend config a test uses for example ``name``: TP examples declare their
     group's role, as a user would with ``commfuse.setup(mesh=...)`` or ``group_roles``."""
-    if name.startswith("llama_tp"):
+    if name.startswith(("llama_tp", "moe_tp", "moe_sp")):
         mesh_group = dist.group.WORLD.group_name
         overrides.setdefault("group_roles", {mesh_group: "tp"})
     return commfuse.Config(**overrides)
@@ -55,6 +55,27 @@ def _example(name: str, dtype: torch.dtype) -> tuple[Callable[[], torch.nn.Modul
 
         def inputs(step):
             return moe.make_inputs(world * 2, 4, 16, rank=rank, world_size=world, seed=step).inputs.to(dtype)
+    elif name.startswith(("moe_tp_ep", "moe_sp_ep_sp")):
+        # TP attention + commfuse's MoE layer with EP over the same ranks (Chimera TP+EP, SP+EP+SP).
+        from commfuse.models import moe_tp
+
+        layout = "sp_ep_sp" if name.startswith("moe_sp") else "tp_ep"
+        capacity = name.endswith("_capacity")
+        # Capacity that can drop tokens, made exact on shards by token groups = world
+        # (batch 1 so a sequence shard is a run of whole groups).
+        cfg = moe_tp.MoETPConfig(n_layers=2 if layout == "tp_ep" else 1, dim=32, n_heads=4, num_experts=2 * world,
+                                 ffn_dim=32, capacity_factor=1.0 if capacity else 0.0,
+                                 token_groups=world if capacity else 1, vocab=64 if layout == "tp_ep" else None)
+        batch = 1 if capacity else 2
+
+        def model():
+            return moe_tp.parallelize_moe_tp(moe_tp.build_moe_tp(cfg, seed=0).to(dtype), mesh, layout)
+
+        def inputs(step):
+            gen = torch.Generator().manual_seed(step)
+            if cfg.vocab:
+                return torch.randint(0, cfg.vocab, (batch, 16), generator=gen)
+            return torch.randn(batch, 4, 32, generator=gen).to(dtype)  # this rank's sequence shard
     elif name == "simple_fsdp":
         from commfuse.models import llama, simple_fsdp
 
@@ -74,7 +95,14 @@ def _mean_logits(out: torch.Tensor) -> torch.Tensor:
     return out.float().mean()
 
 
-LOSSES: dict[str, Callable[[Any], torch.Tensor]] = {"llama_tp": _mean_logits}
+def _moe_tp_loss(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return out[0].float().mean() + 0.01 * out[1]
+
+
+LOSSES: dict[str, Callable[[Any], torch.Tensor]] = {
+    "llama_tp": _mean_logits,
+    **{name: _moe_tp_loss for name in ("moe_tp_ep", "moe_tp_ep_capacity", "moe_sp_ep_sp")},
+}
 
 
 def compiled_matches_eager(name: str, dtype_name: str, inner: str = "eager", steps: int = 2,
@@ -88,7 +116,11 @@ def compiled_matches_eager(name: str, dtype_name: str, inner: str = "eager", ste
     ref = train_step_outputs(model, inputs, steps=steps, lr=0.05, loss_fn=loss)
     be = commfuse.backend(example_config(name, inner_compiler=inner, strict=True, passes=passes))
     got = train_step_outputs(model, inputs, backend=be, steps=steps, lr=0.05, loss_fn=loss)
-    assert_close_tree(got, ref, dtype=dtype, msg=f"{name} {dtype_name} rank {dist.get_rank()}")
+    # MoE in bf16: the rewritten program reduces in another order (reduce_scatter instead
+    # of all_reduce, token shards), and the router amplifies those roundings; widen atol for
+    # reductions over the world's ranks as the tolerance policy defines it.
+    summands = dist.get_world_size() if name.startswith("moe_") and dtype != torch.float32 else None
+    assert_close_tree(got, ref, dtype=dtype, msg=f"{name} {dtype_name} rank {dist.get_rank()}", summands=summands)
     kinds = sorted({k for r in be.reports if r.analysis for k in r.analysis.by_kind})
     wire = {r.graph: r.analysis.total.wire_bytes for r in be.reports if r.analysis}
     return {"kinds": kinds, "wire": wire, "passes": [p.model_dump() for r in be.reports for p in r.passes], "graphs": [r.graph for r in be.reports], "state_dict": _state_dict_meta(model, inputs)}

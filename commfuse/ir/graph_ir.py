@@ -21,6 +21,7 @@ from .._torch_private import resolve_process_group
 from . import volume
 from .collective import Collective, GroupInfo, ParallelRole
 from .dims import DimTypeAnalysis
+from .embedded import EmbeddedComm, embedded_comm
 from .kinds import CollectiveKind, collective_spec, is_wait
 from .layout import match_gather_shuffle, match_scatter_shuffle
 from .roles import infer_role
@@ -87,7 +88,12 @@ class CollectiveIR:
         # collectives: node -> how many. Passes cannot see inside; they must treat these
         # nodes as opaque barriers (dims are ND there; nothing may move across them).
         self.hidden_collectives: dict[fx.Node, int] = {}
+        # Ops that communicate from inside their kernel (commfuse's MoE layer): counted, never moved.
+        self.embedded: list[EmbeddedComm] = []
         for node in gm.graph.nodes:
+            emb = embedded_comm(node)
+            if emb is not None:
+                self.embedded.append(emb)
             if node.op == "call_function" and collective_spec(node.target) is not None:
                 c = self._build(node, len(self.collectives))
                 self.collectives.append(c)

@@ -46,7 +46,7 @@ from . import rewrite
 from .base import GraphPass, PassResult, Stage
 from .context import PassContext
 from .registry import register_pass
-from .shard_rules import Layout, LocalOp, Partial, Sharded, local_rule, value_bytes
+from .shard_rules import Complete, Layout, LocalOp, Partial, RuleEnv, Sharded, local_rule, value_bytes
 
 PARTIAL_BUDGET = 0.25  # partial-sum all_reduces may cost at most this share of the gathers removed
 _VIEWLIKE = {
@@ -70,6 +70,7 @@ class Seed:
 class RegionPlan:
     group: str
     n: int
+    rank: Optional[int] = None  # this process's index in the group, when known
     seeds: dict[fx.Node, Seed] = field(default_factory=dict)
     ops: dict[fx.Node, Optional[LocalOp]] = field(default_factory=dict)  # None: getitem of a region tuple
     layout: dict[fx.Node, Layout] = field(default_factory=dict)
@@ -141,9 +142,21 @@ def replicated_values(gm: fx.GraphModule, group: str, collectives: list[Collecti
     return rep
 
 
+def _group_rank(c: Collective) -> Optional[int]:
+    """This process's index in ``c``'s group (rank-specific rules need it; a compile
+    reads it, every rank its own, and the decision it feeds is the same on every rank)."""
+    import torch.distributed as dist
+
+    ranks = c.group.ranks
+    if ranks is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    me = dist.get_rank()
+    return ranks.index(me) if me in ranks else None
+
+
 def plan_regions(gm: fx.GraphModule, collectives: list[Collective], refusals: list[str],
                  trust_inputs: Callable[[str], bool] = lambda group: False,
-                 only_group: Optional[str] = None) -> list[RegionPlan]:
+                 only_group: Optional[str] = None, moe_capacity_regroup: bool = False) -> list[RegionPlan]:
     mutated = _mutated_roots(gm)
     by_group: dict[str, RegionPlan] = {}
     for c in collectives:
@@ -153,17 +166,19 @@ def plan_regions(gm: fx.GraphModule, collectives: list[Collective], refusals: li
         if why:
             refusals.append(f"{c.name}: not moved: {why}")
             continue
-        plan = by_group.setdefault(c.group.name, RegionPlan(c.group.name, c.group.size))
+        plan = by_group.setdefault(c.group.name, RegionPlan(c.group.name, c.group.size, _group_rank(c)))
         plan.seeds[c.logical_output] = Seed(c, c.logical_output, c.inputs[0], c.logical_dim)
     plans = [by_group[g] for g in sorted(by_group)]
     for plan in plans:
         plan.replicated = replicated_values(gm, plan.group, collectives, trust_inputs(plan.group))
-        _grow(gm, plan)
+        env = RuleEnv(plan.group, plan.n, plan.replicated.__contains__, plan.rank, moe_capacity_regroup)
+        _grow(gm, plan, env)
+        refusals.extend(f"group {plan.group}: {why}" for node, why in env.refusals.items() if node not in plan.ops)
         _prune(plan)
     return plans
 
 
-def _grow(gm: fx.GraphModule, plan: RegionPlan) -> None:
+def _grow(gm: fx.GraphModule, plan: RegionPlan, env: RuleEnv) -> None:
     skip = {n for s in plan.seeds.values() for n in s.collective.layout_nodes}
     for node in gm.graph.nodes:
         if node in plan.seeds:
@@ -177,7 +192,7 @@ def _grow(gm: fx.GraphModule, plan: RegionPlan) -> None:
                 plan.ops[node] = None
                 plan.layout[node] = lay
             continue
-        rule = local_rule(node, plan.state, plan.n, plan.replicated.__contains__)
+        rule = local_rule(node, plan.state, env)
         if rule is None:
             continue
         plan.ops[node] = rule
@@ -251,9 +266,14 @@ def component_cost(plan: RegionPlan, members: list[fx.Node]) -> ComponentCost:
             if not _outside_users(plan, node) and node.users:
                 cost.removed += (n - 1) * value_bytes(plan.seeds[node].shard)
             continue
+        rule = plan.ops.get(node)
+        if rule is not None:
+            cost.removed += rule.wire_saved
         lay = plan.layout.get(node)
         if lay is None or not _outside_users(plan, node):
             continue
+        if isinstance(lay, Complete):
+            continue  # used as it is
         cost.boundaries += 1
         if isinstance(lay, Sharded):
             cost.added_gather += (n - 1) * value_bytes(node) // n
@@ -283,8 +303,10 @@ def apply_region(gm: fx.GraphModule, plan: RegionPlan, members: set[fx.Node]) ->
         rule = plan.ops[node]
         with graph.inserting_before(node):
             if rule is None:  # getitem of a tuple-valued region node
-                new = graph.call_function(operator.getitem, (local[node.args[0]], node.args[1]))
-                new.meta["val"] = local[node.args[0]].meta["val"][node.args[1]]
+                parent = plan.ops[node.args[0]]
+                index = (parent.index_map or {}).get(node.args[1], node.args[1])
+                new = graph.call_function(operator.getitem, (local[node.args[0]], index))
+                new.meta["val"] = local[node.args[0]].meta["val"][index]
             else:
                 args = fx.node.map_arg(rule.args, swap)
                 kwargs = fx.node.map_arg(rule.kwargs, swap)
@@ -298,6 +320,9 @@ def apply_region(gm: fx.GraphModule, plan: RegionPlan, members: set[fx.Node]) ->
         outside = [u for u in node.users if u not in inside]
         lay = plan.layout.get(node)
         if not outside or lay is None:
+            continue
+        if isinstance(lay, Complete):
+            node.replace_all_uses_with(local[node], delete_user_cb=lambda u: u not in inside)
             continue
         if isinstance(lay, Sharded):
             full = rewrite.splice(gm, rewrite.all_gather, [local[node]], consts=(lay.dim, plan.n, plan.group),
@@ -346,8 +371,8 @@ class CollectiveMotion(GraphPass):
         for group in groups:
             colls = ctx.ir.collectives
             group_changed = False
-            for plan in plan_regions(ctx.gm, colls, refusals,
-                                     lambda g: _tp_contract(ctx, colls, g), only_group=group):
+            for plan in plan_regions(ctx.gm, colls, refusals, lambda g: _tp_contract(ctx, colls, g),
+                                     only_group=group, moe_capacity_regroup=ctx.config.moe_capacity_regroup):
                 for members in _components(plan).values():
                     group_changed |= self._apply_component(ctx, plan, members, totals, refusals)
             if group_changed:

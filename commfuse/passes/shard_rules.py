@@ -5,7 +5,11 @@ A value in a *region* is held in local form instead of full form:
 * ``Sharded(d)``: the rank holds chunk ``rank`` of the full value along dim ``d``
   (``d`` is a dim of the full value; equal chunks over the group);
 * ``Partial()``: the full value is the sum over the group of the local values
-  (what a sum over the sharded dim leaves).
+  (what a sum over the sharded dim leaves);
+* ``Complete()``: the local value *is* the full value (this rank's own chunk taken
+  from a sharded value, an expert-weight gradient that already sums every
+  rank's tokens). Nothing consumes it inside a region; its users outside take the
+  local value as it is, with no collective.
 
 :func:`local_rule` decides whether a node can be computed from the local forms of
 its inputs and, if so, what the local node's arguments are and which layout each of
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -48,21 +52,48 @@ class Partial:
     pass
 
 
-Layout = Union[Sharded, Partial]
+@dataclass(frozen=True)
+class Complete:
+    pass
+
+
+Layout = Union[Sharded, Partial, Complete]
 
 
 @dataclass
 class LocalOp:
     """How to compute a node locally: new args/kwargs (with ``fx.Node`` inputs still the
-    *full* nodes; the caller swaps in local forms) and the output layout(s)."""
+    *full* nodes; the caller swaps in local forms) and the output layout(s).
+
+    ``index_map`` renumbers the tuple elements a ``getitem`` takes from the local
+    node (a split of the local chunk has one piece where the full value had N).
+    ``wire_saved``: for an op that communicates inside its kernel, how many fewer bytes
+    it sends on shards -- what makes moving a gather past it pay."""
 
     args: tuple
     kwargs: dict
     out: Layout | tuple[Optional[Layout], ...]
+    index_map: Optional[dict[int, int]] = None
+    wire_saved: int = 0  # bytes the op itself sends less on shards (ops that communicate inside)
 
 
 StateOf = Callable[[fx.Node], Optional[Layout]]
 Replicated = Callable[[fx.Node], bool]
+
+
+@dataclass(frozen=True)
+class RuleEnv:
+    """What the rules may know besides the graph: the region's group, its size, this
+    rank's index in it (None: unknown, rank-specific rules are off), which values are
+    identical on every rank, and the MoE capacity-regrouping opt-in."""
+
+    group: str
+    n: int
+    replicated: Replicated
+    rank: Optional[int] = None
+    moe_capacity_regroup: bool = False
+    # node -> why a rule that knows the op refused it (for the pass report's "why not")
+    refusals: dict[fx.Node, str] = field(default_factory=dict)
 
 _SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
          aten._to_copy.default}
@@ -83,7 +114,7 @@ def _pointwise(target) -> bool:
             and not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags)
 
 
-def local_rule(node: fx.Node, state: StateOf, n: int, replicated: Replicated) -> LocalOp | None:
+def local_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
     """The local form of ``node`` given its inputs' layouts, or None (stay full).
 
     Inputs without a local form are used as they are on every rank, so they must be
@@ -94,9 +125,14 @@ def local_rule(node: fx.Node, state: StateOf, n: int, replicated: Replicated) ->
     if any(not _static(shape_of(a)) for a in node.all_input_nodes if shape_of(a) is not None):
         return None
     t = node.target
+    n, replicated = env.n, env.replicated
     ins = [a for a in node.all_input_nodes if state(a) is not None]
-    if not ins:
+    if not ins or any(isinstance(state(a), Complete) for a in ins):
         return None
+    if t in MOE_RULES:
+        return MOE_RULES[t](node, state, env)
+    if t is aten.split.Tensor:
+        return _own_chunk(node, state, env)
     if any(isinstance(state(a), Partial) for a in ins):
         return _partial_rule(node, state)
     if t is operator.getitem:
@@ -126,6 +162,24 @@ def local_rule(node: fx.Node, state: StateOf, n: int, replicated: Replicated) ->
 
 
 # ----------------------------------------------------------------- rules
+def _own_chunk(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
+    """``split(x, size, d)`` of a value sharded along ``d`` into the group's chunks, whose
+    only use is this rank's piece (DTensor's Replicate -> Shard): the local chunk itself."""
+    x = node.args[0]
+    size = node.args[1]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    s, shape = state(x), shape_of(x)
+    if env.rank is None or not isinstance(s, Sharded) or not isinstance(size, int):
+        return None
+    if dim % len(shape) != s.dim or size * env.n != shape[s.dim]:
+        return None
+    if not node.users or any(u.target is not operator.getitem or u.args[1] != env.rank for u in node.users):
+        return None
+    # The local chunk is `size` long: splitting it gives one piece, the one this rank keeps.
+    return LocalOp(node.args, dict(node.kwargs), tuple(Complete() if i == env.rank else None for i in range(env.n)),
+                   index_map={env.rank: 0})
+
+
 def _elementwise(node: fx.Node, state: StateOf, replicated: Replicated) -> LocalOp | None:
     out_shape = shape_of(node)
     if out_shape is None:
@@ -322,3 +376,5 @@ def value_bytes(node: fx.Node) -> int:
         return 0
     return math.prod(v.shape) * v.element_size()
 
+
+from .moe_rules import MOE_RULES  # noqa: E402  (moe_rules builds on the layouts above)
