@@ -103,3 +103,11 @@ def get_suite(name: str) -> Suite:
     if name not in SUITES:
         raise KeyError(f"unknown suite {name!r}; known: {sorted(SUITES)}")
     return SUITES[name]
+# Chimera on MoE layers (docs/chimera-moe.md): the TP+EP and SP+EP+SP workloads with every
+# baseline the issue names, Inductor ones included (2 ranks: cold Inductor compiles dominate).
+_register(Suite(
+    "chimera-moe", "moe_tp_ep and moe_sp_ep_sp at size s: eager, Inductor, Inductor+comm passes, commfuse "
+    "(Inductor and eager inner), commfuse with no passes",
+    workloads=("moe_tp_ep:s", "moe_sp_ep_sp:s"),
+    baselines=("eager", "inductor", "inductor+comm", "commfuse", "commfuse-eager:none", "commfuse-eager"),
+    warmup=3, steps=20, scaling=()))

@@ -202,3 +202,44 @@ register_family(Family(
 register_family(Family(
     "dp", "Llama-style decoder, SimpleFSDP replicate = DDP (grad all_reduce)",
     _build_dp, _DP_SIZES))
+
+
+def _moe_tp(world: int, rank: int, *, layout: str, n_layers: int, dim: int, n_heads: int, experts_per_rank: int,
+            ffn_dim: int, batch: int, seq: int, vocab: int = 0) -> Built:
+    """TP attention + commfuse.moe.MoELayer (dropless) with EP over the same ranks."""
+    from commfuse.models import moe_tp
+
+    cfg = moe_tp.MoETPConfig(n_layers=n_layers, dim=dim, n_heads=n_heads, num_experts=experts_per_rank * world,
+                             ffn_dim=ffn_dim, vocab=vocab or None)
+    mesh = _mesh(world)
+    model = moe_tp.parallelize_moe_tp(moe_tp.build_moe_tp(cfg, seed=0), mesh, layout)
+    gen = torch.Generator().manual_seed(1 + (rank if layout == "sp_ep_sp" else 0))
+    if vocab:
+        inputs = torch.randint(0, vocab, (batch, seq), generator=gen)  # replicated token ids
+    else:
+        inputs = torch.randn(batch, seq // world, dim, generator=gen)  # this rank's sequence shard
+
+    def loss(out):
+        return out[0].float().pow(2).mean() + 0.01 * out[1]
+
+    return Built(model, (inputs,), loss, roles={mesh.get_group().group_name: "tp"})
+
+
+def _build_moe_tp_ep(world: int, rank: int, **sizes: int) -> Built:
+    return _moe_tp(world, rank, layout="tp_ep", **sizes)
+
+
+def _build_moe_sp_ep_sp(world: int, rank: int, **sizes: int) -> Built:
+    return _moe_tp(world, rank, layout="sp_ep_sp", **sizes)
+
+
+_MOE_TP_SIZES: dict[str, dict[str, int]] = {
+    "s": {"n_layers": 2, "dim": 64, "n_heads": 8, "experts_per_rank": 2, "ffn_dim": 64, "batch": 2, "seq": 32},
+    "m": {"n_layers": 4, "dim": 128, "n_heads": 8, "experts_per_rank": 2, "ffn_dim": 128, "batch": 2, "seq": 64},
+}
+register_family(Family(
+    "moe_tp_ep", "TP attention + commfuse MoE layer, EP over the TP ranks, vocab head (Chimera TP+EP)",
+    _build_moe_tp_ep, {k: {**v, "vocab": 128} for k, v in _MOE_TP_SIZES.items()}))
+register_family(Family(
+    "moe_sp_ep_sp", "SP attention + commfuse MoE layer on gathered tokens, back to sequence shards (Chimera SP+EP+SP)",
+    _build_moe_sp_ep_sp, _MOE_TP_SIZES))

@@ -294,3 +294,77 @@ def inplace_all_reduce_matches_eager() -> list:
     got = torch.compile(f, backend=commfuse.backend(inner_compiler="eager", strict=True))(x.clone(), w)
     assert torch.equal(ref, got)
     return got.tolist()
+
+
+# -- commfuse.moe -----------------------------------------------------------------
+def moe_op_matches_unsharded(capacity_factor: float, top_k: int) -> float:
+    """The EP op (E/N experts per rank, own tokens) against the single-process op on every
+    rank's tokens with all experts and token_groups = N: outputs and all gradients."""
+    from commfuse.moe import MoELayer
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    full = MoELayer(8, 2 * n, 16, top_k=top_k, capacity_factor=capacity_factor, token_groups=n)
+    ep = MoELayer(8, 2 * n, 16, top_k=top_k, capacity_factor=capacity_factor, token_groups=1)
+    ep.load_state_dict(full.state_dict())
+    ep.expert_parallel(dist.group.WORLD)
+    x = torch.randn(4 * n, 8, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    up = torch.randn(4 * n, 8, generator=torch.Generator().manual_seed(6))
+    out, stats = full(x)
+    ((out * up).sum() + stats.load_balancing_loss() + stats.z_loss()).backward()
+    mine = slice(4 * r, 4 * r + 4)
+    xl = x.detach()[mine].clone().requires_grad_()
+    got, st = ep(xl)
+    # the statistics are sums over this rank's tokens: the global ones are their sum
+    glob = [t.clone() for t in (st.probs_sum, st.top1_count, st.z_sum)]
+    for t in glob:
+        dist.all_reduce(t)
+    ref_stats = [stats.probs_sum, stats.top1_count, stats.z_sum]
+    ((got * up[mine]).sum()).backward()
+    experts = slice(r * 2, r * 2 + 2)
+    pairs = [(got, out[mine]), (xl.grad, None), (ep.w1.grad, full.w1.grad[experts]),
+             (ep.w3.grad, full.w3.grad[experts]), (ep.w2.grad, full.w2.grad[experts]),
+             *zip(glob, ref_stats)]
+    # x.grad of the reference also holds the aux-loss part; compare the token part alone
+    x2 = x.detach().clone().requires_grad_()
+    (x2_grad,) = torch.autograd.grad((full(x2)[0] * up).sum(), [x2])
+    pairs[1] = (xl.grad, x2_grad[mine])
+    worst = 0.0
+    for a, b in pairs:
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)
+        worst = max(worst, float((a - b).abs().max()))
+    return worst
+
+
+def moe_regroup_matches_grouped_reference() -> dict:
+    """Capacity that drops tokens, token_groups=1, with Config.moe_capacity_regroup: the
+    compiled program runs each rank's sequence shard as its own token group, so it must
+    equal the eager model built with token_groups = N (the same new grouping)."""
+    from commfuse.models import moe_tp
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    base = dict(n_layers=1, dim=32, n_heads=4, num_experts=2 * world, ffn_dim=32, capacity_factor=1.0, vocab=64)
+
+    def model(groups):
+        cfg = moe_tp.MoETPConfig(token_groups=groups, **base)
+        return lambda: moe_tp.parallelize_moe_tp(moe_tp.build_moe_tp(cfg, seed=0), mesh, "tp_ep")
+
+    def inputs(step):
+        return torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(step))
+
+    torch._dynamo.reset()
+    ref = train_step_outputs(model(world), inputs, steps=1, lr=0.05, loss_fn=_moe_tp_loss)
+    results = {}
+    for regroup in (False, True):
+        torch._dynamo.reset()
+        be = commfuse.backend(example_config("moe_tp_ep", inner_compiler="eager", strict=True,
+                                             moe_capacity_regroup=regroup))
+        got = train_step_outputs(model(1), inputs, backend=be, steps=1, lr=0.05, loss_fn=_moe_tp_loss)
+        joint = [r for r in be.reports if r.graph == "joint"][0]
+        sharded = [e for e in joint.analysis.embedded if e.what == "dispatch" and not e.backward]
+        results[regroup] = {"dispatch_bytes": [e.logged_bytes for e in sharded],
+                            "refusals": [x for p in joint.passes for x in p.refusals]}
+        if regroup:
+            assert_close_tree(got, ref, dtype=torch.float32, msg=f"regroup rank {dist.get_rank()}")
+    return results

@@ -44,7 +44,7 @@ def test_every_suite_resolves():
 
 def test_every_family_in_quick_suite():
     families = {get_workload(w).family.name for w in get_suite("quick").workloads}
-    assert families == {"llama_tp_sp", "llama_tp", "moe_ep", "simple_fsdp", "dp"}
+    assert families == {"llama_tp_sp", "llama_tp", "moe_ep", "simple_fsdp", "dp", "moe_tp_ep", "moe_sp_ep_sp"}
 
 
 def test_single_pass_baselines_follow_the_pass_registry():
