@@ -10,9 +10,14 @@ actually executed:
 * ``inductor`` / ``inductor+comm``: ``torch.compile`` with Inductor; the
   graphs are recorded right after Inductor's post-grad passes (where its own
   comm bucketing runs), i.e. what Inductor lowered.
-* ``commfuse...``: ``backend=commfuse.backend(...)``; the graphs are the
-  pipeline's own reports (``backend.reports[i].analysis``) of the forward /
-  backward graphs it handed to the inner compiler.
+* ``commfuse...``: ``backend=commfuse.backend(...)``; the collective columns
+  come from the pipeline's own reports (``backend.reports[i].analysis``) of the
+  forward / backward graphs it handed to the inner compiler. The graphs
+  themselves are kept too (``Session.executed_graphs``), for the simulated
+  step time: with the eager inner compiler the graphs ``lower_eager`` received
+  (the pipeline's final forward/backward), with Inductor the graphs right after
+  Inductor's post-grad passes (commfuse's SCHEDULE passes run there), i.e. what
+  each executes.
 
 Adding a baseline: subclass :class:`Baseline` (or instantiate one of the
 classes below) and call :func:`register_baseline`. Baselines are looked up
@@ -68,13 +73,17 @@ class Session:
     """One baseline applied to one model on one rank.
 
     ``run`` is what the training step calls; ``graphs()`` (called after the
-    measured steps) returns the graphs that were executed; ``pipeline_reports``
-    holds commfuse's per-graph ``PipelineReport`` dumps (empty for non-commfuse).
+    measured steps) returns the graphs that were executed, for the collective
+    columns; ``pipeline_reports`` holds commfuse's per-graph ``PipelineReport``
+    dumps (empty for non-commfuse), which stand in for ``graphs()`` there;
+    ``executed_graphs()`` returns the executed graphs for the simulated step time
+    (``None``: the same as ``graphs()``).
     """
 
     run: Callable[..., Any]
     graphs: Callable[[], list[CompiledGraph]]
     pipeline_reports: Callable[[], list[dict[str, Any]]] = lambda: []
+    executed_graphs: Callable[[], list[CompiledGraph]] | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,28 @@ def _record_inductor_post_grad(sink: list[CompiledGraph]) -> Iterator[None]:
         cfx._recursive_post_grad_passes = original
 
 
+@contextlib.contextmanager
+def _record_eager_lowering(sink: list[CompiledGraph]) -> Iterator[None]:
+    """Record every graph commfuse's eager inner compiler lowers (``commfuse.backend``
+    calls ``lower_eager(gm)`` on the pipeline's final forward/backward/inference
+    graph; the graph then runs as it is)."""
+    import importlib
+
+    # `commfuse.backend` the attribute is the backend() factory; the module is this one.
+    cb = importlib.import_module("commfuse.backend")
+    original = cb.lower_eager
+
+    def recording(gm: fx.GraphModule):
+        sink.append(CompiledGraph(_kind_of(gm), gm))
+        return original(gm)
+
+    cb.lower_eager = recording
+    try:
+        yield
+    finally:
+        cb.lower_eager = original
+
+
 @dataclass(frozen=True)
 class EagerBaseline(Baseline):
     """No compilation; graphs captured afterwards with a recording AOT backend."""
@@ -204,9 +235,15 @@ class CommfuseBaseline(Baseline):
         def reports() -> list[dict[str, Any]]:
             return [r.model_dump(mode="json") for r in be.reports]
 
-        ctx = _fresh_inductor_cache() if self.uses_inductor else contextlib.nullcontext()
-        with ctx:
-            yield Session(run=torch.compile(built.model, backend=be), graphs=graphs, pipeline_reports=reports)
+        executed: list[CompiledGraph] = []
+        with contextlib.ExitStack() as stack:
+            if self.uses_inductor:
+                stack.enter_context(_fresh_inductor_cache())
+                stack.enter_context(_record_inductor_post_grad(executed))
+            else:
+                stack.enter_context(_record_eager_lowering(executed))
+            yield Session(run=torch.compile(built.model, backend=be), graphs=graphs, pipeline_reports=reports,
+                          executed_graphs=lambda: list(executed))
 
 
 # ----------------------------------------------------------------- registry

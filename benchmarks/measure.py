@@ -13,7 +13,9 @@ the workload on this rank, applies the baseline and then, in this order:
    ``torch.cuda.max_memory_allocated`` after a reset; gradients created by
    the step count, memory held before the step does not);
 4. the collectives of the graphs the baseline executed, from
-   ``commfuse.analyze`` (or the commfuse pipeline's own reports).
+   ``commfuse.analyze`` (or the commfuse pipeline's own reports);
+5. on rank 0 only (SPMD: every rank has the same graphs), the simulated step
+   time of those graphs on two DGX-H100 nodes (``benchmarks.simulated``).
 
 A step is forward + backward with gradients dropped afterwards (no
 optimizer): the optimizer is not compiled by any baseline and would only
@@ -82,6 +84,10 @@ class RankMeasurement:
     graphs: list[GraphCollectives] = field(default_factory=list)
     pipeline_reports: list[dict[str, Any]] = field(default_factory=list)
     torch_threads: int = 1
+    # benchmarks.simulated: the executed graphs simulated on DGX-H100 x2 (rank 0 only;
+    # None elsewhere or when not available, with the reason in sim_note)
+    sim_step_us: float | None = None
+    sim_note: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -199,7 +205,13 @@ def measure(workload: str, baseline: str, warmup: int, steps: int) -> RankMeasur
         times = [_timed(step) for _ in range(steps)]
         peak = _peak_alloc_bytes(step)
         reports = session.pipeline_reports()
-        graphs = _analyse(session.graphs())
+        executed = session.graphs()
+        graphs = _analyse(executed)
+        sim_us, sim_note = None, "computed on rank 0"
+        if rank == 0:
+            if session.executed_graphs is not None:
+                executed = session.executed_graphs()
+            sim_us, sim_note = _simulated(executed)
     # commfuse baselines: the pipeline already analysed the graphs it handed
     # to the inner compiler.
     for r in reports:
@@ -215,7 +227,17 @@ def measure(workload: str, baseline: str, warmup: int, steps: int) -> RankMeasur
              "input_problems": r.get("input_problems", [])} for r in reports]
     return RankMeasurement(rank=rank, world_size=world, first_step_s=first, step_s=times,
                            peak_alloc_bytes=peak, graphs=graphs, pipeline_reports=slim,
-                           torch_threads=torch.get_num_threads())
+                           torch_threads=torch.get_num_threads(), sim_step_us=sim_us, sim_note=sim_note)
+
+
+def _simulated(graphs: list[CompiledGraph]) -> tuple[float | None, str]:
+    """The DGX-H100 x2 simulated step of ``graphs``; a failure is reported, never fatal."""
+    from benchmarks.simulated import simulate_dgx_step
+
+    try:
+        return simulate_dgx_step(graphs)
+    except Exception as exc:  # noqa: BLE001 - the measurement must not be lost to the simulation
+        return None, f"simulation failed: {type(exc).__name__}: {exc}"
 
 
 def warm_up(with_inductor: bool) -> None:

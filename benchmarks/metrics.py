@@ -9,8 +9,8 @@ JSON value, plus how to print it. Adding a metric::
 
 If it needs a new raw number, add a field to ``RankMeasurement`` and fill it
 in ``benchmarks.measure.measure``. A metric that cannot be computed yet
-returns ``None`` and prints why (see ``sim_step_dgx_h100x2``); it never
-prints a made-up number.
+returns ``None`` and prints ``n/a`` (``sim_step_dgx_h100x2`` keeps the reason
+in the raw JSON's ``sim_note``); it never prints a made-up number.
 """
 
 from __future__ import annotations
@@ -191,6 +191,9 @@ register_metric(Metric(
     compute=lambda r: max(m.first_step_s for m in r.ranks) - _quartiles(step_times(r))[1], fmt=_fmt_s))
 register_metric(Metric(
     "sim_step_dgx_h100x2", "simulated step time (DGX-H100 x2)", "ms",
-    "step time simulated by the cost model on two DGX-H100 nodes; not available until the cost model "
-    "and simulator exist (issue #6)",
-    compute=lambda r: None, fmt=lambda v: "n/a (cost model: issue #6)" if v is None else f"{v:.2f}"))
+    "the executed forward+backward graphs, as captured on this CPU run (its shapes, its process groups), "
+    "simulated on Topology.preset('dgx-h100', num_nodes=2) with the analytic NCCL cost model "
+    "(commfuse.costmodel.step.predict_step; see benchmarks/simulated.py); n/a when the graphs are not "
+    "available or hold c10d ops the IR does not recognise",
+    compute=lambda r: None if r.ranks[0].sim_step_us is None else r.ranks[0].sim_step_us / 1e3,
+    fmt=lambda v: "n/a" if v is None else f"{v:.3f}"))

@@ -413,3 +413,112 @@ def test_analytic_model_answers_every_collective(preset, backend):
         if n in {c.start for c in ir.collectives} or n.op != "call_function":
             assert t == 0
     assert model.slowdown(next(n for n in gm.graph.nodes if n.op == "placeholder"), object()) == 1.0
+
+
+# --------------------------------------------------------------------------- step runtime terms, calibration fits
+
+
+def test_profile_runtime_terms_round_trip_and_old_profiles_load(tmp_path):
+    from pathlib import Path
+
+    from commfuse.costmodel import RuntimeParams
+
+    rt = RuntimeParams(collective_in_graph_us=120.0, step_fixed_us=400.0, param_us=4.0, dtensor_param_us=30.0)
+    p = _profile().model_copy(update={"runtime": rt})
+    p.save(tmp_path / "p.json")
+    q = CostProfile.load(tmp_path / "p.json")
+    assert q.runtime == rt and q.build_model().runtime == rt and q.fingerprint() != _profile().fingerprint()
+    # a profile written before the runtime terms existed still loads: every term 0 (not modelled)
+    old = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu-gloo-profile-2026-11-21.json"
+    assert "runtime" not in json.loads(old.read_text())
+    assert not CostProfile.load(old).runtime.modelled
+    with pytest.raises(ConfigError, match="step_fixed_us"):
+        d = json.loads(p.model_dump_json())
+        d["runtime"]["step_fixed_us"] = -1
+        (tmp_path / "bad.json").write_text(json.dumps(d))
+        CostProfile.load(tmp_path / "bad.json")
+
+
+def test_in_graph_collective_latency_prices_graph_collectives_only():
+    from commfuse.costmodel import RuntimeParams
+
+    with fake_process_group(2):
+        gm = trace_all_kinds()
+        ir = CollectiveIR(gm)
+    base = _profile().build_model()
+    extra = _profile().model_copy(update={"runtime": RuntimeParams(collective_in_graph_us=50.0)}).build_model()
+    for c in ir.collectives:
+        b, e = base.collective(c), extra.collective(c)
+        assert e.time_us == pytest.approx(b.time_us + 50.0) and e.wire_bytes == b.wire_bytes, c.name
+    # the raw collective model (what a back-to-back sweep measures) is unchanged
+    assert extra.collectives.time(K.ALL_REDUCE, 1000, 2).time_us == 82.0
+
+
+def test_attention_backward_is_its_own_family_and_falls_back_to_attention():
+    q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
+    bwd = make_fx(torch.func.grad(lambda q, k, v: F.scaled_dot_product_attention(q, k, v).sum(),
+                                  argnums=(0, 1, 2)))(q, k, v)
+    (b_node,) = [n for n in bwd.graph.nodes if "attention" in str(n.target) and "backward" in str(n.target)]
+    c = op_cost(b_node)
+    assert c.family == "attention_bw"
+    t = Topology.preset("cpu-gloo")
+    only_fw = ComputeParams(fits={"attention": FamilyFit(a_us=10.0, b_us_per_unit=1e-6)})
+    assert ComputeModel(t, only_fw).time_us(b_node) == pytest.approx(10.0 + 1e-6 * c.flops)
+    both = ComputeParams(fits={"attention": FamilyFit(a_us=10.0, b_us_per_unit=1e-6),
+                               "attention_bw": FamilyFit(a_us=30.0, b_us_per_unit=2e-6)})
+    assert ComputeModel(t, both).time_us(b_node) == pytest.approx(30.0 + 2e-6 * c.flops)
+    assert ComputeModel(t, ComputeParams(multiplier={"attention": 2.0})).time_us(b_node) == pytest.approx(
+        2 * ComputeModel(t).time_us(b_node))
+
+
+def test_step_runtime_fit_recovers_the_terms():
+    from commfuse.costmodel.calibrate import _nnls3, fit_step_runtime
+
+    fixed, per, per_dt = 350.0, 4.0, 28.0
+    rows = [(1.0, float(n), 0.0, fixed + per * n) for n in (2, 8, 24)] + \
+           [(1.0, 0.0, float(n), fixed + per_dt * n) for n in (2, 8, 24)]
+    assert _nnls3(rows) == pytest.approx((fixed, per, per_dt))
+    # negative least-squares solutions are clamped to the best non-negative one
+    assert _nnls3([(1.0, 1.0, 0.0, 10.0), (1.0, 2.0, 0.0, 5.0), (1.0, 0.0, 1.0, 7.0)])[1] == 0.0
+
+    def rank(noise):  # measure_step_runtime_job's rows: [dtensor, n, step us, graph us]
+        return [[dt, n, [fixed + (per_dt if dt else per) * n + 100.0 + noise] * 3, [100.0] * 3]
+                for dt in (False, True) for n in (2, 8, 24)]
+
+    assert fit_step_runtime([rank(0.0), rank(-5.0)]) == pytest.approx((fixed, per, per_dt))  # slowest rank
+
+
+def test_in_graph_latency_fit_is_the_median_excess_over_the_sweep_fit():
+    from commfuse.costmodel.calibrate import fit_in_graph_latency, merge_in_graph
+
+    params = CollectiveParams(fits=[AlphaBeta(kind=k, group_size=2, alpha_us=100.0, beta_us_per_byte=0.0)
+                                    for k in (K.ALL_REDUCE, K.ALL_GATHER)])
+    count = 4
+    # per collective 100 (fit) + excess; graph = compute 50 + count x (100 + excess)
+    rows = [[k, 4096, gap, [50.0 + count * (100.0 + ex)] * 3, [50.0] * 3]
+            for k, gap, ex in (("all_reduce", 3, 20.0), ("all_reduce", 10, 40.0), ("all_gather", 3, 60.0))]
+    samples = merge_in_graph([rows, rows], count=count)
+    assert [s.per_collective_us() for s in samples] == pytest.approx([120.0, 140.0, 160.0])
+    assert fit_in_graph_latency(samples, params, 2) == pytest.approx(40.0)
+    faster = [[k, s, g, [50.0 + count * 90.0] * 3, [50.0] * 3] for k, s, g, *_ in rows]
+    assert fit_in_graph_latency(merge_in_graph([faster], count=count), params, 2) == 0.0
+
+
+def test_calibration_graphs_are_synthetic_and_priced():
+    from collections import Counter
+
+    from commfuse.costmodel.calibrate import _synthetic_graph, _view_graph, fit_graph_overhead, fit_view_us
+
+    gm, args = _synthetic_graph()
+    fams = Counter(op_cost(n).family for n in gm.graph.nodes if n.op == "call_function")
+    assert {"matmul", "attention", "attention_bw", "norm", "pointwise", "view"} <= set(fams)
+    assert len(gm(*args)) == 12  # a gradient per weight: forward and backward in one graph
+    vm, _ = _view_graph()
+    views = sum(1 for n in vm.graph.nodes if n.op == "call_function" and op_cost(n).family == "view")
+    assert views > 100 and all(op_cost(n).family in ("view", "free")
+                               for n in vm.graph.nodes if n.op == "call_function")
+    assert fit_view_us([2.0 * views] * 3) == pytest.approx(2.0)
+    params = ComputeParams(view_us=1.0)
+    ops = sum(v for f, v in fams.items() if f not in ("free", "view"))
+    base = sum(ComputeModel(Topology.preset("cpu-gloo"), params).time_us(n) for n in gm.graph.nodes)
+    assert fit_graph_overhead([base + 3.0 * ops], params) == pytest.approx(3.0)

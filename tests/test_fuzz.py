@@ -256,3 +256,66 @@ def test_saved_regression_case(path):
             pytest.xfail(f"open bug: {reg.title}: {fails[0].headline()}")
         pytest.fail(f"{path.name} is marked open but passes now: set \"status\": \"fixed\" in the file")
     assert not fails, "\n".join(f.message for f in fails)
+
+
+# -- the moe_layer family ------------------------------------------------------------------
+def test_moe_layer_family_places_the_layer_as_models_do():
+    """commfuse::moe_layer after token gathers on its EP group, top_k 1/2, dropless / capacity
+    that cannot bind / capacity that can, token_groups 1/N, forward-only and joint, the router
+    the same on every rank (a replicated input or gathered on the EP group), the statistics
+    reaching the outputs."""
+    from commfuse.fuzz.program import make_inputs
+    from commfuse.moe.routing import capacity_can_bind
+
+    seen = set()
+    for i in range(150):
+        p = program_for(11, i, family="moe_layer")
+        made = {o: op for op in p.ops for o in op["out"]}
+        inputs = {i["name"]: i for i in p.inputs}
+        for op in p.ops:
+            if op["op"] != "moe_layer":
+                continue
+            x, rw = made.get(op["in"][0]), op["in"][1]
+            n = len(p.groups[op["group"]][0]) if op.get("ep", True) else 1
+            e = inputs[op["in"][2]]["shape"][0] * n
+            cf = op["capacity_factor"]
+            mode = "dropless" if cf <= 0 else "binding" if capacity_can_bind(cf, op["top_k"], e) else "cannot_bind"
+            gathered = x is not None and x["op"] == "all_gather" and x["group"] == op["group"]
+            router = "input" if rw in inputs else made[rw]["op"]
+            assert router != "input" or inputs[rw].get("replicated") or not op.get("ep", True)
+            groups = "N" if op["token_groups"] == len(p.groups[op["group"]][0]) > 1 else op["token_groups"]
+            seen |= {("top_k", op["top_k"]), ("mode", mode), ("token_groups", groups), ("gathered", gathered),
+                     ("router", router), ("joint", p.joint), ("ep", op.get("ep", True))}
+            stats = set(op["out"][1:])
+            aux = {o for q in p.ops if q["op"] == "moe_aux_loss" and set(q["in"]) == stats for o in q["out"]}
+            assert (stats | aux) & set(p.outputs), p.summary()
+        if p.ops and any(i.get("replicated") for i in p.inputs) and i < 20:
+            ins = [make_inputs(p, r) for r in range(p.world_size)]
+            for k, spec in enumerate(p.inputs):
+                if spec.get("replicated"):
+                    assert all(torch.equal(ins[r][k], ins[0][k]) for r in range(p.world_size))
+    expected = {("top_k", 1), ("top_k", 2), ("mode", "dropless"), ("mode", "binding"), ("mode", "cannot_bind"),
+                ("token_groups", 1), ("token_groups", "N"), ("gathered", True), ("router", "input"),
+                ("router", "all_gather"), ("joint", True), ("joint", False), ("ep", False)}
+    assert expected <= seen, sorted(expected - seen)
+
+
+@pytest.mark.parametrize("index", [33, 47])
+def test_collective_motion_moves_moe_layer_in_fuzz_programs(index):
+    """Programs of the moe_layer family on which motion runs the layer on token shards (capacity
+    that can bind, token_groups = N) pass the check: the campaign tests the MoE rules."""
+    from commfuse.fuzz.check import prepare
+    from commfuse.ir.shapes import shape_of
+    from commfuse.moe import MOE_LAYER
+
+    p = program_for(0, index, family="moe_layer")
+    pipe = single_pass_pipeline("collective_motion")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prep = prepare(p, [pipe, single_pass_pipeline("sink_waits")])  # motion on a copy
+        tokens = [[shape_of(n.args[0])[0] for n in gm.graph.nodes if n.target is MOE_LAYER]
+                  for gm in (prep.traced.graphs[0], prep.optimised["collective_motion"][0])]
+        assert tokens[1] != tokens[0], f"motion no longer moves the layer in {p.summary()} (generator changed? " \
+                                       f"pick another index)"
+        res = check_program(p, [pipe])
+    assert res.ok and res.pipelines_changed == ["collective_motion"], [f.headline() for f in res.failures]

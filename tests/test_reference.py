@@ -275,3 +275,21 @@ def test_input_modified_while_in_flight_is_a_race():
     gm = _trace(ok, torch.randn(2), world=2)
     ins = _rank_inputs(2, (2,))
     assert torch.equal(run_reference(gm, ins)[1], torch.cat([ins[0][0], ins[1][0]]))
+
+
+def test_collective_results_are_contiguous_like_the_real_ops():
+    """The real functional collectives allocate contiguous outputs (on gloo too: broadcast and
+    all_reduce clone their input contiguously), so a traced graph may `view` a gathered permuted
+    tensor; the reference's results allow the same (torch.cat of permuted inputs keeps their
+    strides, a plain clone too)."""
+    def f(x):
+        g = W(c10d.all_gather_into_tensor.default(x.permute(0, 2, 1), 2, "0"))
+        a = W(c10d.all_to_all_single.default(x.permute(1, 0, 2), [2, 2], [2, 2], "0"))
+        b = W(c10d.broadcast.default(x.transpose(1, 2), 0, "0"))
+        return g.view(-1), a.view(-1), b
+
+    gm = _trace(f, torch.randn(1, 4, 3), world=2)
+    ins = _rank_inputs(2, (1, 4, 3))
+    outs = run_reference(gm, ins)
+    assert torch.equal(outs[1][0], torch.cat([i[0].permute(0, 2, 1) for i in ins]).reshape(-1))
+    assert outs[1][2].is_contiguous() and torch.equal(outs[1][2], ins[0][0].transpose(1, 2))

@@ -359,3 +359,29 @@ def test_joint_graph_and_comparison_table(llama_graphs):
         assert 0 <= r.overlap_ratio <= 1 and r.hidden_comm_us + r.exposed_comm_us >= r.comm_us - 1e-9
     with pytest.raises(TypeError, match="estimator"):
         compare_schedules(fw, bw)
+
+
+# --------------------------------------------------------------------------- full training step
+
+
+def test_predict_step_adds_runtime_terms_to_the_graphs():
+    from commfuse.costmodel import RuntimeParams, predict_step
+    from commfuse.costmodel.step import gradient_outputs
+
+    def f(x, w1, w2):
+        return torch.relu(x @ w1) @ w2
+
+    args = (torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 8))
+    fw = make_fx(f)(*args)
+    bw = make_fx(torch.func.grad(lambda x, w1, w2: f(x, w1, w2).sum(), argnums=(1, 2)))(*args)
+    assert gradient_outputs(bw) == 2
+    est = TableEstimator(compute={"mm": 10, "relu": 5, "t": 1})
+    rt = RuntimeParams(step_fixed_us=100.0, param_us=3.0, dtensor_param_us=20.0)
+    graphs = {"forward": fw, "backward": bw}
+    p = predict_step(graphs, est, rt, params=1, dtensor_params=2)
+    g = simulate(fw, est).makespan_us + simulate(bw, est).makespan_us
+    assert p.graphs_us == g and p.runtime_us == 100.0 + 3.0 + 40.0 and p.total_us == g + 143.0
+    assert set(p.graphs) == {"forward", "backward"} and p.summary()["graphs"]["forward"]["makespan_us"] > 0
+    # parameter count from the backward graph's gradients when the caller does not know it
+    assert predict_step(graphs, est, rt).params == 2 and predict_step(graphs, est, rt).runtime_us == 106.0
+    assert predict_step([fw, bw], est).total_us == g  # no runtime terms: the graphs only

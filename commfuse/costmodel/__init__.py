@@ -11,6 +11,7 @@ from .compute import ComputeEstimate, ComputeModel, ComputeParams, FamilyFit, Op
 from .contention import CommResources, ContentionModel, GpuContentionParams
 from .estimator import CollectiveEstimate, CostEstimator
 from .profile import CostProfile, Provenance
+from .step import RuntimeParams, StepPrediction, predict_step
 from .simulator import ScheduleComparison, SimResult, Simulator, StreamAssignment, compare_schedules, simulate
 from .topology import PRESETS, Topology
 
@@ -19,5 +20,6 @@ __all__ = [
     "CommResources", "ComputeEstimate", "ComputeModel", "ComputeParams", "ContentionModel", "CostEstimator",
     "CostProfile", "FamilyFit", "GpuContentionParams", "OpCost", "Provenance", "Topology", "bus_factor",
     "busbw_GBps", "message_bytes", "op_cost",
+    "RuntimeParams", "StepPrediction", "predict_step",
     "ScheduleComparison", "SimResult", "Simulator", "StreamAssignment", "compare_schedules", "simulate",
 ]

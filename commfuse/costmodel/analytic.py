@@ -6,8 +6,14 @@ What it models
     (ring/tree/hierarchical/pairwise/p2p by NCCL bus-bandwidth conventions, or
     gloo's algorithms), and compute slowed by a concurrent collective through
     `contention.ContentionModel` (Lagom Eqs. 4-6 on GPUs, (1+κ) on CPU/gloo).
-    Calibration enters only through `CollectiveParams`, `ComputeParams` and κ,
-    normally loaded from a `profile.CostProfile` file that every rank reads.
+    Calibration enters only through `CollectiveParams`, `ComputeParams`, κ and
+    `step.RuntimeParams`, normally loaded from a `profile.CostProfile` file that
+    every rank reads.
+
+    ``collective(c)`` prices a collective *inside a graph*: the collective model's
+    time (fits or analytic) plus ``runtime.collective_in_graph_us`` (0 unless
+    calibrated: on CPU/gloo, a collective issued between compute ops costs more
+    than in a back-to-back sweep). ``collectives.time(...)`` stays the raw model.
 
 Sources / assumptions
     See the three modules. All answers are deterministic functions of the graph,
@@ -25,6 +31,7 @@ from .collectives import CollectiveModel, CollectiveParams
 from .compute import ComputeEstimate, ComputeModel, ComputeParams
 from .contention import ContentionModel
 from .estimator import CollectiveEstimate
+from .step import RuntimeParams
 from .topology import Topology
 
 
@@ -34,8 +41,10 @@ class AnalyticCostModel:
     def __init__(self, topology: Topology, backend: str = "nccl",
                  collective_params: Optional[CollectiveParams] = None,
                  compute_params: Optional[ComputeParams] = None, *,
-                 contention_kappa: Optional[float] = None, symbol_hint: int = 4096) -> None:
+                 contention_kappa: Optional[float] = None, runtime: Optional[RuntimeParams] = None,
+                 symbol_hint: int = 4096) -> None:
         self.topology = topology
+        self.runtime = runtime or RuntimeParams()
         self.backend = backend
         self.collectives = CollectiveModel(topology, backend, collective_params, symbol_hint=symbol_hint)
         self.compute = ComputeModel(topology, compute_params, symbol_hint=symbol_hint)
@@ -56,7 +65,11 @@ class AnalyticCostModel:
         return self.compute.estimate(node).time_us
 
     def collective(self, c: Collective) -> CollectiveEstimate:
-        return self.collectives.estimate(c)
+        est = self.collectives.estimate(c)
+        extra = self.runtime.collective_in_graph_us
+        if extra and est.time_us > 0:
+            return CollectiveEstimate(est.time_us + extra, est.wire_bytes, est.algorithm)
+        return est
 
     # ---- extras
 

@@ -2,23 +2,35 @@
 
 What it measures (2 gloo ranks on CPU, one intra-op thread each, or NCCL when the
 process group is NCCL; ranks run the same sweep at the same time, so what is measured
-includes the contention the two ranks cause each other, as in a training step):
+includes the contention the two ranks cause each other, as in a training step).
+Every target is synthetic: nothing here runs the example models the validation
+(``benchmarks/costmodel_validation.py``) predicts.
 
 * every collective kind the gloo model distinguishes (all_reduce, all_gather,
   reduce_scatter, all_to_all, broadcast) over a size sweep (nccl-tests size
-  conventions, see :mod:`.collectives`); per size the median over ``reps`` timed
-  calls, each started after a barrier and timed to its end on the slowest rank;
+  conventions, see :mod:`.collectives`), back to back as a functional op + wait;
 * compute, per op family, on representative ATen ops called through the dispatcher
   exactly as an eager FX graph calls them: ``mm`` sweeps (matmul), ``bmm``
   (matmul too), add/mul/silu (pointwise), sum (reduction), softmax, layer norm,
-  embedding, CPU flash attention, and a view (dispatch cost of metadata ops);
-* the contention factor κ: a matmul timed alone and while a gloo all_reduce runs.
+  embedding, CPU flash attention forward (attention) and backward (attention_bw);
+* views as a graph runs them (a graph of view/metadata ops only) and the per-op
+  overhead of running ops from a graph (a synthetic transformer's forward+backward
+  graph, its time minus the per-op fits);
+* the contention factor κ: a matmul timed alone and while a gloo all_reduce runs;
+* collectives *inside* a graph: synthetic graphs alternating a few compute ops with
+  a collective and its wait (as DTensor's graphs do), against their compute-only
+  twins; the excess over the back-to-back fit is ``collective_in_graph_us``;
+* the runtime of a training step outside its graphs: a synthetic compiled module
+  (N parameter vectors multiplied into the input, plain or DTensor, N = 2, 8, 24),
+  step time minus the time inside its two graphs.
 
 What it fits: per collective kind ``time = alpha + beta x size`` by least squares
 on relative error (so small and large messages count alike); per compute family
-``time = a + b x flops`` (matmul, attention) or ``a + b x bytes`` (the memory-bound
-families), with the unit and FLOP/byte counts of :func:`.compute.op_cost` so the fit
-and the model agree on what a unit is.
+``time = a + b x flops`` (matmul, attention, attention_bw) or ``a + b x bytes``
+(the memory-bound families), with the unit and FLOP/byte counts of
+:func:`.compute.op_cost` so the fit and the model agree on what a unit is; the
+step runtime ``fixed + param_us x plain + dtensor_param_us x DTensor`` by
+non-negative least squares.
 
 The profile it writes (:class:`.profile.CostProfile`) is the one file every rank then
 loads: same file, same decisions.
@@ -28,7 +40,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -166,8 +178,20 @@ def _compute_cases() -> list[tuple[str, Callable[[], Callable[[], object]]]]:
         cases.append(("attention", lambda b=b, h=h, s=s, d=d: (
             lambda q=torch.randn(b, h, s, d), k=torch.randn(b, h, s, d), v=torch.randn(b, h, s, d):
             aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, True))))
+        cases.append(("attention_bw", lambda b=b, h=h, s=s, d=d: _sdpa_backward_call(b, h, s, d)))
     cases.append(("view", lambda: (lambda x=torch.randn(64, 64): aten.view.default(x, [4096]))))
     return cases
+
+
+def _sdpa_backward_call(b: int, h: int, s: int, d: int) -> Callable[[], object]:
+    aten = torch.ops.aten
+    q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, True)
+    g = torch.randn_like(out)
+    return lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward.default(g, q, k, v, out, lse, 0.0, True)
+
+
+_FLOP_FAMILIES = ("matmul", "attention", "attention_bw")
 
 
 def _units(family: str, call: Callable[[], object]) -> float:
@@ -178,7 +202,7 @@ def _units(family: str, call: Callable[[], object]) -> float:
 
     gm = make_fx(lambda: call())()
     costs = [op_cost(n) for n in gm.graph.nodes if n.op == "call_function"]
-    if family in ("matmul", "attention"):
+    if family in _FLOP_FAMILIES:
         return float(sum(c.flops for c in costs))
     return float(sum(c.bytes for c in costs))
 
@@ -202,44 +226,99 @@ def measure_compute_job(warmup: int, reps: int) -> list[list]:
 
 
 def _synthetic_graph():
-    """A small transformer-like chain traced to ATen: what an eager FX graph executes."""
+    """A synthetic two-block pre-norm transformer, forward *and* backward (the joint graph
+    ``torch.func.grad`` traces to ATen): the op mix an eager training graph executes,
+    backward ops, transposes and views included. Deliberately not one of the example
+    models (LayerNorm, GELU, fused QKV, shapes 3 x 24 x 48, 3 heads)."""
+    import torch.nn.functional as F
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    def body(x, w1, w2, g):
-        for _ in range(6):
-            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g
-            a = torch.nn.functional.silu(h.view(-1, 64) @ w1) * (h.view(-1, 64) @ w1)
-            x = x + (a @ w2).view(x.shape)
-        return x.sum()
+    B, S, D, H = 3, 24, 48, 3
 
-    args = (torch.randn(2, 32, 64), torch.randn(64, 128), torch.randn(128, 64), torch.ones(64))
+    def loss(ws, x):
+        for i in range(2):
+            w_qkv, w_o, w1, w2, g1, g2 = ws[6 * i:6 * i + 6]
+            h = F.layer_norm(x, [D], g1)
+            q, k, v = (h @ w_qkv).split(D, dim=-1)
+            q, k, v = (t.view(B, S, H, D // H).transpose(1, 2) for t in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, D)
+            x = x + a @ w_o
+            x = x + F.gelu(F.layer_norm(x, [D], g2) @ w1) @ w2
+        return x.pow(2).mean()
+
+    ws = []
+    for _ in range(2):
+        ws += [torch.randn(D, 3 * D) * 0.1, torch.randn(D, D) * 0.1, torch.randn(D, 2 * D) * 0.1,
+               torch.randn(2 * D, D) * 0.1, torch.ones(D), torch.ones(D)]
+    args = (ws, torch.randn(B, S, D))
+    return make_fx(torch.func.grad(loss))(*args), args
+
+
+def _view_graph():
+    """A graph of view/metadata ops only (the kinds AOT graphs are full of), as a graph runs them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def body(x, w):
+        outs = []
+        for _ in range(20):
+            a = x.view(4, 8, 16)
+            b = a.transpose(0, 1)
+            c = w.t()
+            d = c.unsqueeze(0)
+            e = d.expand(3, -1, -1)
+            f = a[:, 2:6]
+            g = a.permute(2, 0, 1)
+            h, i = x.split(16, dim=0)
+            outs += [b, e, f, g, h, i]
+        return outs
+
+    args = (torch.randn(32, 16), torch.randn(16, 24))
     return make_fx(body)(*args), args
 
 
-def measure_graph_job(reps: int) -> list:
-    """Rank job: ``[median us of one gm.forward, us predicted by the per-op fits of this rank]``
-    is computed by the caller; here: ``[graph time samples, node list description]``."""
-    torch.set_num_threads(1)
-    gm, args = _synthetic_graph()
-    for _ in range(5):
+def _time_graph(gm, args, reps: int, inner: int = 5) -> list[float]:
+    for _ in range(3):
         gm(*args)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        for _ in range(10):
+        for _ in range(inner):
             gm(*args)
-        times.append((time.perf_counter() - t0) * 1e5)  # us per call
+        times.append((time.perf_counter() - t0) * 1e6 / inner)  # us per call
     return times
 
 
+def measure_graph_job(reps: int) -> dict:
+    """Rank job: ``{"joint": us per run of the synthetic fw+bw graph, "views": us per run of
+    the view graph}`` (samples), every rank running at once, one thread each."""
+    torch.set_num_threads(1)
+    out = {}
+    for name, (gm, args) in (("joint", _synthetic_graph()), ("views", _view_graph())):
+        out[name] = _time_graph(gm, args, reps)
+    return out
+
+
+def fit_view_us(view_graph_times_us: Sequence[float]) -> float:
+    """Time of one view/metadata op as a graph runs it (Python call from the graph's code,
+    dispatch, a new TensorImpl): the view graph's time spread over its view ops
+    (``getitem`` of a split is a Python index: counted as free)."""
+    from .compute import op_cost
+
+    gm, _ = _view_graph()
+    views = sum(1 for n in gm.graph.nodes if n.op == "call_function" and op_cost(n).family == "view")
+    return statistics.median(view_graph_times_us) / max(views, 1)
+
+
 def fit_graph_overhead(graph_times_us: Sequence[float], compute: ComputeParams) -> float:
-    """Per-op overhead of running ops from an FX graph (frame, allocation, freeing) beyond
-    what the op micro-benchmarks measured: spread over the graph's non-view ops."""
+    """Per-op overhead of running ops from an FX graph (frame, allocation, freeing, cold
+    caches) beyond what the op micro-benchmarks measured, from the synthetic fw+bw graph:
+    its measured time minus the per-op fits (views at ``compute.view_us``), spread over
+    its non-view ops."""
     from .compute import ComputeModel, op_cost
     from .topology import Topology
 
     gm, _ = _synthetic_graph()
-    model = ComputeModel(Topology.preset("cpu-gloo"), compute)
+    model = ComputeModel(Topology.preset("cpu-gloo"), compute.model_copy(update={"overhead_us": 0.0}))
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     predicted = sum(model.time_us(n) for n in nodes)
     ops = sum(1 for n in nodes if op_cost(n).family not in ("free", "view"))
@@ -269,6 +348,259 @@ def measure_contention_job(reps: int) -> float:
         busy.append(mm_time())
         work.wait()
     return max(0.0, statistics.median(busy) / statistics.median(alone) - 1.0)
+
+
+# ------------------------------------------------------------------ collectives inside a graph
+IN_GRAPH_KINDS = (K.ALL_REDUCE, K.ALL_GATHER, K.REDUCE_SCATTER, K.ALL_TO_ALL)
+IN_GRAPH_SIZES = (4096, 65536)
+IN_GRAPH_GAPS = (3, 10)  # matmul+tanh ops of (32x64)@(64x64) between two collectives: ~30 / ~120 us
+IN_GRAPH_COLLECTIVES = 12
+
+
+def _interleaved_graph(kind: CollectiveKind, size: int, gap: int, count: int, world: int, with_comm: bool):
+    """A synthetic graph that alternates ``gap`` compute ops with one collective + its wait
+    (the wait right after the start, as DTensor's graphs have them), ``count`` times; or the
+    same compute without the collectives."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    f = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
+    numel = max(world, (size // 4) // world * world)
+
+    def coll(buf):
+        if kind is K.ALL_REDUCE:
+            return f.wait_tensor(f.all_reduce(buf, "sum", group))
+        if kind is K.ALL_GATHER:  # size = total output
+            return f.wait_tensor(f.all_gather_into_tensor(buf[: numel // world], world, group))
+        if kind is K.REDUCE_SCATTER:  # size = total input
+            return f.wait_tensor(f.reduce_scatter_tensor(buf, "sum", world, group))
+        splits = [numel // world] * world
+        return f.wait_tensor(f.all_to_all_single(buf, splits, splits, group))
+
+    def body(x, w, buf):
+        outs = []
+        h = x
+        for _ in range(count):
+            for _ in range(gap):
+                h = torch.tanh(h @ w)
+            if with_comm:
+                outs.append(coll(buf))
+        return [h] + outs
+
+    args = (torch.randn(32, 64), torch.randn(64, 64) * 0.1, torch.ones(numel))
+    return make_fx(body)(*args), args
+
+
+def measure_in_graph_collectives_job(reps: int, kinds: Sequence[str] = tuple(k.value for k in IN_GRAPH_KINDS),
+                                     sizes: Sequence[int] = IN_GRAPH_SIZES, gaps: Sequence[int] = IN_GRAPH_GAPS,
+                                     count: int = IN_GRAPH_COLLECTIVES) -> list[list]:
+    """Rank job: ``[[kind, size, gap, [us with collectives per rep], [us compute only per rep]], ...]``.
+
+    Each repetition runs the graph once after a barrier, as a training step runs its
+    graphs; the compute-only twin is timed in the same way right after it."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    out = []
+    for kind in kinds:
+        for size in sizes:
+            for gap in gaps:
+                with_c, args = _interleaved_graph(K(kind), size, gap, count, world, True)
+                without, _ = _interleaved_graph(K(kind), size, gap, count, world, False)
+                for _ in range(3):
+                    with_c(*args)
+                    without(*args)
+                tw, tc = [], []
+                for _ in range(reps):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    with_c(*args)
+                    tw.append((time.perf_counter() - t0) * 1e6)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    without(*args)
+                    tc.append((time.perf_counter() - t0) * 1e6)
+                out.append([kind, size, gap, tw, tc])
+    return out
+
+
+@dataclass
+class InGraphSample:
+    kind: str
+    size: int
+    gap: int
+    with_us: list[float]  # per rep, slowest rank
+    compute_us: list[float]
+    count: int = IN_GRAPH_COLLECTIVES
+
+    def per_collective_us(self) -> float:
+        """Measured cost of one collective in the graph: (graph - its compute-only twin) / count."""
+        return (statistics.median(self.with_us) - statistics.median(self.compute_us)) / self.count
+
+
+def merge_in_graph(per_rank: list[list[list]], count: int = IN_GRAPH_COLLECTIVES) -> list[InGraphSample]:
+    out = []
+    for rows in zip(*per_rank):
+        kind, size, gap = rows[0][:3]
+        out.append(InGraphSample(kind, size, gap, [max(ts) for ts in zip(*(r[3] for r in rows))],
+                                 [max(ts) for ts in zip(*(r[4] for r in rows))], count))
+    return out
+
+
+def fit_in_graph_latency(samples: Sequence[InGraphSample], collectives: CollectiveParams, world: int) -> float:
+    """``collective_in_graph_us``: median over the configurations of (measured per-collective
+    cost in the graph - the back-to-back fit's price at that kind and size), at least 0."""
+    from .collectives import CollectiveModel
+    from .topology import Topology
+
+    model = CollectiveModel(Topology.preset("cpu-gloo"), "gloo", collectives)
+    extras = [s.per_collective_us() - model.time(K(s.kind), s.size, world).time_us for s in samples]
+    return max(0.0, statistics.median(extras)) if extras else 0.0
+
+
+# ------------------------------------------------------------------ runtime of a training step
+STEP_PARAM_COUNTS = (2, 8, 24)
+
+
+class _ParamChain(torch.nn.Module):
+    """``n`` trainable vectors multiplied into the input: no collectives, almost no compute,
+    so a step's time outside its graphs is the runtime's. With a mesh, the parameters are
+    replicated DTensors and the module takes and returns plain tensors (as a parallelised
+    model with ``use_local_output`` does)."""
+
+    def __init__(self, n: int, dim: int, mesh=None) -> None:
+        super().__init__()
+        self.mesh = mesh
+        params = []
+        for _ in range(n):
+            w = torch.randn(dim) * 0.1 + 1.0
+            if mesh is not None:
+                from torch.distributed.tensor import Replicate, distribute_tensor
+
+                w = distribute_tensor(w, mesh, [Replicate()])
+            params.append(torch.nn.Parameter(w))
+        self.ws = torch.nn.ParameterList(params)
+
+    def forward(self, x):
+        if self.mesh is not None:
+            from torch.distributed.tensor import DTensor, Replicate
+
+            x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        for w in self.ws:
+            x = x * w
+        return x.to_local() if self.mesh is not None else x
+
+
+def measure_step_runtime_job(reps: int, counts: Sequence[int] = STEP_PARAM_COUNTS) -> list[list]:
+    """Rank job: ``[[dtensor?, n_params, [step us per rep], [us inside the two graphs per rep]], ...]``.
+
+    Compiled as the validation compiles a model (AOTAutograd, boxed forward/backward
+    graphs run as they are, min-cut partition); a step is forward, ``out.sum()``,
+    backward, gradients set to None, after a barrier."""
+    import torch.distributed as dist
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from .. import _torch_private as priv
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    out = []
+    for dtensor in (False, True):
+        for n in counts:
+            torch._dynamo.reset()
+            mesh = None
+            if dtensor:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                mesh = init_device_mesh("cpu", (world,))
+            model = _ParamChain(n, 16, mesh)
+            x = torch.randn(4, 16)
+            inside = [0.0]
+
+            def compiler(gm, _inputs):
+                def run(*a):
+                    t0 = time.perf_counter()
+                    r = gm(*a)
+                    inside[0] += time.perf_counter() - t0
+                    return r
+                return priv.make_boxed_func(run)
+
+            compiled = torch.compile(model, backend=priv.aot_autograd(
+                fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition))
+
+            def step():
+                for p in model.parameters():
+                    p.grad = None
+                compiled(x).sum().backward()
+
+            for _ in range(5):
+                step()
+            ts, gs = [], []
+            for _ in range(reps):
+                dist.barrier()
+                inside[0] = 0.0
+                t0 = time.perf_counter()
+                step()
+                ts.append((time.perf_counter() - t0) * 1e6)
+                gs.append(inside[0] * 1e6)
+            out.append([dtensor, n, ts, gs])
+    torch._dynamo.reset()
+    return out
+
+
+def fit_step_runtime(per_rank: list[list[list]]) -> tuple[float, float, float]:
+    """``(step_fixed_us, param_us, dtensor_param_us)`` by least squares (each >= 0) on the
+    time outside the graphs: per configuration the median over reps of step - graphs on
+    each rank, the slowest rank's."""
+    rows = []
+    for cfg in zip(*per_rank):
+        dtensor, n = cfg[0][0], cfg[0][1]
+        outside = max(statistics.median(t - g for t, g in zip(r[2], r[3])) for r in cfg)
+        rows.append((1.0, 0.0 if dtensor else float(n), float(n) if dtensor else 0.0, outside))
+    return _nnls3(rows)
+
+
+def _nnls3(rows: Sequence[tuple[float, float, float, float]]) -> tuple[float, float, float]:
+    """Least squares ``y = a + b x1 + c x2`` over rows ``(1, x1, x2, y)``, every coefficient
+    >= 0 (the best over the active sets: three unknowns, so trying them all is cheap)."""
+    import itertools
+
+    best, best_err = (0.0, 0.0, 0.0), float("inf")
+    for active in itertools.product((True, False), repeat=3):
+        idx = [i for i in range(3) if active[i]]
+        coef = [0.0, 0.0, 0.0]
+        if idx:
+            A = [[r[i] for i in idx] for r in rows]
+            y = [r[3] for r in rows]
+            sol = _lstsq(A, y)
+            if sol is None or any(v < 0 for v in sol):
+                continue
+            for i, v in zip(idx, sol):
+                coef[i] = v
+        err = sum((r[3] - sum(c * r[i] for i, c in enumerate(coef))) ** 2 for r in rows)
+        if err < best_err:
+            best, best_err = (coef[0], coef[1], coef[2]), err
+    return best
+
+
+def _lstsq(A: Sequence[Sequence[float]], y: Sequence[float]) -> Optional[list[float]]:
+    """Normal equations, Gaussian elimination (tiny systems); None when singular."""
+    m = len(A[0])
+    M = [[sum(A[r][i] * A[r][j] for r in range(len(A))) for j in range(m)] + [sum(A[r][i] * y[r]
+                                                                                for r in range(len(A)))]
+         for i in range(m)]
+    for c in range(m):
+        piv = max(range(c, m), key=lambda r: abs(M[r][c]))
+        if abs(M[piv][c]) < 1e-12:
+            return None
+        M[c], M[piv] = M[piv], M[c]
+        for r in range(m):
+            if r != c:
+                f = M[r][c] / M[c][c]
+                M[r] = [a - f * b for a, b in zip(M[r], M[c])]
+    return [M[i][m] / M[i][i] for i in range(m)]
 
 
 # ------------------------------------------------------------------ fitting
@@ -309,7 +641,7 @@ def fit_compute(samples: Sequence[Sample]) -> ComputeParams:
             continue
         a, b = fit_alpha_beta([s.x for s in pts], [s.median for s in pts])
         fits[family] = FamilyFit(a_us=a, b_us_per_unit=b,
-                                 unit="flops" if family in ("matmul", "attention") else "bytes")
+                                 unit="flops" if family in _FLOP_FAMILIES else "bytes")
     # Families without a representative op of their own borrow the closest measured one.
     for family, like in (("memory", "pointwise"), ("unknown", "pointwise"), ("conv", "matmul")):
         if like in fits and family not in fits:
@@ -324,6 +656,8 @@ class CalibrationResult:
     collective_samples: list[Sample]
     compute_samples: list[Sample]
     kappa: float
+    in_graph_samples: list[InGraphSample] = field(default_factory=list)
+    step_runtime_rows: list = field(default_factory=list)  # per rank, measure_step_runtime_job's rows
 
 
 def calibrate(world_size: int = 2, *, sizes: Sequence[int] = DEFAULT_SIZES, warmup: int = 3, reps: int = 15,
@@ -332,26 +666,39 @@ def calibrate(world_size: int = 2, *, sizes: Sequence[int] = DEFAULT_SIZES, warm
     """Run the sweeps on a pool of ``world_size`` gloo ranks and fit a ``cpu-gloo`` profile."""
     from ..testing.rank_pool import get_pool
     from .profile import CostProfile, Provenance
+    from .step import RuntimeParams
 
     pool = get_pool(world_size)
     if log:
         log(f"calibrate: collectives {[k.value for k in kinds]} x {len(sizes)} sizes on {world_size} gloo ranks")
     coll = merge_ranks(pool.run(measure_collectives_job, [k.value for k in kinds], list(sizes), warmup, reps,
                                 timeout=timeout))
+    collective = fit_collectives(coll, world_size)
     if log:
         log("calibrate: compute ops (every rank at once, one thread each)")
     comp_rows = pool.run(measure_compute_job, warmup, reps, timeout=timeout)[0]
     comp = [Sample(f, u, t) for f, u, t in comp_rows]
     compute = fit_compute(comp)
+    if log:
+        log("calibrate: synthetic graphs (fw+bw transformer, views)")
     graph_times = pool.run(measure_graph_job, reps, timeout=timeout)[0]
-    compute = compute.model_copy(update={"overhead_us": fit_graph_overhead(graph_times, compute)})
+    compute = compute.model_copy(update={"view_us": fit_view_us(graph_times["views"])})
+    compute = compute.model_copy(update={"overhead_us": fit_graph_overhead(graph_times["joint"], compute)})
     kappa = statistics.median(pool.run(measure_contention_job, reps, timeout=timeout))
+    if log:
+        log("calibrate: collectives between compute ops of a graph")
+    in_graph = merge_in_graph(pool.run(measure_in_graph_collectives_job, reps, timeout=timeout))
+    if log:
+        log("calibrate: runtime of a synthetic compiled training step (plain and DTensor parameters)")
+    step_rows = pool.run(measure_step_runtime_job, reps, timeout=timeout)
+    fixed, per_param, per_dtensor = fit_step_runtime(step_rows)
+    runtime = RuntimeParams(collective_in_graph_us=fit_in_graph_latency(in_graph, collective, world_size),
+                            step_fixed_us=fixed, param_us=per_param, dtensor_param_us=per_dtensor)
     profile = CostProfile(topology="cpu-gloo", num_nodes=1, backend="gloo",
-                          collective=fit_collectives(coll, world_size), compute=compute,
-                          contention_kappa=kappa,
+                          collective=collective, compute=compute, contention_kappa=kappa, runtime=runtime,
                           provenance=Provenance.here(notes=f"{world_size} gloo ranks, 1 thread each, "
                                                            f"{reps} reps, sizes {min(sizes)}..{max(sizes)} B"))
-    return CalibrationResult(profile, coll, comp, kappa)
+    return CalibrationResult(profile, coll, comp, kappa, in_graph, step_rows)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -377,5 +724,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"  {fam:<16} a {f.a_us:8.2f} us  b {f.b_us_per_unit:.3e} us/{f.unit}")
     print(f"  view ops {res.profile.compute.view_us:.2f} us; per-op graph overhead "
           f"{res.profile.compute.overhead_us:.2f} us; contention kappa {res.kappa:.3f}")
+    rt = res.profile.runtime
+    print(f"  collective in a graph +{rt.collective_in_graph_us:.1f} us; step runtime {rt.step_fixed_us:.0f} us "
+          f"+ {rt.param_us:.1f} us/parameter + {rt.dtensor_param_us:.1f} us/DTensor parameter")
     print(f"wrote {a.out}")
     return 0

@@ -26,8 +26,11 @@ What it models
 Sources
     FLOP conventions: ``torch/utils/flop_counter.py`` (mm, bmm, conv, SDPA fwd/bwd);
     roofline: Williams et al., CACM 2009. Families follow commfuse.ir.dims'
-    vocabulary loosely: matmul, attention, conv, norm, softmax, pointwise,
-    reduction, embedding, memory, free, unknown.
+    vocabulary loosely: matmul, attention, attention_bw (SDPA backward kernels: a
+    different kernel with its own efficiency, calibrated apart), conv, norm,
+    softmax, pointwise, reduction, embedding, memory, free, unknown. A family
+    without a fit or multiplier of its own uses its parent's (attention_bw ->
+    attention), so profiles written before it existed still load and answer.
 
 Assumptions
     Peaks are dense tensor-core peaks for bf16/fp16 and the non-tensor peak for
@@ -50,8 +53,11 @@ from ..ir.kinds import collective_spec, is_wait
 from .collectives import concrete
 from .topology import Topology
 
-FAMILIES = ("matmul", "attention", "conv", "norm", "softmax", "pointwise", "reduction", "embedding",
+FAMILIES = ("matmul", "attention", "attention_bw", "conv", "norm", "softmax", "pointwise", "reduction", "embedding",
             "memory", "view", "free", "unknown")
+
+# a family without its own fit/multiplier falls back to its parent's
+_PARENT = {"attention_bw": "attention"}
 
 _FLOP_PER_US_PER_TFLOPS = 1e6
 _BYTES_PER_US_PER_GBPS = 1e3
@@ -250,7 +256,7 @@ def _sdpa_fwd(bshd=False):
 def _sdpa_bwd(bshd=False):
     def f(node, sz, ins, outs):
         b, h, lq, s, e, ev = _qkv(node, sz, 1, bshd)
-        return 2 * b * h * lq * s * (3 * e + 2 * ev), "attention"
+        return 2 * b * h * lq * s * (3 * e + 2 * ev), "attention_bw"
     return f
 
 
@@ -383,13 +389,16 @@ class ComputeModel:
         if c.family == "view":
             return ComputeEstimate(p.view_us, 0, 0, "view", "free", False, 0, c.dtype_family)
         fit = p.fits.get(c.family)
+        parent = _PARENT.get(c.family)
+        if fit is None and parent is not None:
+            fit = p.fits.get(parent)
         if fit is not None:
             t = fit.a_us + fit.b_us_per_unit * (c.flops if fit.unit == "flops" else c.bytes)
             bound = "fitted"
         else:
             tc = c.flops / (self.topology.peak_tflops(c.dtype_family) * _FLOP_PER_US_PER_TFLOPS)
             tm = c.bytes / (self.topology.memory_bandwidth_GBps * _BYTES_PER_US_PER_GBPS)
-            t = max(tc, tm) * p.multiplier.get(c.family, 1.0)
+            t = max(tc, tm) * p.multiplier.get(c.family, p.multiplier.get(parent, 1.0) if parent else 1.0)
             bound = "compute" if tc >= tm else "memory"
         return ComputeEstimate(t + p.overhead_us, c.flops, c.bytes, c.family, bound, not c.known,
                                c.out_numel, c.dtype_family)

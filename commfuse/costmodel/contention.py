@@ -52,7 +52,7 @@ from .topology import Topology
 
 _GBPS = 1e3  # bytes/us per GB/s
 _TFLOPS = 1e6  # flop/us per TFLOP/s
-_TILE_FAMILIES = ("matmul", "attention", "conv")
+_TILE_FAMILIES = ("matmul", "attention", "attention_bw", "conv")
 
 
 @dataclass(frozen=True)

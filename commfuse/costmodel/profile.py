@@ -5,7 +5,9 @@ What it holds
     backend, the collective model's parameters (`CollectiveParams`: per-kind
     multipliers, fitted alpha/beta per (kind, group size)), the compute model's
     (`ComputeParams`: per-family multipliers and fits, per-op overhead), the CPU
-    contention κ, and provenance (machine, date, torch and commfuse versions).
+    contention κ, the runtime terms of a training step (`step.RuntimeParams`:
+    in-graph collective latency, per-step and per-parameter runtime), and
+    provenance (machine, date, torch and commfuse versions).
 
 Why a file
     Scheduling decisions change the collective sequence, so every rank must
@@ -30,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 from ..errors import ConfigError
 from .collectives import CollectiveParams
 from .compute import ComputeParams
+from .step import RuntimeParams
 from .topology import PRESETS, Topology, load_json_model
 
 
@@ -63,6 +66,7 @@ class CostProfile(BaseModel):
     collective: CollectiveParams = Field(default_factory=CollectiveParams)
     compute: ComputeParams = Field(default_factory=ComputeParams)
     contention_kappa: Optional[NonNegativeFloat] = None
+    runtime: RuntimeParams = Field(default_factory=RuntimeParams)
     provenance: Provenance = Field(default_factory=Provenance)
 
     @model_validator(mode="after")
@@ -82,7 +86,7 @@ class CostProfile(BaseModel):
         from .analytic import AnalyticCostModel
 
         return AnalyticCostModel(topology or self.resolve_topology(), self.backend, self.collective, self.compute,
-                                 contention_kappa=self.contention_kappa)
+                                 contention_kappa=self.contention_kappa, runtime=self.runtime)
 
     def fingerprint(self) -> str:
         """sha256 of the canonical JSON: equal on every rank that loaded the same numbers."""

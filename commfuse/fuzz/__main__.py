@@ -14,7 +14,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m commfuse.fuzz", description=__doc__)
-    ap.add_argument("--programs", type=int, default=500, help="programs to check (default 500)")
+    ap.add_argument("--programs", "-n", type=int, default=500, help="programs to check (default 500)")
     ap.add_argument("--seed", type=int, default=0, help="campaign seed (program i: random.Random(f'{seed}:{i}'))")
     ap.add_argument("--start", type=int, default=0, help="first program index")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (built-in passes only)")
@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feature", action="append", default=[], help="optional generator feature, e.g. "
                     "inplace_buffer_reads (see commfuse.fuzz.generator.FEATURES)")
     ap.add_argument("--check-ir", action="store_true", help="also check the CollectiveIR against each program")
+    ap.add_argument("--family", default=None, help="generate every program from this family (e.g. moe_layer; see "
+                    "commfuse.fuzz.generator.FAMILIES)")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -38,11 +40,16 @@ def main(argv: list[str] | None = None) -> int:
 
     log = None if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     passes = a.passes.split(",") if a.passes else None
+    if a.family is not None:
+        from .generator import FAMILIES
+
+        if a.family not in FAMILIES:
+            ap.error(f"unknown family {a.family!r}; known: {', '.join(sorted(FAMILIES))}")
 
     if a.show:
         seed, index = (int(x) for x in a.show.split(":"))
         pipes = all_pipelines(passes, include_default=not a.no_default)
-        prog = campaign.program_for(seed, index, pipes, a.feature)
+        prog = campaign.program_for(seed, index, pipes, a.feature, a.family)
         print(json.dumps(prog.to_json(), indent=1, sort_keys=True))
         from .check import prepare
 
@@ -70,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.jobs > 1:
         rep = campaign.run_parallel(a.programs, a.seed, a.jobs, passes=passes, include_default=not a.no_default,
                                     shrink_failures=not a.no_shrink, save_dir=a.save_dir, time_limit=a.time_limit,
-                                    start=a.start, features=a.feature, check_ir=a.check_ir)
+                                    start=a.start, features=a.feature, check_ir=a.check_ir, family=a.family)
     else:
         rep = campaign.run_campaign(a.programs, a.seed, start=a.start, time_limit=a.time_limit,
                                     pipelines=all_pipelines(passes, include_default=not a.no_default),
                                     shrink_failures=not a.no_shrink, save_dir=a.save_dir, progress=log,
-                                    features=a.feature, check_ir=a.check_ir)
+                                    features=a.feature, check_ir=a.check_ir, family=a.family)
     print(rep.summary())
     if a.report:
         Path(a.report).write_text(json.dumps(rep.to_json(), indent=1) + "\n")

@@ -106,12 +106,16 @@ class CampaignReport:
         self.bugs.extend(other.bugs)
 
 
-def program_for(seed: int, index: int, pipelines: Sequence[PipelineSpec] = (), features: Sequence[str] = ()) -> Program:
+def program_for(seed: int, index: int, pipelines: Sequence[PipelineSpec] = (), features: Sequence[str] = (),
+                family: Optional[str] = None) -> Program:
     """Program ``index`` of a campaign with ``seed``.
 
     Every fourth program is generated for a pass registered with constraints (families,
-    world sizes, topology, joint only), round-robin, so such passes are exercised too."""
+    world sizes, topology, joint only), round-robin, so such passes are exercised too.
+    ``family``: every program from that family (a campaign aimed at one family)."""
     rng = random.Random(f"{seed}:{index}")
+    if family is not None:
+        return generate_program(rng, family=family, features=features)
     constrained = []
     for pipe in pipelines:
         for name in pipe.passes or ():
@@ -146,12 +150,15 @@ def _pipeline_for(failure: Failure, pipelines: Sequence[PipelineSpec]) -> Option
 
 def still_fails_fn(failure: Failure, pipe: Optional[PipelineSpec]) -> Callable[[Program], bool]:
     """The shrinking predicate: the candidate fails the same pipeline with the same kind of failure
-    (and, for errors, the same exception type)."""
+    (and, for errors, the same exception type), and is a valid program (its unoptimised graph
+    runs on the reference)."""
     pipes = [] if pipe is None else [pipe]
     check_ir = failure.kind == "ir"
 
     def pred(p: Program) -> bool:
         res = check_program(p, pipes, check_ir=check_ir)
+        if failure.kind != "generator" and any(f.kind == "generator" for f in res.failures):
+            return False  # not a valid program any more (e.g. a pass error that still reproduces on it)
         return any(f.signature() == failure.signature() for f in res.failures)
 
     return pred
@@ -179,6 +186,7 @@ def run_campaign(
     features: Sequence[str] = (),
     stop_after_failures: Optional[int] = None,
     check_ir: bool = False,
+    family: Optional[str] = None,
 ) -> CampaignReport:
     """Check programs ``start .. start+programs-1`` of ``seed`` (or ``indices``) with ``pipelines``
     (default: every registered pass alone and the default pipeline).
@@ -188,7 +196,8 @@ def run_campaign(
     how many programs ran), ``stop_after_failures`` after that many failing programs.
     ``threads``: torch intra-op threads while fuzzing (1 is fastest for these tiny tensors).
     ``features``: optional generator features (:data:`commfuse.fuzz.generator.FEATURES`).
-    ``check_ir``: also check the CollectiveIR against every program (failure kind ``ir``)."""
+    ``check_ir``: also check the CollectiveIR against every program (failure kind ``ir``).
+    ``family``: generate every program from that family (see :func:`program_for`)."""
     pipes = list(pipelines) if pipelines is not None else all_pipelines()
     report = CampaignReport(seed=seed)
     t0 = time.perf_counter()
@@ -198,7 +207,7 @@ def run_campaign(
         for i in idx:
             if time_limit is not None and time.perf_counter() - t0 > time_limit:
                 break
-            program = program_for(seed, i, pipes, features)
+            program = program_for(seed, i, pipes, features, family)
             res = check_program(program, pipes, check_ir=check_ir)
             report.programs += 1
             report.per_rank += program.per_rank
@@ -218,7 +227,8 @@ def run_campaign(
                 if shrink_failures and report.failures[sig] <= shrinks_per_signature:
                     bug.shrunk, bug.shrink_checks = shrink_failure(program, f, pipes, log=progress)
                     if save_dir is not None:
-                        found = {"seed": seed, "index": i, "ops_before_shrink": len(program.ops)}
+                        found = {"seed": seed, "index": i, "ops_before_shrink": len(program.ops),
+                                 **({"family": family} if family else {})}
                         reg = make_regression(bug.shrunk, f, _pipeline_for(f, pipes), found=found)
                         bug.saved = save_regression(save_dir, reg)
                 if report.failures[sig] <= shrinks_per_signature or not shrink_failures:
@@ -236,27 +246,28 @@ def run_campaign(
 
 # -- parallel campaigns (separate processes; built-in passes only) ----------------------------
 def _worker(args: tuple) -> dict:
-    seed, indices, pipe_names, include_default, shrink_failures, save_dir, time_limit, features, check_ir = args
+    seed, indices, pipe_names, include_default, shrink_failures, save_dir, time_limit, features, check_ir, family = args
     import warnings
 
     warnings.filterwarnings("ignore")
     pipes = all_pipelines(pipe_names, include_default=include_default)
     rep = run_campaign(seed=seed, indices=indices, pipelines=pipes, shrink_failures=shrink_failures,
-                       save_dir=save_dir, time_limit=time_limit, features=features, check_ir=check_ir)
+                       save_dir=save_dir, time_limit=time_limit, features=features, check_ir=check_ir,
+                       family=family)
     return {"report": rep}
 
 
 def run_parallel(programs: int, seed: int, jobs: int, *, passes: Optional[Sequence[str]] = None,
                  include_default: bool = True, shrink_failures: bool = True, save_dir: Optional[str] = None,
                  time_limit: Optional[float] = None, start: int = 0, features: Sequence[str] = (),
-                 check_ir: bool = False) -> CampaignReport:
+                 check_ir: bool = False, family: Optional[str] = None) -> CampaignReport:
     """The same campaign split over ``jobs`` processes (interleaved indices)."""
     import multiprocessing as mp
 
     t0 = time.perf_counter()
     chunks = [list(range(start + j, start + programs, jobs)) for j in range(jobs)]
     args = [(seed, c, list(passes) if passes is not None else None, include_default, shrink_failures, save_dir,
-             time_limit, tuple(features), check_ir) for c in chunks]
+             time_limit, tuple(features), check_ir, family) for c in chunks]
     with mp.get_context("spawn").Pool(jobs) as pool:
         parts = pool.map(_worker, args)
     report = CampaignReport(seed=seed)

@@ -9,8 +9,10 @@ divisible where the collective needs it, in fp32 or bf16, forward-only or joint
 (forward + ``torch.autograd.grad``).
 
 *Families* weight the building blocks towards one style of parallelism (``tp``,
-``sp``, ``moe``, ``fsdp``, ``pp``, ``coalesced``) or mix them all (``mixed``); a pass
-registered with the fuzzer names the families it wants (see :mod:`.targets`).
+``sp``, ``moe``, ``fsdp``, ``pp``, ``coalesced``, ``moe_layer``) or mix them all
+(``mixed``); a pass registered with the fuzzer names the families it wants (see
+:mod:`.targets`). ``moe_layer`` programs put commfuse's MoE layer op behind token
+gathers on the group that is also its expert-parallel group (:meth:`_Gen.b_moe_layer`).
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ FAMILIES: dict[str, dict[str, float]] = {
     "pp": {"unary": 2, "matmul": 2, "layer_norm": 1, "p2p": 4, "residual": 1, "all_reduce": 1},
     "coalesced": {"unary": 1, "matmul": 1, "coalesced": 4, "inplace": 3, "broadcast": 2, "all_reduce": 1,
                   "mutate": 1, "update_after_collective": 1},
+    # commfuse's MoE layer op (commfuse.moe) behind sequence/tensor-parallel token gathers
+    "moe_layer": {"moe_layer": 6, "unary": 1, "residual": 1, "layer_norm": 1, "matmul": 1, "sp_block": 1,
+                  "view": 1},
 }
-FAMILY_WEIGHTS = {"mixed": 6, "tp": 1, "sp": 1, "moe": 0.6, "fsdp": 1, "pp": 0.4, "coalesced": 1}
+FAMILY_WEIGHTS = {"mixed": 6, "tp": 1, "sp": 1, "moe": 0.6, "fsdp": 1, "pp": 0.4, "coalesced": 1, "moe_layer": 0.6}
 MAX_NUMEL = 4096
 
 
@@ -57,6 +62,7 @@ class Val:
     root: str = ""  # the value whose memory this one views (itself unless made by a view op)
     uses: int = 0
     step: int = 0
+    pickable: bool = True  # False: only feeds the outputs (an MoE layer's float32 statistics)
 
 
 # Optional program features, off by default (see generate_program):
@@ -78,6 +84,7 @@ class _Gen:
         self.counter = 0
         self.step = 0
         self.vary_info: dict[int, tuple[str, list[list[int]]]] = {}
+        self.must_output: list[Val] = []  # values the program must return (e.g. an auxiliary loss)
         self._groups()
 
     # -- setup --------------------------------------------------------------------
@@ -111,16 +118,17 @@ class _Gen:
         self.counter += 1
         return f"{prefix}{self.counter}"
 
-    def new_input(self, shape: tuple, init: str = "act") -> Val:
+    def new_input(self, shape: tuple, init: str = "act", replicated: bool = False) -> Val:
         name = self.new_name("x" if init == "act" else "w")
-        self.prog.inputs.append({"name": name, "shape": list(shape), "init": init})
+        self.prog.inputs.append({"name": name, "shape": list(shape), "init": init,
+                                 **({"replicated": True} if replicated else {})})
         v = Val(name, tuple(shape), is_input=True, step=self.step, bounded=init in ("bias",), root=name)
         self.vals.append(v)
         return v
 
     # -- helpers -----------------------------------------------------------------------
     def pick(self, pred: Callable[[Val], bool] = lambda v: True, *, recent: bool = True) -> Optional[Val]:
-        cands = [v for v in self.vals if pred(v)]
+        cands = [v for v in self.vals if v.pickable and pred(v)]
         if not cands:
             return None
         if recent and self.rng.random() < 0.7:
@@ -492,6 +500,92 @@ class _Gen:
             self.vary_info[vid] = (role, splits)
         return bool(outs)
 
+    def b_moe_layer(self) -> bool:
+        """commfuse's MoE layer op (``commfuse::moe_layer``) where sequence/tensor-parallel
+        models put it: token shards, optionally normalised or activated, all_gathered along a
+        token dim on a group that is also the layer's expert-parallel group (sometimes no
+        gather, another EP group, or no EP), element-wise ops around the layer, its output
+        sometimes split back to this rank's token shard (DTensor's Replicate -> Shard: one
+        graph per rank); the router statistics feed an auxiliary loss or the outputs. top_k 1
+        or 2; dropless, capacity that cannot bind (``capacity_factor * top_k >= E``) or that
+        can; token_groups 1 or the group size. The router is the same on every rank: a
+        replicated input, or a shard all_gathered on the EP group (provably replicated)."""
+        rng = self.rng
+        x = self.pick(lambda v: v.vary is None and len(v.shape) >= 2 and not (v.is_input and v.name[0] == "w"))
+        if x is None:
+            return False
+        role = self.group(lambda n: n >= 2) or self.group()
+        n = self.gsize(role)
+        pre = rng.choice(["none", "layer_norm", "layer_norm", "unary"])
+        y = [x]
+        if pre == "layer_norm":
+            ins = [x]
+            if rng.random() < 0.5:
+                ins += [self.new_input((x.shape[-1],), "ln_weight"), self.new_input((x.shape[-1],), "bias")]
+            y = self.emit("layer_norm", ins)
+        elif pre == "unary":
+            y = self.emit("unary", [x], fn=rng.choice(["gelu", "silu", "tanh", "scale"]))
+        if not y:
+            return False
+        gather_dim = rng.randrange(len(x.shape) - 1) if rng.random() < 0.85 else None  # a token dim
+        if gather_dim is not None:
+            y = self.emit("all_gather", y, group=role, dim=gather_dim)
+            if y and rng.random() < 0.3:
+                y = self.emit("unary", y, fn=rng.choice(["relu", "silu", "scale"]))
+            if not y:
+                return False
+        tokens_in = y[0]
+        ep = rng.random() < 0.9
+        ep_role = role if not ep or rng.random() < 0.9 else self.group()
+        ep_n = self.gsize(ep_role) if ep else 1
+        local = rng.choice([1, 2]) if ep_n > 1 else rng.choice([2, 4])
+        e = ep_n * local
+        top_k = rng.choice([1, 2]) if e >= 2 else 1
+        mode = rng.choice(["dropless", "no_bind", "bind", "bind"])
+        if mode == "dropless":
+            cf = 0.0
+        elif mode == "no_bind":
+            cf = e / top_k * rng.choice([1.0, 1.5])  # capacity_factor * top_k >= E: nothing can drop
+        else:
+            cf = rng.choice([c for c in (0.5, 1.0, 1.25, 2.0) if c * top_k < e])
+        tokens = _numel(tokens_in.shape[:-1])
+        token_groups = rng.choice([1, n])
+        if tokens % token_groups:
+            token_groups = 1
+        h = tokens_in.shape[-1]
+        f = rng.choice([h, 2 * h])
+        if ep and ep_n > 1 and rng.random() < 0.25:  # the router sharded over the EP group and gathered
+            rw = self.emit("all_gather", [self.new_input((local, h), "router")], group=ep_role, dim=0)
+            if not rw:
+                return False
+            rw = rw[0]
+        else:
+            rw = self.new_input((e, h), "router", replicated=True)
+        ws = [self.new_input((local, h, f), "expert"), self.new_input((local, h, f), "expert"),
+              self.new_input((local, f, h), "expert")]
+        outs = self.emit("moe_layer", [tokens_in, rw, *ws], 4, group=ep_role, top_k=top_k, capacity_factor=cf,
+                         token_groups=token_groups, **({} if ep else {"ep": False}))
+        if not outs:
+            return False
+        out, probs_sum, top1, z = outs
+        for v in (probs_sum, top1, z):  # float32 whatever the program's dtype: they only feed the outputs
+            v.pickable = False
+        post = rng.choice(["residual", "residual", "unary", "none"])
+        if post == "residual":
+            out = (self.emit("binary", [out, tokens_in], fn="add") or [out])[0]
+        elif post == "unary":
+            out = (self.emit("unary", [out], fn=rng.choice(["gelu", "tanh", "scale"])) or [out])[0]
+        if gather_dim is not None and rng.random() < 0.35:
+            self.emit("take_shard", [out], group=role, dim=gather_dim)  # back to this rank's token shard
+        if rng.random() < 0.6:
+            aux = self.emit("moe_aux_loss", [probs_sum, top1, z])
+            if aux:
+                aux[0].pickable = False
+                self.must_output.append(aux[0])
+        else:
+            self.must_output += rng.sample([probs_sum, top1, z], rng.choice([1, 2]))
+        return True
+
     # -- driver --------------------------------------------------------------------------
     def run(self, n_blocks: int) -> Program:
         rng = self.rng
@@ -523,6 +617,7 @@ class _Gen:
         outs = leaves[-4:]
         if made[-1] not in outs:
             outs.append(made[-1])
+        outs += [v for v in self.must_output if v not in outs]
         if self.prog.joint and not any(v.grad for v in outs):
             g = [v for v in made if v.grad]
             if g:
@@ -531,7 +626,7 @@ class _Gen:
 
 
 # ops whose result may share memory with their (first) input
-_VIEW_OPS = {"transpose", "permute", "split_dim", "merge_dims", "contiguous", "mutate"}
+_VIEW_OPS = {"transpose", "permute", "split_dim", "merge_dims", "contiguous", "mutate", "take_shard"}
 
 
 def _detaches(op: str, attrs: dict) -> bool:
@@ -589,5 +684,7 @@ def generate_program(
     gen = _Gen(rng, world_size, dtype, joint, family, frozenset(features))
     prog = gen.run(rng.randint(2, max_blocks))
     # Derived from the data seed (no extra draw: campaign streams stay what they were).
-    prog.tp_contract = family in ("tp", "sp", "mixed") and prog.seed % 3 == 0
+    # moe_layer: half the programs, since motion needs a replicated router (an input under the contract).
+    prog.tp_contract = (family in ("tp", "sp", "mixed") and prog.seed % 3 == 0) or \
+        (family == "moe_layer" and prog.seed % 2 == 0)
     return prog

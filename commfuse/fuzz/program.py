@@ -4,8 +4,11 @@ A :class:`Program` is a straight-line list of ops over named values::
 
     {"op": "matmul", "in": ["v0", "w1"], "out": ["v2"]}
     {"op": "all_gather", "in": ["v2"], "out": ["v3"], "group": "p1", "dim": 1}
+    {"op": "moe_layer", "in": ["v3", "w4", "w5", "w6", "w7"], "out": ["v8", "v9", "v10", "v11"],
+     "group": "p1", "top_k": 2, "capacity_factor": 1.0, "token_groups": 2}
 
-Inputs are activations or parameters (``inputs``), ``groups`` maps a role name to a
+Inputs are activations or parameters (``inputs``; ``"replicated": true`` marks one that
+is the same on every rank, e.g. an MoE router weight), ``groups`` maps a role name to a
 partition of the world (``"world"`` is ``[[0..N-1]]``; ``"p1"`` might be
 ``[[0, 2], [1, 3]]``), and every collective names a role: each rank uses its block.
 Values are SSA names except that ``mutate`` updates a value in place (later readers
@@ -200,6 +203,33 @@ def _cat(ctx, op, a, b):
     return [torch.cat([a, b], dim=op["dim"])]
 
 
+def _moe_layer(ctx, op, x, router_w, w1, w3, w2):
+    # commfuse's expert-parallel MoE layer as a model calls it (MoELayer.forward): tokens are
+    # every leading dim flattened; the EP group is the op's "group" ("ep": false -> no EP, all
+    # experts local). Outputs: out (x's shape) and the router statistics per token (the op's
+    # sums divided by the token count, as RouterStats turns them into losses: O(1) values, so
+    # the fuzz loss's sin() weighting does not amplify the rounding of large sums).
+    from ..moe import moe_layer
+
+    name = ctx.pgs[op["group"]].group_name if op.get("ep", True) else ""
+    tokens = x.reshape(-1, x.shape[-1])
+    out, probs_sum, top1, z = moe_layer(tokens, router_w, w1, w3, w2, op["top_k"], float(op["capacity_factor"]),
+                                        op["token_groups"], name)
+    t = tokens.shape[0]
+    return [out.view(x.shape), probs_sum / t, top1 / t, z / t]
+
+
+def _take_shard(ctx, op, x):
+    # DTensor's Replicate -> Shard(d): this rank's chunk of a full value, no communication
+    n, g, d = ctx.group_size[op["group"]], ctx.group_rank[op["group"]], op["dim"]
+    return [torch.split(x, x.shape[d] // n, d)[g]]
+
+
+def _moe_aux_loss(ctx, op, probs_mean, top1_frac, z_mean):
+    # Switch load-balancing loss + ST-MoE z-loss from the per-token statistics (RouterStats)
+    return [probs_mean.shape[0] * (top1_frac * probs_mean).sum() + 1e-3 * z_mean]
+
+
 def _mutate(ctx, op, a, b):
     # in-place update of an existing value (e.g. an optimizer step on a parameter)
     if op["fn"] == "add_":
@@ -352,6 +382,9 @@ OPS: dict[str, OpDef] = {
     "contiguous": OpDef(_contiguous),
     "cat": OpDef(_cat),
     "mutate": OpDef(_mutate, inplace=True),
+    "moe_layer": OpDef(_moe_layer),  # communicates inside (synchronously), not a functional collective
+    "moe_aux_loss": OpDef(_moe_aux_loss),
+    "take_shard": OpDef(_take_shard, rank_dependent=True),
     "all_reduce": OpDef(_all_reduce, collective=True),
     "all_gather": OpDef(_all_gather, collective=True),
     "reduce_scatter": OpDef(_reduce_scatter, collective=True),
@@ -411,9 +444,14 @@ def make_inputs(program: Program, rank: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed((program.seed * 1_000_003 + data_rank * 7_919 + idx) % (2**63))
         shape = spec["shape"]
         t = torch.randn(*shape, generator=g)
+        if spec.get("replicated"):  # the same on every rank (e.g. a router weight)
+            g = torch.Generator().manual_seed((program.seed * 1_000_003 + idx) % (2**63))
+            t = torch.randn(*shape, generator=g)
         init = spec.get("init", "act")
         if init == "weight":
             t = t / math.sqrt(shape[0])
+        elif init in ("router", "expert"):  # router [E, H], expert weights [E_local, in, out]
+            t = t / math.sqrt(shape[-1] if init == "router" else shape[-2])
         elif init == "ln_weight":
             t = 1.0 + 0.1 * t
         elif init == "bias":
@@ -523,6 +561,24 @@ def _shape_rule(program: Program, op: dict, ins: list[tuple]) -> list[tuple]:
         S = op["splits"]
         rows = sum(S[0]) if op.get("inverse") else sum(row[0] for row in S)
         return [(rows, *ins[0][1:])]
+    if name == "moe_layer":
+        x, rw, w1, w3, w2 = ins
+        e, h = rw
+        local = e // n if op.get("ep", True) else e
+        if len(x) < 2 or x[-1] != h or w1 != w3 or w1[:2] != (local, h) or w2 != (local, w1[2], h) \
+                or (op.get("ep", True) and e % n) or not 1 <= op["top_k"] <= e:
+            raise ValueError(f"moe_layer: inconsistent shapes {ins} for a group of {n}")
+        if op["capacity_factor"] > 0 and math.prod(x[:-1]) % op["token_groups"]:
+            raise ValueError(f"moe_layer: {math.prod(x[:-1])} tokens do not split into {op['token_groups']} groups")
+        return [tuple(x), (e,), (e,), ()]
+    if name == "moe_aux_loss":
+        return [()]
+    if name == "take_shard":
+        s = list(ins[0])
+        if s[op["dim"]] % n:
+            raise ValueError(f"take_shard: dim {op['dim']} of {ins[0]} does not split over {n} ranks")
+        s[op["dim"]] //= n
+        return [tuple(s)]
     # compute ops: evaluate on meta tensors
     meta = [torch.empty(s, device="meta", dtype=program.torch_dtype) for s in ins]
     ctx = Ctx(rank=0, world_size=program.world_size, pgs={}, group_rank={}, group_size={}, joint=False)

@@ -118,8 +118,10 @@ register_fuzz_target("split_all_reduce", exact=True)
 # Motion changes where sums happen (partial sums reduced across ranks): tolerance compare.
 # Fuzzed programs carry no user-given TP role, so only provably replicated operands move
 # (the TP-contract path is covered by tests/test_chimera.py on reference and gloo runs).
-register_fuzz_target("collective_motion", generators=("tp", "sp", "fsdp", "mixed"))
-register_fuzz_target("chimera", generators=("tp", "sp", "moe", "mixed"))
+# moe_layer: gathers in front of commfuse's MoE layer op, which motion moves onto token shards
+# (passes/moe_rules.py).
+register_fuzz_target("collective_motion", generators=("tp", "sp", "fsdp", "mixed", "moe_layer"))
+register_fuzz_target("chimera", generators=("tp", "sp", "moe", "mixed", "moe_layer"))
 
 # Fusion changes where and in which order sums happen (an all_reduce for a reduce_scatter,
 # N·x for the sum of N equal copies): tolerance compare. The families that place

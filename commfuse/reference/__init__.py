@@ -4,8 +4,9 @@
     outs = run_reference(gm, [inputs_rank0, inputs_rank1, ...], groups={"1": [[0, 2], [1, 3]]})
 
 See :mod:`.interpreter` (execution model), :mod:`.semantics` (what each collective
-computes; :func:`register_semantics` for new kinds) and :mod:`.groups` (group names
--> ranks). docs/reliability.md describes how the pass fuzzer uses it.
+computes; :func:`register_semantics` for new kinds, :func:`register_sync_op` for ops that
+communicate inside their kernel), :mod:`.moe_semantics` (``commfuse::moe_layer``) and
+:mod:`.groups` (group names -> ranks). docs/reliability.md describes how the pass fuzzer uses it.
 """
 
 from .errors import (
@@ -21,16 +22,19 @@ from .interpreter import ReferenceInterpreter, run_reference
 from .semantics import (
     P2PPlan,
     RankCall,
+    SyncOpSpec,
     reduce_tensors,
     register_semantics,
+    register_sync_op,
     registered_kinds,
     unregister_semantics,
+    unregister_sync_op,
 )
 
 __all__ = [
     "CollectiveMismatchError", "DeadlockError", "GroupResolutionError", "GroupSpec", "GroupTable",
     "InFlightMutationError", "P2PPlan",
-    "RankCall", "ReferenceInterpreter", "ReferenceSemanticsError", "UnknownCollectiveError",
-    "groups_from_process_groups", "reduce_tensors", "register_semantics", "registered_kinds", "run_reference",
-    "unregister_semantics",
+    "RankCall", "ReferenceInterpreter", "ReferenceSemanticsError", "SyncOpSpec", "UnknownCollectiveError",
+    "groups_from_process_groups", "reduce_tensors", "register_semantics", "register_sync_op", "registered_kinds",
+    "run_reference", "unregister_semantics", "unregister_sync_op",
 ]

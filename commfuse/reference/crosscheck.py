@@ -1,4 +1,5 @@
-"""Programs that exercise every collective kind, for checking the reference against real ranks.
+"""Programs that exercise every collective kind (and the MoE layer op), for checking the reference
+against real ranks.
 
 Each case is a module-level function ``fn(ctx, rank, *inputs) -> outputs`` written with the
 ``_c10d_functional`` ops and ``torch.distributed._functional_collectives`` (what DTensor and
@@ -7,6 +8,9 @@ traced graphs use), over the world and two sub-group partitions of a 4-rank worl
 * ``ctx["world"]``: ranks [0, 1, 2, 3];
 * ``ctx["strided"]``: this rank's block of [[0, 2], [1, 3]];
 * ``ctx["blocked"]``: this rank's block of [[0, 1], [2, 3]].
+
+:data:`CASES` are the collectives; :data:`MOE_CASES` run ``commfuse::moe_layer`` and its
+backward (group-synchronous ops: their all_to_alls run inside the op) on those groups.
 
 :func:`gloo_job` runs a case eagerly inside an initialised process group (one rank of a
 gloo :class:`~commfuse.testing.RankPool`); :func:`trace_case` traces it with ``make_fx``
@@ -55,13 +59,20 @@ def _name(pg) -> str:
     return pg.group_name
 
 
+def _case(case: str) -> "Case":
+    return CASES[case] if case in CASES else MOE_CASES[case]
+
+
 def _inputs(case: str, rank: int, seed: int) -> list[torch.Tensor]:
-    spec = CASES[case]
+    spec = _case(case)
     g = torch.Generator().manual_seed(seed * 1000 + rank * 17 + sum(map(ord, case)))
     out = []
-    for shape in spec.shapes(rank) if callable(spec.shapes) else spec.shapes:
-        t = torch.randn(*shape, generator=g)
-        out.append(1.0 + 0.1 * t if spec.near_one else t)
+    for idx, shape in enumerate(spec.shapes(rank) if callable(spec.shapes) else spec.shapes):
+        if idx in spec.replicated:  # the same on every rank (e.g. a router weight)
+            t = torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed * 1000 + 7 * idx + 5))
+        else:
+            t = torch.randn(tuple(shape), generator=g)
+        out.append(1.0 + 0.1 * t if spec.near_one else t * spec.scale[idx] if spec.scale else t)
     return out
 
 
@@ -205,6 +216,8 @@ class Case:
     exact: bool  # pure data movement: bitwise equal to gloo
     per_rank: bool = False  # rank-dependent program: one graph per rank
     near_one: bool = False  # inputs near 1 (products)
+    replicated: tuple[int, ...] = ()  # indices of inputs that are the same on every rank
+    scale: tuple[float, ...] = ()  # per-input factor on the randn values (default 1)
 
 
 CASES: dict[str, Case] = {}
@@ -236,6 +249,79 @@ CASES.update({
 })
 
 
+# --------------------------------------------------------------------------- MoE layer
+# commfuse::moe_layer (a whole expert-parallel MoE layer whose all_to_alls run inside the op) and
+# its backward, on the world, the strided sub-groups and without a group (""): rank r of the group
+# holds experts [r*E/N, (r+1)*E/N) and the router (input 1) is the same on every rank. Forward
+# cases return (out, probs_sum, top1_count, z_sum); backward cases call moe_layer_backward with
+# explicit gradients; joint cases differentiate a loss through the op with autograd.
+MOE_H, MOE_F = 8, 8
+_GROUP_SIZE = {"world": WORLD_SIZE, "strided": 2, "blocked": 2, "none": 1}
+
+
+def _moe_group(ctx, role: str) -> str:
+    return "" if role == "none" else _name(ctx[role])
+
+
+def _moe_shapes(role: str, local: int, tokens, backward: bool = False, joint: bool = False) -> Callable:
+    e = local * _GROUP_SIZE[role]
+
+    def shapes(rank: int) -> list[tuple[int, ...]]:
+        t = tokens(rank) if callable(tokens) else tokens
+        s = [(t, MOE_H), (e, MOE_H), (local, MOE_H, MOE_F), (local, MOE_H, MOE_F), (local, MOE_F, MOE_H)]
+        if backward:
+            s = [(t, MOE_H), (e,), (), *s]
+        if joint:
+            s.append((t, MOE_H))  # the output's upstream gradient
+        return s
+
+    return shapes
+
+
+def _moe_case(role: str, top_k: int, cf: float, tg: int, local: int, tokens, *, mode: str = "forward",
+              scale: float = 1.0) -> Case:
+    from ..moe import MOE_LAYER, MOE_LAYER_BACKWARD
+
+    if mode == "forward":
+        def fn(ctx, rank, x, rw, w1, w3, w2):
+            return list(MOE_LAYER(x, rw, w1, w3, w2, top_k, cf, tg, _moe_group(ctx, role)))
+    elif mode == "backward":
+        def fn(ctx, rank, go, gps, gz, x, rw, w1, w3, w2):
+            return list(MOE_LAYER_BACKWARD(go, gps, gz, x, rw, w1, w3, w2, top_k, cf, tg, _moe_group(ctx, role),
+                                           scale))
+    else:  # joint: autograd through the op (its registered backward)
+        def fn(ctx, rank, x, rw, w1, w3, w2, up):
+            from ..moe import moe_layer
+
+            params = [t.detach().requires_grad_() for t in (x, rw, w1, w3, w2)]
+            out, ps, t1, z = moe_layer(*params, top_k, cf, tg, _moe_group(ctx, role))
+            loss = (out * up).sum() + 0.1 * (ps * ps).sum() + 0.01 * z
+            return [out, ps, t1, z, *torch.autograd.grad(loss, params)]
+    n = len(_moe_shapes(role, local, tokens, mode == "backward", mode == "joint")(0))
+    rw = 4 if mode == "backward" else 1
+    # unit-variance activations; weights ~ 1/sqrt(fan-in)
+    scales = [1.0] * n
+    for i, f in ((rw, MOE_H ** -0.5), (rw + 1, MOE_H ** -0.5), (rw + 2, MOE_H ** -0.5), (rw + 3, MOE_F ** -0.5)):
+        scales[i] = f
+    return Case(fn, _moe_shapes(role, local, tokens, mode == "backward", mode == "joint"), exact=False,
+                per_rank=callable(tokens), replicated=(rw,), scale=tuple(scales))
+
+
+MOE_CASES: dict[str, Case] = {
+    "moe_fwd_dropless_top2_world": _moe_case("world", 2, 0.0, 1, 2, 8),
+    "moe_fwd_capacity_top1_world": _moe_case("world", 1, 1.0, 2, 1, 8),
+    "moe_fwd_capacity_top2_strided": _moe_case("strided", 2, 1.0, 1, 2, 6),
+    "moe_fwd_dropless_top1_strided_uneven": _moe_case("strided", 1, 0.0, 1, 1, lambda r: 3 + 2 * r),
+    "moe_fwd_capacity_top2_no_group": _moe_case("none", 2, 1.0, 2, 4, 8),
+    "moe_bwd_dropless_top2_world": _moe_case("world", 2, 0.0, 1, 2, 8, mode="backward"),
+    "moe_bwd_capacity_top1_strided": _moe_case("strided", 1, 1.0, 2, 1, 8, mode="backward", scale=0.5),
+    "moe_bwd_dropless_top1_blocked_uneven": _moe_case("blocked", 1, 0.0, 1, 2, lambda r: 2 + r, mode="backward",
+                                                      scale=2.0),
+    "moe_joint_capacity_top2_world": _moe_case("world", 2, 1.0, 4, 1, 8, mode="joint"),
+    "moe_joint_dropless_top1_strided": _moe_case("strided", 1, 0.0, 1, 2, 6, mode="joint"),
+}
+
+
 def _plain(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_plain(v) for v in x]
@@ -252,7 +338,7 @@ def gloo_job(cases: list[str] | None = None, seed: int = 0) -> dict[str, Any]:
     ctx, _ = make_groups(rank)
     results: dict[str, Any] = {}
     for case in cases or list(CASES):
-        out = CASES[case].fn(ctx, rank, *_inputs(case, rank, seed))
+        out = _case(case).fn(ctx, rank, *_inputs(case, rank, seed))
         results[case] = _plain(out if isinstance(out, (list, tuple)) else [out])
     return results
 
@@ -268,7 +354,7 @@ def trace_case(case: str, seed: int = 0, *, per_rank: bool | None = None):
 
     from ..testing.fake_pg import fake_process_group
 
-    spec = CASES[case]
+    spec = _case(case)
     per_rank = spec.per_rank if per_rank is None else per_rank
     inputs = [_inputs(case, r, seed) for r in range(WORLD_SIZE)]
     graphs, names = [], {}

@@ -4,9 +4,12 @@ Every rank has its own environment (node -> value). Ranks run node by node; a
 compute node calls its op on that rank's tensors; a collective blocks its rank until
 every member of its group has reached a collective on that group, then the
 collective's semantic function (:mod:`.semantics`) computes every member's result
-from all members' inputs; ``wait_tensor`` is the identity. Point-to-point sends are
-buffered (a send never blocks); a receive blocks until the matching send (same
-group, source, destination and tag, in order) was posted.
+from all members' inputs; ``wait_tensor`` is the identity. Group-synchronous ops
+(ops that communicate inside their kernel, e.g. ``commfuse::moe_layer``;
+:func:`~.semantics.register_sync_op`) meet like collectives and return their results
+directly. Point-to-point sends are buffered (a send never blocks); a receive blocks
+until the matching send (same group, source, destination and tag, in order) was
+posted.
 
 This is the *meaning* of a collective program, independent of how a backend
 overlaps or orders it; the pass fuzzer compares optimised graphs with their input
@@ -27,7 +30,9 @@ Two ways to give the program:
   uneven all_to_all splits. The graphs may differ in structure; only their
   collective sequences must match up.
 
-Uninitialised memory (``empty``, ``empty_like``, ``new_empty``, ``empty_strided``) is
+Collective results are contiguous, as the real functional collectives allocate them
+(whatever the input's strides). Uninitialised memory (``empty``, ``empty_like``,
+``new_empty``, ``empty_strided``) is
 filled with NaN (floating dtypes) or 0, so a program that reads it gives the same
 answer every run and a rewrite that starts reading it shows up as NaNs. Random ops
 (``rand``, ``dropout``, ...) use the global generator and are not reproducible
@@ -53,7 +58,7 @@ from .errors import (
     UnknownCollectiveError,
 )
 from .groups import GroupSpec, GroupTable
-from .semantics import P2PPlan, RankCall, Semantics, _op_name, semantics_for
+from .semantics import P2PPlan, RankCall, Semantics, SyncOpSpec, _op_name, semantics_for, sync_op_spec
 
 aten = torch.ops.aten
 
@@ -65,7 +70,7 @@ _UNINITIALISED = {
 # must not be run as if it were local compute.
 _COMM_NAMESPACES = {"_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor"}
 
-_PLACEHOLDER, _GET_ATTR, _CALL, _METHOD, _MODULE, _COLLECTIVE, _WAIT, _OUTPUT = range(8)
+_PLACEHOLDER, _GET_ATTR, _CALL, _METHOD, _MODULE, _COLLECTIVE, _WAIT, _OUTPUT, _SYNC = range(9)
 
 
 class _Ref:
@@ -109,6 +114,7 @@ class _Instr:
     spec: CollectiveOpSpec | None = None
     sem: Semantics | None = None
     fill: bool = False
+    sync: SyncOpSpec | None = None
 
 
 def _template(a: Any, index: dict) -> Any:
@@ -147,6 +153,8 @@ def _compile(gm: fx.GraphModule) -> list[_Instr]:
             prog.append(_Instr(_MODULE, n, gm.get_submodule(t), args, kwargs, dyn))
         elif is_wait(t):
             prog.append(_Instr(_WAIT, n, t, args, kwargs, dyn))
+        elif (sync := sync_op_spec(t)) is not None:
+            prog.append(_Instr(_SYNC, n, t, args, kwargs, dyn, sync=sync))
         else:
             spec = collective_spec(t)
             if spec is not None:
@@ -277,6 +285,9 @@ class ReferenceInterpreter:
             elif k == _COLLECTIVE:
                 if not self._collective(st, ins):
                     return
+            elif k == _SYNC:
+                if not self._sync_op(st, ins):
+                    return
             elif k == _PLACEHOLDER:
                 st.pc += 1
             elif k == _GET_ATTR:
@@ -326,12 +337,29 @@ class ReferenceInterpreter:
                 keys.append((call.group_name, call.group, src, st.rank, int(tag)))
             st.p2p = (plan, call, keys)
             return self._try_finish_p2p(st)
+        members = self._meet(st, call)
+        if members is None:
+            return False
+        calls = [c for _, c in members]
+        results = self._apply(ins.sem.fn, ins.sem.name, calls)
+        for (mst, c), res in zip(members, results):
+            if c.spec.inplace:
+                res = _write_inplace(c, res)
+            else:
+                res = _dense(res)
+            _watch(mst, c, res, c.tensors)
+            self._deliver(st, mst, res)
+        return True
+
+    def _meet(self, st: _Rank, call: RankCall) -> list[tuple[_Rank, RankCall]] | None:
+        """Rendezvous on ``call``'s group: None while members are missing (``st`` blocks), else
+        every member's (state, call) in group-rank order, checked to issue the same op."""
         key = (call.group_name, call.group)
         arrived = self._rv.setdefault(key, {})
         arrived[st.rank] = (st, call)
         st.wait_key = key
         if len(arrived) < len(call.group):
-            return False
+            return None
         del self._rv[key]
         members = [arrived[r] for r in call.group]
         calls = [c for _, c in members]
@@ -340,19 +368,47 @@ class ReferenceInterpreter:
             ops = "; ".join(c.where() for c in calls)
             raise CollectiveMismatchError(f"ranks of group {call.group_name!r} {list(call.group)} issue different "
                                           f"collectives: {ops}")
-        results = ins.sem.fn(calls)
+        return members
+
+    @staticmethod
+    def _apply(fn, name: str, calls: list[RankCall]) -> list[Any]:
+        results = fn(calls)
         if len(results) != len(calls):
-            raise ReferenceSemanticsError(f"semantics {ins.sem.name} returned {len(results)} results for "
+            raise ReferenceSemanticsError(f"semantics {name} returned {len(results)} results for "
                                           f"{len(calls)} ranks")
-        for (mst, c), res in zip(members, results):
-            if c.spec.inplace:
-                res = _write_inplace(c, res)
-            _watch(mst, c, res, c.tensors)
-            mst.env[mst.pc] = res
-            mst.pc += 1
-            mst.wait_key = None
-            if mst is not st:
-                self._runnable.append(mst)
+        return results
+
+    def _deliver(self, st: _Rank, mst: _Rank, res: Any) -> None:
+        mst.env[mst.pc] = res
+        mst.pc += 1
+        mst.wait_key = None
+        if mst is not st:
+            self._runnable.append(mst)
+
+    def _sync_op(self, st: _Rank, ins: _Instr) -> bool:
+        """A group-synchronous op (e.g. commfuse::moe_layer): a rendezvous like a collective's;
+        the semantics' results are the op's return values (nothing in flight, no wait)."""
+        a = _load(ins.args, st.env)
+        kw = _load(ins.kwargs, st.env)
+        try:
+            parsed = ins.sync.parse(tuple(a), dict(kw))
+        except (IndexError, KeyError) as e:
+            raise CollectiveMismatchError(f"rank {st.rank} node {ins.node.name}: cannot read the arguments of "
+                                          f"{_op_name(ins.target)}: {e!r}") from e
+        name = parsed.group_name
+        block = (st.rank,) if name in ins.sync.local_names else self.groups.resolve(name, st.rank)
+        call = RankCall(rank=st.rank, group_rank=block.index(st.rank), group=block, group_name=name, args=parsed,
+                        raw_args=tuple(a), raw_kwargs=dict(kw), spec=None, node=ins.node, target=ins.target)
+        if name in ins.sync.local_names:
+            (res,) = self._apply(ins.sync.fn, ins.sync.name, [call])
+            self._deliver(st, st, res)
+            return True
+        members = self._meet(st, call)
+        if members is None:
+            return False
+        results = self._apply(ins.sync.fn, ins.sync.name, [c for _, c in members])
+        for (mst, _c), res in zip(members, results):
+            self._deliver(st, mst, res)
         return True
 
     def _peer(self, call: RankCall, peer: int) -> int:
@@ -422,6 +478,17 @@ class ReferenceInterpreter:
             else:
                 lines.append(where)
         return "deadlock (on real hardware: a hang):\n  " + "\n  ".join(lines)
+
+
+def _dense(result: Any) -> Any:
+    """Functional collectives return freshly allocated, contiguous tensors (whatever the input's
+    strides): so do the reference's results, so that a later ``view`` works exactly when it
+    works on real ranks (e.g. ``torch.cat`` of permuted inputs keeps their strides)."""
+    if isinstance(result, torch.Tensor):
+        return result.contiguous()
+    if isinstance(result, (list, tuple)):
+        return type(result)(_dense(r) for r in result)
+    return result
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

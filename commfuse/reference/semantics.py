@@ -8,6 +8,10 @@ Two styles of semantics:
   has reached the collective, and returns one result per member (same order). A
   result is what the op returns on that rank: a tensor, or a list of tensors for a
   coalesced op.
+* **group-synchronous ops** (:func:`register_sync_op`): compute ops that communicate inside
+  their kernel, synchronously, on the group their arguments name (``commfuse::moe_layer``
+  and its backward, :mod:`.moe_semantics`): group semantics like a collective's, but the
+  results are the op's return value (no wait).
 * **p2p** semantics (isend, irecv, batch_p2p_ops): a function ``fn(call) -> P2PPlan``
   saying what one rank sends (peer, tag, tensor) and receives (peer, tag, buffer),
   and how the op's result is made from the received tensors. The interpreter
@@ -57,7 +61,7 @@ class RankCall:
     args: CollectiveArgs  # parsed by the op's CollectiveOpSpec; `inputs` hold tensors
     raw_args: tuple  # the op's positional argument values
     raw_kwargs: dict
-    spec: CollectiveOpSpec
+    spec: CollectiveOpSpec | None  # None for group-synchronous ops (register_sync_op)
     node: fx.Node  # this rank's node
     target: Any = None  # the op (as compiled; the node may have been rewritten since)
 
@@ -99,6 +103,51 @@ class Semantics:
 
 _BY_KIND: dict[CollectiveKind, Semantics] = {}
 _BY_OP: dict[Any, Semantics] = {}
+
+
+@dataclass(frozen=True)
+class SyncOpSpec:
+    """A *group-synchronous op*: a compute op whose kernel communicates on the group its
+    arguments name, synchronously (e.g. ``commfuse::moe_layer``, whose all_to_alls run inside
+    the op). It returns its results directly (no wait). ``parse(args, kwargs)`` gives the
+    group name (and the input tensors); ``fn`` is group semantics (``fn(calls) -> results``,
+    one :class:`RankCall` per member, in group-rank order). A group name in ``local_names``
+    means "no group": the op is computed on the calling rank alone (``fn`` with one call).
+    ``replicated``: positional argument indices every member must pass equal (e.g. the MoE
+    router weight); :func:`commfuse.reference.equivalence.random_inputs` makes the graph
+    inputs they come from the same on every rank."""
+
+    parse: Callable[[tuple, dict], CollectiveArgs]
+    fn: GroupSemantics
+    local_names: frozenset = frozenset({""})
+    name: str = ""
+    replicated: tuple[int, ...] = ()
+
+
+_SYNC_OPS: dict[Any, SyncOpSpec] = {}
+
+
+def register_sync_op(op: Any, parse: Callable[[tuple, dict], CollectiveArgs], fn: GroupSemantics, *,
+                     local_names: frozenset | set = frozenset({""}), replicated: tuple[int, ...] = (),
+                     replace: bool = False) -> None:
+    """Register the reference semantics of a group-synchronous op (see :class:`SyncOpSpec`).
+
+    The interpreter then runs ``op`` like a collective: every member of the group named by
+    ``parse(args, kwargs).group_name`` must reach it (in the same order relative to the
+    group's collectives), and ``fn`` computes every member's results from all members'
+    arguments. This registration wins over a collective-table entry for the same op."""
+    if op in _SYNC_OPS and not replace:
+        raise ValueError(f"reference semantics for {_op_name(op)} are already registered; pass replace=True")
+    _SYNC_OPS[op] = SyncOpSpec(parse, fn, frozenset(local_names), getattr(fn, "__name__", repr(fn)),
+                               tuple(replicated))
+
+
+def unregister_sync_op(op: Any) -> None:
+    _SYNC_OPS.pop(op, None)
+
+
+def sync_op_spec(target: Any) -> SyncOpSpec | None:
+    return _SYNC_OPS.get(target) if _SYNC_OPS else None
 
 
 def register_semantics(kind_or_op: Any, fn: Callable, *, p2p: bool = False, replace: bool = False) -> None:
@@ -382,3 +431,6 @@ def _register_builtin() -> None:
 
 
 _register_builtin()
+
+# commfuse's own group-synchronous ops (the MoE layer); imported last: it registers with this module.
+from . import moe_semantics as _moe_semantics  # noqa: E402,F401
