@@ -129,8 +129,9 @@ def local_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
     ins = [a for a in node.all_input_nodes if state(a) is not None]
     if not ins or any(isinstance(state(a), Complete) for a in ins):
         return None
-    if t in MOE_RULES:
-        return MOE_RULES[t](node, state, env)
+    moe_rule = _moe_rules().get(t)
+    if moe_rule is not None:
+        return moe_rule(node, state, env)
     if t is aten.split.Tensor:
         return _own_chunk(node, state, env)
     if any(isinstance(state(a), Partial) for a in ins):
@@ -159,6 +160,13 @@ def local_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
     if _pointwise(t):
         return _elementwise(node, state, replicated)
     return None
+
+
+def _moe_rules() -> dict:
+    # Imported on use: moe_rules builds on the layouts defined here.
+    from .moe_rules import MOE_RULES
+
+    return MOE_RULES
 
 
 # ----------------------------------------------------------------- rules
@@ -376,5 +384,3 @@ def value_bytes(node: fx.Node) -> int:
         return 0
     return math.prod(v.shape) * v.element_size()
 
-
-from .moe_rules import MOE_RULES  # noqa: E402  (moe_rules builds on the layouts above)

@@ -47,7 +47,7 @@ import torch
 from ..ir.kinds import CollectiveArgs
 from ..moe import ops as moe_ops
 from ..moe.routing import capacity
-from .errors import CollectiveMismatchError, ReferenceSemanticsError
+from .errors import ReferenceSemanticsError
 from .semantics import RankCall, _mismatch, register_sync_op
 
 MOE_LAYER = moe_ops.MOE_LAYER
