@@ -221,7 +221,8 @@ def _header_lines(doc: dict[str, Any]) -> list[str]:
         f"{', dirty' if v['git_dirty'] else ''})",
         f"measured here: CPU, {s['backend']}, world size {s['world_size']}, {s['threads_per_rank']} intra-op thread "
         f"per rank, {s['warmup']} warm-up + {s['steps']} timed steps (forward+backward, no optimizer); "
-        f"simulated: none yet (cost model: issue #6)",
+        f"simulated: the executed graphs as captured here (their shapes and groups) priced on DGX-H100 x2 by the "
+        f"analytic NCCL cost model (benchmarks/simulated.py)",
     ] + _load_line(doc)
 
 

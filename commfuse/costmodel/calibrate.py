@@ -352,50 +352,63 @@ def measure_contention_job(reps: int) -> float:
 
 # ------------------------------------------------------------------ collectives inside a graph
 IN_GRAPH_KINDS = (K.ALL_REDUCE, K.ALL_GATHER, K.REDUCE_SCATTER, K.ALL_TO_ALL)
-IN_GRAPH_SIZES = (4096, 65536)
-IN_GRAPH_GAPS = (3, 10)  # matmul+tanh ops of (32x64)@(64x64) between two collectives: ~30 / ~120 us
+IN_GRAPH_ROWS = (16, 128)  # activation rows of width 64: 4 KiB and 32 KiB collectives
+IN_GRAPH_GAPS = (1, 2, 4)  # MLP blocks between two collectives: ~50-400 us of compute
 IN_GRAPH_COLLECTIVES = 12
 
 
-def _interleaved_graph(kind: CollectiveKind, size: int, gap: int, count: int, world: int, with_comm: bool):
-    """A synthetic graph that alternates ``gap`` compute ops with one collective + its wait
-    (the wait right after the start, as DTensor's graphs have them), ``count`` times; or the
-    same compute without the collectives."""
+def _interleaved_graph(kind: CollectiveKind, rows: int, gap: int, count: int, world: int, with_comm: bool):
+    """A synthetic graph of ``count`` segments, each ``gap`` small MLP blocks (layer norm,
+    matmul, GELU, matmul, residual; weights of its own, like the layers of a model) whose
+    output goes through one collective + its wait (the wait right after the start, as
+    DTensor's graphs have them) into the next segment; or the same compute without the
+    collectives. The collective's message is the activation just computed (``rows`` x 64
+    fp32); all_gather's output is sliced back and reduce_scatter's concatenated back."""
     import torch.distributed as dist
+    import torch.nn.functional as F
     from torch.fx.experimental.proxy_tensor import make_fx
 
     f = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
-    numel = max(world, (size // 4) // world * world)
+    D = 64
 
-    def coll(buf):
+    def coll(h):
         if kind is K.ALL_REDUCE:
-            return f.wait_tensor(f.all_reduce(buf, "sum", group))
-        if kind is K.ALL_GATHER:  # size = total output
-            return f.wait_tensor(f.all_gather_into_tensor(buf[: numel // world], world, group))
-        if kind is K.REDUCE_SCATTER:  # size = total input
-            return f.wait_tensor(f.reduce_scatter_tensor(buf, "sum", world, group))
-        splits = [numel // world] * world
-        return f.wait_tensor(f.all_to_all_single(buf, splits, splits, group))
+            return f.wait_tensor(f.all_reduce(h, "sum", group)) * (1.0 / world)
+        if kind is K.ALL_GATHER:
+            return f.wait_tensor(f.all_gather_into_tensor(h, world, group))[:rows]
+        if kind is K.REDUCE_SCATTER:
+            r = f.wait_tensor(f.reduce_scatter_tensor(h, "sum", world, group))
+            return torch.cat([r] * world) * (1.0 / world)
+        splits = [rows // world] * world
+        return f.wait_tensor(f.all_to_all_single(h, splits, splits, group))
 
-    def body(x, w, buf):
-        outs = []
+    def body(x, ws):
         h = x
-        for _ in range(count):
-            for _ in range(gap):
-                h = torch.tanh(h @ w)
+        for i in range(count):
+            for j in range(gap):
+                a, b = ws[2 * ((i * gap + j) % (len(ws) // 2)):][:2]
+                h = h + F.gelu(F.layer_norm(h, [D]) @ a) @ b
             if with_comm:
-                outs.append(coll(buf))
-        return [h] + outs
+                h = coll(h)
+        return h
 
-    args = (torch.randn(32, 64), torch.randn(64, 64) * 0.1, torch.ones(numel))
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(D, 2 * D, generator=g) / 8 if i % 2 == 0 else torch.randn(2 * D, D, generator=g) / 11
+          for i in range(2 * count * gap)]
+    args = (torch.randn(rows, D, generator=g), ws)
     return make_fx(body)(*args), args
 
 
+def _message_bytes(kind: CollectiveKind, rows: int, world: int) -> int:
+    """nccl-tests size of the collective of ``_interleaved_graph`` (AG: total output)."""
+    return rows * 64 * 4 * (world if kind is K.ALL_GATHER else 1)
+
+
 def measure_in_graph_collectives_job(reps: int, kinds: Sequence[str] = tuple(k.value for k in IN_GRAPH_KINDS),
-                                     sizes: Sequence[int] = IN_GRAPH_SIZES, gaps: Sequence[int] = IN_GRAPH_GAPS,
+                                     rows: Sequence[int] = IN_GRAPH_ROWS, gaps: Sequence[int] = IN_GRAPH_GAPS,
                                      count: int = IN_GRAPH_COLLECTIVES) -> list[list]:
-    """Rank job: ``[[kind, size, gap, [us with collectives per rep], [us compute only per rep]], ...]``.
+    """Rank job: ``[[kind, bytes, gap, [us with collectives per rep], [us compute only per rep]], ...]``.
 
     Each repetition runs the graph once after a barrier, as a training step runs its
     graphs; the compute-only twin is timed in the same way right after it."""
@@ -405,10 +418,10 @@ def measure_in_graph_collectives_job(reps: int, kinds: Sequence[str] = tuple(k.v
     world = dist.get_world_size()
     out = []
     for kind in kinds:
-        for size in sizes:
+        for r in rows:
             for gap in gaps:
-                with_c, args = _interleaved_graph(K(kind), size, gap, count, world, True)
-                without, _ = _interleaved_graph(K(kind), size, gap, count, world, False)
+                with_c, args = _interleaved_graph(K(kind), r, gap, count, world, True)
+                without, _ = _interleaved_graph(K(kind), r, gap, count, world, False)
                 for _ in range(3):
                     with_c(*args)
                     without(*args)
@@ -422,7 +435,7 @@ def measure_in_graph_collectives_job(reps: int, kinds: Sequence[str] = tuple(k.v
                     t0 = time.perf_counter()
                     without(*args)
                     tc.append((time.perf_counter() - t0) * 1e6)
-                out.append([kind, size, gap, tw, tc])
+                out.append([kind, _message_bytes(K(kind), r, world), gap, tw, tc])
     return out
 
 
@@ -451,7 +464,9 @@ def merge_in_graph(per_rank: list[list[list]], count: int = IN_GRAPH_COLLECTIVES
 
 def fit_in_graph_latency(samples: Sequence[InGraphSample], collectives: CollectiveParams, world: int) -> float:
     """``collective_in_graph_us``: median over the configurations of (measured per-collective
-    cost in the graph - the back-to-back fit's price at that kind and size), at least 0."""
+    cost in the graph - the back-to-back fit's price at that kind and size), at least 0.
+    The one or two cheap ops that bring a collective's output back to the activation's
+    shape (a scale, a slice, a concatenation: a few us) count as the collective's."""
     from .collectives import CollectiveModel
     from .topology import Topology
 
@@ -670,18 +685,14 @@ def calibrate(world_size: int = 2, *, sizes: Sequence[int] = DEFAULT_SIZES, warm
 
     pool = get_pool(world_size)
     if log:
-        log(f"calibrate: collectives {[k.value for k in kinds]} x {len(sizes)} sizes on {world_size} gloo ranks")
-    coll = merge_ranks(pool.run(measure_collectives_job, [k.value for k in kinds], list(sizes), warmup, reps,
-                                timeout=timeout))
-    collective = fit_collectives(coll, world_size)
-    if log:
         log("calibrate: compute ops (every rank at once, one thread each)")
     comp_rows = pool.run(measure_compute_job, warmup, reps, timeout=timeout)[0]
     comp = [Sample(f, u, t) for f, u, t in comp_rows]
     compute = fit_compute(comp)
     if log:
         log("calibrate: synthetic graphs (fw+bw transformer, views)")
-    graph_times = pool.run(measure_graph_job, reps, timeout=timeout)[0]
+    # a graph run is ~1 ms: four times the repetitions cost a fraction of a second
+    graph_times = pool.run(measure_graph_job, 4 * reps, timeout=timeout)[0]
     compute = compute.model_copy(update={"view_us": fit_view_us(graph_times["views"])})
     compute = compute.model_copy(update={"overhead_us": fit_graph_overhead(graph_times["joint"], compute)})
     kappa = statistics.median(pool.run(measure_contention_job, reps, timeout=timeout))
@@ -692,6 +703,15 @@ def calibrate(world_size: int = 2, *, sizes: Sequence[int] = DEFAULT_SIZES, warm
         log("calibrate: runtime of a synthetic compiled training step (plain and DTensor parameters)")
     step_rows = pool.run(measure_step_runtime_job, reps, timeout=timeout)
     fixed, per_param, per_dtensor = fit_step_runtime(step_rows)
+    # The back-to-back sweep runs last: the ranks are then in the state of a training job
+    # (Dynamo, AOTAutograd and DTensor loaded, a model compiled), as the steps it prices
+    # and the validation's own sweep are. Measured first in fresh ranks, every later
+    # measurement of the same collectives came out 15-20% slower here.
+    if log:
+        log(f"calibrate: collectives {[k.value for k in kinds]} x {len(sizes)} sizes on {world_size} gloo ranks")
+    coll = merge_ranks(pool.run(measure_collectives_job, [k.value for k in kinds], list(sizes), warmup, reps,
+                                timeout=timeout))
+    collective = fit_collectives(coll, world_size)
     runtime = RuntimeParams(collective_in_graph_us=fit_in_graph_latency(in_graph, collective, world_size),
                             step_fixed_us=fixed, param_us=per_param, dtensor_param_us=per_dtensor)
     profile = CostProfile(topology="cpu-gloo", num_nodes=1, backend="gloo",
