@@ -99,6 +99,13 @@ def build_analysis_report(ir: CollectiveIR, *, graph: str = "graph") -> Analysis
     rows: list[CollectiveReport] = []
     sums: dict[str, dict[str, list]] = {"kind": defaultdict(lambda: [0, 0, 0]), "group": defaultdict(lambda: [0, 0, 0])}
     total = [0, 0, 0]
+
+    def count(kind: str, group: str, logged, wire) -> None:
+        for acc in (sums["kind"][kind], sums["group"][group], total):
+            acc[0] += 1
+            acc[1] = _add(acc[1], logged)
+            acc[2] = _add(acc[2], wire)
+
     for c in ir.collectives:
         rows.append(
             CollectiveReport(
@@ -123,10 +130,7 @@ def build_analysis_report(ir: CollectiveIR, *, graph: str = "graph") -> Analysis
                 role_source=c.role_source,
             )
         )
-        for acc in (sums["kind"][c.kind.value], sums["group"][c.group.name], total):
-            acc[0] += 1
-            acc[1] = _add(acc[1], c.logged_bytes)
-            acc[2] = _add(acc[2], c.wire_bytes)
+        count(c.kind.value, c.group.name, c.logged_bytes, c.wire_bytes)
 
     embedded = []
     for e in ir.embedded:
@@ -135,10 +139,7 @@ def build_analysis_report(ir: CollectiveIR, *, graph: str = "graph") -> Analysis
                                            group_size=t.group_size, what=t.what, logged_bytes=t.logged_bytes,
                                            wire_bytes=t.wire_bytes, estimated=t.estimated,
                                            backward=e.node in ir.backward_nodes))
-            for acc in (sums["kind"][t.kind.value], sums["group"][t.group], total):
-                acc[0] += 1
-                acc[1] = _add(acc[1], t.logged_bytes)
-                acc[2] = _add(acc[2], t.wire_bytes)
+            count(t.kind.value, t.group, t.logged_bytes, t.wire_bytes)
 
     def totals(acc) -> Totals:
         return Totals(count=acc[0], logged_bytes=size_to_json(acc[1]), wire_bytes=size_to_json(acc[2]))

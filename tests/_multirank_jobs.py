@@ -321,14 +321,13 @@ def moe_op_matches_unsharded(capacity_factor: float, top_k: int) -> float:
         dist.all_reduce(t)
     ref_stats = [stats.probs_sum, stats.top1_count, stats.z_sum]
     ((got * up[mine]).sum()).backward()
-    experts = slice(r * 2, r * 2 + 2)
-    pairs = [(got, out[mine]), (xl.grad, None), (ep.w1.grad, full.w1.grad[experts]),
-             (ep.w3.grad, full.w3.grad[experts]), (ep.w2.grad, full.w2.grad[experts]),
-             *zip(glob, ref_stats)]
     # x.grad of the reference also holds the aux-loss part; compare the token part alone
     x2 = x.detach().clone().requires_grad_()
     (x2_grad,) = torch.autograd.grad((full(x2)[0] * up).sum(), [x2])
-    pairs[1] = (xl.grad, x2_grad[mine])
+    experts = slice(r * 2, r * 2 + 2)
+    pairs = [(got, out[mine]), (xl.grad, x2_grad[mine]), (ep.w1.grad, full.w1.grad[experts]),
+             (ep.w3.grad, full.w3.grad[experts]), (ep.w2.grad, full.w2.grad[experts]),
+             *zip(glob, ref_stats)]
     worst = 0.0
     for a, b in pairs:
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)

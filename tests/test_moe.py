@@ -142,16 +142,35 @@ def _bytes(gm) -> dict[str, dict[str, int]]:
     return out
 
 
+class _Ring:
+    """docs/chimera-moe.md's per-rank wire bytes on n ranks (ring conventions, dtype size elt)."""
+
+    def __init__(self, n: int, elt: int) -> None:
+        self.n, self.elt = n, elt
+        self.counts = (n - 1) * E * 8 // n  # the dropless per-expert counts exchange
+
+    def a2a(self, rows: int, width: int) -> int:
+        return (self.n - 1) * rows * width * self.elt // self.n
+
+    def ar(self, nbytes: int) -> int:
+        return 2 * (self.n - 1) * nbytes // self.n
+
+    def half(self, nbytes: int) -> int:  # all_gather / reduce_scatter
+        return (self.n - 1) * nbytes // self.n
+
+    def moe_forward(self, tokens: int) -> int:  # dispatch + combine, H values per row
+        return self.counts + 2 * self.a2a(tokens * K, H)
+
+    def moe_backward(self, tokens: int) -> int:  # (token, grad, gate) out, (grad, gate grad) back
+        return self.counts + self.a2a(tokens * K, 2 * H + 1) + self.a2a(tokens * K, H + 1)
+
+
 def expected_sp_ep_sp(n: int = N, elt: int = 4) -> dict[str, dict[str, dict[str, int]]]:
     """docs/chimera-moe.md, SP+EP+SP (dropless, balanced routing, one block). M = B*S*H*elt;
     T = B*S tokens; an all_to_all of R rows of width W sends (n-1)/n * R*W*elt."""
     m, t = B * S * H * elt, B * S
-    ag = (n - 1) * m // n
-    counts = (n - 1) * E * 8 // n
-    a2a = lambda rows, width: (n - 1) * rows * width * elt // n  # noqa: E731
-    ar = lambda nbytes: 2 * (n - 1) * nbytes // n  # noqa: E731
-    fwd_moe = lambda tokens: counts + 2 * a2a(tokens * K, H)  # noqa: E731
-    bwd_moe = lambda tokens: counts + a2a(tokens * K, 2 * H + 1) + a2a(tokens * K, H + 1)  # noqa: E731
+    r = _Ring(n, elt)
+    ag, ar, fwd_moe, bwd_moe = r.half(m), r.ar, r.moe_forward, r.moe_backward
     return {
         "before": {"forward": {"all_gather": 2 * ag, "reduce_scatter": ag, "moe": fwd_moe(t)},
                    "backward": {"all_gather": 2 * ag, "reduce_scatter": ag, "moe": bwd_moe(t)}},
@@ -184,13 +203,9 @@ V = 64
 def expected_tp_ep(n: int = N, elt: int = 4) -> dict[str, dict[str, dict[str, int]]]:
     """docs/chimera-moe.md, TP+EP (dropless, one block, vocab-parallel embedding and head)."""
     m, t = B * S * H * elt, B * S
-    half = (n - 1) * m // n  # reduce_scatter or all_gather of one activation
+    r = _Ring(n, elt)
+    half, ar, fwd_moe, bwd_moe = r.half(m), r.ar, r.moe_forward, r.moe_backward
     logits = (n - 1) * B * S * (V // n) * elt
-    counts = (n - 1) * E * 8 // n
-    a2a = lambda rows, width: (n - 1) * rows * width * elt // n  # noqa: E731
-    ar = lambda nbytes: 2 * (n - 1) * nbytes // n  # noqa: E731
-    fwd_moe = lambda tokens: counts + 2 * a2a(tokens * K, H)  # noqa: E731
-    bwd_moe = lambda tokens: counts + a2a(tokens * K, 2 * H + 1) + a2a(tokens * K, H + 1)  # noqa: E731
     return {
         "before": {"forward": {"all_reduce": 2 * ar(m), "all_gather": logits, "moe": fwd_moe(t)},
                    "backward": {"all_reduce": 4 * ar(m), "moe": bwd_moe(t)}},

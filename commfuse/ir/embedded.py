@@ -37,10 +37,6 @@ class EmbeddedComm:
     node: fx.Node
     transfers: list[EmbeddedTransfer]
 
-    @property
-    def wire_bytes(self) -> int:
-        return sum(t.wire_bytes for t in self.transfers)
-
 
 _EMBEDDED: dict[Any, Callable[[fx.Node], list[EmbeddedTransfer]]] = {}
 

@@ -45,7 +45,7 @@ class Exchange:
         self.order = torch.argsort(a.expert, stable=True)
         counts = torch.bincount(a.expert, minlength=self.num_experts)
         self.send_splits = counts.view(n, local).sum(1).tolist()
-        recv_counts = counts.clone() if self.group is None else self._a2a_counts(counts)
+        recv_counts = self._a2a(counts)
         recv_counts = recv_counts.view(n, local)  # [source rank, local expert]
         self.recv_splits = recv_counts.sum(1).tolist()
         self.per_expert = recv_counts.sum(0).tolist()
@@ -53,15 +53,13 @@ class Exchange:
         row_expert = torch.repeat_interleave(torch.arange(local).repeat(n), recv_counts.reshape(-1))
         self.by_expert = torch.argsort(row_expert, stable=True)
 
-    def _a2a_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(counts)
-        dist.all_to_all_single(out, counts, group=self.group)
-        return out
-
-    def _a2a(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+    def _a2a(self, rows: torch.Tensor, out_splits: Optional[list[int]] = None,
+             in_splits: Optional[list[int]] = None) -> torch.Tensor:
+        """all_to_all along dim 0 (equal splits without split sizes); identity without a group."""
         if self.group is None:
             return rows
-        out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+        shape = rows.shape if out_splits is None else (sum(out_splits), *rows.shape[1:])
+        out = rows.new_empty(shape)
         dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=self.group)
         return out
 
@@ -72,7 +70,7 @@ class Exchange:
         if a.slots_per_expert:
             buf = rows.new_zeros(self.num_experts, a.slots_per_expert, width)
             buf[a.expert, a.slot] = rows
-            recv = self._a2a_equal(buf)  # [N * local, slots, W], source-major
+            recv = self._a2a(buf)  # [N * local, slots, W], source-major
             recv = recv.view(self.n, self.local, a.slots_per_expert, width).transpose(0, 1)
             return list(recv.reshape(self.local, self.n * a.slots_per_expert, width).unbind(0))
         sent = rows[self.order]
@@ -85,7 +83,7 @@ class Exchange:
         width = per_expert[0].shape[1]
         if a.slots_per_expert:
             back = torch.stack(per_expert).view(self.local, self.n, a.slots_per_expert, width).transpose(0, 1)
-            ret = self._a2a_equal(back.reshape(self.num_experts, a.slots_per_expert, width))
+            ret = self._a2a(back.reshape(self.num_experts, a.slots_per_expert, width))
             return ret[a.expert, a.slot]
         grouped = torch.cat(per_expert)
         recv_order = torch.empty_like(grouped)
@@ -93,11 +91,4 @@ class Exchange:
         sent_back = self._a2a(recv_order, self.send_splits, self.recv_splits)
         out = torch.empty_like(sent_back)
         out[self.order] = sent_back
-        return out
-
-    def _a2a_equal(self, buf: torch.Tensor) -> torch.Tensor:
-        if self.group is None:
-            return buf
-        out = torch.empty_like(buf)
-        dist.all_to_all_single(out, buf.contiguous(), group=self.group)
         return out

@@ -70,15 +70,13 @@ def swiglu_vjp(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, g: Tensor
     return hidden @ w2, da @ w1.t() + db @ w3.t(), (x.t() @ da, x.t() @ db, hidden.t() @ g)
 
 
-def router_vjp(x: Tensor, router_w: Tensor, top_k: int, grad_gates: Tensor, grad_probs_sum: Tensor,
-               grad_z_sum: Tensor) -> tuple[Tensor, Tensor]:
+def router_vjp(x: Tensor, router_w: Tensor, logits: Tensor, probs: Tensor, gates: Tensor, experts: Tensor,
+               grad_gates: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor) -> tuple[Tensor, Tensor]:
     """``(dx, drouter_w)`` through logits -> softmax -> top-k (renormalised) gates, the
-    probability sums and the z-loss sum."""
-    logits, probs = router_probs(x, router_w)
-    picked, experts = probs.topk(top_k, dim=-1)
+    probability sums and the z-loss sum, given that forward's values."""
+    top_k = experts.shape[-1]
     if top_k > 1:
-        total = picked.sum(-1, keepdim=True)
-        gates = picked / total
+        total = probs.gather(-1, experts).sum(-1, keepdim=True)
         d_picked = (grad_gates - (grad_gates * gates).sum(-1, keepdim=True)) / total
     else:
         d_picked = grad_gates
@@ -127,7 +125,7 @@ def moe_backward(grad_out: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor, x
     group = resolve_group(group_name)
     shape, h = x.shape, x.shape[-1]
     x, grad_out = x.reshape(-1, h), grad_out.reshape(-1, h)
-    _, _, gates, _, a, ex = _route(x, router_w, top_k, capacity_factor, token_groups, group)
+    logits, probs, gates, experts, a, ex = _route(x, router_w, top_k, capacity_factor, token_groups, group)
     gate = gates[a.token, a.choice].to(x.dtype)
     payload = torch.cat([x[a.token], grad_out[a.token], gate.unsqueeze(1)], dim=1)
     grads_w = [torch.zeros_like(w) for w in (w1, w3, w2)]
@@ -142,7 +140,7 @@ def moe_backward(grad_out: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor, x
     grad_x = torch.zeros_like(x).index_add_(0, a.token, returned[:, :h])
     grad_gate = torch.zeros_like(gates)
     grad_gate[a.token, a.choice] = returned[:, h].to(gates.dtype)
-    gxr, gwr = router_vjp(x, router_w, top_k, grad_gate, grad_probs_sum, grad_z_sum)
+    gxr, gwr = router_vjp(x, router_w, logits, probs, gates, experts, grad_gate, grad_probs_sum, grad_z_sum)
     return (grad_x + gxr.to(x.dtype)).view(shape), gwr.to(router_w.dtype), *grads_w
 
 
