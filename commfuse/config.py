@@ -7,7 +7,7 @@ import json
 import os
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from .costmodel.topology import Topology
 from .ir.collective import ParallelRole
@@ -42,6 +42,15 @@ class Config(BaseModel):
         each compiled frame and raise instead of hanging (default: on when `debug`).
     agreement_timeout_s: how long a rank waits for the others in that check.
     svg_max_nodes: larger graphs are drawn condensed (compute runs collapsed; Graphviz is slow).
+    workload_chunks: how many chunks the Centauri workload partition cuts a collective and
+        the compute chained to it into, when no cost-model decision is taken (the
+        ``workload_partition`` pass alone; the scheduler picks per collective later).
+    max_chunks: upper bound on any chunk count commfuse chooses (MAX_CHUNKS of Centauri's
+        Algorithm 1); ``workload_chunks`` must not exceed it.
+    partition_search_budget: compile-time budget of the Centauri partition search per graph,
+        in scored schemes (leaves simulated); when it runs out the remaining collectives keep
+        their current scheme. A count, not seconds: a wall-clock budget would let ranks that
+        compile at different speeds choose different collectives and hang.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -59,6 +68,15 @@ class Config(BaseModel):
     svg_max_nodes: PositiveInt = 250
     check_agreement: Optional[bool] = None
     agreement_timeout_s: PositiveFloat = 120.0
+    workload_chunks: PositiveInt = 2
+    max_chunks: PositiveInt = 8
+    partition_search_budget: PositiveInt = 400
+
+    @model_validator(mode="after")
+    def _chunks_within_bound(self) -> "Config":
+        if self.workload_chunks > self.max_chunks:
+            raise ValueError(f"workload_chunks={self.workload_chunks} exceeds max_chunks={self.max_chunks}")
+        return self
 
     def agreement_enabled(self) -> bool:
         return self.debug if self.check_agreement is None else self.check_agreement
@@ -96,6 +114,9 @@ class Config(BaseModel):
             "roles": {k: v.value for k, v in sorted(self.group_roles.items())},
             "tp_inputs_replicated": self.tp_inputs_replicated,
             "moe_capacity_regroup": self.moe_capacity_regroup,
+            "workload_chunks": self.workload_chunks,
+            "max_chunks": self.max_chunks,
+            "partition_search_budget": self.partition_search_budget,
             "topology": topo.model_dump() if topo else None,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
