@@ -2,6 +2,7 @@
 
     python benchmarks/run.py --suite quick|full|smoke --json out.json [--plot DIR] [--markdown FILE]
     python benchmarks/run.py --from-json out.json --plot DIR      # re-render a stored run
+    python benchmarks/run.py --partition-report [--json out.json] # Centauri search on DGX-H100 x2 (predicted)
 
 Runs each workload x baseline on a pool of gloo ranks (one intra-op thread
 each), then the compile-time scaling points in fresh processes, prints the
@@ -173,7 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
     ap.add_argument("--no-scaling", action="store_true", help="skip the compile-time scaling points")
     ap.add_argument("--from-json", type=Path, help="re-render a stored run instead of measuring")
+    ap.add_argument("--partition-report", action="store_true",
+                    help="only the Centauri partition search report (SimpleFSDP Llama layer, DGX-H100 x2, predicted)")
     args = ap.parse_args(argv)
+
+    if args.partition_report:
+        from benchmarks.partition_report import partition_tables, run_partition_report
+
+        report = run_partition_report()
+        print(partition_tables(report))
+        _write({"schema": SCHEMA, "environment": environment(), "partition": report}, args.json)
+        return 0
 
     if args.from_json:
         doc = json.loads(args.from_json.read_text())

@@ -164,6 +164,7 @@ class PassRecord(BaseModel):
     changed: bool = False
     counts: dict[str, int] = Field(default_factory=dict)
     refusals: list[str] = Field(default_factory=list)
+    decisions: list[dict] = Field(default_factory=list)
     error: Optional[str] = None  # set when the pass failed and the graph was restored
     seconds: float = 0.0
 

@@ -32,6 +32,9 @@ class PassResult:
     # One line per candidate the pass looked at and left alone, with the reason
     # ("why not fused"); reported and dumped.
     refusals: list[str] = field(default_factory=list)
+    # Structured decisions (JSON-serialisable dicts), e.g. the partition search's chosen
+    # scheme and predicted gain per collective; reported and dumped.
+    decisions: list[dict] = field(default_factory=list)
 
 
 class GraphPass(abc.ABC):

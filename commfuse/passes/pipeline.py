@@ -105,6 +105,7 @@ class Pipeline:
             try:
                 result = p.run(ctx)
                 record.changed, record.counts, record.refusals = result.changed, result.counts, result.refusals
+                record.decisions = result.decisions
                 if result.changed:
                     gm.recompile()
                     ctx.invalidate()

@@ -1,0 +1,268 @@
+"""centauri_partition: per collective, search the partition tree and keep the cheapest leaf.
+
+Contract
+- Matches: every all_gather, reduce_scatter and all_reduce of a scheduled
+  (forward / backward / inference) graph, in graph order, when a topology is
+  known (``Config.topology`` or ``commfuse.setup``); without one nothing is
+  searched and the report says so.
+- Does: for each collective, enumerates the leaves of Centauri's partition tree
+  (Fig. 4): a primitive form (the collective as is, or a scalable substitute of
+  Table 2 from ``primitive_substitution``), a group scheme (flat, or the
+  inter-first / intra-first hierarchical sequence of ``group_partition``) and a
+  workload chunk count (1, or a count from {2, 4, 8, ...} up to
+  ``Config.max_chunks`` that ``workload_partition`` can cut the collective and its
+  compute chain into). Each leaf is applied to a copy of the graph, its waits are
+  sunk as the ``sink_waits`` pass would, and the copy is simulated with the
+  topology's cost estimator (``costmodel.simulator``: makespan, exposed
+  communication, peak memory). The cheapest leaf by makespan is applied to the
+  graph when it beats the current graph; ties keep the simpler scheme. Decisions
+  are greedy in graph order: each collective is searched on the graph that
+  already holds the earlier collectives' choices.
+- Order inside a leaf: the workload partition is applied first (it needs the
+  collective and its chain as the program wrote them), then the primitive
+  substitution and the group partition on each chunk collective. The three
+  rewrites are value-preserving and independent per chunk, so this yields the same
+  program as the paper's primitive -> group -> workload order for every leaf
+  commfuse can build.
+- Guarantees: values equal up to reduction order (each building pass's contract);
+  every decision is a deterministic function of the graph, config and topology
+  (the budget counts simulated leaves, not seconds), so every rank emits the same
+  collectives in the same order. One ``decisions`` entry per searched collective
+  records the chosen scheme, the number of leaves scored and the predicted
+  makespan / exposed communication before and after.
+- Leaves alone: collectives of other kinds; collectives whose every leaf is no
+  cheaper (reported with the best alternative's prediction); collectives left
+  when ``Config.partition_search_budget`` leaves have been scored (reported).
+
+Source: Centauri §3.1 (partition space, Fig. 4: "each collective yields a tree of
+feasible schemes; pick the leaf with minimal scheduling cost"), scored with the
+simulator of commfuse's cost model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch.fx as fx
+
+from .._torch_private import copy_graph
+from ..costmodel.simulator import SimResult, Simulator
+from ..ir.collective import Collective
+from ..ir.kinds import CollectiveKind
+from .base import GraphPass, PassResult, Stage
+from .context import PassContext
+from .cost import estimator_for
+from .registry import register_pass
+
+log = logging.getLogger("commfuse")
+
+SEARCHED_KINDS = (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE)
+GROUP_SCHEMES = ("flat", "inter_first", "intra_first")
+# A leaf must beat the current graph by this fraction of its makespan to be applied:
+# below it the simulator's rounding, not the schedule, decides.
+MIN_GAIN = 1e-3
+
+
+@dataclass(frozen=True)
+class Scheme:
+    primitive: str = "keep"
+    group: str = "flat"
+    chunks: int = 1
+
+    @property
+    def is_identity(self) -> bool:
+        return self == Scheme()
+
+    def complexity(self) -> tuple[int, int, int]:
+        return (self.chunks, int(self.group != "flat"), int(self.primitive != "keep"))
+
+    def describe(self) -> str:
+        parts = [] if self.primitive == "keep" else [self.primitive]
+        if self.group != "flat":
+            parts.append(f"group:{self.group}")
+        if self.chunks > 1:
+            parts.append(f"chunks:{self.chunks}")
+        return "+".join(parts) or "unchanged"
+
+
+@dataclass(frozen=True)
+class Score:
+    makespan_us: float
+    exposed_comm_us: float
+    peak_memory_bytes: int
+
+    @classmethod
+    def of(cls, r: SimResult) -> "Score":
+        return cls(r.makespan_us, r.exposed_comm_us, r.peak_memory_bytes)
+
+
+class InfeasibleLeaf(Exception):
+    """A building pass refused one step of the leaf (its plan returned a reason)."""
+
+
+def _building_blocks():
+    # Imported on use: the three passes import the registry, which imports this module.
+    from . import group_partition, primitive_substitution, workload_partition
+
+    return primitive_substitution, group_partition, workload_partition
+
+
+def chunk_candidates(max_chunks: int) -> list[int]:
+    out, k = [1], 2
+    while k <= max_chunks:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def leaves_for(ctx: PassContext, c: Collective) -> list[Scheme]:
+    """The leaves of ``c``'s partition tree whose first step is feasible, simplest first."""
+    prim, group, work = _building_blocks()
+    forms = ["keep"] + list(prim.substitute_forms(c))
+    groups = ["flat"] + [g for g in GROUP_SCHEMES[1:] if not isinstance(group.plan_group_partition(ctx, c, order=g), str)]
+    chunks = [k for k in chunk_candidates(ctx.config.max_chunks)
+              if k == 1 or not isinstance(work.plan_workload_partition(ctx, c, chunks=k), str)]
+    leaves = [Scheme(f, g, k) for k in chunks for g in groups for f in forms]
+    return sorted(leaves, key=Scheme.complexity)
+
+
+def _collectives_at(ctx: PassContext, starts: list[fx.Node]) -> list[Collective]:
+    ctx.invalidate()
+    by_start = {c.start: c for c in ctx.ir.collectives}
+    return [by_start[s] for s in starts if s in by_start]
+
+
+def _step(ctx: PassContext, c: Collective, plan_fn: Callable, apply_fn: Callable, **choice) -> list[fx.Node]:
+    plan = plan_fn(ctx, c, **choice)
+    if isinstance(plan, str):
+        raise InfeasibleLeaf(f"{c.name}: {plan}")
+    return apply_fn(ctx, c, plan)
+
+
+def apply_scheme(ctx: PassContext, c: Collective, scheme: Scheme) -> None:
+    """Rewrite ``ctx.gm`` with ``scheme`` for ``c`` (raises InfeasibleLeaf; caller restores)."""
+    prim, group, work = _building_blocks()
+    starts = [c.start]
+    if scheme.chunks > 1:
+        starts = _step(ctx, c, work.plan_workload_partition, work.apply_workload_partition, chunks=scheme.chunks)
+    if scheme.primitive != "keep":
+        new: list[fx.Node] = []
+        for cc in _collectives_at(ctx, starts):
+            new += _step(ctx, cc, prim.plan_primitive_substitution, prim.apply_primitive_substitution,
+                         form=scheme.primitive)
+        starts = new
+    if scheme.group != "flat":
+        for cc in _collectives_at(ctx, starts):
+            if cc.kind in SEARCHED_KINDS:
+                _step(ctx, cc, group.plan_group_partition, group.apply_group_partition, order=scheme.group)
+    ctx.gm.graph.lint()
+    ctx.gm.recompile()
+    ctx.invalidate()
+
+
+def _copy_context(ctx: PassContext) -> PassContext:
+    gm = fx.GraphModule(ctx.gm, copy_graph(ctx.gm.graph))
+    return PassContext(gm, ctx.config, graph_kind=ctx.graph_kind, topology=ctx.topology,
+                       group_roles=ctx.ir_options.group_roles, role_sources=ctx.ir_options.role_sources)
+
+
+def score_graph(ctx: PassContext) -> Score:
+    """The graph's predicted cost once its waits are sunk (as the pipeline's ``sink_waits`` will)."""
+    from .sink_waits import SinkWaits
+
+    if SinkWaits().run(ctx).changed:
+        ctx.gm.recompile()
+        ctx.invalidate()
+    return Score.of(Simulator(ctx.gm, estimator_for(ctx)).simulate())
+
+
+def score_leaf(ctx: PassContext, collective: str, scheme: Scheme) -> Score:
+    trial = _copy_context(ctx)
+    if not scheme.is_identity:
+        c = next((x for x in trial.ir.collectives if x.name == collective), None)
+        if c is None:
+            raise InfeasibleLeaf(f"{collective}: not found in the copy")
+        apply_scheme(trial, c, scheme)
+    return score_graph(trial)
+
+
+@dataclass
+class Decision:
+    collective: str
+    kind: str
+    group: str
+    scheme: str
+    leaves_scored: int
+    makespan_before_us: float
+    makespan_after_us: float
+    exposed_before_us: float
+    exposed_after_us: float
+    peak_memory_before: int
+    peak_memory_after: int
+
+
+@register_pass
+class CentauriPartition(GraphPass):
+    __doc__ = __doc__
+    name = "centauri_partition"
+    stage = Stage.SCHEDULE
+
+    def run(self, ctx: PassContext) -> PassResult:
+        if estimator_for(ctx) is None:
+            return PassResult(changed=False, refusals=["no topology (Config.topology or commfuse.setup): "
+                                                       "the partition search has no cost model to decide with"])
+        budget = ctx.config.partition_search_budget
+        names = [c.name for c in ctx.ir.collectives if c.kind in SEARCHED_KINDS]
+        refusals: list[str] = []
+        decisions: list[dict] = []
+        changed = 0
+        current = score_graph(_copy_context(ctx))
+        for i, name in enumerate(names):
+            c = next((x for x in ctx.ir.collectives if x.name == name), None)
+            if c is None:
+                continue
+            if budget <= 0:
+                refusals.append(f"search budget ({ctx.config.partition_search_budget} leaves) spent: "
+                                f"{len(names) - i} collective(s) from {name} on kept as they are")
+                break
+            best, best_score, scored, infeasible = None, current, 0, []
+            for scheme in leaves_for(ctx, c):
+                if scheme.is_identity:
+                    continue
+                if budget <= 0:
+                    break
+                try:
+                    s = score_leaf(ctx, name, scheme)
+                except InfeasibleLeaf as e:
+                    infeasible.append(f"{scheme.describe()} ({e})")
+                    continue
+                budget -= 1
+                scored += 1
+                if s.makespan_us < best_score.makespan_us - MIN_GAIN * max(current.makespan_us, 1e-9):
+                    best, best_score = scheme, s
+            if best is None:
+                refusals.append(f"{name}: kept ({scored} scheme(s) scored, none predicted faster than "
+                                f"{current.makespan_us:.1f} us" + (f"; infeasible: {'; '.join(infeasible)}"
+                                                                   if infeasible else "") + ")")
+                continue
+            apply_scheme(ctx, c, best)
+            changed += 1
+            decisions.append(asdict(Decision(
+                collective=name, kind=c.kind.value, group=c.group.name, scheme=best.describe(),
+                leaves_scored=scored, makespan_before_us=current.makespan_us,
+                makespan_after_us=best_score.makespan_us, exposed_before_us=current.exposed_comm_us,
+                exposed_after_us=best_score.exposed_comm_us, peak_memory_before=current.peak_memory_bytes,
+                peak_memory_after=best_score.peak_memory_bytes)))
+            current = best_score
+        counts = {"collectives_searched": len(names), "collectives_partitioned": changed,
+                  "leaves_scored": ctx.config.partition_search_budget - budget}
+        return PassResult(changed=changed > 0, counts=counts, refusals=refusals, decisions=decisions)
+
+
+def predicted(ctx: PassContext) -> Optional[Score]:
+    """The graph's predicted cost under the search's judge (None without a topology)."""
+    if estimator_for(ctx) is None:
+        return None
+    return score_graph(_copy_context(ctx))
