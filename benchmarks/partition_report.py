@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 TOPOLOGY = ("dgx-h100", 2)
-LAYER = dict(n_layers=1, dim=1024, n_heads=16, ffn_dim=4096)
-BATCH_PER_RANK, SEQ = 1, 256
+LAYER = dict(n_layers=1, dim=2048, n_heads=16, ffn_dim=8192)
+BATCH_PER_RANK, SEQ = 1, 2048
 
 __all__ = ["run_partition_report", "partition_tables"]
 

@@ -111,3 +111,11 @@ _register(Suite(
     workloads=("moe_tp_ep:s", "moe_sp_ep_sp:s"),
     baselines=("eager", "inductor", "inductor+comm", "commfuse", "commfuse-eager:none", "commfuse-eager"),
     warmup=3, steps=20, scaling=()))
+# MoE recognition (docs/moe-recognition.md): a hand-written GShard MoE in an SP block; the
+# commfuse rows show the gather gone once the layer is recognised as one region.
+_register(Suite(
+    "moe-recognition", "moe_style_sp_ep_sp at size s: eager, Inductor, Inductor+comm passes, commfuse "
+    "(Inductor and eager inner), commfuse with no passes",
+    workloads=("moe_style_sp_ep_sp:s",),
+    baselines=("eager", "inductor", "inductor+comm", "commfuse", "commfuse-eager:none", "commfuse-eager"),
+    warmup=3, steps=20, scaling=()))

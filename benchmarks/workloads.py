@@ -243,3 +243,29 @@ register_family(Family(
 register_family(Family(
     "moe_sp_ep_sp", "SP attention + commfuse MoE layer on gathered tokens, back to sequence shards (Chimera SP+EP+SP)",
     _build_moe_sp_ep_sp, _MOE_TP_SIZES))
+
+
+def _build_moe_style_sp_ep_sp(world: int, rank: int, *, dim: int, n_heads: int, experts_per_rank: int,
+                              ffn_dim: int, batch: int, seq: int) -> Built:
+    """SP attention + a GShard MoE written in plain PyTorch (one-hot/cumsum dispatch, all_to_all):
+    ``moe_recognition`` must first prove it one region before motion can drop the gather."""
+    from commfuse.models import moe_styles as ms
+
+    # capacity_factor = world: capacity cannot bind, so token shards route exactly as the full batch
+    cfg = ms.MoEStyleConfig(style="gshard", dim=dim, num_experts=experts_per_rank * world, ffn_dim=ffn_dim, top_k=2,
+                            capacity_factor=float(world), n_heads=n_heads)
+    mesh = _mesh(world)
+    model = ms.parallelize_moe_style_tp(ms.build_moe_style_tp(cfg), mesh, "sp_ep_sp")
+    gen = torch.Generator().manual_seed(1 + rank)
+    inputs = torch.randn(batch, seq // world, dim, generator=gen)  # this rank's sequence shard
+
+    def loss(out):
+        return out[0].float().pow(2).mean() + 0.01 * out[1]
+
+    return Built(model, (inputs,), loss, roles={mesh.get_group().group_name: "tp"})
+
+
+register_family(Family(
+    "moe_style_sp_ep_sp", "SP attention + hand-written GShard MoE (recognised into commfuse's MoE op), "
+    "back to sequence shards", _build_moe_style_sp_ep_sp,
+    {k: {kk: vv for kk, vv in v.items() if kk != "n_layers"} for k, v in _MOE_TP_SIZES.items()}))

@@ -136,3 +136,13 @@ def copy_graph(graph):
     copy.output(out)
     copy._codegen = graph._codegen
     return copy
+
+
+def register_work(tensor, work) -> None:
+    """Tie an async c10d Work to a tensor so `_c10d_functional.wait_tensor(tensor)` waits on it
+    (what the functional collectives do with their outputs).
+
+    Private: `torch._C._distributed_c10d._register_work`. Used by commfuse's own async
+    collective ops (`commfuse.lowering.rooted`).
+    """
+    torch._C._distributed_c10d._register_work(tensor, work)

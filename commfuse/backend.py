@@ -1,6 +1,8 @@
 """The torch.compile backend: `torch.compile(model, backend="commfuse")`.
 
 Where passes run (see docs/architecture.md):
+* PRE_AUTOGRAD-stage passes rewrite the graph Dynamo hands the backend, before
+  AOTAutograd traces it (MoE recognition);
 * JOINT-stage passes rewrite the joint forward+backward graph before AOTAutograd
   partitions it (and the inference graph when no gradient is needed);
 * SCHEDULE-stage passes reorder the partitioned forward and backward graphs.
@@ -71,10 +73,20 @@ class CommfuseBackend:
         self._pipeline_names = self.config.pass_names()
         # One report per graph this backend compiled (joint/forward/backward/inference), in order.
         self.reports: list[PipelineReport] = []
+        # Reports of the pre-autograd stage on Dynamo's graphs (graph "dynamo"), where one of
+        # its passes rewrote or refused something (e.g. MoE recognition).
+        self.dynamo_reports: list[PipelineReport] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         pipeline = Pipeline.for_config(self.config)
         record = FrameRecord()
+        if any(p.stage is Stage.PRE_AUTOGRAD for p in pipeline.passes):
+            # Recognition before AOTAutograd traces the graph, so the ops it introduces are
+            # differentiated by their registered autograd. Reported (graph "dynamo") and dumped
+            # only when a pass found something; the agreement check compares the AOT graphs.
+            rep = pipeline.run(gm, graph_kind="dynamo", stages={Stage.PRE_AUTOGRAD}, dump_if_changed=True)
+            if any(p.changed or p.refusals or p.error for p in rep.passes):
+                self.dynamo_reports.append(rep)
         pipeline.on_report = lambda r: (self.reports.append(r), record.add(r))
         if self.config.inner_compiler == "eager":
             compiled = self._compile_eager(gm, example_inputs, pipeline)

@@ -42,6 +42,12 @@ class Config(BaseModel):
         each compiled frame and raise instead of hanging (default: on when `debug`).
     agreement_timeout_s: how long a rank waits for the others in that check.
     svg_max_nodes: larger graphs are drawn condensed (compute runs collapsed; Graphviz is slow).
+    moe_recognition: when the ``moe_recognition`` pass rewrites a hand-written MoE layer into
+        ``commfuse::moe_layer``. "auto": only when the layer's tokens come from tensor/sequence
+        parallel computation (a DTensor or a functional collective upstream), where collective
+        motion can then drop the gather in front of it; a pure expert-parallel layer is left
+        alone because the op's backward re-sends each token with its gradient (2H+1 values
+        per routed token instead of 2H). "always": every proven region. "off": none.
     workload_chunks: how many chunks the Centauri workload partition cuts a collective and
         the compute chained to it into, when no cost-model decision is taken (the
         ``workload_partition`` pass alone; the scheduler picks per collective later).
@@ -65,6 +71,7 @@ class Config(BaseModel):
     group_roles: dict[str, ParallelRole] = Field(default_factory=dict)
     tp_inputs_replicated: bool = True
     moe_capacity_regroup: bool = False
+    moe_recognition: Literal["auto", "always", "off"] = "auto"
     svg_max_nodes: PositiveInt = 250
     check_agreement: Optional[bool] = None
     agreement_timeout_s: PositiveFloat = 120.0
@@ -114,6 +121,7 @@ class Config(BaseModel):
             "roles": {k: v.value for k, v in sorted(self.group_roles.items())},
             "tp_inputs_replicated": self.tp_inputs_replicated,
             "moe_capacity_regroup": self.moe_capacity_regroup,
+            "moe_recognition": self.moe_recognition,
             "workload_chunks": self.workload_chunks,
             "max_chunks": self.max_chunks,
             "partition_search_budget": self.partition_search_budget,

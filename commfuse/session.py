@@ -4,14 +4,46 @@ Process groups are created here and only here, identically and in the same order
 on every rank (`dist.new_group` is itself a collective over the default group).
 Passes only *choose* among these groups; they never create one, because ranks
 that hit a compile cache skip compilation and would not join the creation.
+
+Sub-groups for Centauri's group partition (docs/centauri-group-partition.md)
+    A *parent* group whose ranks span ``a >= 2`` nodes with the same ``b >= 2`` ranks on
+    each, in ascending (node-major) order, is the mesh ``[a, b]``: group rank
+    ``j = i*b + l`` sits on the group's ``i``-th node as its ``l``-th local rank. Its
+    sub-groups are Centauri's ``G'_k`` for that mesh: the ``a`` *intra-node* groups
+    ``{i*b + l' | l'}`` and the ``b`` *inter-node* groups ``{i'*b + l | i'}``. Parents are
+    the world, every dim of the DeviceMesh given to ``setup(mesh=...)`` and every
+    partition given as ``setup(groups=...)``; ranks of the process groups that qualify
+    get sub-groups, created for every parent block in one fixed order (world, then mesh
+    dims in order, then ``groups``; per parent its intra blocks, then its inter blocks;
+    a rank tuple already created is reused).
+
+Names in graphs
+    Each rank registers *its own* intra / inter sub-group of a parent under an alias
+    derived from the parent's ranks (``commfuse.intra.<ranks>`` /
+    ``commfuse.inter.<ranks>``, see :func:`subgroup_names`). A rewritten graph names
+    these aliases, so for a parent that is the same group on every rank (the world)
+    the graph is identical on every rank: the cross-rank agreement check compares
+    equal signatures, and the reference interpreter runs one graph for all ranks with
+    the alias mapped to the partition of all its blocks (:meth:`Session.reference_groups`).
+    For a mesh dim whose group differs per rank, the graph names differ per rank exactly
+    as the parent's own (DeviceMesh) name already does.
+
+Calling setup again
+    Sub-groups created by an earlier ``setup`` in this process are reused (no group is
+    created twice) while every one of them this rank belongs to is still alive and the
+    default group is the same; otherwise (``destroy_process_group`` on all ranks, a new
+    ``init_process_group``) all are created afresh. The aliases are re-registered to the
+    groups in use. Destroying sub-groups on only some ranks makes later ``setup`` calls
+    disagree about reuse; destroy on all ranks or none.
 """
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from .costmodel.topology import Topology
 from .errors import ConfigError
@@ -24,18 +56,54 @@ MESH_DIM_ROLES = {
     "dp_shard": ParallelRole.FSDP, "fsdp": ParallelRole.FSDP,
 }
 
+INTRA_PREFIX = "commfuse.intra."
+INTER_PREFIX = "commfuse.inter."
+
+Ranks = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SubGroups:
+    """This rank's two sub-groups of one parent group (Centauri's G'_k on the mesh [a, b])."""
+
+    parent: Ranks  # the parent's global ranks, in group-rank order (ascending)
+    nodes: int  # a: nodes the parent spans
+    local: int  # b: parent ranks on each of those nodes
+    intra: Ranks  # this rank's intra-node sub-group {i*b + l'}
+    inter: Ranks  # this rank's inter-node sub-group {i'*b + l}
+    intra_name: str  # the alias graphs use for `intra` (registered in this process)
+    inter_name: str
+    intra_pg: Any = field(default=None, compare=False, repr=False)
+    inter_pg: Any = field(default=None, compare=False, repr=False)
+
 
 @dataclass
 class Session:
     topology: Optional[Topology] = None
     group_roles: dict[str, str] = field(default_factory=dict)
     role_sources: dict[str, str] = field(default_factory=dict)
-    # ranks -> process group, for the topology's intra-node and inter-node sub-groups
-    intra_node_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)
-    inter_node_groups: dict[tuple[int, ...], Any] = field(default_factory=dict)
+    # ranks -> process group, for the topology's intra-node and inter-node sub-groups of the world
+    intra_node_groups: dict[Ranks, Any] = field(default_factory=dict)
+    inter_node_groups: dict[Ranks, Any] = field(default_factory=dict)
+    # parent group ranks -> this rank's sub-groups of it (only parents this rank belongs to)
+    subgroups: dict[Ranks, SubGroups] = field(default_factory=dict)
+    # alias name -> every block it stands for across ranks (for one SPMD graph on all ranks)
+    alias_blocks: dict[str, list[Ranks]] = field(default_factory=dict)
+
+    def subgroups_of(self, parent: Sequence[int]) -> Optional[SubGroups]:
+        return self.subgroups.get(tuple(parent))
+
+    def reference_groups(self) -> dict[str, list[list[int]]]:
+        """Alias -> partition, for :class:`commfuse.reference.GroupTable` (add the graph's own names)."""
+        return {name: [list(b) for b in blocks] for name, blocks in self.alias_blocks.items()}
 
 
 _SESSION = Session()
+
+# Sub-groups this process created, by rank tuple (value: the group, or the non-member
+# sentinel), and the default group they were created under: what a later setup reuses.
+_CREATED: dict[Ranks, Any] = {}
+_CREATED_UNDER: list[Any] = [None]
 
 
 def current_session() -> Session:
@@ -53,39 +121,206 @@ def _as_topology(topology: Union[Topology, str, Path, dict, None]) -> Optional[T
     return Topology.preset(s)
 
 
+# --------------------------------------------------------------------------- layout
+def hierarchy_layout(ranks: Sequence[int], topology: Topology) -> Union[tuple[int, int], str]:
+    """``(a, b)`` if ``ranks`` (a group, in group-rank order) is the node-major mesh
+    [a nodes, b ranks each] with a, b >= 2 on ``topology``; else the reason it is not."""
+    ranks = tuple(ranks)
+    if len(ranks) < 2:
+        return "group of one rank"
+    if any(r < 0 or r >= topology.world_size for r in ranks):
+        return f"ranks {list(ranks)} are not all inside the topology's {topology.world_size} ranks"
+    if list(ranks) != sorted(set(ranks)):
+        # new_group orders a sub-group's ranks ascending; the index formula needs the
+        # parent's group-rank order to agree with it.
+        return f"group rank order {list(ranks)} is not ascending (node-major)"
+    counts: list[int] = []
+    last = None
+    for r in ranks:  # ascending ranks: each node's ranks form one run
+        node = topology.node_of(r)
+        if node != last:
+            counts.append(0)
+            last = node
+        counts[-1] += 1
+    if len(counts) == 1:
+        return f"group inside one node (node {topology.node_of(ranks[0])})"
+    if len(set(counts)) != 1:
+        return f"uneven ranks per node ({counts})"
+    if counts[0] == 1:
+        return "one rank per node: no intra-node level to split off"
+    return len(counts), counts[0]
+
+
+def mesh_blocks(parent: Ranks, a: int, b: int) -> tuple[list[Ranks], list[Ranks]]:
+    """The parent's intra-node blocks (a of b ranks) and inter-node blocks (b of a ranks):
+    Centauri's ``index(j) = (j // b % a, j % b)`` on group rank j."""
+    intra = [parent[i * b:(i + 1) * b] for i in range(a)]
+    inter = [tuple(parent[i * b + l] for i in range(a)) for l in range(b)]
+    return intra, inter
+
+
+def ranks_label(ranks: Sequence[int]) -> str:
+    """A short name for a rank tuple, the same on every rank: ``0:8`` (a range), ``1:8:2``
+    (a strided range), ``0-3-5`` (short lists), or a hash (long irregular lists)."""
+    ranks = tuple(ranks)
+    if len(ranks) >= 2:
+        step = ranks[1] - ranks[0]
+        if step > 0 and all(y - x == step for x, y in zip(ranks, ranks[1:])):
+            stop = ranks[-1] + 1
+            return f"{ranks[0]}:{stop}" if step == 1 else f"{ranks[0]}:{stop}:{step}"
+    if len(ranks) <= 16:
+        return "-".join(map(str, ranks))
+    return "h" + hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
+
+
+def subgroup_names(parent: Sequence[int]) -> tuple[str, str]:
+    """The (intra, inter) aliases graphs use for the sub-groups of ``parent``."""
+    label = ranks_label(parent)
+    return INTRA_PREFIX + label, INTER_PREFIX + label
+
+
+# --------------------------------------------------------------------------- private c10d API
+# The process-group name registry (`torch._C._distributed_c10d`): functional collectives
+# resolve a graph's group name through it. Registering this rank's sub-group under an alias
+# is what makes one graph valid on every rank (module docstring). Private in 2.13.
+def _register_alias(name: str, pg: Any) -> None:
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    _unregister_process_group(name)  # a no-op when the name is free
+    _register_process_group(name, pg)
+
+
+# --------------------------------------------------------------------------- creation
+def _partitions(mesh: Any, groups: Any) -> list[list[Ranks]]:
+    """Parent partitions besides the world: each mesh dim's blocks, then ``groups``."""
+    out: list[list[Ranks]] = []
+    if mesh is not None:
+        t = mesh.mesh
+        for d in range(t.ndim):
+            blocks = t.transpose(d, -1).reshape(-1, t.shape[d]).tolist()
+            out.append([tuple(int(r) for r in b) for b in blocks])
+    if groups is not None:
+        try:
+            parts = [[tuple(int(r) for r in block) for block in part] for part in groups]
+        except (TypeError, ValueError) as e:
+            raise ConfigError("groups: expected a list of partitions, each a list of rank lists, "
+                              f"e.g. [[[0, 2], [1, 3]]]; got {groups!r}") from e
+        out.extend(parts)
+    return out
+
+
+def _qualifying_parents(topo: Topology, partitions: list[list[Ranks]]) -> list[tuple[Ranks, int, int, int]]:
+    """(parent, a, b, partition index) for every block with a hierarchy, in creation order."""
+    seen: set[Ranks] = set()
+    out = []
+    for k, part in enumerate(partitions):
+        for parent in part:
+            if parent in seen:
+                continue
+            seen.add(parent)
+            lay = hierarchy_layout(parent, topo)
+            if not isinstance(lay, str):
+                out.append((parent, lay[0], lay[1], k))
+    return out
+
+
+def _reusable(world: Any) -> bool:
+    import torch.distributed as dist
+
+    from ._torch_private import resolve_process_group
+
+    if _CREATED_UNDER[0] is not world:
+        return False
+    return all(resolve_process_group(pg.group_name) is pg
+               for pg in _CREATED.values() if isinstance(pg, dist.ProcessGroup))
+
+
+def _get_or_create(ranks: Ranks) -> Any:
+    import torch.distributed as dist
+
+    if ranks not in _CREATED:
+        _CREATED[ranks] = dist.new_group(list(ranks))
+    return _CREATED[ranks]
+
+
+def _create_subgroups(session: Session, topo: Topology, partitions: list[list[Ranks]]) -> None:
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if not _reusable(world):
+        _CREATED.clear()
+        _CREATED_UNDER[0] = world
+    me = dist.get_rank()
+    parents = _qualifying_parents(topo, partitions)
+    blocks_of: dict[Ranks, tuple[list[Ranks], list[Ranks]]] = {}
+    # Every rank creates every block of every parent, in this order: new_group is collective.
+    for parent, a, b, _ in parents:
+        intra, inter = mesh_blocks(parent, a, b)
+        blocks_of[parent] = (intra, inter)
+        for ranks in intra + inter:
+            _get_or_create(ranks)
+    world_ranks = tuple(range(topo.world_size))
+    if world_ranks in blocks_of:
+        session.intra_node_groups = {r: _CREATED[r] for r in blocks_of[world_ranks][0]}
+        session.inter_node_groups = {r: _CREATED[r] for r in blocks_of[world_ranks][1]}
+    for parent, a, b, k in parents:
+        intra_name, inter_name = subgroup_names(parent)
+        # the alias stands for these blocks on every rank running a graph traced on another
+        # rank: the sub-groups of every parent of the same partition
+        same_part = [p for p, *_ , kk in parents if kk == k]
+        session.alias_blocks[intra_name] = [r for p in same_part for r in blocks_of[p][0]]
+        session.alias_blocks[inter_name] = [r for p in same_part for r in blocks_of[p][1]]
+        if me not in parent:
+            continue
+        intra = next(r for r in blocks_of[parent][0] if me in r)
+        inter = next(r for r in blocks_of[parent][1] if me in r)
+        sg = SubGroups(parent, a, b, intra, inter, intra_name, inter_name, _CREATED[intra], _CREATED[inter])
+        _register_alias(intra_name, sg.intra_pg)
+        _register_alias(inter_name, sg.inter_pg)
+        session.subgroups[parent] = sg
+
+
 def setup(
     *,
     topology: Union[Topology, str, Path, dict, None] = None,
     mesh: Any = None,
     create_subgroups: bool = True,
+    groups: Optional[Sequence[Sequence[Sequence[int]]]] = None,
 ) -> Session:
     """Declare the job to commfuse. Call on every rank, after `init_process_group`.
 
     topology: a `Topology`, a preset name ("dgx-h100"), a JSON file path, or a dict.
-        Checked against the world size. With more than one node and more than one
-        rank per node, the intra-node and inter-node sub-groups are created (on
-        every rank, in one fixed order) unless `create_subgroups=False`.
+        Checked against the world size. For the world and for every group named by
+        ``mesh`` or ``groups`` that spans nodes with the same number (>= 2) of ranks on
+        each, the intra-node and inter-node sub-groups are created (on every rank, in
+        one fixed order; see the module docstring) unless `create_subgroups=False`.
     mesh: a `DeviceMesh` with `mesh_dim_names`; its groups get the roles the names
-        say (tp, sp, ep, pp, dp, dp_replicate, dp_shard, fsdp).
-    Returns the session; calling again replaces it.
+        say (tp, sp, ep, pp, dp, dp_replicate, dp_shard, fsdp), and each dim's groups
+        are parents for sub-groups.
+    groups: further partitions of the world into groups collectives run on, each a list
+        of rank lists (e.g. ``[[[0, 2, 4, 6], [1, 3, 5, 7]]]``); the same on every rank.
+    Returns the session; calling again replaces it (and reuses live sub-groups).
     """
     global _SESSION
     import torch.distributed as dist
 
     topo = _as_topology(topology)
     session = Session(topology=topo)
-    if topo is not None and dist.is_available() and dist.is_initialized():
-        topo.check_world_size(dist.get_world_size())
-        if create_subgroups and topo.num_nodes > 1 and topo.ranks_per_node > 1:
-            # Every rank creates every group, in this order: new_group is collective.
-            for ranks in topo.intra_node_groups():
-                session.intra_node_groups[ranks] = dist.new_group(list(ranks))
-            for ranks in topo.inter_node_groups():
-                session.inter_node_groups[ranks] = dist.new_group(list(ranks))
+    names = None
     if mesh is not None:
         names = getattr(mesh, "mesh_dim_names", None)
         if not names:
             raise ConfigError("mesh: commfuse.setup needs a DeviceMesh with mesh_dim_names to assign roles")
+    partitions = _partitions(mesh, groups)
+    if topo is not None and dist.is_available() and dist.is_initialized():
+        topo.check_world_size(dist.get_world_size())
+        for part in partitions:
+            for block in part:
+                if any(r < 0 or r >= topo.world_size for r in block):
+                    raise ConfigError(f"groups: block {list(block)} has ranks outside the world of {topo.world_size}")
+        if create_subgroups and topo.num_nodes > 1 and topo.ranks_per_node > 1:
+            _create_subgroups(session, topo, [[tuple(range(topo.world_size))]] + partitions)
+    if mesh is not None:
         for name in names:
             role = MESH_DIM_ROLES.get(name)
             if role is None:
@@ -94,12 +329,17 @@ def setup(
             group = mesh.get_group(name)
             session.group_roles[group.group_name] = role.value
             session.role_sources[group.group_name] = "mesh"
+            sg = session.subgroups.get(tuple(dist.get_process_group_ranks(group)))
+            if sg is not None:  # the hierarchical pieces of a dim's collective keep its role
+                for alias in (sg.intra_name, sg.inter_name):
+                    session.group_roles[alias] = role.value
+                    session.role_sources[alias] = "mesh"
     _SESSION = session
     return session
 
 
 def reset() -> None:
-    """Forget the session (tests)."""
+    """Forget the session (tests). Sub-groups stay alive and are reused by the next setup."""
     global _SESSION
     _SESSION = Session()
 

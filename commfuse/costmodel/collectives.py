@@ -23,6 +23,11 @@ What it models
       and inter-node parts concurrently on their links; one latency per peer.
     * **broadcast**: NCCL pipelined ring (n-1 hops, size/busbw, factor 1); gloo
       binomial tree (ceil(log2 n) rounds of size/bandwidth).
+    * **reduce** (commfuse's rooted reduce, ``commfuse::reduce_to_root``): NCCL pipelined
+      ring towards the root, the mirror image of broadcast (n-1 hops, size/busbw, factor
+      1); gloo's ``reduce`` is a ring reduce-scatter followed by a gather of the reduced
+      chunks at the root (gloo/reduce.cc): n-1 ring steps + one gather step, and
+      2(n-1)/n x size through the root's link.
     * **p2p** (send, recv, batch_p2p): one hop, bytes sent / link bandwidth; the
       inter-node link when the group spans nodes.
     * **m2ms** (Chimera's many-to-many scatter): each rank sends its pieces as
@@ -48,7 +53,10 @@ Calibration
     per (kind, group size) that take precedence (what `commfuse calibrate` fits
     for gloo). Lookup: exact group size, else a fit with ``group_size=None``,
     else analytic. On gloo a reduce_scatter without its own fit uses the
-    all_reduce fit of the same group size (emulation).
+    all_reduce fit of the same group size (emulation). A reduce without its own
+    fit uses the broadcast fit on NCCL (same chain, data flowing the other way)
+    and the all_reduce fit on gloo (the same ring reduce-scatter, then a gather
+    instead of an all-gather), so ``commfuse calibrate`` need not measure it.
 
 Assumptions
     Homogeneous nodes, one device per rank, full-duplex links, no NVLS/SHARP/
@@ -91,7 +99,7 @@ def bus_factor(kind: CollectiveKind, n: int) -> float:
         return 2 * (n - 1) / n
     if kind in (K.ALL_GATHER, K.REDUCE_SCATTER, K.ALL_TO_ALL):
         return (n - 1) / n
-    return 1.0  # broadcast, p2p, m2ms
+    return 1.0  # broadcast, reduce, p2p, m2ms
 
 
 def algbw_GBps(size_bytes: float, time_us: float) -> float:
@@ -307,6 +315,11 @@ class CollectiveModel:
                 out["binomial-tree"] = self._binomial_broadcast(kind, S, p)
             else:
                 out["ring"] = self._ring_broadcast(kind, S, p)
+        elif kind is K.REDUCE:
+            if gloo:
+                out["ring-reduce-scatter+gather"] = self._gloo_reduce(kind, S, p)
+            else:
+                out["ring"] = self._ring_broadcast(kind, S, p)  # the same chain, towards the root
         elif kind in (K.SEND, K.RECV, K.BATCH_P2P):
             out["p2p"] = self._p2p(kind, S, p)
         elif kind is K.M2MS:
@@ -340,6 +353,8 @@ class CollectiveModel:
         fit = self.params.fit_for(kind, n)
         if fit is None and self.backend == "gloo" and kind is K.REDUCE_SCATTER:
             fit = self.params.fit_for(K.ALL_REDUCE, n)  # gloo emulates RS by an AR of the input
+        if fit is None and kind is K.REDUCE:  # see "Calibration" in the module docstring
+            fit = self.params.fit_for(K.ALL_REDUCE if self.backend == "gloo" else K.BROADCAST, n)
         return fit
 
     def _ring(self, kind: CollectiveKind, S: float, p: Placement, charge_as: Optional[CollectiveKind] = None
@@ -392,6 +407,15 @@ class CollectiveModel:
         inter = min(rounds, math.ceil(math.log2(p.m))) if p.spans else 0
         time = self._lat(kind, rounds - inter, inter) + rounds * S / (bw * self._bwm(kind))
         return CollectiveEstimate(time, int(rounds * S), "binomial-tree")  # the root's bytes
+
+    def _gloo_reduce(self, kind: CollectiveKind, S: float, p: Placement) -> CollectiveEstimate:
+        # ring reduce-scatter ((n-1)/n S per rank), then every rank sends its chunk to the root,
+        # which receives (n-1)/n S through its one link
+        bw, _ = self._link(p)
+        inter = 0 if not p.spans else p.m - 1
+        f = (p.n - 1) / p.n
+        time = self._lat(kind, p.n - inter, inter) + 2 * f * S / (bw * self._bwm(kind))
+        return CollectiveEstimate(time, int(round(2 * f * S)), "ring-reduce-scatter+gather")
 
     def _p2p_link(self, p: Placement) -> tuple[float, int, int]:
         t = self.topology

@@ -13,7 +13,8 @@ with :func:`register_fuzz_target`:
 * ``keeps_collective_order``: the pass promises not to add, remove or reorder
   collectives: the verifier's per-group sequence hashes and total-order hash must be
   unchanged;
-* ``world_sizes``: the world sizes to generate (default: 2, 4, 8).
+* ``world_sizes``: the world sizes to generate (default: 2, 4, 8);
+* ``scaled_tolerance``: compare outputs normalised by their magnitude (see FuzzTarget).
 
 A pass that cannot be fuzzed meaningfully (or only partly) gets a reasoned note in
 :data:`FUZZ_NOTES` instead. tests/test_fuzz.py fails when a registered pass has
@@ -37,6 +38,10 @@ class FuzzTarget:
     exact: bool = False
     world_sizes: Optional[tuple[int, ...]] = None
     keeps_collective_order: bool = False
+    # compare each output normalised by its magnitude (max(1, max|expected|)), and accept a float32
+    # difference the float64 re-run shows to be rounding alone (check._rounding_only): for passes
+    # that regroup sums over many ranks, whose rounding grows with the summands' magnitude
+    scaled_tolerance: bool = False
     registered: bool = True  # False: the defaults used for a pass with no registration
 
     def accepts(self, program) -> bool:
@@ -65,6 +70,7 @@ def register_fuzz_target(
     exact: bool = False,
     world_sizes: Optional[Sequence[int]] = None,
     keeps_collective_order: bool = False,
+    scaled_tolerance: bool = False,
 ) -> FuzzTarget:
     """Tell the fuzzer how to fuzz ``pass_name`` (call at import of this module; see docs/contributing.md)."""
     if generators is not None:
@@ -78,7 +84,8 @@ def register_fuzz_target(
         raise ValueError(f"register_fuzz_target({pass_name!r}): topology has {topology.world_size} ranks, "
                          f"not in world_sizes {list(world_sizes)}")
     t = FuzzTarget(pass_name, tuple(generators) if generators is not None else None, needs_joint, topology, exact,
-                   tuple(world_sizes) if world_sizes is not None else None, keeps_collective_order)
+                   tuple(world_sizes) if world_sizes is not None else None, keeps_collective_order,
+                   scaled_tolerance=scaled_tolerance)
     _TARGETS[pass_name] = t
     return t
 
@@ -127,3 +134,51 @@ register_fuzz_target("chimera", generators=("tp", "sp", "moe", "mixed", "moe_lay
 # N·x for the sum of N equal copies): tolerance compare. The families that place
 # gathers, scatters and all_to_alls next to each other on one group.
 register_fuzz_target("fuse_collectives", generators=("sp", "moe", "mixed"))
+
+# Centauri primitive substitution (Table 2). Under the standalone cost model the substitutes
+# are predicted slower (same bytes, more launches), so `primitive_substitution` fuzzes its
+# refusal path on the 2 nodes x 2 ranks CPU topology; `primitive_substitution_forced` (same
+# code, cost model not asked) applies every feasible form (rs_ag, rooted broadcasts, rooted
+# reduces) on every family and world size. The reference reduces in canonical order and the
+# rooted reduces' -0.0 adds are exact, so both must be bitwise equal.
+register_fuzz_target("primitive_substitution", topology=Topology.preset("cpu-gloo", num_nodes=2), exact=True)
+register_fuzz_target("primitive_substitution_forced", exact=True)
+
+# Centauri group partition: 2 nodes x 4 ranks, the world and the strided groups of 4 (2 ranks
+# on each node) get sub-groups (check.py sets them up as `commfuse.setup` does); latency-bound
+# links with a cheap launch so the hierarchical sequences pay on the fuzzer's small tensors.
+# Sums are regrouped (intra-node first, then across nodes): tolerance compare, scaled by each
+# output's magnitude, since the generated programs reach values of 10^2-10^3 where the plain
+# policy (O(1) values) flags rounding (seed 20240: 7 of 116 rewritten programs; each one equal
+# to the flat program to 1e-14 when run in float64, its own error against that no larger).
+# Families with top-k routers are left out: a regrouped bf16 sum before a router flips routing
+# decisions (outputs differ by O(1) although equal in float64); the families kept exercise every
+# kind the pass rewrites, on the world and on strided groups.
+register_fuzz_target("group_partition", generators=("tp", "sp", "fsdp", "pp", "coalesced"), world_sizes=(8,),
+                     scaled_tolerance=True, topology=Topology(
+    name="fuzz-2x4", num_nodes=2, ranks_per_node=4, intra_node_bandwidth_GBps=100.0, inter_node_bandwidth_GBps=1.0,
+    intra_node_latency_us=1.0, inter_node_latency_us=5.0, collective_launch_us=0.1))
+
+# Workload partition chunks a collective together with the matmul / element-wise chain that
+# reads its result or computes its input, in the families that put matmul chains after gathers
+# (tp_mlp, sp_block, fsdp_linear) and before all_reduces / reduce_scatters. A chain cut along a
+# contraction dim adds partial sums, and a matmul on a chunk of rows takes another kernel path
+# than on all rows: tolerance compare, scaled by each output's magnitude (seed 1: 1 of 188
+# rewritten programs flagged with values ~10^2; equal to the unchunked program to 1e-14 in float64).
+register_fuzz_target("workload_partition", generators=("tp", "sp", "fsdp", "mixed"), scaled_tolerance=True)
+
+# The partition search composes the three above (workload -> primitive -> group per leaf) and keeps
+# the leaf the simulator prices cheapest, on the group-partition fuzz topology (sub-groups set up
+# by check.py): tolerance compare scaled like its building blocks.
+register_fuzz_target("centauri_partition", generators=("tp", "sp", "fsdp", "mixed"), world_sizes=(8,),
+                     scaled_tolerance=True, topology=fuzz_target("group_partition").topology)
+
+# MoE recognition rewrites the Dynamo (torch-level) graph before AOTAutograd (stage
+# PRE_AUTOGRAD); the fuzzer generates and checks ATen joint graphs, on which the pass never runs.
+FUZZ_NOTES["moe_recognition"] = (
+    "runs on the torch-level Dynamo graph before AOTAutograd, and the fuzzer generates ATen joint graphs "
+    "where that stage never runs, so a registration would check nothing. Covered instead by "
+    "tests/test_moe_recognition.py: randomised layer shapes / top-k / capacity / EP degrees recognised and "
+    "compared with eager in one process (test_random_variants_match_eager), both styles on 4 gloo ranks "
+    "(outputs and gradients, fp32 and bf16), the TP/SP+EP block after chimera, and every refusal case. "
+    "The op it emits is fuzzed through the moe_layer family (collective_motion, chimera).")

@@ -27,6 +27,9 @@ class CollectiveKind(str, enum.Enum):
     BATCH_P2P = "batch_p2p"
     # commfuse's own kinds (registered by later passes; listed so reports have a stable vocabulary)
     M2MS = "many_to_many_scatter"
+    # rooted reduce (commfuse::reduce_to_root, commfuse/lowering/rooted.py): Centauri's
+    # "reduces of distinct roots" substitute of reduce_scatter
+    REDUCE = "reduce"
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@
 * **wire bytes** are what one rank sends under ring conventions (the NCCL
   bus-bandwidth factors): all_reduce 2(N-1)/N·S, all_gather (N-1)·s_in,
   reduce_scatter (N-1)·s_out, all_to_all (N-1)/N·S (equal splits), broadcast S,
-  send S, recv 0.
+  send S, recv 0, reduce (rooted, commfuse's own) S: a pipelined chain to the root, every
+  rank but the root forwards the whole buffer once (the mirror image of broadcast).
 
 Keeping them apart is the lesson of the NCCL-trace thesis
 (`shared/reference/nccl-trace-thesis.md`): mixing them looks like a 2-4x model
@@ -47,7 +48,7 @@ def wire_bytes(
 ) -> Size | None:
     """Bytes one rank sends. `send_bytes` is the sent part of a batched p2p call."""
     K = CollectiveKind
-    if kind in (K.SEND, K.BROADCAST, K.M2MS):
+    if kind in (K.SEND, K.BROADCAST, K.M2MS, K.REDUCE):
         return in_bytes
     if kind is K.RECV:
         return 0

@@ -18,6 +18,7 @@ from typing import Callable
 import torch.fx as fx
 
 from .._torch_private import make_boxed_func
+from . import rooted  # noqa: F401  (registers commfuse::reduce_to_root and its IR kind)
 
 
 def lower_eager(gm: fx.GraphModule) -> Callable:

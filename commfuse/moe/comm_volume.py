@@ -65,6 +65,8 @@ def node_transfers(node: fx.Node, x_shape: tuple[int, ...] | None = None, token_
     backward = node.target is MOE_LAYER_BACKWARD
     args = node.args[3:12] if backward else node.args[:9]
     x, router_w, w1, _w3, _w2, top_k, capacity_factor, groups, group_name = args
+    if (x_shape is None and shape_of(x) is None) or shape_of(router_w) is None or shape_of(w1) is None:
+        return []  # no fake-tensor metadata (e.g. the Dynamo graph before AOTAutograd): bytes unknown
     shape = tuple(x_shape or shape_of(x))
     widths = (backward_widths if backward else forward_widths)(shape[-1])
     num_experts = shape_of(router_w)[0]

@@ -17,6 +17,10 @@ from .context import PassContext
 
 
 class Stage(str, enum.Enum):
+    # Recognition passes run on the graph Dynamo hands the backend, before AOTAutograd
+    # traces it: a rewrite into an op with registered autograd there changes what the
+    # joint graph differentiates (e.g. hand-written MoE dispatch -> commfuse::moe_layer).
+    PRE_AUTOGRAD = "pre_autograd"
     # Rewrites that change what is communicated run on the joint forward+backward graph
     # (or the inference graph) before partitioning, so that moved compute moves what
     # is saved for backward too.

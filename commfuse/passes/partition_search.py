@@ -15,7 +15,11 @@ Contract
   sunk as the ``sink_waits`` pass would, and the copy is simulated with the
   topology's cost estimator (``costmodel.simulator``: makespan, exposed
   communication, peak memory). The cheapest leaf by makespan is applied to the
-  graph when it beats the current graph; ties keep the simpler scheme. Decisions
+  graph when it beats the current graph; ties keep the simpler scheme. To bound
+  compile time the primitive level is searched as a beam: every group x workload
+  leaf of the collective as written, then each substitute form flat and at the best
+  of those leaves (the substitutes are priced slower alone on every preset, so
+  their full subtree rarely holds the minimum). Decisions
   are greedy in graph order: each collective is searched on the graph that
   already holds the earlier collectives' choices.
 - Order inside a leaf: the workload partition is applied first (it needs the
@@ -45,6 +49,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
+import torch
 import torch.fx as fx
 
 from .._torch_private import copy_graph
@@ -142,7 +147,10 @@ def _step(ctx: PassContext, c: Collective, plan_fn: Callable, apply_fn: Callable
 
 
 def apply_scheme(ctx: PassContext, c: Collective, scheme: Scheme) -> None:
-    """Rewrite ``ctx.gm`` with ``scheme`` for ``c`` (raises InfeasibleLeaf; caller restores)."""
+    """Rewrite ``ctx.gm``'s graph with ``scheme`` for ``c`` (raises InfeasibleLeaf; caller restores).
+
+    The module is not recompiled: trial copies are only simulated, and the pipeline
+    recompiles the real graph after the pass."""
     prim, group, work = _building_blocks()
     starts = [c.start]
     if scheme.chunks > 1:
@@ -158,7 +166,6 @@ def apply_scheme(ctx: PassContext, c: Collective, scheme: Scheme) -> None:
             if cc.kind in SEARCHED_KINDS:
                 _step(ctx, cc, group.plan_group_partition, group.apply_group_partition, order=scheme.group)
     ctx.gm.graph.lint()
-    ctx.gm.recompile()
     ctx.invalidate()
 
 
@@ -168,24 +175,67 @@ def _copy_context(ctx: PassContext) -> PassContext:
                        group_roles=ctx.ir_options.group_roles, role_sources=ctx.ir_options.role_sources)
 
 
-def score_graph(ctx: PassContext) -> Score:
+def _sig(a) -> object:
+    """Hashable summary of what a cost depends on: tensors by shape, dtype and strides."""
+    if isinstance(a, fx.Node):
+        a = a.meta.get("val")
+    if isinstance(a, torch.Tensor):
+        return (tuple(map(str, a.shape)), a.dtype, tuple(map(str, a.stride())))
+    if isinstance(a, (list, tuple)):
+        return tuple(_sig(x) for x in a)
+    if isinstance(a, dict):
+        return tuple((k, _sig(v)) for k, v in a.items())
+    return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else str(a)
+
+
+class _MemoEstimator:
+    """The topology's estimator with answers memoised by what they depend on.
+
+    Every leaf is a fresh copy of the graph, so the simulator's per-node cache starts
+    empty each time; most nodes are unchanged copies. A compute node's cost is a function
+    of its target, its arguments' shapes/dtypes and its constants; a collective's of its
+    kind, group, reduce op, dtype and shapes (its signature)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self._compute: dict = {}
+        self._coll: dict = {}
+
+    def compute_time_us(self, node: fx.Node) -> float:
+        key = (node.op, str(node.target), _sig(node.args), _sig(node.kwargs), _sig(node))
+        hit = self._compute.get(key)
+        if hit is None:
+            hit = self._compute[key] = self.inner.compute_time_us(node)
+        return hit
+
+    def collective(self, c: Collective):
+        key = (c.signature(), c.group.ranks, tuple(str(s) for s in c.output_shapes))
+        hit = self._coll.get(key)
+        if hit is None:
+            hit = self._coll[key] = self.inner.collective(c)
+        return hit
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def score_graph(ctx: PassContext, estimator=None) -> Score:
     """The graph's predicted cost once its waits are sunk (as the pipeline's ``sink_waits`` will)."""
     from .sink_waits import SinkWaits
 
     if SinkWaits().run(ctx).changed:
-        ctx.gm.recompile()
         ctx.invalidate()
-    return Score.of(Simulator(ctx.gm, estimator_for(ctx)).simulate())
+    return Score.of(Simulator(ctx.gm, estimator or estimator_for(ctx), ir=ctx.ir).simulate())
 
 
-def score_leaf(ctx: PassContext, collective: str, scheme: Scheme) -> Score:
+def score_leaf(ctx: PassContext, collective: str, scheme: Scheme, estimator=None) -> Score:
     trial = _copy_context(ctx)
     if not scheme.is_identity:
         c = next((x for x in trial.ir.collectives if x.name == collective), None)
         if c is None:
             raise InfeasibleLeaf(f"{collective}: not found in the copy")
         apply_scheme(trial, c, scheme)
-    return score_graph(trial)
+    return score_graph(trial, estimator)
 
 
 @dataclass
@@ -218,7 +268,8 @@ class CentauriPartition(GraphPass):
         refusals: list[str] = []
         decisions: list[dict] = []
         changed = 0
-        current = score_graph(_copy_context(ctx))
+        memo = _MemoEstimator(estimator_for(ctx))  # one per run: shared by every leaf's copy
+        current = score_graph(_copy_context(ctx), memo)
         for i, name in enumerate(names):
             c = next((x for x in ctx.ir.collectives if x.name == name), None)
             if c is None:
@@ -228,20 +279,30 @@ class CentauriPartition(GraphPass):
                                 f"{len(names) - i} collective(s) from {name} on kept as they are")
                 break
             best, best_score, scored, infeasible = None, current, 0, []
-            for scheme in leaves_for(ctx, c):
-                if scheme.is_identity:
-                    continue
-                if budget <= 0:
-                    break
-                try:
-                    s = score_leaf(ctx, name, scheme)
-                except InfeasibleLeaf as e:
-                    infeasible.append(f"{scheme.describe()} ({e})")
-                    continue
-                budget -= 1
-                scored += 1
-                if s.makespan_us < best_score.makespan_us - MIN_GAIN * max(current.makespan_us, 1e-9):
-                    best, best_score = scheme, s
+            leaves = leaves_for(ctx, c)
+            # Beam over the primitive level: group x workload leaves of the collective as it
+            # is first; a substitute form is then tried flat and at the best of those leaves.
+            kept = [s for s in leaves if s.primitive == "keep"]
+            for phase in (kept, None):
+                if phase is None:
+                    anchor = best or Scheme()
+                    forms = {s.primitive for s in leaves} - {"keep"}
+                    phase = [s for s in leaves if s.primitive in forms
+                             and (s.group, s.chunks) in {("flat", 1), (anchor.group, anchor.chunks)}]
+                for scheme in phase:
+                    if scheme.is_identity:
+                        continue
+                    if budget <= 0:
+                        break
+                    try:
+                        s = score_leaf(ctx, name, scheme, memo)
+                    except InfeasibleLeaf as e:
+                        infeasible.append(f"{scheme.describe()} ({e})")
+                        continue
+                    budget -= 1
+                    scored += 1
+                    if s.makespan_us < best_score.makespan_us - MIN_GAIN * max(current.makespan_us, 1e-9):
+                        best, best_score = scheme, s
             if best is None:
                 refusals.append(f"{name}: kept ({scored} scheme(s) scored, none predicted faster than "
                                 f"{current.makespan_us:.1f} us" + (f"; infeasible: {'; '.join(infeasible)}"

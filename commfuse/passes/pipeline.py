@@ -72,7 +72,10 @@ class Pipeline:
         return cls(config, topology=config.topology or current_session().topology,
                    group_roles=roles, role_sources=sources)
 
-    def run(self, gm: fx.GraphModule, *, graph_kind: str, stages: Iterable[Stage]) -> PipelineReport:
+    def run(self, gm: fx.GraphModule, *, graph_kind: str, stages: Iterable[Stage],
+            dump_if_changed: bool = False) -> PipelineReport:
+        """``dump_if_changed``: dump this graph only when a pass changes it (the Dynamo graph
+        every compile sees before AOTAutograd, which recognition rarely changes)."""
         stages = set(stages)
         cfg = self.config
         ctx = PassContext(gm, cfg, graph_kind=graph_kind, topology=self.topology,
@@ -87,7 +90,10 @@ class Pipeline:
             report.notes.append(f"collectives inside control flow / higher-order ops ({hidden}) are not analysed; "
                                 "passes treat those nodes as opaque")
         pre = verify_graph(gm, ir=ctx.ir, check_meta=False) if cfg.verify else None
-        if dumper:
+        deferred_input = None
+        if dumper and dump_if_changed:
+            deferred_input = fx.GraphModule(gm, snapshot_graph(gm.graph))
+        elif dumper:
             dumper.write_graph("input", gm, ctx.ir)
         if pre is not None and not pre.ok:
             report.input_problems = pre.problems
@@ -129,13 +135,20 @@ class Pipeline:
                 continue
             record.seconds = time.perf_counter() - t0
             if record.changed and dumper:
+                if deferred_input is not None:
+                    from ..ir.graph_ir import CollectiveIR
+
+                    dumper.write_graph("input", deferred_input, CollectiveIR(deferred_input, ctx.ir_options))
+                    deferred_input = None
                 dumper.write_graph(f"after_{p.name}", gm, ctx.ir)
 
         ir = ctx.ir
         report.analysis = build_analysis_report(ir, graph=graph_kind)
         report.sequence_hashes = report.analysis.sequence_hashes
         report.order_hash = report.analysis.order_hash
-        if dumper:
+        if deferred_input is not None:
+            report.dump_dir = None  # unchanged: nothing dumped
+        elif dumper:
             dumper.write_text("pipeline.json", report.model_dump_json(indent=2))
         gm.meta.setdefault("commfuse_reports", []).append(report)
         if self.on_report is not None:

@@ -10,7 +10,7 @@ _PASSES: dict[str, Type[GraphPass]] = {}
 
 # The pipeline `backend="commfuse"` runs: Chimera fusion on the joint graph, then the
 # schedule passes. Later passes (Centauri partitioning, the scheduler) join as they land.
-DEFAULT_PIPELINE: tuple[str, ...] = ("chimera", "sink_waits")
+DEFAULT_PIPELINE: tuple[str, ...] = ("moe_recognition", "chimera", "sink_waits")
 
 
 def register_pass(cls: Type[GraphPass]) -> Type[GraphPass]:
@@ -43,4 +43,7 @@ def get_pass(name: str) -> GraphPass:
 def _load_builtin() -> None:
     # Importing the modules registers their passes; kept lazy so that Config
     # validation does not import every pass module at `import commfuse` time twice.
-    from . import chimera, collective_motion, fuse_collectives, sink_waits, split_all_reduce  # noqa: F401
+    from . import (  # noqa: F401
+        chimera, collective_motion, fuse_collectives, group_partition, moe_recognition, partition_search,
+        primitive_substitution, primitive_substitution_forced, sink_waits, split_all_reduce, workload_partition,
+    )

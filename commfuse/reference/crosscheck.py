@@ -169,6 +169,23 @@ def broadcast_inplace(ctx, rank, x):
     return W(c10d.broadcast_.default(buf, 2, _name(ctx["world"]))) + 0
 
 
+def reduce_to_root_world(ctx, rank, x):
+    # commfuse's rooted reduce (commfuse/lowering/rooted.py): root = group rank 2; -0.0 elsewhere
+    from ..lowering.rooted import REDUCE_TO_ROOT
+
+    return W(REDUCE_TO_ROOT(x, 2, "sum", 4, _name(ctx["world"]))) + 0
+
+
+def reduces_of_distinct_roots(ctx, rank, x):
+    # Centauri's reduce_scatter substitute on a sub-group: reduce r delivers slice r to group
+    # rank r, and the -0.0 of the other reduces adds away exactly
+    from ..lowering.rooted import REDUCE_TO_ROOT
+
+    pieces = x.chunk(2, 0)
+    outs = [W(REDUCE_TO_ROOT(pieces[r].contiguous(), r, "max", 2, _name(ctx["strided"]))) for r in range(2)]
+    return outs[0] + outs[1]
+
+
 def p2p_ring(ctx, rank, x):
     # world ring: send to the next rank, receive from the previous one (peers are group ranks)
     n = WORLD_SIZE
@@ -242,6 +259,8 @@ CASES.update({
     "all_to_all_subgroup": Case(all_to_all_subgroup, [(6, 2)], exact=True),
     "broadcast": Case(broadcast, [(3, 3)], exact=True),
     "broadcast_inplace": Case(broadcast_inplace, [(3, 3)], exact=True),
+    "reduce_to_root_world": Case(reduce_to_root_world, [(3, 3)], exact=False),
+    "reduces_of_distinct_roots": Case(reduces_of_distinct_roots, [(4, 3)], exact=True),  # max: order-free
     "p2p_ring": Case(p2p_ring, [(2, 3)], exact=True, per_rank=True),
     "p2p_subgroup": Case(p2p_subgroup, [(2, 3)], exact=True, per_rank=True),
     "batch_p2p": Case(batch_p2p, [(2, 3), (3,)], exact=True, per_rank=True),

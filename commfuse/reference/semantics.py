@@ -3,7 +3,7 @@
 Two styles of semantics:
 
 * **group** semantics (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast,
-  commfuse's own kinds): a function ``fn(calls) -> results`` that receives one
+  commfuse's own kinds, e.g. the rooted reduce): a function ``fn(calls) -> results`` that receives one
   :class:`RankCall` per member of the group, in group-rank order, once every member
   has reached the collective, and returns one result per member (same order). A
   result is what the op returns on that rank: a tensor, or a list of tensors for a
@@ -367,6 +367,24 @@ def broadcast(calls: list[RankCall]) -> list[Any]:
     return _pack(calls, out)
 
 
+def reduce(calls: list[RankCall]) -> list[Any]:
+    """Rooted reduce (``commfuse::reduce_to_root``): the root gets the reduction in canonical
+    order; every other member gets ``-0.0`` (the exact additive identity, integers 0), as the
+    op's kernel returns (commfuse/lowering/rooted.py)."""
+    _check_group_size(calls)
+    op = _check_same(calls, "reduce_op")
+    root = _check_same(calls, "src_or_dst")
+    n = len(calls)
+    if root is None or not 0 <= int(root) < n:
+        raise _mismatch(calls, f"reduce root {root} is not a group rank of a group of {n}")
+    out = []
+    for tensors in _per_tensor(calls):
+        _check_meta(calls, tensors)
+        red = reduce_tensors(tensors, op)
+        out.append([red if g == int(root) else torch.full_like(red, -0.0) for g in range(n)])
+    return _pack(calls, out)
+
+
 # ---------------------------------------------------------------------------
 # Built-in p2p semantics (peers are group ranks)
 # ---------------------------------------------------------------------------
@@ -425,6 +443,7 @@ def _register_builtin() -> None:
     register_semantics(K.REDUCE_SCATTER, reduce_scatter, replace=True)
     register_semantics(K.ALL_TO_ALL, all_to_all, replace=True)
     register_semantics(K.BROADCAST, broadcast, replace=True)
+    register_semantics(K.REDUCE, reduce, replace=True)
     register_semantics(K.SEND, send, p2p=True, replace=True)
     register_semantics(K.RECV, recv, p2p=True, replace=True)
     register_semantics(K.BATCH_P2P, batch_p2p, p2p=True, replace=True)

@@ -1,0 +1,239 @@
+"""moe_recognition: hand-written MoE layers become one ``commfuse::moe_layer`` op.
+
+Contract
+- Matches, on the graph Dynamo hands the backend (before AOTAutograd; stage
+  ``PRE_AUTOGRAD``): a router (float32 ``linear`` of the tokens and an ``[E, H]``
+  weight, ``softmax``, ``topk``, gates renormalised when ``k > 1``) followed by either
+  GShard capacity dispatch (one-hot + cumsum slots, einsum dispatch, equal-split
+  all_to_alls, batched SwiGLU experts, einsum combine) or torchtitan's dropless
+  sort-based dispatch (``histc`` counts, ``argsort``, counts exchanged with
+  ``all_to_all_single``, ``.tolist()`` split sizes, ``all_to_all_single_autograd``,
+  per-expert SwiGLU over ``split`` chunks, ``scatter_add`` combine). Every value
+  of the region must be explained by the templates in :mod:`commfuse.moe.templates`
+  (ops, dims, constants, shapes, one process group) and be used only inside the region,
+  except the combined output and the router statistics ``commfuse::moe_layer`` returns
+  (sums or means over the call's tokens of the probabilities, of the first-choice
+  one-hot and of the squared logsumexp; per-expert counts when ``k = 1``).
+- Does: replaces the region by one ``commfuse::moe_layer`` call (the user's expert
+  weights, transposed where they are stored ``[E, F, H]``; ``capacity_factor`` chosen
+  so the op's capacity equals the user's ``C`` for the same token count; one token
+  group per call as the user's code has) and feeds the statistics' users from the
+  op's statistic outputs (scaled for means). AOTAutograd then differentiates the op
+  (``moe_layer_backward``) and the joint-graph passes treat it as a token-wise region
+  (:mod:`commfuse.passes.moe_rules`).
+- Guarantees: the same function as the user's code (same routing, same capacity drops,
+  same statistics); values equal up to floating-point summation order. Decided from the
+  graph alone: every rank rewrites the same regions. No collective is issued while
+  compiling; the op's all_to_alls run over the user's group, named in the graph.
+- Leaves alone (one refusal line per router, with the reason): sigmoid scores, a
+  router computed in low precision, a renormalised top-1 gate or a route scale other
+  than 1, statistics the op does not return (per token group, counts over all top-k
+  choices), any other use of an intermediate value (e.g. the dispatch mask), all_to_alls
+  of one region over different groups, and a region cut by a graph break (its
+  intermediate values leave the graph; the dropless style needs
+  ``torch._dynamo.config.capture_scalar_outputs = True`` to be one graph).
+
+Source: Chimera (ISCA '25) §3.2 treats the MoE dispatch as one region with known
+semantics; GShard (Lepikhin et al. 2020, §2.2) and torchtitan's token-choice MoE are the
+two implementations recognised.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from ..moe.ops import MOE_LAYER
+from ..moe.patterns import op_name, static_shape, value
+from ..moe.routing import capacity
+from ..moe.regions import Match, fragments, prove
+from ..moe.templates import STAT_OUTPUT, Matcher
+from .base import GraphPass, PassResult, Stage
+from .context import PassContext
+from .registry import register_pass
+
+_VALUE_KEYS = ("example_value", "val", "tensor_meta", "grapharg", "unbacked_bindings")
+
+
+def capacity_factor_for(cap: int, top_k: int, tokens: int, num_experts: int) -> Optional[float]:
+    """A ``capacity_factor`` for which :func:`capacity` gives ``cap`` on ``tokens`` tokens."""
+    cf = cap * num_experts / (top_k * tokens)
+    for _ in range(8):
+        got = capacity(cf, top_k, tokens, num_experts)
+        if got == cap:
+            return cf
+        cf = math.nextafter(cf, 0.0 if got > cap else math.inf)
+    return None
+
+
+def _fake_mode(gm: fx.GraphModule):
+    from torch._guards import detect_fake_mode
+
+    vals = [value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+
+class _Emitter:
+    """Appends nodes after ``anchor`` one by one, each with its example value."""
+
+    def __init__(self, gm: fx.GraphModule, anchor: fx.Node, meta_from: fx.Node) -> None:
+        self.graph, self.last, self.meta_from = gm.graph, anchor, meta_from
+        self.mode = _fake_mode(gm)
+        self.key = "example_value" if "example_value" in meta_from.meta or "val" not in meta_from.meta else "val"
+
+    def __call__(self, target: Callable[..., Any], *args: Any) -> fx.Node:
+        with self.graph.inserting_after(self.last):
+            node = self.graph.call_function(target, args)
+        for k, v in self.meta_from.meta.items():
+            if k not in _VALUE_KEYS:
+                node.meta.setdefault(k, v)
+        vals = fx.node.map_arg(args, lambda n: value(n))
+        # The mode of the operands' own fake tensors (the tracing context may hold another).
+        modes = [v.fake_mode for v in torch.utils._pytree.tree_leaves(vals) if hasattr(v, "fake_mode")]
+        mode = modes[0] if modes else self.mode
+        if mode is not None:
+            with mode:
+                node.meta[self.key] = target(*vals)
+        self.last = node
+        return node
+
+
+def _rewrite(gm: fx.GraphModule, m: Match) -> Optional[str]:
+    """Splice the op in for ``m``; returns why not when the graph order forbids it."""
+    g = gm.graph
+    info = m.info
+    order = {n: i for i, n in enumerate(g.nodes)}
+    x = _unflattened(info.x, info.hidden)
+    inputs = [x, info.w, *m.weights]
+    anchor = max(inputs, key=order.__getitem__)
+    exits = [*m.outs, *(n for n, _, _ in m.stats)]
+    first_use = min(order[u] for n in exits for u in n.users if u not in m.nodes)
+    if order[anchor] >= first_use:
+        return "an operand of the op is computed after a use of the region's results"
+    cap_factor = 0.0
+    if m.capacity:
+        tokens_per_group = info.tokens // m.token_groups
+        cap_factor = capacity_factor_for(m.capacity, m.top_k, tokens_per_group, info.num_experts)
+        if cap_factor is None:
+            return f"no capacity_factor gives capacity {m.capacity} for {tokens_per_group} tokens"
+    emit = _Emitter(gm, anchor, m.outs[0])
+    weights = [emit(torch.transpose, w, -2, -1) if t else w for w, t in zip(m.weights, m.transposed)]
+    op = emit(MOE_LAYER, x, info.w, *weights, m.top_k, cap_factor, m.token_groups, m.group_name)
+    out = emit(operator.getitem, op, 0)
+
+    def feed(node: fx.Node, new: fx.Node) -> None:
+        node.replace_all_uses_with(new, delete_user_cb=lambda u: u not in m.nodes)
+
+    for n in m.outs:
+        feed(n, out if static_shape(n) == static_shape(x) else emit(torch.reshape, out, static_shape(n)))
+    for n, which, scale in m.stats:
+        v = emit(operator.getitem, op, STAT_OUTPUT[which])
+        if scale != 1.0:
+            v = emit(operator.mul, v, scale)
+        if static_shape(n) != static_shape(v):
+            v = emit(torch.reshape, v, static_shape(n))
+        want = value(n).dtype
+        if want != torch.float32:
+            v = emit(torch.Tensor.to, v, want)
+        feed(n, v)
+    for n in reversed(list(g.nodes)):
+        if n in m.nodes:
+            g.erase_node(n)
+    _erase_unused_helpers(g, inputs)
+    return None
+
+
+_FUNCOL_MODULES = ("torch.distributed._functional_collectives", "torch.ops._c10d_functional")
+
+
+def _from_parallel_compute(x: fx.Node, limit: int = 10_000) -> bool:
+    """Whether ``x`` depends on a DTensor or a functional collective in the Dynamo graph.
+
+    That is where TP/SP put a gather or an all_reduce in front of the layer, which
+    collective motion can move past the op once it is one region."""
+    from torch.distributed.tensor import DTensor
+
+    seen, todo = set(), [x]
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if isinstance(value(n), DTensor):
+            return True
+        target = n.target
+        where = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}" \
+            if n.op == "call_function" else ""
+        if str(target).startswith("_c10d_functional") or where.startswith(_FUNCOL_MODULES):
+            return True
+        todo.extend(a for a in n.all_input_nodes)
+    return False
+
+
+def _unflattened(x: fx.Node, hidden: int) -> fx.Node:
+    """The tensor ``x`` was reshaped from, while that only regroups the token dims.
+
+    The op flattens the leading dims itself in row-major order, as the reshape did, so
+    it may take the unflattened tokens; keeping e.g. the sequence dim is what lets
+    collective motion run the op on sequence shards."""
+    while op_name(x) in ("reshape", "view") and isinstance(x.args[0], fx.Node):
+        src = static_shape(x.args[0])
+        if not src or src[-1] != hidden or static_shape(x)[-1] != hidden:
+            break
+        x = x.args[0]
+    return x
+
+
+def _erase_unused_helpers(g: fx.Graph, keep: list[fx.Node]) -> None:
+    """Helpers the region used (weight slices and casts, aranges) that nothing uses now."""
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(list(g.nodes)):
+            if n.users or n in keep or n.op not in ("call_function", "call_method"):
+                continue
+            name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+            pure = n.op == "call_method" and n.target in ("float", "to", "transpose", "t", "repeat", "view",
+                                                           "reshape") or \
+                n.op == "call_function" and (n.target in (operator.getitem, torch.arange, torch.transpose)
+                                             or name in ("arange",))
+            if pure:
+                g.erase_node(n)
+                changed = True
+
+
+@register_pass
+class MoERecognition(GraphPass):
+    __doc__ = __doc__
+    name = "moe_recognition"
+    stage = Stage.PRE_AUTOGRAD
+
+    def run(self, ctx: PassContext) -> PassResult:
+        gm = ctx.gm
+        matcher = Matcher(gm).run()
+        matches, refusals = prove(matcher)
+        refusals += fragments(matcher)
+        counts: dict[str, int] = {}
+        mode = ctx.config.moe_recognition
+        for m in matches:
+            where = f"MoE router {m.info.root.name}"
+            if mode == "off":
+                refusals.append(f"{where}: left unchanged: Config.moe_recognition='off'")
+                continue
+            if mode == "auto" and not _from_parallel_compute(m.info.x):
+                refusals.append(f"{where}: left unchanged: its tokens do not come from tensor/sequence-parallel "
+                                "compute, so motion has nothing to move and the op's backward would send more "
+                                "bytes than the layer's own (Config.moe_recognition='always' rewrites anyway)")
+                continue
+            why = _rewrite(gm, m)
+            if why is not None:
+                refusals.append(f"{where}: left unchanged: {why}")
+                continue
+            counts[f"{m.style}_rewritten"] = counts.get(f"{m.style}_rewritten", 0) + 1
+        if counts:
+            gm.graph.lint()
+        return PassResult(changed=bool(counts), counts=counts, refusals=refusals)
