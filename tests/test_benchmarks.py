@@ -45,16 +45,22 @@ def test_every_suite_resolves():
 
 def test_every_family_in_quick_suite():
     families = {get_workload(w).family.name for w in get_suite("quick").workloads}
-    assert families == {"llama_tp_sp", "llama_tp", "moe_ep", "simple_fsdp", "dp", "moe_tp_ep", "moe_sp_ep_sp"}
+    assert families == {"llama_tp_sp", "llama_tp", "moe_ep", "simple_fsdp", "dp", "moe_tp_ep", "moe_sp_ep_sp",
+                        "moe_style_sp_ep_sp"}
 
 
 def test_single_pass_baselines_follow_the_pass_registry():
     from commfuse.passes import available_passes
+    from commfuse.passes.chimera import STEPS
+    from commfuse.passes.registry import DEFAULT_PIPELINE
 
     names = set(baseline_names())
     for p in available_passes():
         assert f"commfuse:{p}" in names and f"commfuse-eager:{p}" in names
-        assert f"commfuse-eager:{p}" in get_suite("quick").baselines
+        assert f"commfuse-eager:{p}" in get_suite("full").baselines
+    # quick: the default pipeline's passes (and chimera's steps) only, to stay within CI's time
+    quick = {b.split(":", 1)[1] for b in get_suite("quick").baselines if b.startswith("commfuse-eager:")}
+    assert quick == {"none", *DEFAULT_PIPELINE, *STEPS}
 
 
 def test_quick_suite_has_no_inductor_full_suite_does():

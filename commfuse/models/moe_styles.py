@@ -46,17 +46,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from commfuse.models.common import init_weights_
 from commfuse.models.llama import Attention, RMSNorm
 from commfuse.models.moe import gshard_gating
+from commfuse.models.moe_tp import parallelize_moe_block
+from commfuse.moe.layer import keep_local_experts
 
 Style = Literal["gshard", "dropless"]
 Layout = Literal["ep", "tp_ep", "sp_ep_sp"]
@@ -96,7 +91,7 @@ class GShardMoE(nn.Module):
         self.ep_size = 1
 
     def expert_parallel(self, group: dist.ProcessGroup) -> "GShardMoE":
-        _keep_local_experts(self, group)
+        keep_local_experts(self, group)
         self.ep_group_name, self.ep_size = group.group_name, dist.get_world_size(group)
         return self
 
@@ -148,7 +143,7 @@ class DroplessMoE(nn.Module):
         self.ep_size = 1
 
     def expert_parallel(self, group: dist.ProcessGroup) -> "DroplessMoE":
-        _keep_local_experts(self, group)
+        keep_local_experts(self, group)
         self.ep_group_name, self.ep_size = group.group_name, dist.get_world_size(group)
         return self
 
@@ -215,16 +210,6 @@ class DroplessMoE(nn.Module):
         return funcol.all_to_all_single_autograd(unpermuted, send_splits, recv_splits, group)
 
 
-def _keep_local_experts(module: nn.Module, group: dist.ProcessGroup) -> None:
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    if module.num_experts % n:
-        raise ValueError(f"num_experts={module.num_experts} not divisible by the group size {n}")
-    local = module.num_experts // n
-    for name in ("w1", "w3", "w2"):
-        full = getattr(module, name)
-        setattr(module, name, nn.Parameter(full.detach()[r * local:(r + 1) * local].clone(), full.requires_grad))
-
-
 # ------------------------------------------------------------------ builders
 @dataclass(frozen=True)
 class MoEStyleConfig:
@@ -289,22 +274,4 @@ def build_moe_style_tp(cfg: MoEStyleConfig, seed: int = 0, **options) -> StyleBl
 
 def parallelize_moe_style_tp(block: StyleBlock, mesh: DeviceMesh, layout: Layout) -> StyleBlock:
     """TP attention + EP experts over the 1-D ``mesh`` in place (layouts of :mod:`.moe_tp`)."""
-    if layout not in ("tp_ep", "sp_ep_sp"):
-        raise ValueError(f"layout must be 'tp_ep' or 'sp_ep_sp', got {layout!r}")
-    sp = layout == "sp_ep_sp"
-    plan = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
-    }
-    if sp:
-        plan.update({
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "ffn_norm": SequenceParallel(),
-        })
-        block.mesh = mesh
-    parallelize_module(block, mesh, plan, src_data_rank=None)
-    block.moe.expert_parallel(mesh.get_group())
-    return block
+    return parallelize_moe_block(block, mesh, layout)

@@ -124,27 +124,37 @@ def build_moe_tp(cfg: MoETPConfig | None = None, seed: int = 0) -> MoETransforme
     return init_weights_(MoETransformer(cfg or MoETPConfig()), seed, std=0.1)
 
 
-def parallelize_moe_tp(model: MoETransformer, mesh: DeviceMesh, layout: Layout) -> MoETransformer:
-    """TP attention + EP experts over the 1-D ``mesh`` in place (see the module docstring)."""
+def parallelize_moe_block(block: nn.Module, mesh: DeviceMesh, layout: Layout) -> nn.Module:
+    """TP attention (+ SP norms for ``sp_ep_sp``) and EP experts of one decoder block, in place.
+
+    The block has ``attention_norm``, ``attention`` (wq/wk/wv/wo), ``ffn_norm``, ``moe`` (with
+    ``expert_parallel(group)``) and a ``mesh`` attribute its forward uses to leave SP."""
     if layout not in ("tp_ep", "sp_ep_sp"):
         raise ValueError(f"layout must be 'tp_ep' or 'sp_ep_sp', got {layout!r}")
     sp = layout == "sp_ep_sp"
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
+    }
+    if sp:
+        plan.update({
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "ffn_norm": SequenceParallel(),
+        })
+        block.mesh = mesh
+    parallelize_module(block, mesh, plan, src_data_rank=None)
+    block.moe.expert_parallel(mesh.get_group())
+    return block
+
+
+def parallelize_moe_tp(model: MoETransformer, mesh: DeviceMesh, layout: Layout) -> MoETransformer:
+    """TP attention + EP experts over the 1-D ``mesh`` in place (see the module docstring)."""
+    sp = layout == "sp_ep_sp"
     for block in model.layers:
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
-        }
-        if sp:
-            plan.update({
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "ffn_norm": SequenceParallel(),
-            })
-            block.mesh = mesh
-        parallelize_module(block, mesh, plan, src_data_rank=None)
-        block.moe.expert_parallel(mesh.get_group())
+        parallelize_moe_block(block, mesh, layout)
     if model.config.vocab:
         if sp:
             raise ValueError("the vocab head is only built for layout 'tp_ep'")

@@ -39,6 +39,20 @@ class RouterStats:
         return self.z_sum / self.num_tokens
 
 
+
+def keep_local_experts(module: nn.Module, group: ProcessGroup, names: tuple[str, ...] = ("w1", "w3", "w2")) -> None:
+    """Replace ``module``'s stacked expert weights ``names`` ([E, ...]) by this rank's slice
+    ``[r*E/N, (r+1)*E/N)`` of ``group`` (rank r of N); ``module.num_experts`` stays E."""
+    import torch.distributed as dist
+
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if module.num_experts % n:
+        raise ValueError(f"num_experts={module.num_experts} not divisible by the group size {n}")
+    local = module.num_experts // n
+    for name in names:
+        full = getattr(module, name)
+        setattr(module, name, nn.Parameter(full.detach()[r * local:(r + 1) * local].clone(), full.requires_grad))
+
 class MoELayer(nn.Module):
     """Router + ``num_experts`` SwiGLU experts as one expert-parallel op."""
 
@@ -61,15 +75,7 @@ class MoELayer(nn.Module):
 
     def expert_parallel(self, group: ProcessGroup) -> "MoELayer":
         """Keep experts ``[r*E/N, (r+1)*E/N)`` of this rank ``r`` of ``group``; returns self."""
-        import torch.distributed as dist
-
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        if self.num_experts % n:
-            raise ValueError(f"num_experts={self.num_experts} not divisible by the group size {n}")
-        local = self.num_experts // n
-        for name in ("w1", "w3", "w2"):
-            full = getattr(self, name)
-            setattr(self, name, nn.Parameter(full.detach()[r * local:(r + 1) * local].clone(), full.requires_grad))
+        keep_local_experts(self, group)
         self.group_name = group.group_name
         return self
 

@@ -9,9 +9,9 @@ Contract
   (Fig. 4): a primitive form (the collective as is, or a scalable substitute of
   Table 2 from ``primitive_substitution``), a group scheme (flat, or the
   inter-first / intra-first hierarchical sequence of ``group_partition``) and a
-  workload chunk count (1, or a count from {2, 4, 8, ...} up to
-  ``Config.max_chunks`` that ``workload_partition`` can cut the collective and its
-  compute chain into). Each leaf is applied to a copy of the graph, its waits are
+  workload chunk count (1, a count from {2, 4, 8, ...} up to ``Config.max_chunks``,
+  or the count of Centauri's Algorithm 1 (``algorithm1.py``), those
+  ``workload_partition`` can cut the collective and its compute chain into). Each leaf is applied to a copy of the graph, its waits are
   sunk as the ``sink_waits`` pass would, and the copy is simulated with the
   topology's cost estimator (``costmodel.simulator``: makespan, exposed
   communication, peak memory). The cheapest leaf by makespan is applied to the
@@ -127,7 +127,11 @@ def leaves_for(ctx: PassContext, c: Collective) -> list[Scheme]:
     prim, group, work = _building_blocks()
     forms = ["keep"] + list(prim.substitute_forms(c))
     groups = ["flat"] + [g for g in GROUP_SCHEMES[1:] if not isinstance(group.plan_group_partition(ctx, c, order=g), str)]
-    chunks = [k for k in chunk_candidates(ctx.config.max_chunks)
+    counts = chunk_candidates(ctx.config.max_chunks)
+    suggested, _ = work.algorithm1_chunks(ctx, c)  # Centauri Algorithm 1's count joins the candidates
+    if suggested is not None and suggested not in counts:
+        counts = sorted(counts + [suggested])
+    chunks = [k for k in counts
               if k == 1 or not isinstance(work.plan_workload_partition(ctx, c, chunks=k), str)]
     leaves = [Scheme(f, g, k) for k in chunks for g in groups for f in forms]
     return sorted(leaves, key=Scheme.complexity)

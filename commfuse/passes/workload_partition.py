@@ -8,7 +8,8 @@ Contract
   chain), found by :mod:`.chains` along a dim every op of the chain can be cut along
   (dimension types OD / CD / ND of :mod:`commfuse.ir.dims`, Centauri Table 3).
 - Does: cuts the collective into k chunk collectives on the same group along that dim
-  (k = ``Config.workload_chunks``, at most ``Config.max_chunks``), and the chain into k
+  (k = ``Config.workload_chunks``, or Centauri's Algorithm 1 count when that is None —
+  :mod:`.algorithm1`; at most ``Config.max_chunks``), and the chain into k
   chunk chains:
   consumer: ``start_0 .. start_{k-1}`` where the collective started, then for each
   chunk ``wait_i -> chain_i`` where the chain's inputs are ready, so chunk i's compute
@@ -123,9 +124,27 @@ def _facts(ctx: PassContext) -> GraphFacts:
     return ctx.analysis(_FACTS_KEY, GraphFacts.of)
 
 
+DEFAULT_CHUNKS = 2  # without a topology Algorithm 1 has no costs to decide with
+
+
 def _chunk_count(ctx: PassContext, chunks: Optional[int]) -> int:
     k = ctx.config.workload_chunks if chunks is None else int(chunks)
-    return min(k, ctx.config.max_chunks)
+    return min(DEFAULT_CHUNKS if k is None else k, ctx.config.max_chunks)
+
+
+def algorithm1_chunks(ctx: PassContext, c: Collective) -> tuple[Optional[int], str]:
+    """Centauri's Algorithm 1 count for ``c`` (None: no partition), and why."""
+    from .algorithm1 import algorithm1, independent_compute_us
+    from .cost import estimator_for
+
+    est = estimator_for(ctx)
+    if est is None:
+        return DEFAULT_CHUNKS, f"no topology: {DEFAULT_CHUNKS} chunks"
+    probe = _best_chain(ctx, c, DEFAULT_CHUNKS)
+    comp = probe[0].compute_us if not isinstance(probe, str) and probe[0].compute_us is not None else 0.0
+    comm = est.collective(c).time_us
+    plan = algorithm1(comp, comm, independent_compute_us(ctx, c, est), ctx.config.max_chunks)
+    return (plan.num_chunks if plan.num_chunks > 1 else None), plan.why
 
 
 def candidate_chains(ctx: PassContext, c: Collective, k: int) -> tuple[list[Chain], list[str]]:
@@ -158,10 +177,26 @@ def _summarise(reasons: list[str], k: int, shape) -> str:
 
 
 def plan_workload_partition(ctx: PassContext, c: Collective, chunks: Optional[int] = None) -> WorkloadPlan | str:
-    """The best workload partition of ``c`` into ``chunks`` (default ``Config.workload_chunks``,
-    at most ``Config.max_chunks``), or why there is none. Pure: the graph is not changed."""
-    best = _best_chain(ctx, c, chunks)
+    """The best workload partition of ``c`` into ``chunks`` (default ``Config.workload_chunks``;
+    when that is None, Centauri's Algorithm 1 count, lowered until a chain divides; at most
+    ``Config.max_chunks``), or why there is none. Pure: the graph is not changed."""
+    best = _planned_chain(ctx, c, chunks)
     return best if isinstance(best, str) else best[0]
+
+
+def _planned_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tuple[WorkloadPlan, Chain] | str:
+    if chunks is not None or ctx.config.workload_chunks is not None:
+        return _best_chain(ctx, c, chunks)
+    k, why = algorithm1_chunks(ctx, c)
+    if k is None:
+        return f"Algorithm 1: {why}"
+    first = None
+    for kk in range(k, 1, -1):
+        best = _best_chain(ctx, c, kk)
+        if not isinstance(best, str):
+            return best
+        first = first or best
+    return f"Algorithm 1 ({why}): {first}"
 
 
 def _best_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tuple[WorkloadPlan, Chain] | str:
@@ -453,7 +488,7 @@ class WorkloadPartition(GraphPass):
             by_name = {c.name: c for c in ctx.ir.collectives}
             planned = []
             for name in pending:
-                best = _best_chain(ctx, by_name[name], None)
+                best = _planned_chain(ctx, by_name[name], None)
                 if isinstance(best, str):
                     refusals.append(f"{name}: not partitioned: {best}")
                 else:
