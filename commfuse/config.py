@@ -49,8 +49,8 @@ class Config(BaseModel):
         alone because the op's backward re-sends each token with its gradient (2H+1 values
         per routed token instead of 2H). "always": every proven region. "off": none.
     workload_chunks: how many chunks the Centauri workload partition cuts a collective and
-        the compute chained to it into, when no cost-model decision is taken (the
-        ``workload_partition`` pass alone; the scheduler picks per collective later).
+        the compute chained to it into. None (default): Centauri's Algorithm 1 picks per
+        collective from the cost model (``passes/algorithm1.py``; 2 without a topology).
     max_chunks: upper bound on any chunk count commfuse chooses (MAX_CHUNKS of Centauri's
         Algorithm 1); ``workload_chunks`` must not exceed it.
     partition_search_budget: compile-time budget of the Centauri partition search per graph,
@@ -75,13 +75,13 @@ class Config(BaseModel):
     svg_max_nodes: PositiveInt = 250
     check_agreement: Optional[bool] = None
     agreement_timeout_s: PositiveFloat = 120.0
-    workload_chunks: PositiveInt = 2
+    workload_chunks: Optional[PositiveInt] = None
     max_chunks: PositiveInt = 8
     partition_search_budget: PositiveInt = 400
 
     @model_validator(mode="after")
     def _chunks_within_bound(self) -> "Config":
-        if self.workload_chunks > self.max_chunks:
+        if self.workload_chunks is not None and self.workload_chunks > self.max_chunks:
             raise ValueError(f"workload_chunks={self.workload_chunks} exceeds max_chunks={self.max_chunks}")
         return self
 
