@@ -3,6 +3,7 @@
     python benchmarks/run.py --suite quick|full|smoke --json out.json [--plot DIR] [--markdown FILE]
     python benchmarks/run.py --from-json out.json --plot DIR      # re-render a stored run
     python benchmarks/run.py --partition-report [--json out.json] # Centauri search on DGX-H100 x2 (predicted)
+    python benchmarks/run.py --schedule-report [--json out.json]  # overlap scheduler on DGX-H100 x2 (predicted)
 
 Runs each workload x baseline on a pool of gloo ranks (one intra-op thread
 each), then the compile-time scaling points in fresh processes, prints the
@@ -176,7 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-json", type=Path, help="re-render a stored run instead of measuring")
     ap.add_argument("--partition-report", action="store_true",
                     help="only the Centauri partition search report (SimpleFSDP Llama layer, DGX-H100 x2, predicted)")
+    ap.add_argument("--schedule-report", action="store_true",
+                    help="only the overlap scheduler report (SimpleFSDP Llama layer, DGX-H100 x2, predicted; "
+                         "and its compile time on 32 layers)")
     args = ap.parse_args(argv)
+
+    if args.schedule_report:
+        from benchmarks.schedule_report import run_schedule_report, schedule_tables
+
+        report = run_schedule_report()
+        print(schedule_tables(report))
+        _write({"schema": SCHEMA, "environment": environment(), "schedule": report}, args.json)
+        return 0
 
     if args.partition_report:
         from benchmarks.partition_report import partition_tables, run_partition_report

@@ -17,6 +17,7 @@ from .costmodel.topology import Topology
 from .errors import CommfuseError, ConfigError, PassError, VerificationError
 from .report import AnalysisReport, PipelineReport
 from .session import setup
+from .train_step import TrainStep, compile_train_step
 
 
 def _register_dynamo_backend() -> None:
@@ -39,6 +40,6 @@ _register_dynamo_backend()
 
 __all__ = [
     "AnalysisReport", "CommfuseBackend", "CommfuseError", "Config", "ConfigError", "DUMP_DIR_ENV", "PassError",
-    "PipelineReport", "Topology", "VerificationError", "__version__", "analyze", "backend", "commfuse_backend",
-    "last_report", "optimize", "setup",
+    "PipelineReport", "Topology", "TrainStep", "VerificationError", "__version__", "analyze", "backend",
+    "commfuse_backend", "compile_train_step", "last_report", "optimize", "setup",
 ]

@@ -57,6 +57,21 @@ class Config(BaseModel):
         in scored schemes (leaves simulated); when it runs out the remaining collectives keep
         their current scheme. A count, not seconds: a wall-clock budget would let ranks that
         compile at different speeds choose different collectives and hang.
+    schedule_max_inflight_bytes: the ``schedule_overlap`` pass issues a collective early only
+        while the collectives issued and not yet waited on its process group's stream hold at
+        most this many bytes (the larger of input and output, per rank); None = unlimited.
+    schedule_memory_budget: the scheduled graph's simulated peak memory may be at most this
+        multiple of the input order's (>= 1.0; early issue allocates a gathered buffer sooner).
+    schedule_cpsat_max_nodes: windows of at most this many nodes of the greedy order are
+        re-solved exactly with OR-Tools CP-SAT (0 disables CP-SAT).
+    schedule_cpsat_time_limit_s: CP-SAT's budget per graph, spent window by window, in
+        *deterministic* seconds (the solver's work counter, single worker, fixed seed): the
+        same answer on every rank however fast it compiles.
+    bucket_cap_bytes: largest message (nccl-tests size: all_gather output, reduce_scatter
+        input, all_reduce buffer) the ``bucket_collectives`` pass builds; None: from the cost
+        model (the size at which latency is 10% of the collective's time, docs/bucketing.md).
+    bucket_max_memory_increase: how much ``bucket_collectives`` may raise a graph's simulated
+        peak memory, as a fraction of it (0.05 = 5%).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -78,6 +93,12 @@ class Config(BaseModel):
     workload_chunks: Optional[PositiveInt] = None
     max_chunks: PositiveInt = 8
     partition_search_budget: PositiveInt = 400
+    schedule_max_inflight_bytes: Optional[PositiveInt] = None
+    schedule_memory_budget: float = Field(default=1.05, ge=1.0)
+    schedule_cpsat_max_nodes: int = Field(default=60, ge=0)
+    schedule_cpsat_time_limit_s: PositiveFloat = 2.0
+    bucket_cap_bytes: Optional[PositiveInt] = None
+    bucket_max_memory_increase: float = Field(default=0.05, ge=0.0)
 
     @model_validator(mode="after")
     def _chunks_within_bound(self) -> "Config":
@@ -125,6 +146,12 @@ class Config(BaseModel):
             "workload_chunks": self.workload_chunks,
             "max_chunks": self.max_chunks,
             "partition_search_budget": self.partition_search_budget,
+            "schedule_max_inflight_bytes": self.schedule_max_inflight_bytes,
+            "schedule_memory_budget": self.schedule_memory_budget,
+            "schedule_cpsat_max_nodes": self.schedule_cpsat_max_nodes,
+            "schedule_cpsat_time_limit_s": self.schedule_cpsat_time_limit_s,
+            "bucket_cap_bytes": self.bucket_cap_bytes,
+            "bucket_max_memory_increase": self.bucket_max_memory_increase,
             "topology": topo.model_dump() if topo else None,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

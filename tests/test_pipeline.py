@@ -347,8 +347,9 @@ def test_optimize_on_make_fx_training_step():
     assert [(c.kind, c.role) for c in report.collectives] == [("all_gather", "fsdp"), ("reduce_scatter", "unknown")]
     assert verify_graph(gm).ok
     # the default pipeline: chimera (nothing to fuse here: the gathered weight feeds a
-    # matmul, the scattered gradient the output) then sink_waits
-    assert [p.name for p in commfuse.last_report(gm).passes] == ["chimera", "sink_waits"]
+    # matmul, the scattered gradient the output), bucket_collectives, schedule_overlap, sink_waits
+    assert [p.name for p in commfuse.last_report(gm).passes] == ["chimera", "bucket_collectives", "schedule_overlap",
+                                                                 "sink_waits"]
 
 
 class _WrongMeta(GraphPass):

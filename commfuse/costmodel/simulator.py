@@ -147,6 +147,21 @@ class _NodeCost:
     alias_src: Optional[fx.Node] = None  # the node whose storage this one aliases
 
 
+@dataclass(frozen=True)
+class NodeInfo:
+    """Public read-only view of one node's cached cost (see :meth:`Simulator.node_info`)."""
+
+    code: int  # NODE_FREE, NODE_COMPUTE, NODE_COLLECTIVE or NODE_WAIT
+    time_us: float
+    stream: int  # collectives: index into Simulator.streams; -1 otherwise
+    start: Optional[fx.Node]  # waits: their collective's start node
+    alloc: int  # bytes the node allocates (0 for aliases)
+    alias_src: Optional[fx.Node]
+
+
+NODE_FREE, NODE_COMPUTE, NODE_COLLECTIVE, NODE_WAIT = _FREE, _COMPUTE, _COLL, _WAIT
+
+
 @dataclass
 class SimResult:
     makespan_us: float
@@ -252,6 +267,9 @@ def _val_bytes(val: Any) -> int:
     if isinstance(val, (list, tuple)):
         return sum(_val_bytes(v) for v in val)
     return 0
+
+
+tensor_bytes = _val_bytes  # public name: bytes of a meta['val'] (tensors, lists), size hints for symbols
 
 
 def _alias_source(node: fx.Node) -> Optional[fx.Node]:
@@ -370,6 +388,13 @@ class Simulator:
         """Cached time of one node (collective: its duration on its stream)."""
         e = self._lookup(node)
         return e.time_us
+
+    def node_info(self, node: fx.Node) -> NodeInfo:
+        """What the sweep knows about one node, for schedulers that build their own order:
+        its class, time, comm stream, the collective a wait waits on, and its memory
+        accounting (bytes allocated, the node whose storage it aliases)."""
+        e = self._lookup(node)
+        return NodeInfo(e.code, e.time_us, e.stream, e.start, e.alloc, e.alias_src)
 
     def _lookup(self, n: fx.Node) -> _NodeCost:
         e = self._table.get(n)

@@ -118,6 +118,12 @@ def passes_missing_fuzz_entry() -> list[str]:
 # untouched (its contract), on every family.
 register_fuzz_target("sink_waits", exact=True, keeps_collective_order=True)
 
+# Bucketing merges same-kind collectives into one on a flat buffer: the interpreter reduces
+# every element over the same ranks in the same order whatever buffer it sits in, so values
+# are bitwise equal; the collective sequence changes (fewer, larger collectives). Every family:
+# gathers, scatters and all_reduces appear in all of them, next to the kinds it must leave alone.
+register_fuzz_target("bucket_collectives", exact=True)
+
 # The split reduces exactly the elements the all_reduce did (the interpreter sums ranks
 # in the same order), so values are bitwise equal; the collective sequence changes.
 register_fuzz_target("split_all_reduce", exact=True)
@@ -172,6 +178,10 @@ register_fuzz_target("workload_partition", generators=("tp", "sp", "fsdp", "mixe
 # by check.py): tolerance compare scaled like its building blocks.
 register_fuzz_target("centauri_partition", generators=("tp", "sp", "fsdp", "mixed"), world_sizes=(8,),
                      scaled_tolerance=True, topology=fuzz_target("group_partition").topology)
+
+# The overlap scheduler only reorders nodes and keeps the collectives' issue order (all groups):
+# values bitwise equal and the verifier's sequence / total-order hashes unchanged, every family.
+register_fuzz_target("schedule_overlap", exact=True, keeps_collective_order=True)
 
 # MoE recognition rewrites the Dynamo (torch-level) graph before AOTAutograd (stage
 # PRE_AUTOGRAD); the fuzzer generates and checks ATen joint graphs, on which the pass never runs.

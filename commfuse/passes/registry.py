@@ -8,9 +8,11 @@ from .base import GraphPass
 
 _PASSES: dict[str, Type[GraphPass]] = {}
 
-# The pipeline `backend="commfuse"` runs: Chimera fusion on the joint graph, then the
-# schedule passes. Later passes (Centauri partitioning, the scheduler) join as they land.
-DEFAULT_PIPELINE: tuple[str, ...] = ("moe_recognition", "chimera", "sink_waits")
+# The pipeline `backend="commfuse"` runs: MoE recognition on Dynamo's graph, Chimera fusion on
+# the joint graph, then the schedule passes (bucketing, the overlap scheduler, waits sunk).
+# The Centauri partition search is opt-in (compile time; see docs/centauri.md).
+DEFAULT_PIPELINE: tuple[str, ...] = ("moe_recognition", "chimera", "bucket_collectives", "schedule_overlap",
+                                     "sink_waits")
 
 
 def register_pass(cls: Type[GraphPass]) -> Type[GraphPass]:
@@ -45,5 +47,7 @@ def _load_builtin() -> None:
     # validation does not import every pass module at `import commfuse` time twice.
     from . import (  # noqa: F401
         chimera, collective_motion, fuse_collectives, group_partition, moe_recognition, partition_search,
-        primitive_substitution, primitive_substitution_forced, sink_waits, split_all_reduce, workload_partition,
+        primitive_substitution, primitive_substitution_forced, schedule_overlap, sink_waits, split_all_reduce,
+        workload_partition,
     )
+    from . import bucket_collectives  # noqa: F401

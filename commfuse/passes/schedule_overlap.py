@@ -1,0 +1,202 @@
+"""schedule_overlap: issue collectives early and waits late, in one total order, within memory limits.
+
+Contract
+- Matches: every scheduled graph (forward, backward, inference, or a whole ``make_fx``
+  training step): its collectives, their waits and the compute between them.
+- Does: builds a new order of the graph's nodes with a greedy list scheduler
+  (``schedule_list``) that simulates the machine while it orders: each collective is
+  issued as soon as its inputs are computed, unless the bytes in flight on its process
+  group's stream would pass ``Config.schedule_max_inflight_bytes`` or the live memory plus
+  its output buffer would pass ``Config.schedule_memory_budget`` x the input order's peak;
+  each wait goes right before the first node that needs its result; compute runs in
+  program order except that compute which would block on an unfinished collective is
+  postponed behind compute that would not, and compute the next collective needs goes
+  first (Inductor-style). Several picker settings are tried; windows of the best order with
+  the most exposed communication (at most ``Config.schedule_cpsat_max_nodes`` nodes) are then
+  re-solved exactly with OR-Tools CP-SAT (``schedule_cpsat``). Every candidate is judged by
+  the timeline simulator (``costmodel.simulator``) under the graph's estimator
+  (``passes/cost.py``; without a topology, the DGX-H100 preset with enough nodes for the
+  graph's ranks: the choice only ranks orders, it never changes values). The new order is
+  kept only if its simulated makespan is not worse than the input order's and its peak
+  memory is within the budget.
+- Guarantees: a pure reorder: no node is added, removed or changed, so values are bitwise
+  equal. The collectives keep their relative issue order across all process groups (the
+  per-group sequence hashes and the total-order hash of the verifier are unchanged), so every
+  rank issues the same collectives in the same order even where ranks' graphs differ in shapes
+  or compute (uneven shards, per-rank p2p programs) and their cost estimates would differ.
+  Every decision is a deterministic function of the graph, the config and the topology: ties
+  break by original node index; CP-SAT runs with one worker, a fixed seed and a
+  deterministic-time limit (never wall-clock). One ``decisions`` entry records the predicted
+  makespan, exposed communication and peak memory of the input, the greedy and the CP-SAT
+  order, and which was kept.
+- Never moves a node past a barrier: an op that mutates memory (``copy_``, in-place ops,
+  input mutations), an in-place collective or its wait, an op called for its side effect.
+  The graph is cut into segments at them; nodes stay in their segment. Ops that draw from
+  the global RNG keep their relative order (the same numbers are drawn).
+- Leaves alone (reported): graphs without collectives; graphs where no order beats the input's
+  simulated makespan within the memory budget.
+
+Source: Centauri §3.2 (operation- and layer-level scheduling: overlap each collective with
+independent compute), the latency-hiding list schedulers of XLA and Inductor
+(``overlap_scheduling.py``, ``comms.raise_comms`` / ``sink_waits``) for issue-early /
+wait-late with in-flight and memory limits. Choices the paper leaves open: docs/scheduler.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch.fx as fx
+
+from ..costmodel.analytic import AnalyticCostModel
+from ..costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT, SimResult, Simulator
+from ..costmodel.topology import Topology
+from .base import GraphPass, PassResult, Stage
+from .context import PassContext
+from .cost import estimator_for
+from .registry import register_pass
+from .schedule_list import Priority, ScheduleProblem, build_problem, list_schedule, max_inflight
+
+# Picker settings tried, in this order (the first of equal makespans wins).
+PRIORITIES = (Priority(True, True), Priority(False, True), Priority(False, False))
+DEFAULT_PRESET = "dgx-h100"
+# Schedules over the memory budget are retried with the in-flight cap halved, at most this often.
+MEMORY_RETRIES = 6
+
+
+def default_estimator(ctx: PassContext) -> tuple[AnalyticCostModel, str]:
+    """The graph's estimator, or DGX-H100 (NCCL) with enough nodes for the graph's ranks."""
+    est = estimator_for(ctx)
+    if est is not None:
+        return est, ctx.topology.name if ctx.topology is not None else "?"
+    world = 1
+    for g in ctx.ir.groups.values():
+        world = max(world, g.size or 1, (max(g.ranks) + 1) if g.ranks else 1)
+    preset = Topology.preset(DEFAULT_PRESET)
+    topo = Topology.preset(DEFAULT_PRESET, num_nodes=max(1, math.ceil(world / preset.ranks_per_node)))
+    return AnalyticCostModel(topo, backend="nccl"), f"default {DEFAULT_PRESET} x{topo.num_nodes}"
+
+
+def _summary(r: SimResult) -> dict:
+    return {"makespan_us": round(float(r.makespan_us), 3), "exposed_comm_us": round(float(r.exposed_comm_us), 3),
+            "peak_memory_bytes": int(r.peak_memory_bytes)}
+
+
+@register_pass
+class ScheduleOverlap(GraphPass):
+    __doc__ = __doc__
+    name = "schedule_overlap"
+    stage = Stage.SCHEDULE
+
+    def run(self, ctx: PassContext) -> PassResult:
+        ir = ctx.ir
+        if not ir.collectives:
+            return PassResult(changed=False, refusals=["no collectives: nothing to overlap"])
+        cfg = ctx.config
+        est, est_name = default_estimator(ctx)
+        sim = Simulator(ctx.gm, est, ir=ir)
+        prob = build_problem(ctx.gm, sim, ir)
+        original = list(range(prob.size))
+        before = sim.simulate(record=False)
+        mem_limit = cfg.schedule_memory_budget * before.peak_memory_bytes
+        inflight_limit = cfg.schedule_max_inflight_bytes
+
+        def score(order: list[int]) -> SimResult:
+            return sim.simulate(order=[prob.nodes[i] for i in order], record=False)
+
+        def acceptable(order: list[int], r: SimResult) -> bool:
+            if r.peak_memory_bytes > mem_limit:
+                return False
+            if inflight_limit is not None and max_inflight(prob, order) > max(inflight_limit,
+                                                                                 max_inflight(prob, original)):
+                return False
+            return True
+
+        best: Optional[tuple[list[int], SimResult, str]] = None
+        tried = []
+        for pr in PRIORITIES:
+            cap = inflight_limit
+            for attempt in range(MEMORY_RETRIES + 1):
+                res = list_schedule(prob, pr, max_inflight_bytes=cap, memory_limit=mem_limit)
+                r = score(res.order)
+                ok = acceptable(res.order, r)
+                tried.append({"priority": pr.describe(), "inflight_cap": cap, **_summary(r), "within_limits": ok,
+                              "deferred_inflight": res.deferred_inflight, "deferred_memory": res.deferred_memory,
+                              "forced": res.forced})
+                if ok and (best is None or r.makespan_us < best[1].makespan_us):
+                    best = (res.order, r, pr.describe() + (f",cap={cap}" if cap != inflight_limit else ""))
+                if ok or r.peak_memory_bytes <= mem_limit:
+                    break
+                # Over the memory budget: buffers issued early stay live across the input order's
+                # peak. Prefetch less: halve the bytes one stream may hold in flight (the check at
+                # issue time only sees the memory of that moment, not the peak ahead of it).
+                held = max_inflight(prob, res.order)
+                if held <= 1 or (cap is not None and held > cap):  # one collective alone: no progress
+                    break
+                cap = held // 2
+        decision: dict = {"graph": ctx.graph_kind, "estimator": est_name, "nodes": prob.size,
+                          "segments": len(prob.segments), "collectives": len(prob.collectives),
+                          "input": _summary(before), "greedy": tried}
+        cpsat_info: dict = {"enabled": cfg.schedule_cpsat_max_nodes > 0}
+        if best is not None and cfg.schedule_cpsat_max_nodes > 0:
+            from .schedule_cpsat import refine_windows
+
+            greedy_r = best[1]
+            order, r, cpsat_info = refine_windows(
+                prob, sim, best[0], best[1], max_nodes=cfg.schedule_cpsat_max_nodes,
+                det_time_s=cfg.schedule_cpsat_time_limit_s, acceptable=acceptable)
+            cpsat_info["greedy_makespan_us"] = round(float(greedy_r.makespan_us), 3)
+            if r.makespan_us < best[1].makespan_us:
+                best = (order, r, best[2] + "+cpsat")
+        decision["cpsat"] = cpsat_info
+        refusals: list[str] = []
+        if best is None:
+            refusals.append("every greedy order exceeds the memory budget or the in-flight limit: order kept")
+        elif best[1].makespan_us > before.makespan_us:
+            refusals.append(f"best order predicted slower ({float(best[1].makespan_us):.1f} us) than the input's "
+                            f"({float(before.makespan_us):.1f} us): order kept")
+            best = None
+        changed = best is not None and best[0] != original
+        decision["kept"] = best[2] if changed else "input"
+        decision["output"] = _summary(best[1]) if changed else decision["input"]
+        counts = {"collectives": len(prob.collectives)}
+        if changed:
+            assert best is not None
+            counts.update(_moves(prob, best[0]))
+            _check_collective_order(prob, best[0])
+            _apply(ctx.gm, [prob.nodes[i] for i in best[0]])
+        return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=[decision])
+
+
+def _moves(p: ScheduleProblem, order: list[int]) -> dict[str, int]:
+    """How many collectives were issued, and waits placed, after fewer / more compute nodes."""
+    def compute_before(seq: list[int]) -> dict[int, int]:
+        out, k = {}, 0
+        for i in seq:
+            if p.code[i] == NODE_COMPUTE:
+                k += 1
+            elif p.code[i] in (NODE_COLLECTIVE, NODE_WAIT):
+                out[i] = k
+        return out
+
+    a, b = compute_before(list(range(p.size))), compute_before(order)
+    raised = sum(1 for i in a if p.code[i] == NODE_COLLECTIVE and b[i] < a[i])
+    sunk = sum(1 for i in a if p.code[i] == NODE_WAIT and b[i] > a[i])
+    return {"collectives_raised": raised, "waits_sunk": sunk}
+
+
+def _check_collective_order(p: ScheduleProblem, order: list[int]) -> None:
+    colls = [i for i in order if i in p.coll_bytes]
+    if colls != p.collectives:  # a scheduler bug: would hang ranks whose graphs differ
+        raise RuntimeError("schedule_overlap: the new order changes the collectives' issue order")
+
+
+def _apply(gm: fx.GraphModule, order: list[fx.Node]) -> None:
+    cur = order[0]
+    if cur is not next(iter(gm.graph.nodes)):
+        next(iter(gm.graph.nodes)).prepend(cur)
+    for n in order[1:]:
+        if cur.next is not n:
+            cur.append(n)
+        cur = n
