@@ -42,6 +42,17 @@ def resolve_process_group(group_name: str):
         return None
 
 
+def register_process_group_alias(name: str, pg) -> None:
+    """Make ``name`` resolve to ``pg`` in this process (replacing what it named before).
+
+    Private: the process-group name registry of `torch._C._distributed_c10d`, through which
+    functional collectives resolve a graph's group name."""
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    _unregister_process_group(name)  # a no-op when the name is free
+    _register_process_group(name, pg)
+
+
 def fake_tensor_mode_of(gm: torch.fx.GraphModule):
     """The FakeTensorMode that produced `node.meta['val']` in this graph, if any.
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from ._torch_private import register_process_group_alias
 from .costmodel.topology import Topology
 from .errors import ConfigError
 from .ir.collective import ParallelRole
@@ -179,15 +180,10 @@ def subgroup_names(parent: Sequence[int]) -> tuple[str, str]:
     return INTRA_PREFIX + label, INTER_PREFIX + label
 
 
-# --------------------------------------------------------------------------- private c10d API
-# The process-group name registry (`torch._C._distributed_c10d`): functional collectives
-# resolve a graph's group name through it. Registering this rank's sub-group under an alias
-# is what makes one graph valid on every rank (module docstring). Private in 2.13.
+# Registering this rank's sub-group under an alias is what makes one graph valid on every
+# rank (module docstring); the registry is private c10d API, wrapped in _torch_private.
 def _register_alias(name: str, pg: Any) -> None:
-    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
-
-    _unregister_process_group(name)  # a no-op when the name is free
-    _register_process_group(name, pg)
+    register_process_group_alias(name, pg)
 
 
 # --------------------------------------------------------------------------- creation
