@@ -549,23 +549,8 @@ class Simulator:
 
     def _peak_memory(self, nodes: Sequence[fx.Node]) -> tuple[int, Optional[str]]:
         table = self._table
-        owner: dict[fx.Node, fx.Node] = {}
-        last: dict[fx.Node, int] = {}
         never = len(nodes) + 1
-        for i, n in enumerate(nodes):
-            e = table[n]
-            src = e.alias_src
-            o = owner.get(src, src) if src is not None else n
-            owner[n] = o
-            last[o] = i
-            if n.op == "output":
-                for a in n.all_input_nodes:
-                    last[owner.get(a, a)] = never
-                continue
-            for a in n.all_input_nodes:
-                oa = owner.get(a, a)
-                if last.get(oa, -1) != never:
-                    last[oa] = i
+        owner, last = buffer_lifetimes(nodes, lambda n: table[n].alias_src, never)
         if self.inputs_persist:
             for n in nodes:
                 if n.op == "placeholder":
@@ -584,6 +569,35 @@ class Simulator:
                     peak, peak_node = live, n.name
             live -= frees.get(i, 0)
         return peak, peak_node
+
+
+def buffer_lifetimes(nodes: Sequence[fx.Node], alias_of: Callable[[fx.Node], Optional[fx.Node]],
+                     never: int) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, int]]:
+    """Who owns each node's storage and when that storage is last used, for ``nodes`` in order.
+
+    ``owner[n]``: the node whose buffer ``n`` uses (views, waits, getitem alias their source,
+    ``alias_of``); ``last[o]``: the index of the last node that uses owner ``o``'s buffer, or
+    ``never`` for buffers the graph output keeps. The simulator's peak memory and the
+    bucketing pass's memory profile both count live bytes from these."""
+    owner: dict[fx.Node, fx.Node] = {}
+    last: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        src = alias_of(n)
+        o = owner.get(src, src) if src is not None else n
+        owner[n] = o
+        last[o] = i
+        if n.op == "output":
+            for a in n.all_input_nodes:
+                last[owner.get(a, a)] = never
+            continue
+        for a in n.all_input_nodes:
+            oa = owner.get(a, a)
+            if last.get(oa, -1) != never:
+                last[oa] = i
+    return owner, last
+
+
+alias_source = _alias_source  # public name: the node whose storage a view / wait / getitem aliases
 
 
 def simulate(gm: fx.GraphModule, estimator: CostEstimator, streams: StreamAssignment | None = None,

@@ -57,7 +57,7 @@ from .._torch_private import c10d_functional as _f
 from ..costmodel.analytic import AnalyticCostModel
 from ..costmodel.collectives import message_bytes
 from ..costmodel.compute import OpCost
-from ..costmodel.simulator import Simulator, _alias_source, _val_bytes
+from ..costmodel.simulator import Simulator, alias_source, buffer_lifetimes, tensor_bytes
 from ..costmodel.topology import Topology
 from ..ir.collective import Collective
 from ..ir.kinds import CollectiveKind, is_wait
@@ -317,7 +317,7 @@ class _Planner:
         in_owner = g.owner.get(inp, inp)
         out_owner = g.owner.get(c.start, c.start)
         return _Member(c, _key(c), start, ready, g.pos[w], min(need, len(g.nodes) - 1),
-                       _val_bytes(inp.meta.get("val")), _val_bytes(c.start.meta.get("val")),
+                       tensor_bytes(inp.meta.get("val")), tensor_bytes(c.start.meta.get("val")),
                        message_bytes(c), in_owner, g.last.get(in_owner, start), g.last.get(out_owner, start))
 
     def _new_bucket(self, m: _Member) -> _Bucket:
@@ -574,23 +574,9 @@ def _build(gm: fx.GraphModule, ir, sim: Simulator) -> _Graph:
         waits.append(n.op == "call_function" and is_wait(n.target))
     # live memory, the simulator's accounting (allocated when run, freed after the last use,
     # views / waits / getitem alias their source, outputs stay live)
-    owner: dict[fx.Node, fx.Node] = {}
-    last: dict[fx.Node, int] = {}
-    alloc: list[int] = []
     never = len(nodes) - 1
-    for i, n in enumerate(nodes):
-        src = _alias_source(n)
-        o = owner.get(src, src) if src is not None else n
-        owner[n] = o
-        alloc.append(_val_bytes(n.meta.get("val")) if src is None and n.op != "output" else 0)
-        last[o] = max(last.get(o, i), i)
-        if n.op == "output":
-            for a in n.all_input_nodes:
-                last[owner.get(a, a)] = never
-            continue
-        for a in n.all_input_nodes:
-            oa = owner.get(a, a)
-            last[oa] = max(last.get(oa, i), i)
+    owner, last = buffer_lifetimes(nodes, alias_source, never)
+    alloc = [tensor_bytes(n.meta.get("val")) if alias_source(n) is None and n.op != "output" else 0 for n in nodes]
     frees = np.zeros(len(nodes) + 1)
     for o, i in last.items():
         if i < never:
