@@ -67,6 +67,9 @@ class Config(BaseModel):
     schedule_cpsat_time_limit_s: CP-SAT's budget per graph, spent window by window, in
         *deterministic* seconds (the solver's work counter, single worker, fixed seed): the
         same answer on every rank however fast it compiles.
+    schedule_layer_level: in backward graphs, ``schedule_overlap`` also tries Centauri's
+        layer-level order (Eq. 1: per layer, activation- or weight-gradient first, with the
+        collectives' issue order that goes with it) and keeps it when the simulator prefers it.
     bucket_cap_bytes: largest message (nccl-tests size: all_gather output, reduce_scatter
         input, all_reduce buffer) the ``bucket_collectives`` pass builds; None: from the cost
         model (the size at which latency is 10% of the collective's time, docs/bucketing.md).
@@ -97,6 +100,7 @@ class Config(BaseModel):
     schedule_memory_budget: float = Field(default=1.05, ge=1.0)
     schedule_cpsat_max_nodes: int = Field(default=60, ge=0)
     schedule_cpsat_time_limit_s: PositiveFloat = 2.0
+    schedule_layer_level: bool = True
     bucket_cap_bytes: Optional[PositiveInt] = None
     bucket_max_memory_increase: float = Field(default=0.05, ge=0.0)
 
@@ -150,6 +154,7 @@ class Config(BaseModel):
             "schedule_memory_budget": self.schedule_memory_budget,
             "schedule_cpsat_max_nodes": self.schedule_cpsat_max_nodes,
             "schedule_cpsat_time_limit_s": self.schedule_cpsat_time_limit_s,
+            "schedule_layer_level": self.schedule_layer_level,
             "bucket_cap_bytes": self.bucket_cap_bytes,
             "bucket_max_memory_increase": self.bucket_max_memory_increase,
             "topology": topo.model_dump() if topo else None,

@@ -82,6 +82,17 @@ class ScheduleProblem:
     owner: list[int]  # alias root per node (memory accounting, as the simulator does it)
     touches: list[list[int]] = field(default_factory=list)  # per node: owners whose life it extends
     n_streams: int = 1
+    # Preference among ready compute: position in a baseline order (default: the input order;
+    # the layer level supplies its own). ``at_key`` inverts it.
+    key: list[int] = field(default_factory=list)
+    at_key: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = list(range(len(self.nodes)))
+        self.at_key = [0] * len(self.key)
+        for i, k in enumerate(self.key):
+            self.at_key[k] = i
 
     @property
     def size(self) -> int:
@@ -120,7 +131,12 @@ def _draws_random(n: fx.Node) -> bool:
     return True
 
 
-def build_problem(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR) -> ScheduleProblem:
+def build_problem(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, *,
+                  chain: Optional[Sequence[int]] = None, baseline: Optional[Sequence[int]] = None
+                  ) -> ScheduleProblem:
+    """``chain``: the collectives' issue order as node indices (default: the input order; empty:
+    no chain edges, for building a preferred order). ``baseline``: a topological order the
+    compute picker prefers (default: the input order)."""
     nodes = list(gm.graph.nodes)
     idx = {n: i for i, n in enumerate(nodes)}
     inplace: set[fx.Node] = set()
@@ -131,8 +147,7 @@ def build_problem(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR) -> Sched
     preds: list[list[int]] = [sorted({idx[a] for a in n.all_input_nodes}) for n in nodes]
     infos = [sim.node_info(n) for n in nodes]
     code = [i.code for i in infos]
-    colls = [idx[c.start] for c in ir.collectives]
-    colls.sort()
+    colls = sorted(idx[c.start] for c in ir.collectives) if chain is None else list(chain)
     for a, b in zip(colls, colls[1:]):  # the total issue order is kept
         preds[b].append(a)
     rand = [i for i, n in enumerate(nodes) if _draws_random(n)]
@@ -180,9 +195,14 @@ def build_problem(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR) -> Sched
             owner[i] = owner[idx[src]]
         t = {owner[i]} | {owner[idx[a]] for a in n.all_input_nodes}
         touches[i] = sorted(t)
+    key: list[int] = []
+    if baseline is not None:
+        key = [0] * len(nodes)
+        for pos, i in enumerate(baseline):
+            key[i] = pos
     return ScheduleProblem(nodes, preds, succs, code, [i.time_us for i in infos], [i.stream for i in infos],
                            wait_of, segment, segments, barrier_segments, head, tail, colls, coll_bytes, alloc,
-                           owner, touches, n_streams=len(sim.streams))
+                           owner, touches, n_streams=len(sim.streams), key=key)
 
 
 @dataclass
@@ -204,6 +224,7 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
         missing[i] = len(p.preds[i])
     order: list[int] = []
     res = ListResult(order)
+    key, at_key = p.key, p.at_key
 
     # machine state, as the simulator's sweep keeps it
     t = 0.0
@@ -264,9 +285,9 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
         if p.code[u] == NODE_COLLECTIVE:
             ready_coll.append(u)
         else:
-            heapq.heappush(ready, u)
+            heapq.heappush(ready, key[u])
             if urgent_for[u] == next_coll_pos:
-                heapq.heappush(urgent, u)
+                heapq.heappush(urgent, key[u])
 
     def place(i: int) -> None:
         nonlocal t, live
@@ -310,30 +331,31 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
                 continue
             urgent_for[x] = next_coll_pos
             if missing[x] == 0 and x not in p.wait_of and p.code[x] != NODE_COLLECTIVE:
-                heapq.heappush(urgent, x)
+                heapq.heappush(urgent, key[x])
             stack.extend(q for q in p.preds[x] if not scheduled[q])
 
     def pick(heap: list[int]) -> tuple[Optional[int], bool]:
-        """Smallest-index live entry; with avoid_stalls, the first of the window that does not block."""
-        while heap and scheduled[heap[0]]:
+        """First live entry by key; with avoid_stalls, the first of the window that does not block."""
+        while heap and scheduled[at_key[heap[0]]]:
             heapq.heappop(heap)
         if not heap:
             return None, False
         if not priority.avoid_stalls:
-            return heap[0], False
+            return at_key[heap[0]], False
         seen: list[int] = []
         found = None
         while heap and len(seen) < STALL_WINDOW:
-            x = heapq.heappop(heap)
-            if scheduled[x] or x in seen:
+            k = heapq.heappop(heap)
+            x = at_key[k]
+            if scheduled[x] or k in seen:
                 continue
-            seen.append(x)
+            seen.append(k)
             if wait_stall(x) <= 0:
                 found = x
                 break
-        for x in seen:
-            heapq.heappush(heap, x)
-        return (found, False) if found is not None else (seen[0] if seen else None, True)
+        for k in seen:
+            heapq.heappush(heap, k)
+        return (found, False) if found is not None else (at_key[seen[0]] if seen else None, True)
 
     for i in p.head:
         place(i)

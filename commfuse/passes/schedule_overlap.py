@@ -56,6 +56,7 @@ from .base import GraphPass, PassResult, Stage
 from .context import PassContext
 from .cost import estimator_for
 from .registry import register_pass
+from .layer_level import backward_layers, chain_of, preferred_order
 from .schedule_list import Priority, ScheduleProblem, build_problem, list_schedule, max_inflight
 
 # Picker settings tried, in this order (the first of equal makespans wins).
@@ -113,60 +114,85 @@ class ScheduleOverlap(GraphPass):
                 return False
             return True
 
-        best: Optional[tuple[list[int], SimResult, str]] = None
+        problems = [("input", prob)]
+        layer_info = None
+        if cfg.schedule_layer_level and ir.backward_nodes:
+            lprob, layer_info = _layer_level_problem(ctx.gm, sim, ir)
+            if lprob is not None:
+                problems.append(("layer", lprob))
+        best: Optional[tuple[ScheduleProblem, list[int], SimResult, str]] = None
         tried = []
-        for pr in PRIORITIES:
-            cap = inflight_limit
-            for attempt in range(MEMORY_RETRIES + 1):
-                res = list_schedule(prob, pr, max_inflight_bytes=cap, memory_limit=mem_limit)
-                r = score(res.order)
-                ok = acceptable(res.order, r)
-                tried.append({"priority": pr.describe(), "inflight_cap": cap, **_summary(r), "within_limits": ok,
-                              "deferred_inflight": res.deferred_inflight, "deferred_memory": res.deferred_memory,
-                              "forced": res.forced})
-                if ok and (best is None or r.makespan_us < best[1].makespan_us):
-                    best = (res.order, r, pr.describe() + (f",cap={cap}" if cap != inflight_limit else ""))
-                if ok or r.peak_memory_bytes <= mem_limit:
-                    break
-                # Over the memory budget: buffers issued early stay live across the input order's
-                # peak. Prefetch less: halve the bytes one stream may hold in flight (the check at
-                # issue time only sees the memory of that moment, not the peak ahead of it).
-                held = max_inflight(prob, res.order)
-                if held <= 1 or (cap is not None and held > cap):  # one collective alone: no progress
-                    break
-                cap = held // 2
+        for pname, problem in problems:
+            for pr in PRIORITIES:
+                cap = inflight_limit
+                for attempt in range(MEMORY_RETRIES + 1):
+                    res = list_schedule(problem, pr, max_inflight_bytes=cap, memory_limit=mem_limit)
+                    r = score(res.order)
+                    ok = acceptable(res.order, r)
+                    label = (f"{pname}:" if pname != "input" else "") + pr.describe()
+                    tried.append({"priority": label, "inflight_cap": cap, **_summary(r), "within_limits": ok,
+                                  "deferred_inflight": res.deferred_inflight, "deferred_memory": res.deferred_memory,
+                                  "forced": res.forced})
+                    if ok and (best is None or r.makespan_us < best[2].makespan_us):
+                        best = (problem, res.order, r, label + (f",cap={cap}" if cap != inflight_limit else ""))
+                    if ok or r.peak_memory_bytes <= mem_limit:
+                        break
+                    # Over the memory budget: buffers issued early stay live across the input order's
+                    # peak. Prefetch less: halve the bytes one stream may hold in flight (the check at
+                    # issue time only sees the memory of that moment, not the peak ahead of it).
+                    held = max_inflight(problem, res.order)
+                    if held <= 1 or (cap is not None and held > cap):  # one collective alone: no progress
+                        break
+                    cap = held // 2
         decision: dict = {"graph": ctx.graph_kind, "estimator": est_name, "nodes": prob.size,
                           "segments": len(prob.segments), "collectives": len(prob.collectives),
                           "input": _summary(before), "greedy": tried}
+        if layer_info is not None:
+            decision["layer_level"] = layer_info
         cpsat_info: dict = {"enabled": cfg.schedule_cpsat_max_nodes > 0}
         if best is not None and cfg.schedule_cpsat_max_nodes > 0:
             from .schedule_cpsat import refine_windows
 
-            greedy_r = best[1]
+            greedy_r = best[2]
             order, r, cpsat_info = refine_windows(
-                prob, sim, best[0], best[1], max_nodes=cfg.schedule_cpsat_max_nodes,
+                best[0], sim, best[1], best[2], max_nodes=cfg.schedule_cpsat_max_nodes,
                 det_time_s=cfg.schedule_cpsat_time_limit_s, acceptable=acceptable)
             cpsat_info["greedy_makespan_us"] = round(float(greedy_r.makespan_us), 3)
-            if r.makespan_us < best[1].makespan_us:
-                best = (order, r, best[2] + "+cpsat")
+            if r.makespan_us < best[2].makespan_us:
+                best = (best[0], order, r, best[3] + "+cpsat")
         decision["cpsat"] = cpsat_info
         refusals: list[str] = []
         if best is None:
             refusals.append("every greedy order exceeds the memory budget or the in-flight limit: order kept")
-        elif best[1].makespan_us > before.makespan_us:
-            refusals.append(f"best order predicted slower ({float(best[1].makespan_us):.1f} us) than the input's "
+        elif best[2].makespan_us > before.makespan_us:
+            refusals.append(f"best order predicted slower ({float(best[2].makespan_us):.1f} us) than the input's "
                             f"({float(before.makespan_us):.1f} us): order kept")
             best = None
-        changed = best is not None and best[0] != original
-        decision["kept"] = best[2] if changed else "input"
-        decision["output"] = _summary(best[1]) if changed else decision["input"]
+        changed = best is not None and best[1] != original
+        decision["kept"] = best[3] if changed else "input"
+        decision["output"] = _summary(best[2]) if changed else decision["input"]
         counts = {"collectives": len(prob.collectives)}
         if changed:
             assert best is not None
-            counts.update(_moves(prob, best[0]))
-            _check_collective_order(prob, best[0])
-            _apply(ctx.gm, [prob.nodes[i] for i in best[0]])
+            counts.update(_moves(prob, best[1]))
+            if best[0] is not prob:
+                counts["collectives_reordered"] = sum(a != b for a, b in zip(prob.collectives, best[0].collectives))
+            _check_collective_order(best[0], best[1])
+            _apply(ctx.gm, [prob.nodes[i] for i in best[1]])
         return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=[decision])
+
+
+def _layer_level_problem(gm: fx.GraphModule, sim: Simulator, ir) -> tuple[Optional[ScheduleProblem], dict]:
+    """The backward's layer-level problem (Eq. 1): chain and baseline order from each layer's choice."""
+    free = build_problem(gm, sim, ir, chain=())
+    layers = backward_layers(free, ir)
+    info: dict = {"layers": [lay.describe() for lay in layers]}
+    order = preferred_order(free, layers)
+    if order is None:
+        info["applied"] = False
+        return None, info
+    info["applied"] = True
+    return build_problem(gm, sim, ir, chain=chain_of(free, order), baseline=order), info
 
 
 def _moves(p: ScheduleProblem, order: list[int]) -> dict[str, int]:
