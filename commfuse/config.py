@@ -70,6 +70,11 @@ class Config(BaseModel):
     schedule_layer_level: in backward graphs, ``schedule_overlap`` also tries Centauri's
         layer-level order (Eq. 1: per layer, activation- or weight-gradient first, with the
         collectives' issue order that goes with it) and keeps it when the simulator prefers it.
+    schedule_model_level: in graphs of ``compile_train_step`` with several micro-batches,
+        ``schedule_overlap`` also tries Centauri's model-level order (Eq. 2: micro-batches run
+        layer by layer in groups of L) and keeps it when the simulator prefers it.
+    model_level_memory_bytes: M of Eq. 2, the memory free for the activations of micro-batches
+        launched together (None: no limit).
     bucket_cap_bytes: largest message (nccl-tests size: all_gather output, reduce_scatter
         input, all_reduce buffer) the ``bucket_collectives`` pass builds; None: from the cost
         model (the size at which latency is 10% of the collective's time, docs/bucketing.md).
@@ -101,6 +106,8 @@ class Config(BaseModel):
     schedule_cpsat_max_nodes: int = Field(default=60, ge=0)
     schedule_cpsat_time_limit_s: PositiveFloat = 2.0
     schedule_layer_level: bool = True
+    schedule_model_level: bool = True
+    model_level_memory_bytes: Optional[PositiveInt] = None
     bucket_cap_bytes: Optional[PositiveInt] = None
     bucket_max_memory_increase: float = Field(default=0.05, ge=0.0)
 
@@ -155,6 +162,8 @@ class Config(BaseModel):
             "schedule_cpsat_max_nodes": self.schedule_cpsat_max_nodes,
             "schedule_cpsat_time_limit_s": self.schedule_cpsat_time_limit_s,
             "schedule_layer_level": self.schedule_layer_level,
+            "schedule_model_level": self.schedule_model_level,
+            "model_level_memory_bytes": self.model_level_memory_bytes,
             "bucket_cap_bytes": self.bucket_cap_bytes,
             "bucket_max_memory_increase": self.bucket_max_memory_increase,
             "topology": topo.model_dump() if topo else None,

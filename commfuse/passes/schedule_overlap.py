@@ -57,6 +57,7 @@ from .context import PassContext
 from .cost import estimator_for
 from .registry import register_pass
 from .layer_level import backward_layers, chain_of, preferred_order
+from .model_level import eq2_inputs, grouped_order, microbatch_graph, solve_eq2
 from .schedule_list import Priority, ScheduleProblem, build_problem, list_schedule, max_inflight
 
 # Picker settings tried, in this order (the first of equal makespans wins).
@@ -114,15 +115,10 @@ class ScheduleOverlap(GraphPass):
                 return False
             return True
 
-        problems = [("input", prob)]
-        layer_info = None
-        if cfg.schedule_layer_level and ir.backward_nodes:
-            lprob, layer_info = _layer_level_problem(ctx.gm, sim, ir)
-            if lprob is not None:
-                problems.append(("layer", lprob))
-        best: Optional[tuple[ScheduleProblem, list[int], SimResult, str]] = None
-        tried = []
-        for pname, problem in problems:
+        def greedy(problem: ScheduleProblem, pname: str, tried: list
+                   ) -> Optional[tuple[ScheduleProblem, list[int], SimResult, str]]:
+            """Every picker setting on ``problem`` (with memory retries); the best within limits."""
+            best = None
             for pr in PRIORITIES:
                 cap = inflight_limit
                 for attempt in range(MEMORY_RETRIES + 1):
@@ -144,11 +140,40 @@ class ScheduleOverlap(GraphPass):
                     if held <= 1 or (cap is not None and held > cap):  # one collective alone: no progress
                         break
                     cap = held // 2
+            return best
+
+        def judge(problem: ScheduleProblem, depth_first: bool) -> dict:
+            found = greedy(problem, "brute", [])
+            if found is not None and (not depth_first or found[2].makespan_us <= before.makespan_us):
+                return {**_summary(found[2]), "within_limits": True}
+            # depth-first is the captured order: the pass can always keep it as it is
+            return {**_summary(before), "within_limits": True} if depth_first else {"within_limits": False}
+
+        problems = [("input", prob)]
+        layer_info = model_info = None
+        free = build_problem(ctx.gm, sim, ir, chain=()) if cfg.schedule_layer_level or cfg.schedule_model_level \
+            else None
+        if cfg.schedule_layer_level and ir.backward_nodes:
+            lprob, layer_info = _layer_level_problem(ctx.gm, sim, ir, free)
+            if lprob is not None:
+                problems.append(("layer", lprob))
+        if cfg.schedule_model_level:
+            mprob, model_info = _model_level_problem(ctx.gm, sim, ir, free, cfg.model_level_memory_bytes, judge)
+            if mprob is not None:
+                problems.append((f"model:L={model_info['eq2']['L']}", mprob))
+        best: Optional[tuple[ScheduleProblem, list[int], SimResult, str]] = None
+        tried: list = []
+        for pname, problem in problems:
+            found = greedy(problem, pname, tried)
+            if found is not None and (best is None or found[2].makespan_us < best[2].makespan_us):
+                best = found
         decision: dict = {"graph": ctx.graph_kind, "estimator": est_name, "nodes": prob.size,
                           "segments": len(prob.segments), "collectives": len(prob.collectives),
                           "input": _summary(before), "greedy": tried}
         if layer_info is not None:
             decision["layer_level"] = layer_info
+        if model_info is not None:
+            decision["model_level"] = model_info
         cpsat_info: dict = {"enabled": cfg.schedule_cpsat_max_nodes > 0}
         if best is not None and cfg.schedule_cpsat_max_nodes > 0:
             from .schedule_cpsat import refine_windows
@@ -182,9 +207,9 @@ class ScheduleOverlap(GraphPass):
         return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=[decision])
 
 
-def _layer_level_problem(gm: fx.GraphModule, sim: Simulator, ir) -> tuple[Optional[ScheduleProblem], dict]:
+def _layer_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleProblem
+                         ) -> tuple[Optional[ScheduleProblem], dict]:
     """The backward's layer-level problem (Eq. 1): chain and baseline order from each layer's choice."""
-    free = build_problem(gm, sim, ir, chain=())
     layers = backward_layers(free, ir)
     info: dict = {"layers": [lay.describe() for lay in layers]}
     order = preferred_order(free, layers)
@@ -193,6 +218,38 @@ def _layer_level_problem(gm: fx.GraphModule, sim: Simulator, ir) -> tuple[Option
         return None, info
     info["applied"] = True
     return build_problem(gm, sim, ir, chain=chain_of(free, order), baseline=order), info
+
+
+def _model_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleProblem, memory: Optional[int],
+                         judge) -> tuple[Optional[ScheduleProblem], Optional[dict]]:
+    """A train-step graph's model-level problem (Eq. 2): micro-batches in groups of the solved L.
+    Every L is also scheduled and judged once (``brute_force``), to check Eq. 2 against."""
+    g = microbatch_graph(free)
+    if g is None:
+        return None, None
+    x = eq2_inputs(free, ir, g, memory)
+    sol = solve_eq2(x)
+    group = sol.l2 if ir.backward_nodes else sol.l1
+    info: dict = {"phase": "backward" if ir.backward_nodes else "forward", "microbatches": x.microbatches,
+                  "layers": len(g.layers), "inputs_us_bytes": {k: round(float(v), 3) for k, v in
+                                                               (("C_AG", x.c_ag), ("C_RS", x.c_rs), ("C_fw", x.c_fw),
+                                                                ("C_bw", x.c_bw), ("m", x.m))},
+                  "memory_M": memory, "eq2": {"L1": sol.l1, "L2": sol.l2, "T_us": round(sol.t, 3), "L": group}}
+    chosen = None
+    brute = []
+    for k in range(1, x.microbatches + 1):
+        # L = 1 is the order the graph was captured in (one micro-batch after the other)
+        order = grouped_order(free, g, k) if k > 1 else list(range(free.size))
+        # The collectives keep the input's issue order: the grouping only says which compute the
+        # scheduler prefers (regrouping the gradient reductions themselves is not done).
+        q = build_problem(gm, sim, ir, baseline=order)
+        brute.append({"L": k, **judge(q, k == 1)})
+        if k == group:
+            chosen = q
+    info["brute_force"] = brute
+    ok = [b for b in brute if b["within_limits"]]  # judge(): the scheduler's best within limits
+    info["brute_force_best_L"] = min(ok, key=lambda b: (b["makespan_us"], b["L"]))["L"] if ok else None
+    return (chosen if group > 1 else None), info
 
 
 def _moves(p: ScheduleProblem, order: list[int]) -> dict[str, int]:
