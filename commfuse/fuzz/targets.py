@@ -182,6 +182,8 @@ register_fuzz_target("centauri_partition", generators=("tp", "sp", "fsdp", "mixe
 # The overlap scheduler only reorders nodes and keeps the collectives' issue order (all groups):
 # values bitwise equal and the verifier's sequence / total-order hashes unchanged, every family.
 register_fuzz_target("schedule_overlap", exact=True, keeps_collective_order=True)
+# Re-chains collectives inside a layer (Eq. 1), so the issue order may change; values may not.
+register_fuzz_target("schedule_overlap_layer_forced", exact=True)
 
 # MoE recognition rewrites the Dynamo (torch-level) graph before AOTAutograd (stage
 # PRE_AUTOGRAD); the fuzzer generates and checks ATen joint graphs, on which the pass never runs.

@@ -134,10 +134,11 @@ def layer_name(node: fx.Node) -> Optional[str]:
     return ".".join(parts[:2]) if len(parts) > 1 else path
 
 
-def backward_layers(p: ScheduleProblem, ir: CollectiveIR) -> list[BackwardLayer]:
-    """The graph's backward layers in backward order, each classified and priced (Eq. 1)."""
+def backward_layers(p: ScheduleProblem, ir: CollectiveIR, *, every_node: bool = False) -> list[BackwardLayer]:
+    """The graph's backward layers in backward order, each classified and priced (Eq. 1).
+    ``every_node``: treat the whole graph as backward (``schedule_overlap_layer_forced``)."""
     idx = {n: i for i, n in enumerate(p.nodes)}
-    bwd = {idx[n] for n in ir.backward_nodes if n in idx}
+    bwd = set(range(p.size)) if every_node else {idx[n] for n in ir.backward_nodes if n in idx}
     # Work only the backward reads (weights re-gathered for backward, recomputation) belongs
     # to the backward too, though it does not depend on a tangent.
     for i in range(p.size - 1, -1, -1):

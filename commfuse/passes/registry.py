@@ -47,7 +47,8 @@ def _load_builtin() -> None:
     # validation does not import every pass module at `import commfuse` time twice.
     from . import (  # noqa: F401
         chimera, collective_motion, fuse_collectives, group_partition, moe_recognition, partition_search,
-        primitive_substitution, primitive_substitution_forced, schedule_overlap, sink_waits, split_all_reduce,
+        primitive_substitution, primitive_substitution_forced, schedule_overlap, schedule_overlap_layer_forced,
+        sink_waits, split_all_reduce,
         workload_partition,
     )
     from . import bucket_collectives  # noqa: F401

@@ -90,6 +90,8 @@ class ScheduleOverlap(GraphPass):
     __doc__ = __doc__
     name = "schedule_overlap"
     stage = Stage.SCHEDULE
+    # schedule_overlap_layer_forced: every graph is one backward; only the layer-level order is tried
+    force_layer_level = False
 
     def run(self, ctx: PassContext) -> PassResult:
         ir = ctx.ir
@@ -149,15 +151,15 @@ class ScheduleOverlap(GraphPass):
             # depth-first is the captured order: the pass can always keep it as it is
             return {**_summary(before), "within_limits": True} if depth_first else {"within_limits": False}
 
-        problems = [("input", prob)]
+        problems = [] if self.force_layer_level else [("input", prob)]
         layer_info = model_info = None
-        free = build_problem(ctx.gm, sim, ir, chain=()) if cfg.schedule_layer_level or cfg.schedule_model_level \
-            else None
-        if cfg.schedule_layer_level and ir.backward_nodes:
-            lprob, layer_info = _layer_level_problem(ctx.gm, sim, ir, free)
+        free = build_problem(ctx.gm, sim, ir, chain=()) \
+            if cfg.schedule_layer_level or cfg.schedule_model_level or self.force_layer_level else None
+        if self.force_layer_level or (cfg.schedule_layer_level and ir.backward_nodes):
+            lprob, layer_info = _layer_level_problem(ctx.gm, sim, ir, free, self.force_layer_level)
             if lprob is not None:
                 problems.append(("layer", lprob))
-        if cfg.schedule_model_level:
+        if cfg.schedule_model_level and not self.force_layer_level:
             mprob, model_info = _model_level_problem(ctx.gm, sim, ir, free, cfg.model_level_memory_bytes, judge)
             if mprob is not None:
                 problems.append((f"model:L={model_info['eq2']['L']}", mprob))
@@ -187,9 +189,11 @@ class ScheduleOverlap(GraphPass):
                 best = (best[0], order, r, best[3] + "+cpsat")
         decision["cpsat"] = cpsat_info
         refusals: list[str] = []
-        if best is None:
+        if not problems:
+            refusals.append("no layer has a layer-level choice (collectives of other kinds or roles): order kept")
+        elif best is None:
             refusals.append("every greedy order exceeds the memory budget or the in-flight limit: order kept")
-        elif best[2].makespan_us > before.makespan_us:
+        elif best[2].makespan_us > before.makespan_us and not self.force_layer_level:
             refusals.append(f"best order predicted slower ({float(best[2].makespan_us):.1f} us) than the input's "
                             f"({float(before.makespan_us):.1f} us): order kept")
             best = None
@@ -207,10 +211,10 @@ class ScheduleOverlap(GraphPass):
         return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=[decision])
 
 
-def _layer_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleProblem
+def _layer_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleProblem, every_node: bool = False
                          ) -> tuple[Optional[ScheduleProblem], dict]:
     """The backward's layer-level problem (Eq. 1): chain and baseline order from each layer's choice."""
-    layers = backward_layers(free, ir)
+    layers = backward_layers(free, ir, every_node=every_node)
     info: dict = {"layers": [lay.describe() for lay in layers]}
     order = preferred_order(free, layers)
     if order is None:
