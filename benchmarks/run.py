@@ -4,6 +4,7 @@
     python benchmarks/run.py --from-json out.json --plot DIR      # re-render a stored run
     python benchmarks/run.py --partition-report [--json out.json] # Centauri search on DGX-H100 x2 (predicted)
     python benchmarks/run.py --schedule-report [--json out.json]  # overlap scheduler on DGX-H100 x2 (predicted)
+    python benchmarks/run.py --overlap-vs-inductor [--json out.json]  # vs Inductor's overlap scheduler (predicted)
 
 Runs each workload x baseline on a pool of gloo ranks (one intra-op thread
 each), then the compile-time scaling points in fresh processes, prints the
@@ -180,7 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule-report", action="store_true",
                     help="only the overlap scheduler report (SimpleFSDP Llama layer, DGX-H100 x2, predicted; "
                          "and its compile time on 32 layers)")
+    ap.add_argument("--overlap-vs-inductor", action="store_true",
+                    help="only commfuse's scheduling vs Inductor's overlap scheduler on TP+SP, SimpleFSDP and MoE "
+                         "blocks (DGX-H100 x2, same estimates, predicted)")
     args = ap.parse_args(argv)
+
+    if args.overlap_vs_inductor:
+        from benchmarks.overlap_vs_inductor import overlap_tables, run_overlap_vs_inductor
+
+        report = run_overlap_vs_inductor()
+        print(overlap_tables(report))
+        _write({"schema": SCHEMA, "environment": environment(), "overlap_vs_inductor": report}, args.json)
+        return 0
 
     if args.schedule_report:
         from benchmarks.schedule_report import run_schedule_report, schedule_tables

@@ -99,7 +99,8 @@ def test_grouped_orders_are_topological_and_group_layers(step_graphs, kind):
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 def test_schedule_overlap_records_eq2_and_its_brute_force(step_graphs, kind):
     gm = fx.GraphModule(step_graphs[kind], copy.deepcopy(step_graphs[kind].graph))
-    commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], topology=TOPO, strict=True), graph_kind=kind)
+    commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], topology=TOPO, strict=True,
+                                          model_level_brute_force=True), graph_kind=kind)
     d = commfuse.last_report(gm).passes[0].decisions[0]
     ml = d["model_level"]
     assert ml["phase"] == kind and ml["microbatches"] == MB

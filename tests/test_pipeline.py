@@ -347,8 +347,8 @@ def test_optimize_on_make_fx_training_step():
     assert [(c.kind, c.role) for c in report.collectives] == [("all_gather", "fsdp"), ("reduce_scatter", "unknown")]
     assert verify_graph(gm).ok
     # the default pipeline: chimera (nothing to fuse here: the gathered weight feeds a
-    # matmul, the scattered gradient the output), bucket_collectives, schedule_overlap, sink_waits
-    assert [p.name for p in commfuse.last_report(gm).passes] == ["chimera", "bucket_collectives", "schedule_overlap",
+    # matmul, the scattered gradient the output), schedule_overlap, bucket_collectives, sink_waits
+    assert [p.name for p in commfuse.last_report(gm).passes] == ["chimera", "schedule_overlap", "bucket_collectives",
                                                                  "sink_waits"]
 
 

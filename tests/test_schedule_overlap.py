@@ -219,7 +219,7 @@ def test_fsdp_graph_is_deterministic_keeps_collective_order_and_is_bitwise(fsdp_
     assert ir1.order_hash() == ir0.order_hash() and ir1.sequence_hashes() == ir0.sequence_hashes()
     d = ra.decisions[0]
     assert d["output"]["makespan_us"] <= d["input"]["makespan_us"]
-    assert d["output"]["peak_memory_bytes"] <= 1.05 * d["input"]["peak_memory_bytes"]
+    assert d["output"]["peak_memory_bytes"] <= commfuse.Config().schedule_memory_budget * d["input"]["peak_memory_bytes"]
     if kind == "forward":  # weight gathers are prefetched: less exposed communication
         assert ra.changed and d["output"]["exposed_comm_us"] < d["input"]["exposed_comm_us"]
         FileCheck().check("all_gather_into_tensor_1").check("aten.mm").run(a.code)

@@ -11,7 +11,10 @@ _PASSES: dict[str, Type[GraphPass]] = {}
 # The pipeline `backend="commfuse"` runs: MoE recognition on Dynamo's graph, Chimera fusion on
 # the joint graph, then the schedule passes (bucketing, the overlap scheduler, waits sunk).
 # The Centauri partition search is opt-in (compile time; see docs/centauri.md).
-DEFAULT_PIPELINE: tuple[str, ...] = ("moe_recognition", "chimera", "bucket_collectives", "schedule_overlap",
+# The scheduler runs before the bucketer: bucket_collectives never issues a bucket earlier than
+# its first member, so it keeps the prefetch the scheduler chose (overlap-preserving bucketing);
+# bucketing first made bigger messages the memory budget then kept from being prefetched.
+DEFAULT_PIPELINE: tuple[str, ...] = ("moe_recognition", "chimera", "schedule_overlap", "bucket_collectives",
                                      "sink_waits")
 
 

@@ -103,7 +103,8 @@ class ScheduleOverlap(GraphPass):
         prob = build_problem(ctx.gm, sim, ir)
         original = list(range(prob.size))
         before = sim.simulate(record=False)
-        mem_limit = cfg.schedule_memory_budget * before.peak_memory_bytes
+        mem_limit = max(cfg.schedule_memory_budget * before.peak_memory_bytes,
+                        before.peak_memory_bytes + (cfg.schedule_memory_headroom_bytes or 0))
         inflight_limit = cfg.schedule_max_inflight_bytes
 
         def score(order: list[int]) -> SimResult:
@@ -160,7 +161,8 @@ class ScheduleOverlap(GraphPass):
             if lprob is not None:
                 problems.append(("layer", lprob))
         if cfg.schedule_model_level and not self.force_layer_level:
-            mprob, model_info = _model_level_problem(ctx.gm, sim, ir, free, cfg.model_level_memory_bytes, judge)
+            mprob, model_info = _model_level_problem(ctx.gm, sim, ir, free, cfg.model_level_memory_bytes, judge,
+                                                     cfg.model_level_brute_force)
             if mprob is not None:
                 problems.append((f"model:L={model_info['eq2']['L']}", mprob))
         best: Optional[tuple[ScheduleProblem, list[int], SimResult, str]] = None
@@ -225,9 +227,9 @@ def _layer_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleP
 
 
 def _model_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleProblem, memory: Optional[int],
-                         judge) -> tuple[Optional[ScheduleProblem], Optional[dict]]:
+                         judge, brute_force: bool) -> tuple[Optional[ScheduleProblem], Optional[dict]]:
     """A train-step graph's model-level problem (Eq. 2): micro-batches in groups of the solved L.
-    Every L is also scheduled and judged once (``brute_force``), to check Eq. 2 against."""
+    With ``brute_force`` every L is also scheduled and judged, to check Eq. 2 against."""
     g = microbatch_graph(free)
     if g is None:
         return None, None
@@ -239,21 +241,20 @@ def _model_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleP
                                                                (("C_AG", x.c_ag), ("C_RS", x.c_rs), ("C_fw", x.c_fw),
                                                                 ("C_bw", x.c_bw), ("m", x.m))},
                   "memory_M": memory, "eq2": {"L1": sol.l1, "L2": sol.l2, "T_us": round(sol.t, 3), "L": group}}
-    chosen = None
-    brute = []
-    for k in range(1, x.microbatches + 1):
-        # L = 1 is the order the graph was captured in (one micro-batch after the other)
-        order = grouped_order(free, g, k) if k > 1 else list(range(free.size))
-        # The collectives keep the input's issue order: the grouping only says which compute the
+    def problem_for(k: int) -> ScheduleProblem:
+        # L = 1 is the order the graph was captured in (one micro-batch after the other). The
+        # collectives keep the input's issue order: the grouping only says which compute the
         # scheduler prefers (regrouping the gradient reductions themselves is not done).
-        q = build_problem(gm, sim, ir, baseline=order)
-        brute.append({"L": k, **judge(q, k == 1)})
-        if k == group:
-            chosen = q
-    info["brute_force"] = brute
-    ok = [b for b in brute if b["within_limits"]]  # judge(): the scheduler's best within limits
-    info["brute_force_best_L"] = min(ok, key=lambda b: (b["makespan_us"], b["L"]))["L"] if ok else None
-    return (chosen if group > 1 else None), info
+        order = grouped_order(free, g, k) if k > 1 else list(range(free.size))
+        return build_problem(gm, sim, ir, baseline=order)
+
+    chosen = problem_for(group) if group > 1 else None
+    if brute_force:  # every L scheduled and simulated: what Eq. 2 is checked against
+        brute = [{"L": k, **judge(problem_for(k), k == 1)} for k in range(1, x.microbatches + 1)]
+        info["brute_force"] = brute
+        ok = [b for b in brute if b["within_limits"]]  # judge(): the scheduler's best within limits
+        info["brute_force_best_L"] = min(ok, key=lambda b: (b["makespan_us"], b["L"]))["L"] if ok else None
+    return chosen, info
 
 
 def _moves(p: ScheduleProblem, order: list[int]) -> dict[str, int]:
