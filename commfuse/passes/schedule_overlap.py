@@ -185,7 +185,7 @@ class ScheduleOverlap(GraphPass):
             greedy_r = best[2]
             order, r, cpsat_info = refine_windows(
                 best[0], sim, best[1], best[2], max_nodes=cfg.schedule_cpsat_max_nodes,
-                det_time_s=cfg.schedule_cpsat_time_limit_s, acceptable=acceptable)
+                det_time_s=cfg.schedule_cpsat_time_limit_s, acceptable=acceptable, memory_limit=mem_limit)
             cpsat_info["greedy_makespan_us"] = round(float(greedy_r.makespan_us), 3)
             if r.makespan_us < best[2].makespan_us:
                 best = (best[0], order, r, best[3] + "+cpsat")
