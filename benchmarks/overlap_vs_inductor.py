@@ -22,7 +22,7 @@ What is compared (issue 8 acceptance)
       the defaults of torch 2.13's config except the knobs below;
     * ``commfuse``: commfuse's default pipeline (``commfuse.optimize`` with
       ``Config(topology=DGX-H100 x2)``: moe_recognition (pre-autograd, a no-op on these
-      graphs), chimera, bucket_collectives, schedule_overlap, sink_waits) -- it may change the
+      graphs), chimera, schedule_overlap, bucket_collectives, sink_waits) -- it may change the
       collectives themselves;
     * ``commfuse_reorder``: ``schedule_overlap`` alone (a pure reorder, like Inductor's
       scheduler without its pre-bucketing).

@@ -11,7 +11,7 @@ What it runs
 
     It also reports the pass's compile time on a 32-layer SimpleFSDP graph (small widths,
     forward and backward, 8 fake ranks), and the whole default pipeline's
-    (``commfuse.optimize`` with ``Config()``: chimera, bucket_collectives, schedule_overlap,
+    (``commfuse.optimize`` with ``Config()``: chimera, schedule_overlap, bucket_collectives,
     sink_waits) on that model's forward, backward and joint forward+backward graph (the
     whole training step, every stage on one graph), against the project's compile-time goal
     (docs/benchmarks.md: the whole default pipeline on a 32-layer forward+backward graph in <= 5 s).
