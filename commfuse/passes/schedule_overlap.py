@@ -57,6 +57,7 @@ from .context import PassContext
 from .cost import estimator_for
 from .registry import register_pass
 from .layer_level import backward_layers, chain_of, preferred_order
+from ..train_step import microbatch_of
 from .model_level import eq2_inputs, grouped_order, microbatch_graph, solve_eq2
 from .schedule_list import Priority, ScheduleProblem, build_problem, list_schedule, max_inflight
 
@@ -154,13 +155,16 @@ class ScheduleOverlap(GraphPass):
 
         problems = [] if self.force_layer_level else [("input", prob)]
         layer_info = model_info = None
-        free = build_problem(ctx.gm, sim, ir, chain=()) \
-            if cfg.schedule_layer_level or cfg.schedule_model_level or self.force_layer_level else None
-        if self.force_layer_level or (cfg.schedule_layer_level and ir.backward_nodes):
+        want_layer = self.force_layer_level or (cfg.schedule_layer_level and bool(ir.backward_nodes))
+        want_model = cfg.schedule_model_level and not self.force_layer_level and any(
+            microbatch_of(n) is not None for n in ctx.gm.graph.nodes)
+        # the problem without a collective chain: the levels build their preferred orders on it
+        free = build_problem(ctx.gm, sim, ir, chain=()) if want_layer or want_model else None
+        if want_layer:
             lprob, layer_info = _layer_level_problem(ctx.gm, sim, ir, free, self.force_layer_level)
             if lprob is not None:
                 problems.append(("layer", lprob))
-        if cfg.schedule_model_level and not self.force_layer_level:
+        if want_model:
             mprob, model_info = _model_level_problem(ctx.gm, sim, ir, free, cfg.model_level_memory_bytes, judge,
                                                      cfg.model_level_brute_force)
             if mprob is not None:
