@@ -11,7 +11,9 @@ Contract
   each wait goes right before the first node that needs its result; compute runs in
   program order except that compute which would block on an unfinished collective is
   postponed behind compute that would not, and compute the next collective needs goes
-  first (Inductor-style). Several picker settings are tried; windows of the best order with
+  first (Inductor-style). Several picker settings are tried, on the input order and on the
+  preferred orders of Centauri's layer level (backward graphs, Eq. 1: ``layer_level``) and
+  model level (``compile_train_step`` graphs, Eq. 2: ``model_level``); windows of the best order with
   the most exposed communication (at most ``Config.schedule_cpsat_max_nodes`` nodes) are then
   re-solved exactly with OR-Tools CP-SAT (``schedule_cpsat``). Every candidate is judged by
   the timeline simulator (``costmodel.simulator``) under the graph's estimator
@@ -23,7 +25,10 @@ Contract
   equal. The collectives keep their relative issue order across all process groups (the
   per-group sequence hashes and the total-order hash of the verifier are unchanged), so every
   rank issues the same collectives in the same order even where ranks' graphs differ in shapes
-  or compute (uneven shards, per-rank p2p programs) and their cost estimates would differ.
+  or compute (uneven shards, per-rank p2p programs) and their cost estimates would differ --
+  except when the layer-level candidate wins: it re-chains collectives inside a backward layer
+  from the graph and the cost model (``Config.schedule_layer_level=False`` keeps the input
+  order everywhere; the counts then say ``collectives_reordered``).
   Every decision is a deterministic function of the graph, the config and the topology: ties
   break by original node index; CP-SAT runs with one worker, a fixed seed and a
   deterministic-time limit (never wall-clock). One ``decisions`` entry records the predicted
@@ -45,7 +50,7 @@ wait-late with in-flight and memory limits. Choices the paper leaves open: docs/
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch.fx as fx
 
@@ -55,10 +60,10 @@ from ..costmodel.topology import Topology
 from .base import GraphPass, PassResult, Stage
 from .context import PassContext
 from .cost import estimator_for
-from .registry import register_pass
-from .layer_level import backward_layers, chain_of, preferred_order
 from ..train_step import microbatch_of
+from .layer_level import backward_layers, chain_of, preferred_order
 from .model_level import eq2_inputs, grouped_order, microbatch_graph, solve_eq2
+from .registry import register_pass
 from .schedule_list import Priority, ScheduleProblem, build_problem, list_schedule, max_inflight
 
 # Picker settings tried, in this order (the first of equal makespans wins).
@@ -79,6 +84,15 @@ def default_estimator(ctx: PassContext) -> tuple[AnalyticCostModel, str]:
     preset = Topology.preset(DEFAULT_PRESET)
     topo = Topology.preset(DEFAULT_PRESET, num_nodes=max(1, math.ceil(world / preset.ranks_per_node)))
     return AnalyticCostModel(topo, backend="nccl"), f"default {DEFAULT_PRESET} x{topo.num_nodes}"
+
+
+class Candidate(NamedTuple):
+    """An order found for one scheduling problem (its collective chain is the problem's)."""
+
+    problem: ScheduleProblem
+    order: list[int]
+    result: SimResult
+    label: str
 
 
 def _summary(r: SimResult) -> dict:
@@ -119,8 +133,7 @@ class ScheduleOverlap(GraphPass):
                 return False
             return True
 
-        def greedy(problem: ScheduleProblem, pname: str, tried: list
-                   ) -> Optional[tuple[ScheduleProblem, list[int], SimResult, str]]:
+        def greedy(problem: ScheduleProblem, pname: str, tried: list) -> Optional[Candidate]:
             """Every picker setting on ``problem`` (with memory retries); the best within limits."""
             best = None
             for pr in PRIORITIES:
@@ -133,8 +146,8 @@ class ScheduleOverlap(GraphPass):
                     tried.append({"priority": label, "inflight_cap": cap, **_summary(r), "within_limits": ok,
                                   "deferred_inflight": res.deferred_inflight, "deferred_memory": res.deferred_memory,
                                   "forced": res.forced})
-                    if ok and (best is None or r.makespan_us < best[2].makespan_us):
-                        best = (problem, res.order, r, label + (f",cap={cap}" if cap != inflight_limit else ""))
+                    if ok and (best is None or r.makespan_us < best.result.makespan_us):
+                        best = Candidate(problem, res.order, r, label + (f",cap={cap}" if cap != inflight_limit else ""))
                     if ok or r.peak_memory_bytes <= mem_limit:
                         break
                     # Over the memory budget: buffers issued early stay live across the input order's
@@ -148,8 +161,8 @@ class ScheduleOverlap(GraphPass):
 
         def judge(problem: ScheduleProblem, depth_first: bool) -> dict:
             found = greedy(problem, "brute", [])
-            if found is not None and (not depth_first or found[2].makespan_us <= before.makespan_us):
-                return {**_summary(found[2]), "within_limits": True}
+            if found is not None and (not depth_first or found.result.makespan_us <= before.makespan_us):
+                return {**_summary(found.result), "within_limits": True}
             # depth-first is the captured order: the pass can always keep it as it is
             return {**_summary(before), "within_limits": True} if depth_first else {"within_limits": False}
 
@@ -169,11 +182,11 @@ class ScheduleOverlap(GraphPass):
                                                      cfg.model_level_brute_force)
             if mprob is not None:
                 problems.append((f"model:L={model_info['eq2']['L']}", mprob))
-        best: Optional[tuple[ScheduleProblem, list[int], SimResult, str]] = None
+        best: Optional[Candidate] = None
         tried: list = []
         for pname, problem in problems:
             found = greedy(problem, pname, tried)
-            if found is not None and (best is None or found[2].makespan_us < best[2].makespan_us):
+            if found is not None and (best is None or found.result.makespan_us < best.result.makespan_us):
                 best = found
         decision: dict = {"graph": ctx.graph_kind, "estimator": est_name, "nodes": prob.size,
                           "segments": len(prob.segments), "collectives": len(prob.collectives),
@@ -186,34 +199,33 @@ class ScheduleOverlap(GraphPass):
         if best is not None and cfg.schedule_cpsat_max_nodes > 0:
             from .schedule_cpsat import refine_windows
 
-            greedy_r = best[2]
             order, r, cpsat_info = refine_windows(
-                best[0], sim, best[1], best[2], max_nodes=cfg.schedule_cpsat_max_nodes,
+                best.problem, sim, best.order, best.result, max_nodes=cfg.schedule_cpsat_max_nodes,
                 det_time_s=cfg.schedule_cpsat_time_limit_s, acceptable=acceptable, memory_limit=mem_limit)
-            cpsat_info["greedy_makespan_us"] = round(float(greedy_r.makespan_us), 3)
-            if r.makespan_us < best[2].makespan_us:
-                best = (best[0], order, r, best[3] + "+cpsat")
+            cpsat_info["greedy_makespan_us"] = round(float(best.result.makespan_us), 3)
+            if r.makespan_us < best.result.makespan_us:
+                best = Candidate(best.problem, order, r, best.label + "+cpsat")
         decision["cpsat"] = cpsat_info
         refusals: list[str] = []
         if not problems:
             refusals.append("no layer has a layer-level choice (collectives of other kinds or roles): order kept")
         elif best is None:
             refusals.append("every greedy order exceeds the memory budget or the in-flight limit: order kept")
-        elif best[2].makespan_us > before.makespan_us and not self.force_layer_level:
-            refusals.append(f"best order predicted slower ({float(best[2].makespan_us):.1f} us) than the input's "
+        elif best.result.makespan_us > before.makespan_us and not self.force_layer_level:
+            refusals.append(f"best order predicted slower ({float(best.result.makespan_us):.1f} us) than the input's "
                             f"({float(before.makespan_us):.1f} us): order kept")
             best = None
-        changed = best is not None and best[1] != original
-        decision["kept"] = best[3] if changed else "input"
-        decision["output"] = _summary(best[2]) if changed else decision["input"]
+        changed = best is not None and best.order != original
+        decision["kept"] = best.label if changed else "input"
+        decision["output"] = _summary(best.result) if changed else decision["input"]
         counts = {"collectives": len(prob.collectives)}
         if changed:
             assert best is not None
-            counts.update(_moves(prob, best[1]))
-            if best[0] is not prob:
-                counts["collectives_reordered"] = sum(a != b for a, b in zip(prob.collectives, best[0].collectives))
-            _check_collective_order(best[0], best[1])
-            _apply(ctx.gm, [prob.nodes[i] for i in best[1]])
+            counts.update(_moves(prob, best.order))
+            if best.problem is not prob:
+                counts["collectives_reordered"] = sum(a != b for a, b in zip(prob.collectives, best.problem.collectives))
+            _check_collective_order(best.problem, best.order)
+            _apply(ctx.gm, [prob.nodes[i] for i in best.order])
         return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=[decision])
 
 
