@@ -68,3 +68,19 @@ def summary(report: commfuse.AnalysisReport) -> str:
             f"role={c.role}({c.role_source})"
         )
     return "\n".join(lines)
+
+
+def prefetch_fn(x, w1, w2, w3):
+    """Three weight gathers, each issued (as AOTAutograd does) right before its matmul."""
+    g = dist.group.WORLD
+    h = torch.tanh(x @ x)
+    h = h @ funcol.all_gather_tensor(w1, 0, g)
+    h = torch.tanh(h @ x)
+    h = h @ funcol.all_gather_tensor(w2, 0, g)
+    h = torch.tanh(h @ x)
+    return h @ funcol.all_gather_tensor(w3, 0, g)
+
+
+def prefetch_graph(n: int = 256, world: int = 8):
+    """``prefetch_fn`` traced on the fake process group (call inside ``fake_process_group(world)``)."""
+    return make_fx(prefetch_fn, tracing_mode="fake")(torch.randn(n, n), *[torch.randn(n // world, n) for _ in range(3)])

@@ -18,6 +18,8 @@ from commfuse.passes.schedule_list import Priority, build_problem, list_schedule
 from commfuse.testing.fake_pg import fake_mesh, fake_process_group
 from commfuse.testing.graphs import capture_aot_graphs
 
+from _graphs import prefetch_graph
+
 DGX = Topology.preset("dgx-h100", num_nodes=1)
 N = 256  # prefetch graph width: one gathered weight is N * N * 4 bytes
 
@@ -27,21 +29,10 @@ def _anything(order, r) -> bool:
     return True
 
 
-def _prefetch_fn(x, w1, w2, w3):
-    """Three weight gathers, each issued right before its matmul (as AOTAutograd emits them)."""
-    g = dist.group.WORLD
-    h = torch.tanh(x @ x)
-    h = h @ funcol.all_gather_tensor(w1, 0, g)
-    h = torch.tanh(h @ x)
-    h = h @ funcol.all_gather_tensor(w2, 0, g)
-    h = torch.tanh(h @ x)
-    return h @ funcol.all_gather_tensor(w3, 0, g)
-
-
 @pytest.fixture(scope="module")
 def prefetch():
     with fake_process_group(8):
-        gm = make_fx(_prefetch_fn, tracing_mode="fake")(torch.randn(N, N), *[torch.randn(N // 8, N) for _ in range(3)])
+        gm = prefetch_graph(N, 8)
     sim = Simulator(gm, AnalyticCostModel(DGX, backend="nccl"))
     p = build_problem(gm, sim, CollectiveIR(gm))
     order = list(range(p.size))

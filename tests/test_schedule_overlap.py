@@ -21,6 +21,7 @@ from commfuse.reference.equivalence import check_equivalent
 from commfuse.testing.fake_pg import fake_mesh, fake_process_group
 from commfuse.testing.graphs import capture_aot_graphs
 
+from _graphs import prefetch_graph
 from _jobs_schedule_overlap import scheduled_fsdp_matches_eager
 
 DGX = Topology.preset("dgx-h100", num_nodes=1)
@@ -47,20 +48,8 @@ def _schedule(gm: fx.GraphModule, graph_kind: str = "forward", **cfg):
     return commfuse.last_report(gm).passes[0]
 
 
-def _prefetch_fn(x, w1, w2, w3):
-    """Three weight gathers, each issued (as AOTAutograd does) right before its matmul."""
-    g = dist.group.WORLD
-    h = torch.tanh(x @ x)
-    h = h @ funcol.all_gather_tensor(w1, 0, g)
-    h = torch.tanh(h @ x)
-    h = h @ funcol.all_gather_tensor(w2, 0, g)
-    h = torch.tanh(h @ x)
-    return h @ funcol.all_gather_tensor(w3, 0, g)
-
-
 def _prefetch_graph(n: int = 256, world: int = 8):
-    return make_fx(_prefetch_fn, tracing_mode="fake")(
-        torch.randn(n, n), *[torch.randn(n // world, n) for _ in range(3)])
+    return prefetch_graph(n, world)
 
 
 @pytest.fixture

@@ -37,7 +37,6 @@ Source: Centauri §3.2.2 (Eq. 1, Fig. 6). Choices the paper leaves open: docs/sc
 
 from __future__ import annotations
 
-import heapq
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -48,7 +47,7 @@ from ..costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT
 from ..ir.collective import ParallelRole
 from ..ir.graph_ir import CollectiveIR
 from ..ir.kinds import CollectiveKind
-from .schedule_list import ScheduleProblem
+from .schedule_list import ScheduleProblem, keyed_topological_order
 
 W_AG, ACT_AG, G_ACT, ACT_RS, G_W, G_W_RS, OTHERS = "W_AG", "act_AG", "G_act", "act_RS", "G_w", "G_w_RS", "others"
 PARTS = (W_AG, ACT_AG, G_ACT, ACT_RS, G_W, G_W_RS, OTHERS)
@@ -249,17 +248,7 @@ def preferred_order(p: ScheduleProblem, layers: list[BackwardLayer]) -> Optional
                 key[i] = (p.segment[i], lay.position, RANKS["weight_first"][W_AG], i)
     if not decided:
         return None
-    missing = [len(ps) for ps in p.preds]
-    heap = [key[i] for i in range(p.size) if missing[i] == 0]
-    heapq.heapify(heap)
-    order: list[int] = []
-    while heap:
-        i = heapq.heappop(heap)[3]
-        order.append(i)
-        for u in p.succs[i]:
-            missing[u] -= 1
-            if missing[u] == 0:
-                heapq.heappush(heap, key[u])
+    order = keyed_topological_order(p, key)
     if len(order) != p.size:  # a cycle: cannot happen for a graph's own edges
         return None
     return order

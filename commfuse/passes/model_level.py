@@ -30,7 +30,6 @@ Source: Centauri §3.2.3 (Eq. 2, Fig. 7). Choices the paper leaves open: docs/sc
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,7 +38,7 @@ from ..ir.graph_ir import CollectiveIR
 from ..ir.kinds import CollectiveKind
 from ..train_step import microbatch_of
 from .layer_level import layer_name
-from .schedule_list import ScheduleProblem
+from .schedule_list import ScheduleProblem, keyed_topological_order
 
 
 @dataclass(frozen=True)
@@ -178,15 +177,4 @@ def grouped_order(p: ScheduleProblem, g: MicrobatchGraph, group: int) -> list[in
             users = [key[u] for u in p.succs[i] if u not in tail]
             first = min(users) if users else (p.segment[i], INF, INF, INF, i)
             key[i] = (p.segment[i],) + first[1:4] + (i,)  # never leaves its own segment
-    missing = [len(ps) for ps in p.preds]
-    heap = [key[i] for i in range(p.size) if missing[i] == 0]
-    heapq.heapify(heap)
-    order: list[int] = []
-    while heap:
-        i = heapq.heappop(heap)[4]
-        order.append(i)
-        for u in p.succs[i]:
-            missing[u] -= 1
-            if missing[u] == 0:
-                heapq.heappush(heap, key[u])
-    return order
+    return keyed_topological_order(p, key)

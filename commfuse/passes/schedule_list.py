@@ -205,6 +205,23 @@ def build_problem(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, *,
                            owner, touches, n_streams=len(sim.streams), key=key)
 
 
+def keyed_topological_order(p: ScheduleProblem, key: Sequence[tuple]) -> list[int]:
+    """Kahn's algorithm over ``p``'s edges, always taking the ready node with the smallest
+    ``key`` (each key a tuple ending in the node index, so ties are deterministic)."""
+    missing = [len(ps) for ps in p.preds]
+    heap = [key[i] for i in range(p.size) if missing[i] == 0]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        i = heapq.heappop(heap)[-1]
+        order.append(i)
+        for u in p.succs[i]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                heapq.heappush(heap, key[u])
+    return order
+
+
 @dataclass
 class ListResult:
     order: list[int]
