@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -168,6 +169,15 @@ def run_suite(suite: Suite, json_path: Path | None, *, scaling: bool = True) -> 
     return doc
 
 
+# The predicted reports: argparse flag -> (module, run function, table function, JSON key).
+_REPORTS = {
+    "overlap_vs_inductor": ("benchmarks.overlap_vs_inductor", "run_overlap_vs_inductor", "overlap_tables",
+                            "overlap_vs_inductor"),
+    "schedule_report": ("benchmarks.schedule_report", "run_schedule_report", "schedule_tables", "schedule"),
+    "partition_report": ("benchmarks.partition_report", "run_partition_report", "partition_tables", "partition"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="commfuse benchmark runner (workloads x baselines, one run)")
     ap.add_argument("--suite", choices=sorted(SUITES), default="quick")
@@ -186,29 +196,13 @@ def main(argv: list[str] | None = None) -> int:
                          "blocks (DGX-H100 x2, same estimates, predicted)")
     args = ap.parse_args(argv)
 
-    if args.overlap_vs_inductor:
-        from benchmarks.overlap_vs_inductor import overlap_tables, run_overlap_vs_inductor
-
-        report = run_overlap_vs_inductor()
-        print(overlap_tables(report))
-        _write({"schema": SCHEMA, "environment": environment(), "overlap_vs_inductor": report}, args.json)
-        return 0
-
-    if args.schedule_report:
-        from benchmarks.schedule_report import run_schedule_report, schedule_tables
-
-        report = run_schedule_report()
-        print(schedule_tables(report))
-        _write({"schema": SCHEMA, "environment": environment(), "schedule": report}, args.json)
-        return 0
-
-    if args.partition_report:
-        from benchmarks.partition_report import partition_tables, run_partition_report
-
-        report = run_partition_report()
-        print(partition_tables(report))
-        _write({"schema": SCHEMA, "environment": environment(), "partition": report}, args.json)
-        return 0
+    for flag, (module, run, tables, key) in _REPORTS.items():
+        if getattr(args, flag):
+            mod = importlib.import_module(module)
+            report = getattr(mod, run)()
+            print(getattr(mod, tables)(report))
+            _write({"schema": SCHEMA, "environment": environment(), key: report}, args.json)
+            return 0
 
     if args.from_json:
         doc = json.loads(args.from_json.read_text())
