@@ -28,7 +28,7 @@ import torch.fx as fx
 from . import _torch_private as priv
 from .agreement import FrameRecord, wrap_first_call
 from .config import Config
-from .lowering import lower_eager
+from .lowering import lower_eager, lower_runtime
 from .passes.base import Stage
 from .passes.pipeline import Pipeline
 from .report import PipelineReport
@@ -106,7 +106,9 @@ class CommfuseBackend:
 
         def compile_stage(kind: str, stages: set[Stage]):
             def compiler(g: fx.GraphModule, _inputs):
-                pipeline.run(g, graph_kind=kind, stages=stages)
+                rep = pipeline.run(g, graph_kind=kind, stages=stages)
+                if self.config.lowering == "commfuse":
+                    return lower_runtime(g, kind, dump_dir=rep.dump_dir)
                 return lower_eager(g)
 
             return compiler

@@ -1,29 +1,71 @@
-"""Lowering: how a rewritten graph is executed.
+"""Lowering: how a rewritten, scheduled graph is executed.
 
-Today two executors exist, chosen by `Config.inner_compiler`:
-* "inductor": Inductor generates code; functional collectives stay functional
-  and Inductor emits them as c10d calls (see `commfuse.backend`).
-* "eager": the rewritten graph runs op by op (`lower_eager`); functional
-  collectives issue asynchronous c10d work and `wait_tensor` blocks on it, so
-  the graph order chosen by scheduling passes is the order work is issued.
+`Config.lowering` picks the executor of the collectives:
 
-The seam for a stream-aware runtime (later issue) is `lower_eager`'s signature:
-a lowering takes the final scheduled GraphModule and returns a boxed callable.
+* "commfuse" (:mod:`.runtime`): commfuse's runtime issues every collective as an
+  asynchronous c10d call on the process group the plan chose (:mod:`.plan`), waits
+  where the schedule put the wait, runs side-stream compute on CUDA streams
+  (:mod:`.streams`) and feeds the recorder (:mod:`.recorder`). Compute runs op by op
+  with `inner_compiler="eager"`, or in regions compiled by Inductor (:mod:`.regions`).
+* "inductor": Inductor compiles the whole graph and emits the functional collectives
+  as its own c10d calls (the order is the graph's; no pool groups, no recorder).
+
+`lower(gm, graph_kind, config)` returns the boxed callable AOTAutograd expects.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import json
+from typing import Any, Callable, Optional
 
 import torch.fx as fx
 
-from .._torch_private import make_boxed_func
+from .._torch_private import make_boxed_func, resolve_process_group
 from . import rooted  # noqa: F401  (registers commfuse::reduce_to_root and its IR kind)
+from .plan import LoweringPlan, build_plan
+from .recorder import Recorder, record
+from .runtime import LoweredGraph, lower_graph
 
 
 def lower_eager(gm: fx.GraphModule) -> Callable:
-    """Run the graph as is, in graph order (boxed calling convention for AOTAutograd)."""
+    """Run the graph as is, in graph order, with functional collectives (boxed calling convention)."""
     return make_boxed_func(gm.forward)
 
 
-__all__ = ["lower_eager"]
+def plan_for(gm: fx.GraphModule, graph_kind: str) -> LoweringPlan:
+    """The plan for `gm` in this process (pool aliases used when registered here)."""
+    return build_plan(gm, graph_kind, group_available=lambda name: resolve_process_group(name) is not None)
+
+
+def write_plan(plan: LoweringPlan, dump_dir: Optional[str]) -> None:
+    """Put the plan next to the graph's dumps (best effort: dumps never fail compilation)."""
+    if not dump_dir:
+        return
+    from pathlib import Path
+
+    try:
+        d = Path(dump_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "lowering_plan.txt").write_text(plan.describe() + "\n")
+        (d / "lowering_plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+    except OSError:
+        pass
+
+
+def lower_runtime(gm: fx.GraphModule, graph_kind: str, *, dump_dir: Optional[str] = None,
+                  compile_regions: Optional[Callable[[fx.GraphModule], Any]] = None) -> Callable:
+    """commfuse's runtime lowering of one graph (boxed). ``compile_regions``: Inductor for compute."""
+    plan = plan_for(gm, graph_kind)
+    write_plan(plan, dump_dir)
+    if not plan.collectives:
+        return compile_regions(gm) if compile_regions is not None else lower_eager(gm)
+    lowered = lower_graph(gm, plan)
+    if compile_regions is not None:
+        from .regions import compile_compute_regions
+
+        lowered = compile_compute_regions(lowered, compile_regions)
+    return make_boxed_func(lowered)
+
+
+__all__ = ["LoweredGraph", "LoweringPlan", "Recorder", "build_plan", "lower_eager", "lower_graph",
+           "lower_runtime", "plan_for", "record", "write_plan"]

@@ -1,0 +1,250 @@
+"""The runtime recorder: what each rank really issued, when it ran, and what ran beside it.
+
+Opt in around the steps to record::
+
+    with commfuse.record("traces/") as rec:      # or COMMFUSE_RECORD_DIR=traces/ for the whole run
+        loss = compiled(x); loss.backward()
+    rec.summary()                                 # measured overlap ratio, bytes by kind
+
+Per rank it records, from the runtime's own c10d calls (never from the profiler, whose
+gloo events show a reduce_scatter as an all_reduce):
+
+* every collective: kind, graph group and the group it was issued on, logged bytes
+  (NCCL count semantics, from the plan) and the bytes handed to c10d, the time it was
+  *issued* and the time its ``Work`` completed (the work future's callback, which on
+  gloo fires on the transport thread when the transfer is done) -- so its in-flight
+  interval is measured, not inferred;
+* every wait: the interval the compute thread was blocked in it;
+* compute regions: the intervals between consecutive runtime calls of one graph run
+  (the graph's compute ran there). On CUDA these are host-side launch intervals; a
+  GPU timeline needs the CUDA profiler next to this.
+
+``write(dir)`` writes ``rank<r>.json`` in the Chrome trace format (open in Perfetto),
+one track for compute, one per process group. Times are ``time.perf_counter_ns`` of
+the rank's own clock; traces of different ranks are aligned by their first event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from ..errors import ConfigError
+
+RECORD_DIR_ENV = "COMMFUSE_RECORD_DIR"
+
+
+@dataclass
+class CollectiveRecord:
+    index: int  # position in the plan's issue order
+    name: str  # start node name
+    graph: str  # graph kind + id
+    kind: str
+    group: str
+    issue_group: str
+    logged_bytes: Optional[int]
+    sent_bytes: int
+    received_bytes: int
+    issued_ns: int
+    done_ns: Optional[int] = None  # Work completion (None: only the wait is known)
+    waited_ns: Optional[int] = None  # when the wait began
+    wait_end_ns: Optional[int] = None
+
+    @property
+    def end_ns(self) -> Optional[int]:
+        return self.done_ns if self.done_ns is not None else self.wait_end_ns
+
+
+@dataclass
+class RegionRecord:
+    graph: str
+    begin_ns: int
+    end_ns: int
+    kind: str = "compute"  # or "wait"
+
+
+@dataclass
+class Recorder:
+    """Collects one rank's records; cheap to append to, thread-safe for the completion callbacks."""
+
+    rank: int = 0
+    collectives: list[CollectiveRecord] = field(default_factory=list)
+    regions: list[RegionRecord] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _cursor: dict[str, int] = field(default_factory=dict, repr=False)  # graph -> end of last runtime call
+
+    # -- called by the runtime ------------------------------------------------
+    def graph_begin(self, graph: str) -> None:
+        self._cursor[graph] = time.perf_counter_ns()
+
+    def graph_end(self, graph: str) -> None:
+        self._compute_until(graph, time.perf_counter_ns())
+        self._cursor.pop(graph, None)
+
+    def _compute_until(self, graph: str, now: int) -> None:
+        begin = self._cursor.get(graph)
+        if begin is not None and now > begin:
+            self.regions.append(RegionRecord(graph, begin, now))
+
+    def call_begin(self, graph: str) -> int:
+        now = time.perf_counter_ns()
+        self._compute_until(graph, now)
+        return now
+
+    def call_end(self, graph: str) -> None:
+        if graph in self._cursor:
+            self._cursor[graph] = time.perf_counter_ns()
+
+    def collective(self, rec: CollectiveRecord, works: list[Any]) -> None:
+        with self._lock:
+            self.collectives.append(rec)
+        if not works:
+            return
+        remaining = [len(works)]
+
+        def done(_fut: Any) -> None:
+            with self._lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    rec.done_ns = time.perf_counter_ns()
+
+        for w in works:
+            try:
+                w.get_future().add_done_callback(done)
+            except (AttributeError, RuntimeError):
+                return  # no future on this backend: the wait's end stands in
+
+    def wait(self, rec: Optional[CollectiveRecord], graph: str, begin_ns: int) -> None:
+        end = time.perf_counter_ns()
+        self.regions.append(RegionRecord(graph, begin_ns, end, kind="wait"))
+        if rec is not None and rec.waited_ns is None:
+            rec.waited_ns, rec.wait_end_ns = begin_ns, end
+
+    # -- results ----------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """Measured overlap: of all the time collectives were in flight, the share during
+        which this rank's compute thread was running a compute region."""
+        compute = sorted((r.begin_ns, r.end_ns) for r in self.regions if r.kind == "compute")
+        inflight = overlapped = 0
+        by_kind: dict[str, dict[str, int]] = {}
+        for c in self.collectives:
+            k = by_kind.setdefault(c.kind, {"count": 0, "logged_bytes": 0, "sent_bytes": 0})
+            k["count"] += 1
+            k["logged_bytes"] += c.logged_bytes or 0
+            k["sent_bytes"] += c.sent_bytes
+            end = c.end_ns
+            if end is None or end <= c.issued_ns:
+                continue
+            inflight += end - c.issued_ns
+            overlapped += sum(max(0, min(end, b) - max(c.issued_ns, a)) for a, b in compute)
+        blocked = sum(r.end_ns - r.begin_ns for r in self.regions if r.kind == "wait")
+        return {
+            "rank": self.rank,
+            "collectives": len(self.collectives),
+            "inflight_us": inflight / 1e3,
+            "overlapped_us": overlapped / 1e3,
+            "overlap_ratio": overlapped / inflight if inflight else 0.0,
+            "blocked_in_wait_us": blocked / 1e3,
+            "compute_us": sum(b - a for a, b in compute) / 1e3,
+            "by_kind": by_kind,
+        }
+
+    def chrome_trace(self) -> dict[str, Any]:
+        t0 = min([c.issued_ns for c in self.collectives] + [r.begin_ns for r in self.regions], default=0)
+        us = lambda ns: (ns - t0) / 1e3  # noqa: E731
+        tracks = {"compute": 0}
+        for c in self.collectives:
+            tracks.setdefault(f"comm:{c.issue_group}", len(tracks))
+        ev: list[dict[str, Any]] = [
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}}
+            for name, tid in tracks.items()]
+        for r in self.regions:
+            ev.append({"name": r.kind if r.kind == "compute" else "wait", "cat": r.kind, "ph": "X",
+                       "pid": self.rank, "tid": 0, "ts": us(r.begin_ns), "dur": (r.end_ns - r.begin_ns) / 1e3,
+                       "args": {"graph": r.graph}})
+        for c in self.collectives:
+            end = c.end_ns if c.end_ns is not None else c.issued_ns
+            args = {k: v for k, v in asdict(c).items() if not k.endswith("_ns")}
+            args["end_from"] = "work" if c.done_ns is not None else "wait"
+            ev.append({"name": f"{c.kind} {c.name}", "cat": f"comm,{c.kind}", "ph": "X", "pid": self.rank,
+                       "tid": tracks[f"comm:{c.issue_group}"], "ts": us(c.issued_ns),
+                       "dur": (end - c.issued_ns) / 1e3, "args": args})
+        return {"traceEvents": ev, "displayTimeUnit": "ms"}
+
+    def write(self, directory: str | os.PathLike) -> Path:
+        d = Path(directory)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            path = d / f"rank{self.rank}.json"
+            path.write_text(json.dumps(self.chrome_trace()))
+        except OSError as e:
+            raise ConfigError(f"record dir: cannot write the recorder trace to {str(d)!r}: {e}") from e
+        return path
+
+
+_ACTIVE: Optional[Recorder] = None
+
+
+def active() -> Optional[Recorder]:
+    return _ACTIVE
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class record:
+    """Context manager: record every commfuse-lowered graph run on this rank while active.
+
+    ``directory`` (optional): where ``rank<r>.json`` is written on exit. Nesting is an error
+    (one recorder per process, so callbacks from concurrent steps cannot mix)."""
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        self.directory = directory
+        self.recorder: Optional[Recorder] = None
+
+    def __enter__(self) -> Recorder:
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RuntimeError("commfuse.record: a recording is already active in this process")
+        if self.directory is not None:
+            _check_writable(self.directory)
+        self.recorder = _ACTIVE = Recorder(rank=_rank())
+        return self.recorder
+
+    def __exit__(self, *exc: Any) -> None:
+        global _ACTIVE
+        _ACTIVE = None
+        if self.directory is not None and self.recorder is not None:
+            self.recorder.write(self.directory)
+
+
+def _check_writable(directory: str | os.PathLike) -> None:
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"record dir: cannot create {str(d)!r}: {e}") from e
+    if not os.access(d, os.W_OK):
+        raise ConfigError(f"record dir: {str(d)!r} is not writable")
+
+
+def start_from_env() -> None:
+    """``COMMFUSE_RECORD_DIR`` set: record the whole run, write the trace at exit."""
+    global _ACTIVE
+    directory = os.environ.get(RECORD_DIR_ENV)
+    if not directory or _ACTIVE is not None:
+        return
+    _check_writable(directory)
+    _ACTIVE = Recorder(rank=_rank())
+    import atexit
+
+    rec = _ACTIVE
+    atexit.register(lambda: rec.write(directory))
