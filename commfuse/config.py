@@ -22,6 +22,13 @@ class Config(BaseModel):
         the graph stage it declares (joint graph or scheduled fw/bw graphs).
     inner_compiler: "inductor" (default: Inductor generates code) or "eager"
         (the rewritten graph runs op by op; used by multi-rank numeric tests).
+    lowering: who issues the collectives of the compiled graphs. "commfuse" (default): commfuse's
+        runtime issues each as an asynchronous c10d call on the process group the plan chose
+        (a Lagom communicator-pool group when ``lagom_tune`` picked one), waits where the
+        schedule put the wait, and feeds ``commfuse.record``; compute runs eagerly or, with
+        ``inner_compiler="inductor"``, in regions Inductor compiles (docs/lowering.md).
+        "inductor": Inductor compiles the whole graph and emits the collectives itself
+        (requires ``inner_compiler="inductor"``; no pool groups, nothing recorded).
     dump_dir: write graphs before/after each changing pass here; falls back to
         the COMMFUSE_DUMP_DIR environment variable.
     strict: re-raise pass failures instead of falling back to the unchanged graph.
@@ -93,6 +100,7 @@ class Config(BaseModel):
 
     passes: Optional[list[str]] = None
     inner_compiler: Literal["inductor", "eager"] = "inductor"
+    lowering: Literal["commfuse", "inductor"] = "commfuse"
     dump_dir: Optional[str] = None
     strict: bool = False
     verify: bool = True
@@ -119,6 +127,13 @@ class Config(BaseModel):
     schedule_memory_headroom_bytes: Optional[NonNegativeInt] = None
     bucket_cap_bytes: Optional[PositiveInt] = None
     bucket_max_memory_increase: float = Field(default=0.05, ge=0.0)
+
+    @model_validator(mode="after")
+    def _lowering_needs_inductor(self) -> "Config":
+        if self.lowering == "inductor" and self.inner_compiler != "inductor":
+            raise ValueError('lowering="inductor" needs inner_compiler="inductor" '
+                             f'(got inner_compiler={self.inner_compiler!r})')
+        return self
 
     @model_validator(mode="after")
     def _chunks_within_bound(self) -> "Config":
@@ -159,6 +174,7 @@ class Config(BaseModel):
             "version": __version__,
             "passes": self.pass_names(),
             "inner": self.inner_compiler,
+            "lowering": self.lowering,
             "roles": {k: v.value for k, v in sorted(self.group_roles.items())},
             "tp_inputs_replicated": self.tp_inputs_replicated,
             "moe_capacity_regroup": self.moe_capacity_regroup,
