@@ -92,6 +92,19 @@ def inductor_compile_fx(gm, example_inputs, **kwargs):
     return compile_fx(gm, example_inputs, **kwargs)
 
 
+def inductor_compile_fx_inner(gm, example_inputs, **kwargs):
+    """Inductor's compiler of one partitioned graph (private: `torch._inductor.compile_fx.compile_fx_inner`);
+    commfuse's lowering compiles compute regions with it. Returns a boxed callable.
+    Also private: `torch._guards.tracing`, `TracingContext`, `detect_fake_mode`."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    # Each region gets its own tracing context: Inductor records one graph's output strides
+    # per context and asserts it records them once.
+    with tracing(TracingContext(detect_fake_mode(example_inputs))):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
 def dynamo_backend_registry():
     """Private: `torch._dynamo.backends.registry` (_COMPILER_FNS, register_backend)."""
     import torch._dynamo.backends.registry as reg

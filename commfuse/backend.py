@@ -139,9 +139,10 @@ class CommfuseBackend:
 
         patches: dict[str, Any] = {
             "joint_custom_pre_pass": _make_custom_pass(joint_hook, "joint:" + key, cfg.joint_custom_pre_pass),
-            "post_grad_custom_post_pass": _make_custom_pass(post_grad_hook, "post:" + key,
-                                                            cfg.post_grad_custom_post_pass),
         }
+        if self.config.lowering == "inductor":
+            patches["post_grad_custom_post_pass"] = _make_custom_pass(post_grad_hook, "post:" + key,
+                                                                      cfg.post_grad_custom_post_pass)
         if any(p.stage is Stage.SCHEDULE for p in pipeline.passes):
             # commfuse orders these graphs; Inductor's own comm reordering would undo it.
             patches.update({
@@ -151,7 +152,27 @@ class CommfuseBackend:
                 "bucket_all_reduces_fx": "none",
                 "aten_distributed_optimizations.enable_overlap_scheduling": False,
             })
-        return priv.inductor_compile_fx(gm, example_inputs, config_patches=patches)
+        if self.config.lowering == "inductor":
+            return priv.inductor_compile_fx(gm, example_inputs, config_patches=patches)
+        return priv.inductor_compile_fx(gm, example_inputs, config_patches=patches,
+                                        inner_compile=self._inner_compile_regions(pipeline))
+
+    def _inner_compile_regions(self, pipeline: Pipeline):
+        """Inductor's inner compiler for ``lowering="commfuse"``: schedule the partitioned graph,
+        lower it to the runtime, compile the compute between collectives region by region."""
+
+        def inner(g: fx.GraphModule, example_inputs, compile_region_name=None, **kw):
+            kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
+            rep = pipeline.run(g, graph_kind=kind, stages={Stage.SCHEDULE})
+            region_kw = {k: kw[k] for k in ("is_backward", "is_inference", "graph_id") if k in kw}
+
+            def compile_region(sub: fx.GraphModule, inputs: list):
+                return priv.inductor_compile_fx_inner(sub, inputs, **region_kw)
+
+            return lower_runtime(g, kind, dump_dir=rep.dump_dir, compile_regions=compile_region,
+                                 example_inputs=list(example_inputs))
+
+        return inner
 
 
 def _real_multi_rank() -> bool:

@@ -53,12 +53,18 @@ def write_plan(plan: LoweringPlan, dump_dir: Optional[str]) -> None:
 
 
 def lower_runtime(gm: fx.GraphModule, graph_kind: str, *, dump_dir: Optional[str] = None,
-                  compile_regions: Optional[Callable[[fx.GraphModule], Any]] = None) -> Callable:
-    """commfuse's runtime lowering of one graph (boxed). ``compile_regions``: Inductor for compute."""
+                  compile_regions: Optional[Callable[[fx.GraphModule, list], Any]] = None,
+                  example_inputs: Optional[list] = None) -> Callable:
+    """commfuse's runtime lowering of one graph (boxed). ``compile_regions(region_gm, example_inputs)``
+    compiles compute (Inductor); a graph without collectives is one region."""
     plan = plan_for(gm, graph_kind)
     write_plan(plan, dump_dir)
     if not plan.collectives:
-        return compile_regions(gm) if compile_regions is not None else lower_eager(gm)
+        if compile_regions is None:
+            return lower_eager(gm)
+        if example_inputs is None:
+            example_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        return compile_regions(gm, list(example_inputs))
     lowered = lower_graph(gm, plan)
     if compile_regions is not None:
         from .regions import compile_compute_regions
