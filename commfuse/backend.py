@@ -28,7 +28,7 @@ import torch.fx as fx
 from . import _torch_private as priv
 from .agreement import FrameRecord, wrap_first_call
 from .config import Config
-from .lowering import lower_eager, lower_runtime
+from .lowering import LoweringPlan, lower_eager, lower_runtime
 from .passes.base import Stage
 from .passes.pipeline import Pipeline
 from .report import PipelineReport
@@ -76,6 +76,8 @@ class CommfuseBackend:
         # Reports of the pre-autograd stage on Dynamo's graphs (graph "dynamo"), where one of
         # its passes rewrote or refused something (e.g. MoE recognition).
         self.dynamo_reports: list[PipelineReport] = []
+        # The lowering plan of every graph the commfuse runtime runs (lowering="commfuse"), in order.
+        self.plans: list[LoweringPlan] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         pipeline = Pipeline.for_config(self.config)
@@ -108,7 +110,7 @@ class CommfuseBackend:
             def compiler(g: fx.GraphModule, _inputs):
                 rep = pipeline.run(g, graph_kind=kind, stages=stages)
                 if self.config.lowering == "commfuse":
-                    return lower_runtime(g, kind, dump_dir=rep.dump_dir)
+                    return lower_runtime(g, kind, dump_dir=rep.dump_dir, on_plan=self.plans.append)
                 return lower_eager(g)
 
             return compiler
@@ -170,7 +172,7 @@ class CommfuseBackend:
                 return priv.inductor_compile_fx_inner(sub, inputs, **region_kw)
 
             return lower_runtime(g, kind, dump_dir=rep.dump_dir, compile_regions=compile_region,
-                                 example_inputs=list(example_inputs))
+                                 example_inputs=list(example_inputs), on_plan=self.plans.append)
 
         return inner
 

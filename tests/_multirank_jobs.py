@@ -115,7 +115,8 @@ def compiled_matches_eager(name: str, dtype_name: str, inner: str = "eager", ste
     loss = LOSSES.get(name)
     ref = train_step_outputs(model, inputs, steps=steps, lr=0.05, loss_fn=loss)
     be = commfuse.backend(example_config(name, inner_compiler=inner, strict=True, passes=passes))
-    got = train_step_outputs(model, inputs, backend=be, steps=steps, lr=0.05, loss_fn=loss)
+    with commfuse.record() as rec:  # the runtime's own account of what it issued
+        got = train_step_outputs(model, inputs, backend=be, steps=steps, lr=0.05, loss_fn=loss)
     # MoE in bf16: the rewritten program reduces in another order (reduce_scatter instead
     # of all_reduce, token shards), and the router amplifies those roundings; widen atol for
     # reductions over the world's ranks as the tolerance policy defines it.
@@ -123,7 +124,11 @@ def compiled_matches_eager(name: str, dtype_name: str, inner: str = "eager", ste
     assert_close_tree(got, ref, dtype=dtype, msg=f"{name} {dtype_name} rank {dist.get_rank()}", summands=summands)
     kinds = sorted({k for r in be.reports if r.analysis for k in r.analysis.by_kind})
     wire = {r.graph: r.analysis.total.wire_bytes for r in be.reports if r.analysis}
-    return {"kinds": kinds, "wire": wire, "passes": [p.model_dump() for r in be.reports for p in r.passes], "graphs": [r.graph for r in be.reports], "state_dict": _state_dict_meta(model, inputs)}
+    return {"kinds": kinds, "wire": wire, "passes": [p.model_dump() for r in be.reports for p in r.passes],
+            "graphs": [r.graph for r in be.reports], "state_dict": _state_dict_meta(model, inputs),
+            "planned": [[c.kind for c in p.collectives] for p in be.plans], "steps": steps,
+            "recorded": [c.kind for c in rec.collectives],
+            "completed": all(c.end_ns is not None and c.end_ns >= c.issued_ns for c in rec.collectives)}
 
 
 def _state_dict_meta(model_factory, inputs) -> list:

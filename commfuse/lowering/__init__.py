@@ -54,11 +54,14 @@ def write_plan(plan: LoweringPlan, dump_dir: Optional[str]) -> None:
 
 def lower_runtime(gm: fx.GraphModule, graph_kind: str, *, dump_dir: Optional[str] = None,
                   compile_regions: Optional[Callable[[fx.GraphModule, list], Any]] = None,
-                  example_inputs: Optional[list] = None) -> Callable:
+                  example_inputs: Optional[list] = None,
+                  on_plan: Optional[Callable[[LoweringPlan], None]] = None) -> Callable:
     """commfuse's runtime lowering of one graph (boxed). ``compile_regions(region_gm, example_inputs)``
-    compiles compute (Inductor); a graph without collectives is one region."""
+    compiles compute (Inductor); a graph without collectives is one region. ``on_plan`` receives the plan."""
     plan = plan_for(gm, graph_kind)
     write_plan(plan, dump_dir)
+    if on_plan is not None:
+        on_plan(plan)
     if not plan.collectives:
         if compile_regions is None:
             return lower_eager(gm)

@@ -51,7 +51,7 @@ class CollectiveRecord:
     sent_bytes: int
     received_bytes: int
     issued_ns: int
-    done_ns: Optional[int] = None  # Work completion (None: only the wait is known)
+    done_ns: Optional[int] = None  # Work completion (None: not reported (yet); the wait's end stands in)
     waited_ns: Optional[int] = None  # when the wait began
     wait_end_ns: Optional[int] = None
 
@@ -111,7 +111,9 @@ class Recorder:
             with self._lock:
                 remaining[0] -= 1
                 if remaining[0] == 0:
-                    rec.done_ns = time.perf_counter_ns()
+                    now = time.perf_counter_ns()
+                    # A callback can run after the wait already returned: the work was done by then.
+                    rec.done_ns = now if rec.wait_end_ns is None else min(now, rec.wait_end_ns)
 
         for w in works:
             try:
