@@ -14,10 +14,11 @@ actually executed:
   come from the pipeline's own reports (``backend.reports[i].analysis``) of the
   forward / backward graphs it handed to the inner compiler. The graphs
   themselves are kept too (``Session.executed_graphs``), for the simulated
-  step time: with the eager inner compiler the graphs ``lower_eager`` received
-  (the pipeline's final forward/backward), with Inductor the graphs right after
-  Inductor's post-grad passes (commfuse's SCHEDULE passes run there), i.e. what
-  each executes.
+  step time: with commfuse's lowering (default) the graphs the runtime lowering
+  received (the pipeline's final forward/backward; Inductor only compiles the
+  compute between their collectives), with ``lowering="inductor"``
+  (``commfuse:whole-graph``) the graphs right after Inductor's post-grad passes
+  (commfuse's SCHEDULE passes run there), i.e. what each executes.
 
 Adding a baseline: subclass :class:`Baseline` (or instantiate one of the
 classes below) and call :func:`register_baseline`. Baselines are looked up
@@ -154,25 +155,31 @@ def _record_inductor_post_grad(sink: list[CompiledGraph]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _record_eager_lowering(sink: list[CompiledGraph]) -> Iterator[None]:
-    """Record every graph commfuse's eager inner compiler lowers (``commfuse.backend``
-    calls ``lower_eager(gm)`` on the pipeline's final forward/backward/inference
-    graph; the graph then runs as it is)."""
+def _record_commfuse_lowering(sink: list[CompiledGraph]) -> Iterator[None]:
+    """Record every graph commfuse lowers: ``commfuse.backend`` hands the pipeline's final
+    forward/backward/inference graph to ``lower_runtime`` (``lowering="commfuse"``, either
+    inner compiler) or to ``lower_eager``; that graph is what runs (Inductor may only
+    compile the compute between its collectives)."""
     import importlib
 
     # `commfuse.backend` the attribute is the backend() factory; the module is this one.
     cb = importlib.import_module("commfuse.backend")
-    original = cb.lower_eager
+    originals = {name: getattr(cb, name) for name in ("lower_eager", "lower_runtime")}
 
-    def recording(gm: fx.GraphModule):
-        sink.append(CompiledGraph(_kind_of(gm), gm))
-        return original(gm)
+    def recording(name: str):
+        def lower(gm: fx.GraphModule, *args: Any, **kwargs: Any):
+            sink.append(CompiledGraph(_kind_of(gm), gm))
+            return originals[name](gm, *args, **kwargs)
 
-    cb.lower_eager = recording
+        return lower
+
+    for name in originals:
+        setattr(cb, name, recording(name))
     try:
         yield
     finally:
-        cb.lower_eager = original
+        for name, fn in originals.items():
+            setattr(cb, name, fn)
 
 
 @dataclass(frozen=True)
@@ -217,12 +224,14 @@ class CommfuseBaseline(Baseline):
     ``passes=None`` is the default pipeline."""
 
     passes: tuple[str, ...] | None = None
+    lowering: str = "commfuse"
 
     @contextlib.contextmanager
     def session(self, built):
         import commfuse
 
-        kwargs: dict[str, Any] = {"inner_compiler": self.inner, "group_roles": dict(built.roles)}
+        kwargs: dict[str, Any] = {"inner_compiler": self.inner, "group_roles": dict(built.roles),
+                                  "lowering": self.lowering}
         if self.passes is not None:
             kwargs["passes"] = list(self.passes)
         be = commfuse.backend(**kwargs)
@@ -239,9 +248,10 @@ class CommfuseBaseline(Baseline):
         with contextlib.ExitStack() as stack:
             if self.uses_inductor:
                 stack.enter_context(_fresh_inductor_cache())
+            if self.lowering == "inductor":
                 stack.enter_context(_record_inductor_post_grad(executed))
             else:
-                stack.enter_context(_record_eager_lowering(executed))
+                stack.enter_context(_record_commfuse_lowering(executed))
             yield Session(run=torch.compile(built.model, backend=be), graphs=graphs, pipeline_reports=reports,
                           executed_graphs=lambda: list(executed))
 
@@ -268,6 +278,9 @@ def _register_builtin() -> None:
         "inductor+comm", "Inductor with its comm passes: reorder_for_compute_comm_overlap, "
         "bucket_{all_gathers,reduce_scatters,all_reduces}_fx='all'", inner="inductor",
         uses_inductor=True, config_patches=INDUCTOR_COMM_PATCHES))
+    register_baseline(CommfuseBaseline(
+        "commfuse:whole-graph", "commfuse default pipeline; Inductor compiles the whole graph and issues "
+        "its collectives (lowering='inductor')", inner="inductor", uses_inductor=True, lowering="inductor"))
     for inner in ("inductor", "eager"):
         prefix = "commfuse" if inner == "inductor" else "commfuse-eager"
         register_baseline(CommfuseBaseline(prefix, f"commfuse default pipeline, {inner} inner compiler",

@@ -5,6 +5,7 @@
     model = torch.compile(model, backend=commfuse.backend(commfuse.Config(dump_dir="dumps")))
     commfuse.optimize(gm)                                        # any FX graph
     print(commfuse.analyze(gm).table())                          # what the compiler sees
+    with commfuse.record("traces/") as rec: step()               # what each rank really issued
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .backend import CommfuseBackend, backend, commfuse_backend
 from .config import DUMP_DIR_ENV, Config
 from .costmodel.topology import Topology
 from .errors import CommfuseError, ConfigError, PassError, VerificationError
+from .lowering.recorder import Recorder, record
 from .report import AnalysisReport, PipelineReport
 from .session import setup
 from .train_step import TrainStep, compile_train_step
@@ -40,6 +42,6 @@ _register_dynamo_backend()
 
 __all__ = [
     "AnalysisReport", "CommfuseBackend", "CommfuseError", "Config", "ConfigError", "DUMP_DIR_ENV", "PassError",
-    "PipelineReport", "Topology", "TrainStep", "VerificationError", "__version__", "analyze", "backend",
-    "commfuse_backend", "compile_train_step", "last_report", "optimize", "setup",
+    "PipelineReport", "Recorder", "Topology", "TrainStep", "VerificationError", "__version__", "analyze", "backend",
+    "commfuse_backend", "compile_train_step", "last_report", "optimize", "record", "setup",
 ]
