@@ -211,6 +211,10 @@ def inductor_cache_hit_on_rank0_only(cache_dir: str) -> dict:
     Round 1 compiles on both ranks (and fills rank 0's cache). Round 2 recompiles after a
     Dynamo reset: rank 0 now hits its cache (commfuse's hooks do not run there), rank 1
     compiles afresh. The agreement exchange at the first execution must complete on both.
+
+    Uses ``lowering="inductor"``: only the whole-graph Inductor path has the AOTAutograd cache
+    that skips commfuse's hooks; ``lowering="commfuse"`` passes its own inner compiler, which
+    AOTAutograd does not cache, so every rank runs the passes (docs/lowering.md).
     """
     import os
 
@@ -219,7 +223,7 @@ def inductor_cache_hit_on_rank0_only(cache_dir: str) -> dict:
 
     rank = dist.get_rank()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{cache_dir}/rank{rank}"
-    cfg = commfuse.Config(check_agreement=True, agreement_timeout_s=240)
+    cfg = commfuse.Config(check_agreement=True, agreement_timeout_s=240, lowering="inductor")
     results = {}
     with icfg.patch(fx_graph_cache=rank == 0), fcfg.patch(enable_autograd_cache=rank == 0):
         for rnd in (1, 2):
