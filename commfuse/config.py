@@ -94,6 +94,9 @@ class Config(BaseModel):
         model (the size at which latency is 10% of the collective's time, docs/bucketing.md).
     bucket_max_memory_increase: how much ``bucket_collectives`` may raise a graph's simulated
         peak memory, as a fraction of it (0.05 = 5%).
+    lagom_max_evaluations: budget of the ``lagom_tune`` pass's search per graph, in simulator
+        evaluations (>= 2); when it runs out, collectives the search has not reached stay on NCCL's
+        defaults. A count, not seconds, so every rank stops at the same point (docs/lagom.md).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -127,6 +130,7 @@ class Config(BaseModel):
     schedule_memory_headroom_bytes: Optional[NonNegativeInt] = None
     bucket_cap_bytes: Optional[PositiveInt] = None
     bucket_max_memory_increase: float = Field(default=0.05, ge=0.0)
+    lagom_max_evaluations: int = Field(default=1000, ge=2)
 
     @model_validator(mode="after")
     def _lowering_needs_inductor(self) -> "Config":
@@ -193,6 +197,7 @@ class Config(BaseModel):
             "schedule_memory_headroom_bytes": self.schedule_memory_headroom_bytes,
             "bucket_cap_bytes": self.bucket_cap_bytes,
             "bucket_max_memory_increase": self.bucket_max_memory_increase,
+            "lagom_max_evaluations": self.lagom_max_evaluations,
             "topology": topo.model_dump() if topo else None,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

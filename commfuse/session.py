@@ -90,6 +90,12 @@ class Session:
     subgroups: dict[Ranks, SubGroups] = field(default_factory=dict)
     # alias name -> every block it stands for across ranks (for one SPMD graph on all ranks)
     alias_blocks: dict[str, list[Ranks]] = field(default_factory=dict)
+    # Lagom's communicator pool (``setup(communicator_ctas=...)``, NCCL only, docs/lagom.md): the CTA
+    # bounds asked for, every pool group in creation order (``costmodel.lagom.PoolGroupPlan``; empty
+    # when none was created) and this rank's pool groups by alias
+    communicator_ctas: tuple[tuple[int, int], ...] = ()
+    communicator_pool_plan: list[Any] = field(default_factory=list)
+    communicator_pool: dict[str, Any] = field(default_factory=dict)
 
     def subgroups_of(self, parent: Sequence[int]) -> Optional[SubGroups]:
         return self.subgroups.get(tuple(parent))
@@ -105,6 +111,9 @@ _SESSION = Session()
 # sentinel), and the default group they were created under: what a later setup reuses.
 _CREATED: dict[Ranks, Any] = {}
 _CREATED_UNDER: list[Any] = [None]
+# Communicator-pool groups this process created, by (ranks, min_ctas, max_ctas), and their default group.
+_POOL_CREATED: dict[tuple[Ranks, int, int], Any] = {}
+_POOL_UNDER: list[Any] = [None]
 
 
 def current_session() -> Session:
@@ -276,12 +285,60 @@ def _create_subgroups(session: Session, topo: Topology, partitions: list[list[Ra
         session.subgroups[parent] = sg
 
 
+def communicator_pool_plan(world_size: int, communicator_ctas: Any, *, mesh: Any = None,
+                           groups: Any = None) -> list[Any]:
+    """The pool groups ``setup(communicator_ctas=...)`` creates on NCCL, in creation order: for the
+    world, then every block of each mesh dim, then of ``groups`` (a rank tuple once; single ranks
+    skipped), one group per CTA pair in the order given. Pure: nothing is created."""
+    from .costmodel.lagom import plan_communicator_pool, validate_communicator_ctas
+
+    ctas = validate_communicator_ctas(communicator_ctas)
+    parents = [tuple(range(world_size))] + [b for part in _partitions(mesh, groups) for b in part]
+    for block in parents:
+        if any(r < 0 or r >= world_size for r in block):
+            raise ConfigError(f"groups: block {list(block)} has ranks outside the world of {world_size}")
+    return plan_communicator_pool(parents, ctas)
+
+
+def _create_communicator_pool(session: Session, plan: list[Any]) -> None:
+    """Lagom's pool (docs/lagom.md): the planned NCCL groups, created on every rank in the plan's
+    order (new_group is collective), each rank registering the aliases of the groups it belongs to."""
+    import torch.distributed as dist
+
+    from ._torch_private import resolve_process_group
+
+    backend = str(dist.get_backend())
+    if "nccl" not in backend or not hasattr(dist, "ProcessGroupNCCL"):
+        warnings.warn(f"commfuse.setup: communicator_ctas is ignored on backend {backend!r}: CTA bounds are a "
+                      "per-communicator NCCL setting (gloo has no such knobs); no pool groups were created")
+        return
+    world = dist.group.WORLD
+    if _POOL_UNDER[0] is not world or not all(resolve_process_group(pg.group_name) is pg for pg in
+                                              _POOL_CREATED.values() if isinstance(pg, dist.ProcessGroup)):
+        _POOL_CREATED.clear()
+        _POOL_UNDER[0] = world
+    me = dist.get_rank()
+    for p in plan:
+        key = (p.ranks, p.min_ctas, p.max_ctas)
+        if key not in _POOL_CREATED:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.config.min_ctas = p.min_ctas
+            opts.config.max_ctas = p.max_ctas
+            _POOL_CREATED[key] = dist.new_group(list(p.ranks), backend="nccl", pg_options=opts)
+        session.alias_blocks[p.alias] = [p.ranks]
+        if me in p.ranks:
+            _register_alias(p.alias, _POOL_CREATED[key])
+            session.communicator_pool[p.alias] = _POOL_CREATED[key]
+    session.communicator_pool_plan = plan
+
+
 def setup(
     *,
     topology: Union[Topology, str, Path, dict, None] = None,
     mesh: Any = None,
     create_subgroups: bool = True,
     groups: Optional[Sequence[Sequence[Sequence[int]]]] = None,
+    communicator_ctas: Optional[Sequence[Sequence[int]]] = None,
 ) -> Session:
     """Declare the job to commfuse. Call on every rank, after `init_process_group`.
 
@@ -295,6 +352,11 @@ def setup(
         are parents for sub-groups.
     groups: further partitions of the world into groups collectives run on, each a list
         of rank lists (e.g. ``[[[0, 2, 4, 6], [1, 3, 5, 7]]]``); the same on every rank.
+    communicator_ctas: Lagom's communicator pool, ``[(min_ctas, max_ctas), ...]``: on NCCL, for
+        the world and every group of ``mesh`` / ``groups``, one extra process group per pair with
+        ``ProcessGroupNCCL.Options().config.min_ctas/max_ctas`` set, registered as
+        ``commfuse.cta<min>-<max>.<ranks>`` for the ``lagom_tune`` pass to choose from (each
+        costs NCCL buffer memory: docs/lagom.md). Ignored with a warning on other backends.
     Returns the session; calling again replaces it (and reuses live sub-groups).
     """
     global _SESSION
@@ -302,6 +364,9 @@ def setup(
 
     topo = _as_topology(topology)
     session = Session(topology=topo)
+    from .costmodel.lagom import validate_communicator_ctas
+
+    session.communicator_ctas = validate_communicator_ctas(communicator_ctas)
     names = None
     if mesh is not None:
         names = getattr(mesh, "mesh_dim_names", None)
@@ -316,6 +381,13 @@ def setup(
                     raise ConfigError(f"groups: block {list(block)} has ranks outside the world of {topo.world_size}")
         if create_subgroups and topo.num_nodes > 1 and topo.ranks_per_node > 1:
             _create_subgroups(session, topo, [[tuple(range(topo.world_size))]] + partitions)
+    if session.communicator_ctas:
+        if dist.is_available() and dist.is_initialized():
+            _create_communicator_pool(session, communicator_pool_plan(
+                dist.get_world_size(), session.communicator_ctas, mesh=mesh, groups=groups))
+        else:
+            warnings.warn("commfuse.setup: communicator_ctas is ignored: no process group is initialized "
+                          "(call init_process_group first); no pool groups were created")
     if mesh is not None:
         for name in names:
             role = MESH_DIM_ROLES.get(name)
