@@ -169,12 +169,18 @@ def run_suite(suite: Suite, json_path: Path | None, *, scaling: bool = True) -> 
     return doc
 
 
-# The predicted reports: argparse flag -> (module, run function, table function, JSON key).
+# The single reports (predicted unless marked): argparse flag -> (module, run function, table function, JSON key).
 _REPORTS = {
     "overlap_vs_inductor": ("benchmarks.overlap_vs_inductor", "run_overlap_vs_inductor", "overlap_tables",
                             "overlap_vs_inductor"),
     "schedule_report": ("benchmarks.schedule_report", "run_schedule_report", "schedule_tables", "schedule"),
     "partition_report": ("benchmarks.partition_report", "run_partition_report", "partition_tables", "partition"),
+    "lagom_report": ("benchmarks.lagom_report", "run_lagom_report", "lagom_tables", "lagom"),
+    # measured, not predicted: gloo ranks on this machine
+    "lowering_overlap": ("benchmarks.lowering_overlap", "run_lowering_overlap", "lowering_overlap_tables",
+                         "lowering_overlap"),
+    "gloo_reduce_scatter": ("benchmarks.gloo_reduce_scatter", "run_gloo_reduce_scatter",
+                            "gloo_reduce_scatter_tables", "gloo_reduce_scatter"),
 }
 
 
@@ -194,6 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap-vs-inductor", action="store_true",
                     help="only commfuse's scheduling vs Inductor's overlap scheduler on TP+SP, SimpleFSDP and MoE "
                          "blocks (DGX-H100 x2, same estimates, predicted)")
+    ap.add_argument("--lagom-report", action="store_true",
+                    help="only Lagom's per-collective communicator settings on the TP+SP, SimpleFSDP and MoE blocks "
+                         "(DGX-H100 x2, predicted: makespan default NCCL vs Lagom, evaluations, communicator memory)")
+    ap.add_argument("--lowering-overlap", action="store_true",
+                    help="only the lowering report: measured step time (median, IQR) and measured overlap of "
+                         "commfuse's runtime vs Inductor default / with comm passes, 2 gloo ranks")
+    ap.add_argument("--gloo-reduce-scatter", action="store_true",
+                    help="only gloo reduce_scatter vs all_to_all + local sum on 2 and 4 gloo ranks (measured, "
+                         "with the gloo_reduce_scatter pass's predicted decision per size)")
     args = ap.parse_args(argv)
 
     for flag, (module, run, tables, key) in _REPORTS.items():

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..costmodel.topology import Topology
+from ..costmodel.topology import PRESETS, Topology
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,19 @@ register_fuzz_target("centauri_partition", generators=("tp", "sp", "fsdp", "mixe
 register_fuzz_target("schedule_overlap", exact=True, keeps_collective_order=True)
 # Re-chains collectives inside a layer (Eq. 1), so the issue order may change; values may not.
 register_fuzz_target("schedule_overlap_layer_forced", exact=True)
+
+# gloo reduce_scatter lowering (all_to_all + local sum): no topology, so CPU inputs are priced
+# with the cpu-gloo preset and every sum/avg reduce_scatter is lowered, in every family and world
+# size. The local sum adds the chunks in group-rank order in the input dtype, the interpreter's
+# canonical order: bitwise equal. The all_to_all replaces the reduce_scatter (hashes change).
+register_fuzz_target("gloo_reduce_scatter", exact=True)
+
+# Lagom communicator settings: the pass only writes node.meta (no node added, moved or changed), so
+# values must be bitwise equal and the collective sequence untouched. Fuzzed under a GPU topology
+# (DGX-H100 figures, 2 nodes x 2 ranks: intra- and inter-node groups) so the search really runs on
+# every family's collectives (a CPU topology makes it a no-op).
+register_fuzz_target("lagom_tune", exact=True, keeps_collective_order=True, world_sizes=(4,), topology=Topology(
+    **{**PRESETS["dgx-h100"], "name": "fuzz-gpu-2x2", "num_nodes": 2, "ranks_per_node": 2}))
 
 # MoE recognition rewrites the Dynamo (torch-level) graph before AOTAutograd (stage
 # PRE_AUTOGRAD); the fuzzer generates and checks ATen joint graphs, on which the pass never runs.

@@ -14,8 +14,10 @@ _PASSES: dict[str, Type[GraphPass]] = {}
 # The scheduler runs before the bucketer: bucket_collectives never issues a bucket earlier than
 # its first member, so it keeps the prefetch the scheduler chose (overlap-preserving bucketing);
 # bucketing first made bigger messages the memory budget then kept from being prefetched.
+# gloo_reduce_scatter runs last: it lowers each (bucketed) gloo reduce_scatter where the schedule
+# issued and waited it, so it must see the final order (a no-op on NCCL topologies).
 DEFAULT_PIPELINE: tuple[str, ...] = ("moe_recognition", "chimera", "schedule_overlap", "bucket_collectives",
-                                     "sink_waits")
+                                     "sink_waits", "gloo_reduce_scatter")
 
 
 def register_pass(cls: Type[GraphPass]) -> Type[GraphPass]:
@@ -55,3 +57,5 @@ def _load_builtin() -> None:
         workload_partition,
     )
     from . import bucket_collectives  # noqa: F401
+    from . import lagom_tune  # noqa: F401
+    from . import gloo_reduce_scatter  # noqa: F401
