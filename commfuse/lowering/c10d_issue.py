@@ -151,7 +151,7 @@ _ISSUERS: dict[Any, Callable[[tuple, dict, Any], Issued]] = {
 
 # Where each op keeps its group name (schema position), for the fallback's swap.
 _GROUP_ARG = {"all_reduce_": 2, "broadcast_": 2, "isend": 3, "irecv": 3, "batch_p2p_ops": 4,
-              "reduce_to_root": 4}
+              "reduce_to_root": 4, "m2ms": 6, "stage_transfer": 4}
 
 
 def has_issuer(target: Any) -> bool:
