@@ -17,6 +17,8 @@ from .config import DUMP_DIR_ENV, Config
 from .costmodel.topology import Topology
 from .errors import CommfuseError, ConfigError, PassError, VerificationError
 from .lowering.recorder import Recorder, record
+from . import ops  # noqa: F401  (registers commfuse::m2ms and commfuse::stage_transfer)
+from . import pipeline  # noqa: F401  (commfuse.pipeline: setup_pipeline, PipelineRunner)
 from .report import AnalysisReport, PipelineReport
 from .session import setup
 from .train_step import TrainStep, compile_train_step
@@ -43,5 +45,5 @@ _register_dynamo_backend()
 __all__ = [
     "AnalysisReport", "CommfuseBackend", "CommfuseError", "Config", "ConfigError", "DUMP_DIR_ENV", "PassError",
     "PipelineReport", "Recorder", "Topology", "TrainStep", "VerificationError", "__version__", "analyze", "backend",
-    "commfuse_backend", "compile_train_step", "last_report", "optimize", "record", "setup",
+    "commfuse_backend", "compile_train_step", "last_report", "ops", "optimize", "record", "setup",
 ]
