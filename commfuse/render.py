@@ -81,7 +81,9 @@ def condensed_dot(gm: fx.GraphModule, ir: CollectiveIR, *, title: str = "") -> s
     for name, nodes in runs:
         ops = sorted({getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in nodes if n.op == "call_function"})
         shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
-        lines.append(f'  "{name}" [label=<{len(nodes)} ops<br/><i>{_label(shown)}</i>>, color=gray];')
+        # Graphviz rejects an empty <i></i> (a run of placeholders/outputs only has no op names).
+        body = f"<br/><i>{_label(shown)}</i>" if shown else ""
+        lines.append(f'  "{name}" [label=<{len(nodes)} ops{body}>, color=gray];')
     for n, c in coll.items():
         col = colors[c.group.name]
         text = _collective_label(c)

@@ -263,6 +263,26 @@ def test_dump_escapes_markup_in_names(tmp_path):
     assert "<script>" not in dot and "&lt;script&gt;" in dot and "&lt;b&gt;&amp;grp" in dot
 
 
+def test_condensed_picture_of_a_run_without_ops_renders():
+    """A run of placeholders only (no call_function) once produced an empty <i></i> that
+    Graphviz rejects, so the SVGs of joint/backward graphs silently fell back to .dot."""
+    import shutil
+
+    from commfuse.ir import CollectiveIR
+    from commfuse.render import condensed_dot, dot_to_svg
+
+    def f(x, y):
+        return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0")) + y
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(2), torch.randn(2))
+    dot = condensed_dot(gm, CollectiveIR(gm), title="t")
+    assert "<i></i>" not in dot
+    if shutil.which("dot"):
+        assert dot_to_svg(dot) is not None
+
+
 # -- config / topology validation ---------------------------------------------------
 def test_unknown_pass_name_is_named():
     with pytest.raises(ValueError, match=r"passes[\s\S]*unknown pass name\(s\) \['fuse_everything'\]"):
