@@ -5,6 +5,8 @@
     python benchmarks/run.py --partition-report [--json out.json] # Centauri search on DGX-H100 x2 (predicted)
     python benchmarks/run.py --schedule-report [--json out.json]  # overlap scheduler on DGX-H100 x2 (predicted)
     python benchmarks/run.py --overlap-vs-inductor [--json out.json]  # vs Inductor's overlap scheduler (predicted)
+    python benchmarks/run.py --volume-report [--json out.json]    # bytes before/after commfuse per example (counted)
+    python benchmarks/run.py --boundary-volume [--json out.json]  # pipeline boundary fusion: bytes + step time
 
 Runs each workload x baseline on a pool of gloo ranks (one intra-op thread
 each), then the compile-time scaling points in fresh processes, prints the
@@ -181,6 +183,13 @@ _REPORTS = {
                          "lowering_overlap"),
     "gloo_reduce_scatter": ("benchmarks.gloo_reduce_scatter", "run_gloo_reduce_scatter",
                             "gloo_reduce_scatter_tables", "gloo_reduce_scatter"),
+    # counted, not timed: the IR's byte counts of the compiled example programs (fake process group)
+    "volume_report": ("benchmarks.volume_report", "run_volume_report", "volume_tables", "volume"),
+    # synthesised from recorded sequences, not timed: NCCL log / kernel trace alignment F1 (issue 12)
+    "alignment_f1": ("benchmarks.alignment_f1", "run_alignment_f1", "alignment_f1_tables", "alignment_f1"),
+    # counted (bytes, one process) and measured (step time, 4 gloo ranks): pipeline boundary fusion (issue 10)
+    "boundary_volume": ("benchmarks.boundary_volume", "run_boundary_volume", "boundary_volume_tables",
+                        "boundary_volume"),
 }
 
 
@@ -209,6 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gloo-reduce-scatter", action="store_true",
                     help="only gloo reduce_scatter vs all_to_all + local sum on 2 and 4 gloo ranks (measured, "
                          "with the gloo_reduce_scatter pass's predicted decision per size)")
+    ap.add_argument("--volume-report", action="store_true",
+                    help="only the volume report of every example workload: bytes per rank before/after commfuse "
+                         "by kind, role and direction, Table 1 formula checks, pass reasons (fake process group)")
+    ap.add_argument("--boundary-volume", action="store_true",
+                    help="only pipeline boundary fusion: bytes per rank before/after per Table 2 transition vs the "
+                         "derivation (counted) and step time fused vs unfused on 4 gloo ranks (measured)")
+    ap.add_argument("--alignment-f1", action="store_true",
+                    help="only the NCCL log / kernel trace alignment F1 per scenario and example model, next to "
+                         "the NCCL-trace thesis's numbers (synthesised from recorded sequences)")
     args = ap.parse_args(argv)
 
     for flag, (module, run, tables, key) in _REPORTS.items():

@@ -8,7 +8,11 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": "run the 4-rank CPU demo",
-                "calibrate": "measure collectives and compute here and write a cost profile"}
+                "calibrate": "measure collectives and compute here and write a cost profile",
+                "report": "static HTML report of a dump dir (graphs, volume, decisions, timelines)",
+                "volume": "communication volume before/after commfuse from a dump dir",
+                "validate": "recorded collectives (RECORD_DIR) vs the lowering plans (DUMP_DIR)",
+                "align": "align NCCL logs with kernel traces, write an enriched Chrome trace"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: python -m commfuse <command> [options]\n\ncommands:")
         for name, text in commands.items():
@@ -22,6 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         from .costmodel.calibrate import main as calibrate_main
 
         return calibrate_main(argv[1:])
+    if argv[0] in ("report", "volume", "validate"):
+        from .reports import cli
+
+        return getattr(cli, f"{argv[0]}_main")(argv[1:])
+    if argv[0] == "align":
+        from .trace.cli import main as align_main
+
+        return align_main(argv[1:])
     return 2
 
 
