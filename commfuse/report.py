@@ -33,6 +33,10 @@ class CollectiveReport(BaseModel):
     waits: list[str]
     role: str
     role_source: str
+    # commfuse's boundary ops (m2ms, stage_transfer; ir/boundary.py): bytes this rank receives
+    # (logged/wire bytes are what it sends) and the transfers in words
+    received_bytes: JsonSize = None
+    transfers: Optional[str] = None
 
 
 class EmbeddedReport(BaseModel):
@@ -77,11 +81,12 @@ class AnalysisReport(BaseModel):
 
     def table(self) -> str:
         """A fixed-width text table, one line per collective kind."""
-        lines = [f"{'kind':<16}{'count':>6}{'logged B/rank':>16}{'wire B/rank':>16}"]
+        w = max([16, *(len(k) + 2 for k in self.by_kind)])  # "many_to_many_scatter" is 20 long
+        lines = [f"{'kind':<{w}}{'count':>6}{'logged B/rank':>16}{'wire B/rank':>16}"]
         for k, t in sorted(self.by_kind.items()):
-            lines.append(f"{k:<16}{t.count:>6}{str(t.logged_bytes):>16}{str(t.wire_bytes):>16}")
+            lines.append(f"{k:<{w}}{t.count:>6}{str(t.logged_bytes):>16}{str(t.wire_bytes):>16}")
         t = self.total
-        lines.append(f"{'total':<16}{t.count:>6}{str(t.logged_bytes):>16}{str(t.wire_bytes):>16}")
+        lines.append(f"{'total':<{w}}{t.count:>6}{str(t.logged_bytes):>16}{str(t.wire_bytes):>16}")
         return "\n".join(lines)
 
 
@@ -128,6 +133,8 @@ def build_analysis_report(ir: CollectiveIR, *, graph: str = "graph") -> Analysis
                 waits=[w.name for w in c.waits],
                 role=c.role.value,
                 role_source=c.role_source,
+                received_bytes=size_to_json(c.extra.get("received_bytes")),
+                transfers=c.extra["boundary"].describe() if "boundary" in c.extra else None,
             )
         )
         count(c.kind.value, c.group.name, c.logged_bytes, c.wire_bytes)

@@ -34,7 +34,7 @@ reduce_scatter_tensor_coalesced: reduce_scatter g0/8 dim=0 in=[[16, 16], [16, 16
 isend: send g0/8 dim=None in=[[8, 16]] out=[[0]] logged=512 wire=512 role=pp(inferred)
 irecv: recv g0/8 dim=None in=[[8, 16]] out=[[8, 16]] logged=512 wire=0 role=pp(inferred)""")
         self.assertEqual(report.total.count, 10)
-        self.assertEqual(set(report.by_kind), {k.value for k in CollectiveKind} - {"batch_p2p", "many_to_many_scatter", "reduce"})
+        self.assertEqual(set(report.by_kind), {k.value for k in CollectiveKind} - {"batch_p2p", "many_to_many_scatter", "reduce", "p2p"})
         self.assertEqual(report.by_group["0"].count, 10)
 
     def test_report_is_json(self):

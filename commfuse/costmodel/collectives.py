@@ -31,7 +31,10 @@ What it models
     * **p2p** (send, recv, batch_p2p): one hop, bytes sent / link bandwidth; the
       inter-node link when the group spans nodes.
     * **m2ms** (Chimera's many-to-many scatter): each rank sends its pieces as
-      point-to-point messages: ``sum(pieces) / bandwidth + latency per peer``.
+      point-to-point messages: ``sum(pieces) / bandwidth + latency per peer``. For an IR
+      collective of commfuse's boundary ops (``commfuse::m2ms``, ``commfuse::stage_transfer``,
+      kinds ``many_to_many_scatter`` / ``p2p``) `estimate` prices every rank's messages,
+      intra vs inter node, and takes the slowest rank (`commfuse.costmodel.boundary`).
     * **gloo-allreduce-emulation**: gloo has no reduce_scatter; ProcessGroupGloo
       runs a full all_reduce of the input and keeps a slice, so reduce_scatter
       costs an all_reduce of its *input* (see pytorch-landscape.md).
@@ -259,6 +262,13 @@ class CollectiveModel:
     # ---- public API
 
     def estimate(self, c: Collective, algorithm: Optional[str] = None) -> CollectiveEstimate:
+        if c.kind in (K.M2MS, K.P2P) and algorithm is None:
+            # commfuse's boundary ops: priced from every rank's messages (costmodel/boundary.py)
+            from .boundary import estimate_boundary
+
+            est = estimate_boundary(self, c)
+            if est is not None:
+                return est
         # unknown group size (e.g. a graph loaded without its process groups): assume the whole world
         n = c.group.size or (len(c.group.ranks) if c.group.ranks else self.topology.world_size)
         size = message_bytes(c, self.symbol_hint)
@@ -320,7 +330,7 @@ class CollectiveModel:
                 out["ring-reduce-scatter+gather"] = self._gloo_reduce(kind, S, p)
             else:
                 out["ring"] = self._ring_broadcast(kind, S, p)  # the same chain, towards the root
-        elif kind in (K.SEND, K.RECV, K.BATCH_P2P):
+        elif kind in (K.SEND, K.RECV, K.BATCH_P2P, K.P2P):
             out["p2p"] = self._p2p(kind, S, p)
         elif kind is K.M2MS:
             out["m2ms"] = self._m2ms(kind, S, p, pieces)

@@ -27,7 +27,9 @@ Execution model (what every GPU runtime of functional collectives does)
       ``StreamAssignment.group_streams`` can put several groups on one stream
       (then they serialise too), ``single_comm_stream`` puts all on one.
     * ``wait_tensor`` blocks the compute stream until its collective ends; the
-      blocked time is *exposed* communication. Communication still running when
+      blocked time is *exposed* communication. A *synchronous* collective (issues
+      and waits inside the op, no wait node: the autograd variants of commfuse's
+      boundary ops) blocks the compute stream right after it is issued. Communication still running when
       the compute stream reaches the output is exposed too (the step cannot end).
     * Optional contention: ``slowdown(node, concurrent_collectives) -> factor``
       (>= 1) stretches compute while collectives are in flight, piecewise over
@@ -145,6 +147,7 @@ class _NodeCost:
     estimate: Optional[CollectiveEstimate] = None
     alloc: int = 0  # bytes this node allocates (0 for aliases)
     alias_src: Optional[fx.Node] = None  # the node whose storage this one aliases
+    sync: bool = False  # a synchronous collective: the compute stream waits for its end
 
 
 @dataclass(frozen=True)
@@ -349,7 +352,7 @@ class Simulator:
         if c is not None:
             est = self.estimator.collective(c)
             return _NodeCost(_COLL, est.time_us, self._stream(self.assignment.stream_of(c.group.name)),
-                             collective=c, estimate=est, alloc=alloc, alias_src=alias)
+                             collective=c, estimate=est, alloc=alloc, alias_src=alias, sync=c.synchronous)
         start = self._wait_of.get(n)
         if start is not None:
             return _NodeCost(_WAIT, start=start, alloc=alloc, alias_src=alias)
@@ -467,6 +470,9 @@ class Simulator:
                 coll_rec.append((n, t, s, end))
                 if slowdown is not None:
                     active.append((s, end, e.collective))  # type: ignore[arg-type]
+                if e.sync and end > t:  # issues and waits inside (no wait node): blocks compute
+                    exposed += end - t
+                    t = end
             elif code == _WAIT:
                 end = coll_end.get(e.start)  # type: ignore[arg-type]
                 if end is None:

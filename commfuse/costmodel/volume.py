@@ -404,3 +404,146 @@ def llama_param_count(layers: Num, dim: Num, ffn_dim: Num, vocab: Num | None = N
     if vocab:
         total += 2 * _s(vocab) * dim + dim
     return sympy.expand(total)
+
+
+# --------------------------------------------------------------------------- boundary transitions (issue #10)
+# Table 2's boundary rows (SP+PP, TP+PP, PP+EP) written out with commfuse's boundary ops: the P2P
+# and M2MS of each row become a `commfuse::stage_transfer` / `commfuse::m2ms` piece matrix over the
+# ranks of both stages, and their per-rank volume is computed by the IR's own rule
+# (`commfuse.ir.boundary.BoundaryTransfers`: bytes a rank sends, its piece to itself excluded),
+# not copied from the paper. Stage 1 = group ranks 0..n1-1, stage 2 = n1..n1+n2-1 of one group.
+@dataclass(frozen=True)
+class BoundaryPlan:
+    """One boundary op of a transition: ``op`` "m2ms" (``splits[i][j]``: size along the moved dim
+    from ``src[i]`` to ``dst[j]``, ``unit`` elements per index) or "stage_transfer" (``src[i]`` sends
+    ``unit`` elements to ``dst[i]``). Sizes may be symbolic (B, S, H, k)."""
+
+    op: str
+    group_size: int
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    unit: sympy.Expr
+    splits: tuple[tuple[sympy.Expr, ...], ...] | None = None
+    dim: int | None = None
+
+    def transfers(self):
+        from ..ir.boundary import BoundaryTransfers
+
+        return BoundaryTransfers(self.op, "boundary", self.group_size, self.src, self.dst, self.dim, self.splits,
+                                 self.unit)
+
+    def max_sent(self) -> sympy.Expr:
+        """Elements the busiest sender puts on the wire (Chimera's per-rank volume of the op)."""
+        t = self.transfers()
+        return _smax([_s(t.sent_bytes(g)) for g in range(self.group_size)])
+
+    def max_received(self) -> sympy.Expr:
+        t = self.transfers()
+        return _smax([_s(t.received_bytes(g)) for g in range(self.group_size)])
+
+
+def _smax(vals: list[sympy.Expr]) -> sympy.Expr:
+    return sympy.simplify(sympy.Max(*vals)) if vals else sympy.Integer(0)
+
+
+@dataclass(frozen=True)
+class BoundaryTransition:
+    """A Table 2 transition at a boundary: the unfused (``current``) and fused sequences as
+    ``(op, per-rank wire volume)`` pairs in elements (Chimera sums the per-rank volume of each op),
+    and the boundary ops as piece matrices (``plans``: op name -> :class:`BoundaryPlan`)."""
+
+    transition: str
+    current: tuple[tuple[str, sympy.Expr], ...]
+    fused: tuple[tuple[str, sympy.Expr], ...]
+    plans: Mapping[str, BoundaryPlan]
+    note: str = ""
+
+    @property
+    def current_volume(self) -> sympy.Expr:
+        return sympy.simplify(sum((v for _o, v in self.current), sympy.Integer(0)))
+
+    @property
+    def real_demand(self) -> sympy.Expr:
+        return sympy.simplify(sum((v for _o, v in self.fused), sympy.Integer(0)))
+
+    @property
+    def ratio(self) -> sympy.Expr:
+        return sympy.simplify(self.real_demand / self.current_volume)
+
+
+def _interval_overlap(i: int, n1: int, j: int, n2: int) -> sympy.Rational:
+    """Length of [i/n1, (i+1)/n1) ∩ [j/n2, (j+1)/n2) (a fraction of the sequence)."""
+    lo = max(sympy.Rational(i, n1), sympy.Rational(j, n2))
+    hi = min(sympy.Rational(i + 1, n1), sympy.Rational(j + 1, n2))
+    return max(hi - lo, sympy.Integer(0))
+
+
+def resharding_plan(n1: int, n2: int, length: Num = S, unit: Num = B * H) -> BoundaryPlan:
+    """Alpa's cross-mesh resharding as one m2ms: stage-1 rank i holds the i-th of n1 equal
+    slices of ``length`` (along the moved dim), stage-2 rank j needs the j-th of n2: rank i sends
+    j the overlap of the two slices."""
+    splits = tuple(tuple(_interval_overlap(i, n1, j, n2) * _s(length) for j in range(n2)) for i in range(n1))
+    return BoundaryPlan("m2ms", n1 + n2, tuple(range(n1)), tuple(range(n1, n1 + n2)), _s(unit), splits, dim=1)
+
+
+def stage_pairs_plan(n: int, elements: Num = B * S * H) -> BoundaryPlan:
+    """The plain pipeline transfer: stage-1 rank i sends its whole ``[B, S, H]`` to stage-2 rank i."""
+    return BoundaryPlan("stage_transfer", 2 * n, tuple(range(n)), tuple(range(n, 2 * n)), _s(elements))
+
+
+def sp_pp_transition(n: int) -> BoundaryTransition:
+    """SP+PP over n sequence-parallel ranks per stage. Current: the SP all_gather ((n-1)BSH/n),
+    then the stage transfer of the gathered ``[B, S, H]`` (BSH). Fused (Table 3: A-G + P2P ->
+    M2MS): every stage-1 rank sends its sequence shard (S/n) to every stage-2 rank, which
+    concatenates the shards in src order -- the gathered activation: BSH per sender."""
+    p2p = stage_pairs_plan(n)
+    m2ms = BoundaryPlan("m2ms", 2 * n, tuple(range(n)), tuple(range(n, 2 * n)), B * H,
+                        tuple(tuple(S / n for _j in range(n)) for _i in range(n)), dim=1)
+    return BoundaryTransition(
+        "SP+PP", (("all_gather", sp_all_gather_wire(B, S, H, n)), ("stage_transfer", p2p.max_sent())),
+        (("m2ms", m2ms.max_sent()),), {"stage_transfer": p2p, "m2ms": m2ms})
+
+
+def tp_pp_transition(n1: int, n2: int) -> BoundaryTransition:
+    """TP+PP, n1 tensor-parallel ranks in stage 1 (holding partial sums) and n2 in stage 2.
+    Current (Alpa): all_reduce over n1, the resharding m2ms of each rank's 1/n1 share
+    (BSH/n1 per sender), all_gather over n2. Fused: the all_reduce's all_gather half is
+    dropped (Table 3: R-S + M2MS -> M2MS): reduce_scatter, the same resharding m2ms,
+    all_gather over n2. Real demand (N1-1)BSH/N1 + BSH/N1 + (N2-1)BSH/N2 = BSH + (N2-1)BSH/N2,
+    Table 2's."""
+    m2ms = resharding_plan(n1, n2)
+    shard = m2ms.max_sent()
+    return BoundaryTransition(
+        "TP+PP",
+        (("all_reduce", tp_all_reduce_wire(B, S, H, n1)), ("m2ms", shard), ("all_gather", sp_all_gather_wire(B, S, H, n2))),
+        (("reduce_scatter", reduce_scatter_wire(B, S, H, n1)), ("m2ms", shard),
+         ("all_gather", sp_all_gather_wire(B, S, H, n2))),
+        {"m2ms": m2ms})
+
+
+def pp_ep_transition(n: int, top_k: Num = 1) -> BoundaryTransition:
+    """PP+EP, n ranks per stage, stage 2 expert-parallel over its n ranks. Current: the stage
+    transfer of ``[B, S, H]`` (BSH), then the dispatch all_to_all of the B·S·k expert rows on
+    stage 2 ((n-1)BSHk/n). Fused (Table 3: P2P + A2A -> M2MS, the gating moved before the
+    transfer): every stage-1 rank sends each expert row straight to the rank holding the
+    expert, balanced routing (k·B·S/n rows to each of the n ranks): k·BSH per sender.
+
+    Table 2's real demand is BSH: equal at k = 1. With k > 1 a token routed to experts on k
+    different ranks must travel k times; the fused op then moves k·BSH and beats the current
+    sequence only while k < n (ratio k·n / (n + (n-1)k))."""
+    p2p = stage_pairs_plan(n)
+    m2ms = BoundaryPlan("m2ms", 2 * n, tuple(range(n)), tuple(range(n, 2 * n)), H,
+                        tuple(tuple(_s(top_k) * B * S / n for _j in range(n)) for _i in range(n)), dim=0)
+    return BoundaryTransition(
+        "PP+EP", (("stage_transfer", p2p.max_sent()), ("all_to_all", ep_all_to_all_wire(B, S, H, n, top_k))),
+        (("m2ms", m2ms.max_sent()),), {"stage_transfer": p2p, "m2ms": m2ms},
+        note="Table 2's real demand (BSH) holds for k = 1; the fused m2ms moves k·BSH")
+
+
+def boundary_transitions(n: int = 4, n1: int = 4, n2: int = 2, top_k: Num = 1) -> list[BoundaryTransition]:
+    """The three boundary rows of Table 2 with their piece matrices (see the functions above)."""
+    return [sp_pp_transition(n), tp_pp_transition(n1, n2), pp_ep_transition(n, top_k)]
+
+
+__all__ += ["BoundaryPlan", "BoundaryTransition", "boundary_transitions", "pp_ep_transition", "resharding_plan",
+            "sp_pp_transition", "stage_pairs_plan", "tp_pp_transition"]

@@ -56,6 +56,7 @@ _IR_KIND = {
     "all_reduce_coalesced_inplace": "all_reduce", "all_gather": "all_gather", "all_gather_coalesced": "all_gather",
     "reduce_scatter": "reduce_scatter", "reduce_scatter_coalesced": "reduce_scatter", "all_to_all": "all_to_all",
     "all_to_all_uneven": "all_to_all", "broadcast": "broadcast", "broadcast_inplace": "broadcast",
+    "m2ms": "many_to_many_scatter", "stage_transfer": "p2p",
 }
 
 
@@ -89,6 +90,9 @@ def ir_problems(program: Program, gm: fx.GraphModule) -> list[str]:
         if n > 1 and op["op"] in ("all_gather", "reduce_scatter") and c.logical_dim != op["dim"]:
             problems.append(f"{where}: logical dim {c.logical_dim}, expected {op['dim']} "
                             f"(input {c.input_shapes}, output {c.output_shapes})")
+        if op["op"] == "m2ms" and c.input_shapes and c.input_shapes[0] is not None \
+                and c.logical_dim != op["dim"] % len(c.input_shapes[0]):
+            problems.append(f"{where}: logical dim {c.logical_dim}, expected {op['dim']} (m2ms)")
         if n > 1 and op["op"] == "all_to_all" and (c.logical_dim, c.logical_concat_dim) != \
                 (op["split_dim"], op["concat_dim"]):
             problems.append(f"{where}: logical dims {c.logical_dim}->{c.logical_concat_dim}, expected "

@@ -11,7 +11,9 @@ divisible where the collective needs it, in fp32 or bf16, forward-only or joint
 *Families* weight the building blocks towards one style of parallelism (``tp``,
 ``sp``, ``moe``, ``fsdp``, ``pp``, ``coalesced``, ``moe_layer``) or mix them all
 (``mixed``); a pass registered with the fuzzer names the families it wants (see
-:mod:`.targets`). ``moe_layer`` programs put commfuse's MoE layer op behind token
+:mod:`.targets`). commfuse's boundary ops (``commfuse::m2ms``, ``commfuse::stage_transfer``)
+appear in ``mixed`` and, next to gathers and scatters they could fuse with, in ``pp``
+(:meth:`_Gen.b_m2ms`, :meth:`_Gen.b_stage_transfer`). ``moe_layer`` programs put commfuse's MoE layer op behind token
 gathers on the group that is also its expert-parallel group (:meth:`_Gen.b_moe_layer`).
 """
 
@@ -28,7 +30,7 @@ FAMILIES: dict[str, dict[str, float]] = {
         "unary": 3, "binary": 2, "residual": 2, "matmul": 3, "linear": 1, "scores": 1, "layer_norm": 2,
         "softmax": 1, "router_topk": 1, "reduce": 1, "view": 3, "cat": 1, "mutate": 2,
         "all_reduce": 3, "all_gather": 3, "reduce_scatter": 3, "all_to_all": 2, "dispatch": 0.3, "combine": 3,
-        "broadcast": 1, "coalesced": 1, "inplace": 1, "p2p": 0.2,
+        "broadcast": 1, "coalesced": 1, "inplace": 1, "p2p": 0.2, "m2ms": 0.6, "stage_transfer": 0.6,
         "tp_mlp": 1, "sp_block": 1, "fsdp_linear": 1, "moe_block": 0.2, "update_after_collective": 1,
     },
     "tp": {"unary": 2, "binary": 1, "residual": 2, "matmul": 2, "linear": 1, "layer_norm": 2, "all_reduce": 3,
@@ -39,7 +41,8 @@ FAMILIES: dict[str, dict[str, float]] = {
             "moe_block": 4, "residual": 1},
     "fsdp": {"unary": 1, "matmul": 1, "layer_norm": 1, "fsdp_linear": 5, "reduce_scatter": 2, "all_reduce": 1,
              "residual": 1, "mutate": 1, "update_after_collective": 1},
-    "pp": {"unary": 2, "matmul": 2, "layer_norm": 1, "p2p": 4, "residual": 1, "all_reduce": 1},
+    "pp": {"unary": 2, "matmul": 2, "layer_norm": 1, "p2p": 4, "residual": 1, "all_reduce": 1,
+           "stage_transfer": 3, "m2ms": 3, "all_gather": 1, "reduce_scatter": 1},
     "coalesced": {"unary": 1, "matmul": 1, "coalesced": 4, "inplace": 3, "broadcast": 2, "all_reduce": 1,
                   "mutate": 1, "update_after_collective": 1},
     # commfuse's MoE layer op (commfuse.moe) behind sequence/tensor-parallel token gathers
@@ -408,6 +411,72 @@ class _Gen:
         return bool(self.emit("p2p", [x], bounded=x.bounded, group=role, shift=self.rng.randrange(1, n),
                               batch=self.rng.random() < 0.4))
 
+    def _rank_sets(self, n: int) -> tuple[list[int], list[int]]:
+        """Random src / dst lists of group ranks (random order): disjoint (a stage boundary),
+        equal, overlapping or arbitrary."""
+        rng = self.rng
+        ranks = list(range(n))
+        kind = rng.choice(["disjoint", "equal", "overlap", "random"]) if n >= 2 else "equal"
+        if kind == "disjoint":
+            rng.shuffle(ranks)
+            cut = rng.randint(1, n - 1)
+            return ranks[:cut], ranks[cut:]
+        if kind == "equal":
+            src = rng.sample(ranks, rng.randint(1, n))
+            return src, rng.sample(src, len(src))
+        if kind == "overlap":
+            src = rng.sample(ranks, rng.randint(1, n))
+            rest = [r for r in ranks if r not in src]
+            dst = rng.sample(src, rng.randint(1, len(src))) + rng.sample(rest, rng.randint(0, len(rest)))
+            rng.shuffle(dst)
+            return src, dst
+        return rng.sample(ranks, rng.randint(1, n)), rng.sample(ranks, rng.randint(1, n))
+
+    def b_m2ms(self) -> bool:
+        """commfuse's many-to-many scatter: a random piece matrix (zeros included) between two
+        random rank sets of a group, along a random dim of a value; every source's row fits
+        in that dim (it sends the first row-sum slices), outputs are padded to one shape."""
+        rng = self.rng
+        x = self.pick(lambda v: v.vary is None and len(v.shape) >= 1)
+        if x is None:
+            return False
+        role = self.group()
+        src, dst = self._rank_sets(self.gsize(role))
+        d = rng.randrange(len(x.shape))
+        length = x.shape[d]
+        splits = [_composition(rng, rng.randint(0, length), len(dst)) for _ in src]
+        pad = max(sum(r[j] for r in splits) for j in range(len(dst)))
+        if pad == 0:  # nothing moves at all: make one piece non-empty
+            splits[0][0] = 1
+            pad = 1
+        if rng.random() < 0.2:
+            pad += rng.randint(1, 2)
+        return bool(self.emit("m2ms", [x], bounded=x.bounded, group=role, dim=d, splits=splits, src=src, dst=dst,
+                              pad=pad))
+
+    def b_stage_transfer(self) -> bool:
+        """commfuse's stage transfer: pairs src[i] -> dst[i] of a group (a shift, one stage half
+        to the other, or random pairs with self pairs)."""
+        rng = self.rng
+        x = self.pick(lambda v: v.vary is None)
+        if x is None:
+            return False
+        role = self.group(lambda n: n >= 2) or self.group()
+        n = self.gsize(role)
+        kind = rng.choice(["shift", "halves", "random"]) if n >= 2 else "random"
+        if kind == "shift":
+            s = rng.randrange(1, n)
+            src = list(range(n))
+            dst = [(g + s) % n for g in src]
+        elif kind == "halves":
+            ranks = rng.sample(range(n), n)
+            half = rng.randint(1, n // 2)
+            src, dst = ranks[:half], ranks[half:2 * half]
+        else:
+            m = rng.randint(1, n)
+            src, dst = rng.sample(range(n), m), rng.sample(range(n), m)
+        return bool(self.emit("stage_transfer", [x], bounded=x.bounded, group=role, src=src, dst=dst))
+
     # -- macros: the patterns hybrid-parallel models emit ---------------------------------
     def b_update_after_collective(self) -> bool:
         """A collective reads x, then x is updated in place before the result is used (a
@@ -415,7 +484,8 @@ class _Gen:
         wait must stay above the update."""
         if self.prog.joint:
             return False
-        kind = self.rng.choice(["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p"])
+        kind = self.rng.choice(["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p",
+                                "m2ms", "stage_transfer"])
         if kind == "p2p" and self.group(lambda n: n >= 2) is None:
             return False
         if not getattr(self, f"b_{kind}")():
@@ -631,7 +701,7 @@ _VIEW_OPS = {"transpose", "permute", "split_dim", "merge_dims", "contiguous", "m
 
 def _detaches(op: str, attrs: dict) -> bool:
     """In joint programs these collectives run on detached values (no autograd formula)."""
-    if op in ("all_gather", "all_to_all", "all_to_all_uneven"):
+    if op in ("all_gather", "all_to_all", "all_to_all_uneven", "m2ms", "stage_transfer"):
         return False
     if op == "all_reduce":
         return attrs.get("reduce") not in ("sum", "avg")

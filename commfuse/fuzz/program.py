@@ -6,6 +6,9 @@ A :class:`Program` is a straight-line list of ops over named values::
     {"op": "all_gather", "in": ["v2"], "out": ["v3"], "group": "p1", "dim": 1}
     {"op": "moe_layer", "in": ["v3", "w4", "w5", "w6", "w7"], "out": ["v8", "v9", "v10", "v11"],
      "group": "p1", "top_k": 2, "capacity_factor": 1.0, "token_groups": 2}
+    {"op": "m2ms", "in": ["v3"], "out": ["v12"], "group": "world", "dim": 1, "src": [0, 2],
+     "dst": [1, 2, 3], "splits": [[1, 2, 0], [3, 0, 1]], "pad": 4}
+    {"op": "stage_transfer", "in": ["v12"], "out": ["v13"], "group": "world", "src": [0, 1], "dst": [2, 3]}
 
 Inputs are activations or parameters (``inputs``; ``"replicated": true`` marks one that
 is the same on every rank, e.g. an MoE router weight), ``groups`` maps a role name to a
@@ -365,6 +368,39 @@ def _p2p(ctx, op, x):
     return [_W(r)]
 
 
+# -- commfuse's boundary ops (commfuse.ops, issue #10) ----------------------------------
+def _m2ms(ctx, op, x):
+    # many-to-many scatter from op["src"] to op["dst"] (group ranks of the op's group) along
+    # op["dim"] with the piece matrix op["splits"]: this rank's input is the first (its row
+    # sum) slices of x along dim; what it receives is zero-padded to op["pad"] (the largest
+    # column sum), so the value has one shape on every rank. Joint programs call the
+    # differentiable wrapper (commfuse::m2ms_autograd when x needs a gradient).
+    from ..ops import M2MS, m2ms
+
+    pg, g, n = _pg(ctx, op), ctx.group_rank[op["group"]], ctx.group_size[op["group"]]
+    d, S, src, dst = op["dim"], op["splits"], op["src"], op["dst"]
+    inp = x.narrow(d, 0, sum(S[src.index(g)]) if g in src else 0)
+    if ctx.joint:
+        y = m2ms(inp, d, S, src, dst, pg)
+    else:
+        y = _W(M2MS(inp, d, [s for row in S for s in row], src, dst, n, pg.group_name))
+    if y.shape[d] < op["pad"]:
+        shape = list(y.shape)
+        shape[d] = op["pad"] - y.shape[d]
+        y = torch.cat([y, y.new_zeros(shape)], dim=d)
+    return [y]
+
+
+def _stage_transfer(ctx, op, x):
+    # point-to-point stage transfer src[i] -> dst[i] (group ranks); zeros on non-destinations
+    from ..ops import STAGE_TRANSFER, stage_transfer
+
+    pg, n = _pg(ctx, op), ctx.group_size[op["group"]]
+    if ctx.joint:
+        return [stage_transfer(x, op["src"], op["dst"], pg)]
+    return [_W(STAGE_TRANSFER(x, op["src"], op["dst"], n, pg.group_name))]
+
+
 OPS: dict[str, OpDef] = {
     "unary": OpDef(_unary),
     "binary": OpDef(_binary),
@@ -398,6 +434,9 @@ OPS: dict[str, OpDef] = {
     "all_reduce_coalesced_inplace": OpDef(_all_reduce_coalesced_inplace, collective=True),
     "broadcast_inplace": OpDef(_broadcast_inplace, collective=True),
     "p2p": OpDef(_p2p, collective=True, rank_dependent=True),
+    # input sizes along dim differ per rank (its row of the piece matrix): one graph per rank
+    "m2ms": OpDef(_m2ms, collective=True, rank_dependent=True),
+    "stage_transfer": OpDef(_stage_transfer, collective=True),
 }
 
 
@@ -557,6 +596,26 @@ def _shape_rule(program: Program, op: dict, ins: list[tuple]) -> list[tuple]:
         s[op["split_dim"]] //= n
         s[op["concat_dim"]] *= n
         return [tuple(s)]
+    if name == "m2ms":
+        S, src, dst, d = op["splits"], op["src"], op["dst"], op["dim"]
+        if len(S) != len(src) or any(len(r) != len(dst) for r in S) or any(v < 0 for r in S for v in r) \
+                or any(not 0 <= g < n for g in (*src, *dst)) or len(set(src)) != len(src) \
+                or len(set(dst)) != len(dst):
+            raise ValueError(f"m2ms: inconsistent src {src} / dst {dst} / splits {S} for a group of {n}")
+        s = list(ins[0])
+        if not -len(s) <= d < len(s) or max(sum(r) for r in S) > s[d]:
+            raise ValueError(f"m2ms: rows {S} do not fit dim {d} of {ins[0]}")
+        cols = max(sum(r[j] for r in S) for j in range(len(dst)))
+        if op["pad"] < cols:
+            raise ValueError(f"m2ms: pad {op['pad']} below the largest column sum {cols}")
+        s[d] = op["pad"]
+        return [tuple(s)]
+    if name == "stage_transfer":
+        src, dst = op["src"], op["dst"]
+        if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst) \
+                or any(not 0 <= g < n for g in (*src, *dst)):
+            raise ValueError(f"stage_transfer: bad pairs {src} -> {dst} for a group of {n}")
+        return list(ins)
     if name == "all_to_all_uneven":
         S = op["splits"]
         rows = sum(S[0]) if op.get("inverse") else sum(row[0] for row in S)

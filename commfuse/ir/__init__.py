@@ -5,6 +5,10 @@ from .dims import DimType, DimTypeAnalysis, NodeDims, OpCategory
 from .graph_ir import CollectiveIR, IRBuildOptions
 from .kinds import CollectiveKind, CollectiveOpSpec, collective_spec, is_wait, register_collective_op
 
+# commfuse's boundary ops (commfuse::m2ms, commfuse::stage_transfer): imported last, it defines the
+# ops (commfuse.ops) and registers them with the table above
+from . import boundary  # noqa: E402,F401
+
 __all__ = [
     "Collective", "CollectiveIR", "CollectiveKind", "CollectiveOpSpec", "DimType", "DimTypeAnalysis",
     "GroupInfo", "IRBuildOptions", "NodeDims", "OpCategory", "ParallelRole", "collective_spec",

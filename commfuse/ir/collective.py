@@ -62,6 +62,7 @@ class Collective:
     wire_bytes: Size | None  # bytes each rank sends under ring conventions
     coalesced: bool = False
     inplace: bool = False
+    synchronous: bool = False  # completes inside the op (no wait; `waits` is empty): CollectiveOpSpec
     logical_dim: int | None = None  # gather dim (AG), scatter dim (RS), split dim (A2A)
     logical_concat_dim: int | None = None  # A2A only: dim the received pieces are concatenated on
     logical_input: fx.Node | None = None
@@ -77,10 +78,13 @@ class Collective:
 
     def signature(self) -> tuple:
         """What must match across ranks for the collective sequences to agree."""
+        # Ops whose input shapes legitimately differ between ranks (commfuse::m2ms: a rank's
+        # input is its row of the piece matrix) give a rank-independent stand-in (ir/boundary.py).
+        shapes = self.extra.get("signature_shapes")
         return (
             self.kind.value,
             self.group.name,
             self.reduce_op,
             str(self.dtype),
-            tuple(str(s) for s in self.input_shapes),
+            shapes if shapes is not None else tuple(str(s) for s in self.input_shapes),
         )

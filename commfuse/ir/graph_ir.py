@@ -150,10 +150,13 @@ class CollectiveIR:
             wire_bytes=volume.wire_bytes(spec.kind, group.size, in_bytes, out_bytes, send_bytes=send_bytes),
             coalesced=spec.coalesced,
             inplace=spec.inplace,
+            synchronous=spec.synchronous,
         )
         if spec.kind is CollectiveKind.ALL_TO_ALL:
             c.extra["equal_splits"] = args.input_split_sizes is None or len(set(map(str, args.input_split_sizes))) <= 1
         self._logical_layout(c)
+        if spec.refine is not None:
+            spec.refine(c)
         self._role(c)
         return c
 
@@ -162,6 +165,8 @@ class CollectiveIR:
                                         CollectiveKind.ALL_TO_ALL) else None
         c.logical_input = c.inputs[0] if len(c.inputs) == 1 else None
         c.logical_output = c.waits[0] if len(c.waits) == 1 and not c.coalesced else None
+        if c.synchronous:  # no wait: the op's own value is the result
+            c.logical_output = c.start
         n = c.group.size
         if c.coalesced or not c.inputs:
             return

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -30,6 +30,10 @@ class CollectiveKind(str, enum.Enum):
     # rooted reduce (commfuse::reduce_to_root, commfuse/lowering/rooted.py): Centauri's
     # "reduces of distinct roots" substitute of reduce_scatter
     REDUCE = "reduce"
+    # point-to-point stage transfer (commfuse::stage_transfer, commfuse/ops): pairs src[i] -> dst[i]
+    # of one group, Chimera Table 1's "P2P" (a pipeline boundary); M2MS above is commfuse::m2ms.
+    # Both are registered by commfuse/ir/boundary.py.
+    P2P = "p2p"
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,12 @@ class CollectiveOpSpec:
     parse: Callable[[tuple, dict], CollectiveArgs]
     coalesced: bool = False  # returns a list of tensors, each waited separately
     inplace: bool = False  # mutates its input (all_reduce_, broadcast_)
+    # Op-specific completion of the IR record after the generic builder (rank-dependent shapes
+    # and bytes, logical dims, the hashed signature): commfuse's boundary ops (ir/boundary.py).
+    refine: Optional[Callable[[Any], None]] = None
+    # Completes inside its kernel (issues and waits): no wait_tensor follows; the op's value is
+    # the result (autograd variants of commfuse's boundary ops, like moe_layer's exchanges).
+    synchronous: bool = False
 
 
 def _kw(args: tuple, kwargs: dict, idx: int, name: str) -> Any:

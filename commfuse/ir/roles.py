@@ -4,6 +4,8 @@ Inference is a best effort from graph structure alone (every rank sees the same
 graph, so every rank infers the same role). Rules, first match wins:
 
 * all_to_all -> EP; send/recv/batch_p2p -> PP
+* commfuse's boundary ops (ir/boundary.py): stage_transfer (p2p) -> PP; m2ms between disjoint
+  rank sets (a stage boundary) -> PP, m2ms with src == dst (an uneven all-to-all) -> EP
 * all_gather / reduce_scatter along a non-zero logical dim (sequence) -> SP
 * all_gather whose input is a graph input (a parameter shard) -> FSDP
 * reduce_scatter / all_reduce whose input depends on a tangent (backward region) and whose
@@ -49,8 +51,15 @@ def infer_role(c: Collective, *, in_backward: bool) -> ParallelRole:
     K = CollectiveKind
     if c.kind is K.ALL_TO_ALL:
         return ParallelRole.EP
-    if c.kind in (K.SEND, K.RECV, K.BATCH_P2P):
+    if c.kind in (K.SEND, K.RECV, K.BATCH_P2P, K.P2P):
         return ParallelRole.PP
+    if c.kind is K.M2MS:
+        t = c.extra.get("boundary")
+        if t is None:
+            return ParallelRole.UNKNOWN
+        if not set(t.src) & set(t.dst):
+            return ParallelRole.PP
+        return ParallelRole.EP if sorted(t.src) == sorted(t.dst) else ParallelRole.UNKNOWN
     # A sequence-dim gather/scatter is SP in forward and backward alike; checked first
     # because SP's backward collectives also sit in the gradient region.
     if c.kind in (K.ALL_GATHER, K.REDUCE_SCATTER) and (c.logical_dim or 0) != 0:

@@ -62,6 +62,12 @@ def verify_graph(gm: fx.GraphModule, *, ir: CollectiveIR | None = None, deep: bo
 
 
 def _check_waits(c, problems: list[str]) -> None:
+    if c.synchronous:  # completes inside the op (e.g. commfuse::m2ms_autograd): must not be waited
+        waits = [u for u in c.start.users if u.op == "call_function" and is_wait(u.target)]
+        if waits:
+            problems.append(f"{c.name}: synchronous {c.kind.value} op is waited by {waits[0].name} "
+                            f"(it has no work to wait for)")
+        return
     outputs = [g for g in c.start.users] if c.coalesced else [c.start]
     order = {n: i for i, n in enumerate(c.start.graph.nodes)} if c.inplace else {}
     for out in outputs:

@@ -5,7 +5,8 @@
 
 See :mod:`.interpreter` (execution model), :mod:`.semantics` (what each collective
 computes; :func:`register_semantics` for new kinds, :func:`register_sync_op` for ops that
-communicate inside their kernel), :mod:`.moe_semantics` (``commfuse::moe_layer``) and
+communicate inside their kernel), :mod:`.moe_semantics` (``commfuse::moe_layer``),
+:mod:`.boundary` (commfuse's boundary ops ``m2ms`` / ``stage_transfer``) and
 :mod:`.groups` (group names -> ranks). docs/reliability.md describes how the pass fuzzer uses it.
 """
 
@@ -19,6 +20,7 @@ from .errors import (
 )
 from .groups import GroupSpec, GroupTable, groups_from_process_groups
 from .interpreter import ReferenceInterpreter, run_reference
+from . import boundary as _boundary  # noqa: F401,E402  (semantics of commfuse::m2ms / stage_transfer)
 from .semantics import (
     P2PPlan,
     RankCall,

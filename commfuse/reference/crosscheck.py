@@ -10,7 +10,8 @@ traced graphs use), over the world and two sub-group partitions of a 4-rank worl
 * ``ctx["blocked"]``: this rank's block of [[0, 1], [2, 3]].
 
 :data:`CASES` are the collectives; :data:`MOE_CASES` run ``commfuse::moe_layer`` and its
-backward (group-synchronous ops: their all_to_alls run inside the op) on those groups.
+backward (group-synchronous ops: their all_to_alls run inside the op) on those groups;
+:data:`BOUNDARY_CASES` run commfuse's boundary ops ``m2ms`` and ``stage_transfer``.
 
 :func:`gloo_job` runs a case eagerly inside an initialised process group (one rank of a
 gloo :class:`~commfuse.testing.RankPool`); :func:`trace_case` traces it with ``make_fx``
@@ -60,7 +61,9 @@ def _name(pg) -> str:
 
 
 def _case(case: str) -> "Case":
-    return CASES[case] if case in CASES else MOE_CASES[case]
+    if case in CASES:
+        return CASES[case]
+    return MOE_CASES[case] if case in MOE_CASES else BOUNDARY_CASES[case]
 
 
 def _inputs(case: str, rank: int, seed: int) -> list[torch.Tensor]:
@@ -338,6 +341,128 @@ MOE_CASES: dict[str, Case] = {
                                                       scale=2.0),
     "moe_joint_capacity_top2_world": _moe_case("world", 2, 1.0, 4, 1, 8, mode="joint"),
     "moe_joint_dropless_top1_strided": _moe_case("strided", 1, 0.0, 1, 2, 6, mode="joint"),
+}
+
+
+# --------------------------------------------------------------------------- boundary ops
+# commfuse's boundary ops (commfuse.ops; reference semantics in reference/boundary.py): m2ms with
+# overlapping / disjoint / equal rank sets, zero pieces, negative and non-zero dims, on the world
+# and on sub-groups; stage_transfer with chains (a rank that sends and receives), self pairs and
+# sub-groups; the async ops (+ wait_tensor) and the differentiable wrappers (autograd variants,
+# forward and gradients). m2ms inputs are their row of the piece matrix long: one graph per rank.
+M2MS_OVERLAP = ([0, 2], [1, 2, 3], [[1, 2, 0], [3, 0, 1]])  # src, dst, splits: ranks 2 in both
+M2MS_DISJOINT = ([0, 1], [2, 3], [[2, 1], [0, 3]])  # a stage boundary: stage {0,1} -> stage {2,3}
+M2MS_EQUAL = ([0, 1, 2, 3], [3, 1, 0, 2], [[1, 0, 2, 1], [0, 0, 0, 3], [2, 1, 1, 0], [1, 2, 0, 0]])
+M2MS_SUB = ([1], [0, 1], [[2, 3]])  # on the strided sub-groups: group rank 1 scatters to both
+
+
+def _row_len(spec: tuple, group_rank: int) -> int:
+    src, _dst, splits = spec
+    return sum(splits[src.index(group_rank)]) if group_rank in src else 0
+
+
+def _m2ms_shapes(spec: tuple, dim: int, other: tuple[int, ...], group_rank=lambda r: r) -> Callable:
+    def shapes(rank: int) -> list[tuple[int, ...]]:
+        s = list(other)
+        s.insert(dim if dim >= 0 else len(s) + dim + 1, _row_len(spec, group_rank(rank)))
+        return [tuple(s)]
+
+    return shapes
+
+
+def _flat(splits: list[list[int]]) -> list[int]:
+    return [v for row in splits for v in row]
+
+
+def m2ms_overlap_dim1(ctx, rank, x):
+    from ..ops import M2MS
+
+    src, dst, splits = M2MS_OVERLAP
+    return W(M2MS(x, 1, _flat(splits), src, dst, WORLD_SIZE, _name(ctx["world"]))) + 0
+
+
+def m2ms_disjoint_dim0(ctx, rank, x):
+    from ..ops import M2MS
+
+    src, dst, splits = M2MS_DISJOINT
+    return W(M2MS(x, 0, _flat(splits), src, dst, WORLD_SIZE, _name(ctx["world"]))) * 1
+
+
+def m2ms_equal_negdim(ctx, rank, x):
+    from ..ops import m2ms
+
+    src, dst, splits = M2MS_EQUAL
+    return m2ms(x, -1, splits, src, dst, ctx["world"]) * 1
+
+
+def m2ms_subgroup(ctx, rank, x):
+    from ..ops import m2ms
+
+    src, dst, splits = M2MS_SUB
+    return m2ms(x, 0, splits, src, dst, ctx["strided"]) + 0
+
+
+def m2ms_joint(ctx, rank, x, up):
+    # differentiable wrapper (commfuse::m2ms_autograd): forward and the reverse-scatter gradient
+    from ..ops import m2ms
+
+    src, dst, splits = M2MS_OVERLAP
+    xx = x.detach().requires_grad_()
+    y = m2ms(xx, 1, splits, src, dst, ctx["world"])
+    loss = (y * torch.tanh(y)).sum() + (up * xx).sum()
+    return [y, *torch.autograd.grad(loss, [xx])]
+
+
+def stage_transfer_chain(ctx, rank, x):
+    # 0 -> 1 -> 2 (rank 1 sends and receives), 3 -> 3 (a local copy); nothing reaches 0
+    from ..ops import STAGE_TRANSFER
+
+    return W(STAGE_TRANSFER(x, [0, 1, 3], [1, 2, 3], WORLD_SIZE, _name(ctx["world"]))) + 0
+
+
+def stage_transfer_subgroup(ctx, rank, x):
+    from ..ops import stage_transfer
+
+    return stage_transfer(x * 2, [0], [1], ctx["blocked"]) + 0
+
+
+def stage_transfer_joint(ctx, rank, x):
+    from ..ops import stage_transfer
+
+    xx = x.detach().requires_grad_()
+    y = stage_transfer(xx, [0, 1], [2, 3], ctx["world"])
+    return [y, *torch.autograd.grad((y * y).sum(), [xx])]
+
+
+def boundary_mixed(ctx, rank, x, w):
+    # a stage boundary inside a program: compute, m2ms to the next stage, compute, all_reduce
+    from ..ops import M2MS, STAGE_TRANSFER
+
+    src, dst, splits = M2MS_DISJOINT
+    h = torch.relu(x @ w)
+    y = W(M2MS(h, 0, _flat(splits), src, dst, WORLD_SIZE, _name(ctx["world"])))
+    z = W(STAGE_TRANSFER(torch.tanh(w), [2, 3], [0, 1], WORLD_SIZE, _name(ctx["world"])))
+    r = funcol.all_reduce(y.sum(0, keepdim=True), "max", ctx["world"])
+    return [y * 1, z * 1, r * 1]
+
+
+def _strided_rank(r: int) -> int:
+    return PARTITIONS["strided"][r % 2].index(r)
+
+
+BOUNDARY_CASES: dict[str, Case] = {
+    "m2ms_overlap_dim1": Case(m2ms_overlap_dim1, _m2ms_shapes(M2MS_OVERLAP, 1, (2, 5)), exact=True, per_rank=True),
+    "m2ms_disjoint_dim0": Case(m2ms_disjoint_dim0, _m2ms_shapes(M2MS_DISJOINT, 0, (3,)), exact=True, per_rank=True),
+    "m2ms_equal_negdim": Case(m2ms_equal_negdim, _m2ms_shapes(M2MS_EQUAL, -1, (2, 3)), exact=True, per_rank=True),
+    "m2ms_subgroup": Case(m2ms_subgroup, _m2ms_shapes(M2MS_SUB, 0, (4,), _strided_rank), exact=True,
+                          per_rank=True),
+    "m2ms_joint": Case(m2ms_joint, lambda r: [*_m2ms_shapes(M2MS_OVERLAP, 1, (2, 5))(r)] * 2, exact=False,
+                       per_rank=True),
+    "stage_transfer_chain": Case(stage_transfer_chain, [(2, 3)], exact=True),
+    "stage_transfer_subgroup": Case(stage_transfer_subgroup, [(3,)], exact=True),
+    "stage_transfer_joint": Case(stage_transfer_joint, [(2, 3)], exact=True),
+    "boundary_mixed": Case(boundary_mixed, lambda r: [(_row_len(M2MS_DISJOINT, r), 4), (4, 4)], exact=False,
+                           per_rank=True),
 }
 
 

@@ -443,7 +443,7 @@ class ReferenceInterpreter:
             buf.copy_(msg)
             got.append(buf)
         res = plan.finish(got)
-        if plan.sends:
+        if plan.sends and not plan.copies_input:
             _watch(st, call, res, _sent_tensors(call))
         st.env[st.pc] = res
         st.pc += 1

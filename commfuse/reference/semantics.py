@@ -25,7 +25,8 @@ fresh tensors (never one rank's input, never a tensor shared between ranks).
 
 Reductions are computed in the tensor's dtype, in group-rank order
 (``((x0 + x1) + x2) + ...``), one rounding per step like a chain of hops; ``avg`` is
-that sum divided by the group size. The order is canonical, so rewrites that only
+that sum divided by the group size; ``max``/``min`` of ``+0.0`` and ``-0.0`` follow IEEE
+754-2019 (``+0 > -0``), not the kernel path torch happens to take. The order is canonical, so rewrites that only
 regroup a reduction (all_reduce → reduce_scatter + all_gather, bucketing) give
 bitwise-identical results on the reference.
 
@@ -88,6 +89,9 @@ class P2PPlan:
     recvs: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (peer, tag, buffer)
     # received tensors (in `recvs` order, already copied into their buffers) -> the op's result
     finish: Callable[[list[torch.Tensor]], Any] = lambda got: None
+    # The op copies what it sends when it is issued (commfuse's boundary ops), so changing its
+    # input before the wait is no race: the interpreter does not watch it.
+    copies_input: bool = False
 
 
 GroupSemantics = Callable[[list[RankCall]], list[Any]]
@@ -267,10 +271,10 @@ def reduce_tensors(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
             acc.mul_(t)
     elif op == "max":
         for t in rest:
-            acc = torch.maximum(acc, t)
+            acc = _ieee_extremum(acc, t, largest=True)
     elif op == "min":
         for t in rest:
-            acc = torch.minimum(acc, t)
+            acc = _ieee_extremum(acc, t, largest=False)
     elif op in ("band", "bor", "bxor"):
         f = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op]
         for t in rest:
@@ -279,6 +283,24 @@ def reduce_tensors(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
         raise UnknownCollectiveError(f"reduce op {op!r} has no reference semantics "
                                      f"(known: sum, avg, product, max, min, band, bor, bxor)")
     return acc
+
+
+def _ieee_extremum(a: torch.Tensor, b: torch.Tensor, *, largest: bool) -> torch.Tensor:
+    """``torch.maximum`` / ``torch.minimum`` with the sign of a zero result fixed.
+
+    For ``+0.0`` against ``-0.0`` (equal values) torch returns either operand depending on the
+    kernel path, i.e. on the memory layout and the element's position (vectorised body or
+    scalar tail): a rewrite that only re-slices a max-reduction would change the sign of zeros.
+    The reference takes IEEE 754-2019 ``maximum``/``minimum``: ``+0 > -0``. For two zeros
+    ``a + b`` is exactly that maximum (``+0 + -0 = +0``), ``-((-a) + (-b))`` that minimum."""
+    m = torch.maximum(a, b) if largest else torch.minimum(a, b)
+    if not m.is_floating_point():
+        return m
+    zeros = (a == 0) & (b == 0)
+    if not bool(zeros.any()):
+        return m
+    z = a + b if largest else -((-a) + (-b))
+    return torch.where(zeros, z, m)
 
 
 def _fresh(t: torch.Tensor, n: int) -> list[torch.Tensor]:
