@@ -82,3 +82,24 @@ def recorder_sees_overlap() -> dict[str, Any]:
     compute = [r for r in rec.regions if r.kind == "compute"]
     during = [r for r in compute if r.begin_ns < c.end_ns and r.end_ns > c.issued_ns]
     return {"summary": s, "compute_regions_during": len(during), "kind": c.kind}
+
+
+def _boundary_ops(x: torch.Tensor) -> torch.Tensor:
+    """A synchronous (autograd-variant) m2ms between an async all_reduce and its use."""
+    from commfuse.ops import M2MS_AUTOGRAD
+
+    g = dist.group.WORLD
+    a = funcol.all_reduce(x, "sum", g)
+    m = M2MS_AUTOGRAD(x * 3, 0, [1, 1, 1, 1], [0, 1], [0, 1], 2, g.group_name)  # all_to_all of rows
+    return a + m
+
+
+def synchronous_ops_leave_nothing_pending() -> dict[str, Any]:
+    x = torch.arange(2.0) + 10 * dist.get_rank()
+    gm = make_fx(_boundary_ops)(x)
+    from commfuse.lowering.plan import build_plan
+    from commfuse.lowering.runtime import lower_graph
+
+    lowered = lower_graph(gm, build_plan(gm, "forward"))
+    outs = [lowered(x) for _ in range(3)]
+    return {"pending": len(lowered.state.pending), "out": outs[-1].tolist(), "eager": _boundary_ops(x).tolist()}

@@ -18,7 +18,8 @@ from commfuse.lowering.streams import stream_program
 from commfuse.testing.fake_pg import fake_process_group
 
 from _graphs import prefetch_graph
-from _jobs_lowering import POOL_ALIAS, lowered_matches_functional, recorder_sees_overlap
+from _jobs_lowering import (POOL_ALIAS, lowered_matches_functional, recorder_sees_overlap,
+                            synchronous_ops_leave_nothing_pending)
 
 
 @pytest.fixture
@@ -158,6 +159,15 @@ def test_every_issuer_matches_functional_collectives(rank_pool_4):
         assert r["issue_groups"][0] == POOL_ALIAS and len(set(r["issue_groups"][1:])) == 1
         assert r["recorded"][0] == ("all_reduce", POOL_ALIAS)
         assert len(r["recorded"]) == len(r["issue_groups"]) and r["completed"]
+
+
+@pytest.mark.multirank
+def test_synchronous_boundary_op_is_not_kept_pending(rank_pool_2):
+    """The autograd variants of commfuse's boundary ops wait inside the op (no wait node):
+    the runtime must not keep their outputs in its pending table step after step."""
+    for r in rank_pool_2.run(synchronous_ops_leave_nothing_pending, timeout=120):
+        assert r["pending"] == 0
+        assert r["out"] == r["eager"]
 
 
 @pytest.mark.multirank

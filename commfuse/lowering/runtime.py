@@ -74,6 +74,9 @@ class RuntimeState:
 def _make_issuer(state: RuntimeState, planned: PlannedCollective, target: Any) -> Callable[..., Any]:
     native = c10d_issue.has_issuer(target)
     coalesced = bool(getattr(collective_spec(target), "coalesced", False))
+    # Synchronous collectives (the autograd variants of commfuse's boundary ops) wait inside
+    # the op and have no wait node: keeping them pending would hold their outputs forever.
+    synchronous = bool(getattr(collective_spec(target), "synchronous", False))
 
     def issue(*args: Any, **kwargs: Any) -> Any:
         rec = rec_mod.active()
@@ -90,9 +93,10 @@ def _make_issuer(state: RuntimeState, planned: PlannedCollective, target: Any) -
                 planned.logged_bytes, issued.sent_bytes, issued.received_bytes, t0)
             rec.collective(record, issued.works)
             rec.call_end(state.label)
-        p = _Pending(planned, issued, record)
-        for t in issued.outputs:
-            state.pending[id(t)] = p
+        if not synchronous:
+            p = _Pending(planned, issued, record)
+            for t in issued.outputs:
+                state.pending[id(t)] = p
         return list(issued.outputs) if coalesced else issued.outputs[0]
 
     issue.__name__ = issue.__qualname__ = f"commfuse_issue_{planned.index}"
