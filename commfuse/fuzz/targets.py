@@ -207,3 +207,15 @@ FUZZ_NOTES["moe_recognition"] = (
     "compared with eager in one process (test_random_variants_match_eager), both styles on 4 gloo ranks "
     "(outputs and gradients, fp32 and bf16), the TP/SP+EP block after chimera, and every refusal case. "
     "The op it emits is fuzzed through the moe_layer family (collective_motion, chimera).")
+
+# Boundary fusion rewrites the FORWARD graph of commfuse.pipeline (autograd-level
+# commfuse::stage_transfer_autograd between the stage groups of a pipeline layout, every stage traced
+# per position), before the joint graph exists; the fuzzer generates ATen graphs of functional
+# collectives on its own groups, where the pass finds no pipeline boundary and returns unchanged.
+FUZZ_NOTES["boundary_fusion"] = (
+    "runs on commfuse.pipeline forward graphs (stage_transfer_autograd between pipeline stage groups, traced per "
+    "position), which the fuzzer's ATen programs never contain, so a registration would check nothing. Covered "
+    "instead by tests/test_boundary_fusion.py: randomised cases per rule (shapes, gather dims 0-2, views after the "
+    "collective, other users of the received shard, residual orders, 1-3 micro-batches, GPipe/1F1B) fused vs "
+    "unfused on 4 gloo ranks (test_random_boundary_cases_match_unfused), every workload at 2 and 3 micro-batches "
+    "with both schedules, the byte formulas, and every refusal.")

@@ -59,3 +59,4 @@ def _load_builtin() -> None:
     from . import bucket_collectives  # noqa: F401
     from . import lagom_tune  # noqa: F401
     from . import gloo_reduce_scatter  # noqa: F401
+    from . import boundary_fusion  # noqa: F401  (pipeline forward graphs; opt-in, see docs/boundary-fusion.md)
