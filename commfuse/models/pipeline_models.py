@@ -112,8 +112,8 @@ def shard_of(full: torch.Tensor, dim: Optional[int], n: int, position: int) -> t
     return full.chunk(n, dim)[position]
 
 
-class SPBlock(ShardedBlock):
-    """``x + rs(seq)(silu(ag(seq)(norm(x)) @ w1) @ w2)`` on sequence shards (module docstring)."""
+class _MLPBlock(ShardedBlock):
+    """The weights SP and TP blocks share: a norm weight (replicated) and a column-/row-parallel MLP."""
 
     SHARD_DIMS = {"norm_weight": None, "w1": 1, "w2": 0}
 
@@ -122,6 +122,10 @@ class SPBlock(ShardedBlock):
         self.norm_weight = nn.Parameter(torch.empty(dim))
         self.w1 = nn.Parameter(torch.empty(dim, ffn_dim))
         self.w2 = nn.Parameter(torch.empty(ffn_dim, dim))
+
+
+class SPBlock(_MLPBlock):
+    """``x + rs(seq)(silu(ag(seq)(norm(x)) @ w1) @ w2)`` on sequence shards (module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.group
@@ -131,16 +135,8 @@ class SPBlock(ShardedBlock):
         return x + reduce_scatter(h, 1, g)
 
 
-class TPBlock(ShardedBlock):
+class TPBlock(_MLPBlock):
     """``x + g(silu(f(norm(x)) @ w1) @ w2)`` on replicated activations (module docstring)."""
-
-    SHARD_DIMS = {"norm_weight": None, "w1": 1, "w2": 0}
-
-    def __init__(self, dim: int, ffn_dim: int) -> None:
-        super().__init__()
-        self.norm_weight = nn.Parameter(torch.empty(dim))
-        self.w1 = nn.Parameter(torch.empty(dim, ffn_dim))
-        self.w2 = nn.Parameter(torch.empty(ffn_dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.group

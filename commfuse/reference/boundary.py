@@ -50,16 +50,22 @@ def _reject(call: RankCall, e: Exception) -> CollectiveMismatchError:
     return CollectiveMismatchError(f"{call.where()}: {e}")
 
 
-def m2ms(call: RankCall) -> P2PPlan:
-    from ..ops import parse_m2ms
-
+def _parsed(call: RankCall, parse):
+    """The op's arguments, checked against the group the interpreter resolved."""
     try:
-        p = parse_m2ms(call.raw_args, call.raw_kwargs)
+        p = parse(call.raw_args, call.raw_kwargs)
     except (ValueError, KeyError, IndexError) as e:
         raise _reject(call, e) from e
     if p.group_size != len(call.group):
         raise CollectiveMismatchError(f"{call.where()}: the op says group_size {p.group_size} but group "
                                       f"{call.group_name!r} has {len(call.group)} ranks {list(call.group)}")
+    return p
+
+
+def m2ms(call: RankCall) -> P2PPlan:
+    from ..ops import parse_m2ms
+
+    p = _parsed(call, parse_m2ms)
     x: torch.Tensor = p.x
     g, d = call.group_rank, p.dim
     row, col = p.row(g), p.column(g)
@@ -102,13 +108,7 @@ def m2ms(call: RankCall) -> P2PPlan:
 def stage_transfer(call: RankCall) -> P2PPlan:
     from ..ops import parse_stage_transfer
 
-    try:
-        p = parse_stage_transfer(call.raw_args, call.raw_kwargs)
-    except (ValueError, KeyError, IndexError) as e:
-        raise _reject(call, e) from e
-    if p.group_size != len(call.group):
-        raise CollectiveMismatchError(f"{call.where()}: the op says group_size {p.group_size} but group "
-                                      f"{call.group_name!r} has {len(call.group)} ranks {list(call.group)}")
+    p = _parsed(call, parse_stage_transfer)
     x: torch.Tensor = p.x
     g = call.group_rank
     plan = P2PPlan(copies_input=True)
