@@ -12,11 +12,12 @@ def main(argv: list[str] | None = None) -> int:
                 "report": "static HTML report of a dump dir (graphs, volume, decisions, timelines)",
                 "volume": "communication volume before/after commfuse from a dump dir",
                 "validate": "recorded collectives (RECORD_DIR) vs the lowering plans (DUMP_DIR)",
-                "align": "align NCCL logs with kernel traces, write an enriched Chrome trace"}
+                "align": "align NCCL logs with kernel traces, write an enriched Chrome trace",
+                "profile-overlap": "measure DHelix overlap factors (Eq. 1) here and write an OEF profile"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: python -m commfuse <command> [options]\n\ncommands:")
         for name, text in commands.items():
-            print(f"  {name:<10}{text}")
+            print(f"  {name:<17}{text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "demo":
         from .demo import demo
@@ -34,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         from .trace.cli import main as align_main
 
         return align_main(argv[1:])
+    if argv[0] == "profile-overlap":
+        from .dhelix.profile import main as profile_overlap_main
+
+        return profile_overlap_main(argv[1:])
     return 2
 
 
