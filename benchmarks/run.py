@@ -190,6 +190,8 @@ _REPORTS = {
     # counted (bytes, one process) and measured (step time, 4 gloo ranks): pipeline boundary fusion (issue 10)
     "boundary_volume": ("benchmarks.boundary_volume", "run_boundary_volume", "boundary_volume_tables",
                         "boundary_volume"),
+    # predicted, assumed (not measured) overlap factors: DHelix strand interleaving of a TP=8 Llama layer (issue 11)
+    "dhelix_report": ("benchmarks.dhelix_report", "run_dhelix_report", "dhelix_tables", "dhelix"),
 }
 
 
@@ -227,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--alignment-f1", action="store_true",
                     help="only the NCCL log / kernel trace alignment F1 per scenario and example model, next to "
                          "the NCCL-trace thesis's numbers (synthesised from recorded sequences)")
+    ap.add_argument("--dhelix-report", action="store_true",
+                    help="only DHelix strand interleaving on a TP=8 Llama layer: sequential vs Eq. 2 plan time on "
+                         "DGX-A100 and A40-PCIe (predicted, illustrative OEF) next to the paper's gains")
     args = ap.parse_args(argv)
 
     for flag, (module, run, tables, key) in _REPORTS.items():

@@ -15,7 +15,8 @@ Contract
   findings (Sec. 3.2, Fig. 4): compute-compute overlaps poorly, compute-communication well,
   intra-node with inter-node communication well, each communication kind with itself
   poorly. They are not measurements; real use profiles them per hardware (10-30 min in
-  the paper) — commfuse has no profiler for this yet.
+  the paper): ``python -m commfuse profile-overlap`` measures them here
+  (:mod:`commfuse.dhelix.profile`).
 - :func:`overlap_table` builds the (N_f+1) x (N_b+1) table of Eq. 2: ``P[i][j]`` for
   i, j >= 1 is the co-run time of forward segment i (strand beta) beside backward segment
   j (strand alpha), ``P[i][0]``/``P[0][j]`` the solo times, ``P[0][0] = 0``.
