@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # Runnable as a script from a checkout: make `benchmarks` and `commfuse` importable
 # (the rank pool copies sys.path into its workers).
@@ -171,27 +171,65 @@ def run_suite(suite: Suite, json_path: Path | None, *, scaling: bool = True) -> 
     return doc
 
 
-# The single reports (predicted unless marked): argparse flag -> (module, run function, table function, JSON key).
+class SingleReport(NamedTuple):
+    """One report the runner prints instead of the suite: its module, run and table functions,
+    the JSON key it is stored under, and its flag's help."""
+
+    module: str
+    run: str
+    tables: str
+    key: str
+    help: str
+
+
+# The single reports (predicted unless marked): argparse flag (--name-with-dashes) -> report.
 _REPORTS = {
-    "overlap_vs_inductor": ("benchmarks.overlap_vs_inductor", "run_overlap_vs_inductor", "overlap_tables",
-                            "overlap_vs_inductor"),
-    "schedule_report": ("benchmarks.schedule_report", "run_schedule_report", "schedule_tables", "schedule"),
-    "partition_report": ("benchmarks.partition_report", "run_partition_report", "partition_tables", "partition"),
-    "lagom_report": ("benchmarks.lagom_report", "run_lagom_report", "lagom_tables", "lagom"),
+    "overlap_vs_inductor": SingleReport("benchmarks.overlap_vs_inductor", "run_overlap_vs_inductor",
+                        "overlap_tables", "overlap_vs_inductor",
+        "only commfuse's scheduling vs Inductor's overlap scheduler on TP+SP, SimpleFSDP and MoE "
+        "blocks (DGX-H100 x2, same estimates, predicted)"),
+    "schedule_report": SingleReport("benchmarks.schedule_report", "run_schedule_report",
+                        "schedule_tables", "schedule",
+        "only the overlap scheduler report (SimpleFSDP Llama layer, DGX-H100 x2, predicted; and "
+        "its compile time on 32 layers)"),
+    "partition_report": SingleReport("benchmarks.partition_report", "run_partition_report",
+                        "partition_tables", "partition",
+        "only the Centauri partition search report (SimpleFSDP Llama layer, DGX-H100 x2, "
+        "predicted)"),
+    "lagom_report": SingleReport("benchmarks.lagom_report", "run_lagom_report",
+                        "lagom_tables", "lagom",
+        "only Lagom's per-collective communicator settings on the TP+SP, SimpleFSDP and MoE "
+        "blocks (DGX-H100 x2, predicted: makespan default NCCL vs Lagom, evaluations, "
+        "communicator memory)"),
     # measured, not predicted: gloo ranks on this machine
-    "lowering_overlap": ("benchmarks.lowering_overlap", "run_lowering_overlap", "lowering_overlap_tables",
-                         "lowering_overlap"),
-    "gloo_reduce_scatter": ("benchmarks.gloo_reduce_scatter", "run_gloo_reduce_scatter",
-                            "gloo_reduce_scatter_tables", "gloo_reduce_scatter"),
+    "lowering_overlap": SingleReport("benchmarks.lowering_overlap", "run_lowering_overlap",
+                        "lowering_overlap_tables", "lowering_overlap",
+        "only the lowering report: measured step time (median, IQR) and measured overlap of "
+        "commfuse's runtime vs Inductor default / with comm passes, 2 gloo ranks"),
+    "gloo_reduce_scatter": SingleReport("benchmarks.gloo_reduce_scatter", "run_gloo_reduce_scatter",
+                        "gloo_reduce_scatter_tables", "gloo_reduce_scatter",
+        "only gloo reduce_scatter vs all_to_all + local sum on 2 and 4 gloo ranks (measured, with "
+        "the gloo_reduce_scatter pass's predicted decision per size)"),
     # counted, not timed: the IR's byte counts of the compiled example programs (fake process group)
-    "volume_report": ("benchmarks.volume_report", "run_volume_report", "volume_tables", "volume"),
+    "volume_report": SingleReport("benchmarks.volume_report", "run_volume_report",
+                        "volume_tables", "volume",
+        "only the volume report of every example workload: bytes per rank before/after commfuse "
+        "by kind, role and direction, Table 1 formula checks, pass reasons (fake process group)"),
     # synthesised from recorded sequences, not timed: NCCL log / kernel trace alignment F1 (issue 12)
-    "alignment_f1": ("benchmarks.alignment_f1", "run_alignment_f1", "alignment_f1_tables", "alignment_f1"),
+    "alignment_f1": SingleReport("benchmarks.alignment_f1", "run_alignment_f1",
+                        "alignment_f1_tables", "alignment_f1",
+        "only the NCCL log / kernel trace alignment F1 per scenario and example model, next to "
+        "the NCCL-trace thesis's numbers (synthesised from recorded sequences)"),
     # counted (bytes, one process) and measured (step time, 4 gloo ranks): pipeline boundary fusion (issue 10)
-    "boundary_volume": ("benchmarks.boundary_volume", "run_boundary_volume", "boundary_volume_tables",
-                        "boundary_volume"),
+    "boundary_volume": SingleReport("benchmarks.boundary_volume", "run_boundary_volume",
+                        "boundary_volume_tables", "boundary_volume",
+        "only pipeline boundary fusion: bytes per rank before/after per Table 2 transition vs the "
+        "derivation (counted) and step time fused vs unfused on 4 gloo ranks (measured)"),
     # predicted, assumed (not measured) overlap factors: DHelix strand interleaving of a TP=8 Llama layer (issue 11)
-    "dhelix_report": ("benchmarks.dhelix_report", "run_dhelix_report", "dhelix_tables", "dhelix"),
+    "dhelix_report": SingleReport("benchmarks.dhelix_report", "run_dhelix_report",
+                        "dhelix_tables", "dhelix",
+        "only DHelix strand interleaving on a TP=8 Llama layer: sequential vs Eq. 2 plan time on "
+        "DGX-A100 and A40-PCIe (predicted, illustrative OEF) next to the paper's gains"),
 }
 
 
@@ -203,43 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
     ap.add_argument("--no-scaling", action="store_true", help="skip the compile-time scaling points")
     ap.add_argument("--from-json", type=Path, help="re-render a stored run instead of measuring")
-    ap.add_argument("--partition-report", action="store_true",
-                    help="only the Centauri partition search report (SimpleFSDP Llama layer, DGX-H100 x2, predicted)")
-    ap.add_argument("--schedule-report", action="store_true",
-                    help="only the overlap scheduler report (SimpleFSDP Llama layer, DGX-H100 x2, predicted; "
-                         "and its compile time on 32 layers)")
-    ap.add_argument("--overlap-vs-inductor", action="store_true",
-                    help="only commfuse's scheduling vs Inductor's overlap scheduler on TP+SP, SimpleFSDP and MoE "
-                         "blocks (DGX-H100 x2, same estimates, predicted)")
-    ap.add_argument("--lagom-report", action="store_true",
-                    help="only Lagom's per-collective communicator settings on the TP+SP, SimpleFSDP and MoE blocks "
-                         "(DGX-H100 x2, predicted: makespan default NCCL vs Lagom, evaluations, communicator memory)")
-    ap.add_argument("--lowering-overlap", action="store_true",
-                    help="only the lowering report: measured step time (median, IQR) and measured overlap of "
-                         "commfuse's runtime vs Inductor default / with comm passes, 2 gloo ranks")
-    ap.add_argument("--gloo-reduce-scatter", action="store_true",
-                    help="only gloo reduce_scatter vs all_to_all + local sum on 2 and 4 gloo ranks (measured, "
-                         "with the gloo_reduce_scatter pass's predicted decision per size)")
-    ap.add_argument("--volume-report", action="store_true",
-                    help="only the volume report of every example workload: bytes per rank before/after commfuse "
-                         "by kind, role and direction, Table 1 formula checks, pass reasons (fake process group)")
-    ap.add_argument("--boundary-volume", action="store_true",
-                    help="only pipeline boundary fusion: bytes per rank before/after per Table 2 transition vs the "
-                         "derivation (counted) and step time fused vs unfused on 4 gloo ranks (measured)")
-    ap.add_argument("--alignment-f1", action="store_true",
-                    help="only the NCCL log / kernel trace alignment F1 per scenario and example model, next to "
-                         "the NCCL-trace thesis's numbers (synthesised from recorded sequences)")
-    ap.add_argument("--dhelix-report", action="store_true",
-                    help="only DHelix strand interleaving on a TP=8 Llama layer: sequential vs Eq. 2 plan time on "
-                         "DGX-A100 and A40-PCIe (predicted, illustrative OEF) next to the paper's gains")
+    for name, rep in _REPORTS.items():
+        ap.add_argument("--" + name.replace("_", "-"), action="store_true", help=rep.help)
     args = ap.parse_args(argv)
 
-    for flag, (module, run, tables, key) in _REPORTS.items():
-        if getattr(args, flag):
-            mod = importlib.import_module(module)
-            report = getattr(mod, run)()
-            print(getattr(mod, tables)(report))
-            _write({"schema": SCHEMA, "environment": environment(), key: report}, args.json)
+    for name, rep in _REPORTS.items():
+        if getattr(args, name):
+            mod = importlib.import_module(rep.module)
+            report = getattr(mod, rep.run)()
+            print(getattr(mod, rep.tables)(report))
+            _write({"schema": SCHEMA, "environment": environment(), rep.key: report}, args.json)
             return 0
 
     if args.from_json:

@@ -96,8 +96,8 @@ def test_runner_flag_registered(strands, monkeypatch, capsys):
     import benchmarks.dhelix_report as rep
     from benchmarks import run
 
-    assert run._REPORTS["dhelix_report"] == ("benchmarks.dhelix_report", "run_dhelix_report", "dhelix_tables",
-                                             "dhelix")
+    assert run._REPORTS["dhelix_report"][:4] == ("benchmarks.dhelix_report", "run_dhelix_report", "dhelix_tables",
+                                                 "dhelix")
     _, _, st = strands
     canned = {"workload": "tiny", "model": "analytic", "oef": "default", "source": "dhelix.md", "capture_s": 0.0,
               "rows": [_plan_row("dgx-a100", st)]}
