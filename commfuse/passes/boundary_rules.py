@@ -548,17 +548,25 @@ def _erase_transfer(gm: fx.GraphModule, t: fx.Node, new_value: fx.Node) -> None:
     rewrite.erase_dead(gm, [t])
 
 
+def _sent_collective(t: fx.Node, bd, env: Env, kind: K):
+    """The collective of ``kind`` on the sending group whose result (through views) transfer ``t``
+    sends: ``(collective, root, views)``, or the refusal reason."""
+    root, views = _view_chain_back(t.args[0], lambda n: env.collective_producing(n) is not None)
+    c = env.collective_producing(root)
+    if c is None or c.kind is not kind:
+        return f"the transferred value is not an {kind.value}'s result (through views)"
+    why = _collective_ok(c, bd.a.group, bd.a.size)
+    return why or (c, root, views)
+
+
 # -- rule: ag_p2p ------------------------------------------------------------------------------
 def match_ag_p2p(site: Site, env: Env) -> Match | str:
     t, bd = site.node, site.boundary
     y = t.args[0]
-    root, views = _view_chain_back(y, lambda n: env.collective_producing(n) is not None)
-    c = env.collective_producing(root)
-    if c is None or c.kind is not K.ALL_GATHER:
-        return "the transferred value is not an all_gather's result (through views)"
-    why = _collective_ok(c, bd.a.group, bd.a.size)
-    if why:
-        return why
+    found = _sent_collective(t, bd, env, K.ALL_GATHER)
+    if isinstance(found, str):
+        return found
+    c, root, views = found
     if not _single_use_chain([root, *views], t):
         return "the gathered value has other users on the sending stage (the all_gather must stay)"
     x, d, n = c.logical_input, c.logical_dim, bd.a.size
@@ -630,13 +638,10 @@ def match_p2p_ag(site: Site, env: Env) -> Match | str:
 def match_a2a_p2p(site: Site, env: Env) -> Match | str:
     t, bd = site.node, site.boundary
     y = t.args[0]
-    root, views = _view_chain_back(y, lambda n: env.collective_producing(n) is not None)
-    c = env.collective_producing(root)
-    if c is None or c.kind is not K.ALL_TO_ALL:
-        return "the transferred value is not an all_to_all's result (through views)"
-    why = _collective_ok(c, bd.a.group, bd.a.size)
-    if why:
-        return why
+    found = _sent_collective(t, bd, env, K.ALL_TO_ALL)
+    if isinstance(found, str):
+        return found
+    c, root, views = found
     if not c.extra.get("equal_splits", False) or c.logical_concat_dim is None:
         return f"{c.name} has unequal splits or no known concat dim"
     if not _single_use_chain([root, *views], t):
