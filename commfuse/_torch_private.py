@@ -170,3 +170,26 @@ def register_work(tensor, work) -> None:
     collective ops (`commfuse.lowering.rooted`).
     """
     torch._C._distributed_c10d._register_work(tensor, work)
+
+
+def extract_fwd_bwd_modules(joint: torch.fx.GraphModule, saved_values: list, saved_opaque: list, *,
+                            num_fwd_outputs: int):
+    """Split a joint graph into the forward that computes its forward outputs plus ``saved_values``
+    and the backward that computes its gradient outputs from them and the tangents.
+
+    Private: `torch._functorch.partitioners._extract_fwd_bwd_modules` (what every AOTAutograd
+    partitioner ends with; commfuse's fused DHelix partition chooses the saved values itself).
+    ``saved_opaque``: script objects (e.g. a DeviceMesh input) the backward passes through."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+    return _extract_fwd_bwd_modules(joint, saved_values, [], saved_opaque, num_fwd_outputs=num_fwd_outputs,
+                                    ignore_must_be_in_fw_bw=True)
+
+
+def is_tangent_placeholder(node: torch.fx.Node) -> bool:
+    """AOTAutograd's naming of a joint graph's tangent inputs.
+
+    Private: `torch._functorch.partitioners._is_tangent`."""
+    from torch._functorch.partitioners import _is_tangent
+
+    return _is_tangent(node)

@@ -20,6 +20,7 @@ Who executes:
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,6 +34,7 @@ from .passes.base import Stage
 from .passes.pipeline import Pipeline
 from .report import PipelineReport
 
+log = logging.getLogger("commfuse")
 
 def _graph_kind_post_grad(gm: fx.GraphModule) -> str:
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -78,6 +80,8 @@ class CommfuseBackend:
         self.dynamo_reports: list[PipelineReport] = []
         # The lowering plan of every graph the commfuse runtime runs (lowering="commfuse"), in order.
         self.plans: list[LoweringPlan] = []
+        # Config(dhelix=True): per joint graph, "fused" or why it was partitioned as usual.
+        self.partitions: list[str] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
         pipeline = Pipeline.for_config(self.config)
@@ -104,6 +108,14 @@ class CommfuseBackend:
 
         def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
             pipeline.run(joint, graph_kind="joint", stages={Stage.JOINT})
+            if self.config.dhelix:
+                from .dhelix.fused_partition import fused_partition  # (imports train_step, which imports us)
+
+                fused = fused_partition(joint, kwargs["num_fwd_outputs"])
+                self.partitions.append("fused" if not isinstance(fused, str) else fused)
+                if not isinstance(fused, str):
+                    return fused
+                log.info("commfuse: dhelix: joint graph partitioned as usual: %s", fused)
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
         def compile_stage(kind: str, stages: set[Stage]):

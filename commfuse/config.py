@@ -94,6 +94,14 @@ class Config(BaseModel):
         model (the size at which latency is 10% of the collective's time, docs/bucketing.md).
     bucket_max_memory_increase: how much ``bucket_collectives`` may raise a graph's simulated
         peak memory, as a fraction of it (0.05 = 5%).
+    dhelix: DHelix strand interleaving in ``compile_train_step`` (docs/dhelix.md): the joint graph of
+        a step with >= 2 micro-batches is partitioned so that ONE graph runs every forward and
+        backward (``dhelix.fused_partition``), and the default pipeline schedules it with
+        ``dhelix_interleave`` (one micro-batch's backward beside the next one's forward) instead of
+        ``schedule_overlap``, ``bucket_collectives`` and ``sink_waits``. Needs
+        ``inner_compiler="eager"`` (Inductor partitions the joint graph itself).
+    dhelix_oef_profile: path of an overlap profile (``python -m commfuse profile-overlap``) every rank
+        reads for the pairing DP; None: the illustrative default factors. Read and checked here.
     lagom_max_evaluations: budget of the ``lagom_tune`` pass's search per graph, in simulator
         evaluations (>= 2); when it runs out, collectives the search has not reached stay on NCCL's
         defaults. A count, not seconds, so every rank stops at the same point (docs/lagom.md).
@@ -131,6 +139,27 @@ class Config(BaseModel):
     bucket_cap_bytes: Optional[PositiveInt] = None
     bucket_max_memory_increase: float = Field(default=0.05, ge=0.0)
     lagom_max_evaluations: int = Field(default=1000, ge=2)
+    dhelix: bool = False
+    dhelix_oef_profile: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _dhelix_needs_eager(self) -> "Config":
+        if self.dhelix and self.inner_compiler != "eager":
+            raise ValueError('dhelix=True needs inner_compiler="eager" (the fused train-step partition replaces '
+                             f"AOTAutograd's; Inductor partitions on its own) (got inner_compiler={self.inner_compiler!r})")
+        return self
+
+    @field_validator("dhelix_oef_profile")
+    @classmethod
+    def _readable_profile(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            from .dhelix.profile import read_oef_profile
+
+            try:
+                read_oef_profile(v)
+            except ValueError as e:
+                raise ValueError(f"dhelix_oef_profile: {e}") from None
+        return v
 
     @model_validator(mode="after")
     def _lowering_needs_inductor(self) -> "Config":
@@ -162,9 +191,11 @@ class Config(BaseModel):
         return v
 
     def pass_names(self) -> list[str]:
-        from .passes.registry import DEFAULT_PIPELINE
+        from .passes.registry import DEFAULT_PIPELINE, DHELIX_PIPELINE
 
-        return list(DEFAULT_PIPELINE) if self.passes is None else list(self.passes)
+        if self.passes is not None:
+            return list(self.passes)
+        return list(DHELIX_PIPELINE if self.dhelix else DEFAULT_PIPELINE)
 
     def resolved_dump_dir(self) -> Optional[str]:
         return self.dump_dir or os.environ.get(DUMP_DIR_ENV) or None
@@ -198,6 +229,16 @@ class Config(BaseModel):
             "bucket_cap_bytes": self.bucket_cap_bytes,
             "bucket_max_memory_increase": self.bucket_max_memory_increase,
             "lagom_max_evaluations": self.lagom_max_evaluations,
+            "dhelix": self.dhelix,
+            "dhelix_oef_profile": _file_digest(self.dhelix_oef_profile),
             "topology": topo.model_dump() if topo else None,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _file_digest(path: Optional[str]) -> Optional[str]:
+    """What a compile cache must key on for a profile file: its content, not its name."""
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()

@@ -161,23 +161,15 @@ def _live_deltas(gm: fx.GraphModule, sim: Simulator, strand: str) -> dict[fx.Nod
     return delta
 
 
-def graph_segments(gm: fx.GraphModule, estimator, topology: Topology, *, strand: str,
-                   split_movable: bool = True) -> GraphSegments:
-    """Cut ``gm`` (one layer's forward or backward graph) into DHelix segments (module docstring).
+def cut_segments(nodes: list[fx.Node], sim: Simulator, coll_of: dict[fx.Node, Collective],
+                 delta: dict[fx.Node, int], topology: Topology, *, prefix: str, split: set[str] = frozenset(),
+                 comm_kind=None) -> tuple[tuple[Segment, ...], tuple[tuple[str, ...], ...]]:
+    """Cut ``nodes`` (one strand's nodes, in order) into segments (module docstring's rules);
+    returns the segments and, per segment, the names of the nodes it covers.
 
-    ``estimator`` is a :class:`~commfuse.costmodel.estimator.CostEstimator` (e.g.
-    ``AnalyticCostModel(topology)``)."""
-    if strand not in STRANDS:
-        raise ValueError(f"graph_segments: strand must be one of {STRANDS}, got {strand!r}")
-    if not isinstance(topology, Topology):
-        raise ValueError(f"graph_segments: topology must be a Topology, got {type(topology).__name__}")
-    ir = CollectiveIR(gm)
-    coll_of = {c.start: c for c in ir.collectives}
-    sim = Simulator(gm, estimator, ir=ir)
-    delta = _live_deltas(gm, sim, strand)
-    movable = movable_ops(gm) if strand == "backward" else ()
-    split = set(movable) if split_movable else set()
-    prefix = strand[0]
+    ``comm_kind(collective)`` overrides how a collective's segment kind is found (default:
+    :func:`_comm_kind` on ``topology``)."""
+    kind_of = comm_kind or (lambda c: _comm_kind(c, topology))
     segs: list[Segment] = []
     covers: list[tuple[str, ...]] = []
     run: list[fx.Node] = []  # the open compute run (and free nodes carried forward)
@@ -195,12 +187,12 @@ def graph_segments(gm: fx.GraphModule, estimator, topology: Topology, *, strand:
                  run, run_time)
             run, run_time = [], 0.0
 
-    for n in gm.graph.nodes:
+    for n in nodes:
         info = sim.node_info(n)
         if info.code == NODE_COLLECTIVE:
             close_run()
             coll = coll_of[n]
-            emit(_comm_kind(coll, topology), f"{coll.kind.value}:{n.name}", run + [n], info.time_us)
+            emit(kind_of(coll), f"{coll.kind.value}:{n.name}", run + [n], info.time_us)
             run = []
         elif n.name in split:
             close_run()
@@ -217,4 +209,23 @@ def graph_segments(gm: fx.GraphModule, estimator, topology: Topology, *, strand:
             last = segs[-1]
             segs[-1] = Segment(last.name, last.kind, last.duration, last.mem_delta + sum(delta[n] for n in run))
             covers[-1] = covers[-1] + tuple(n.name for n in run)
-    return GraphSegments(strand, tuple(segs), tuple(covers), movable)
+    return tuple(segs), tuple(covers)
+
+
+def graph_segments(gm: fx.GraphModule, estimator, topology: Topology, *, strand: str,
+                   split_movable: bool = True) -> GraphSegments:
+    """Cut ``gm`` (one layer's forward or backward graph) into DHelix segments (module docstring).
+
+    ``estimator`` is a :class:`~commfuse.costmodel.estimator.CostEstimator` (e.g.
+    ``AnalyticCostModel(topology)``)."""
+    if strand not in STRANDS:
+        raise ValueError(f"graph_segments: strand must be one of {STRANDS}, got {strand!r}")
+    if not isinstance(topology, Topology):
+        raise ValueError(f"graph_segments: topology must be a Topology, got {type(topology).__name__}")
+    ir = CollectiveIR(gm)
+    sim = Simulator(gm, estimator, ir=ir)
+    delta = _live_deltas(gm, sim, strand)
+    movable = movable_ops(gm) if strand == "backward" else ()
+    segs, covers = cut_segments(list(gm.graph.nodes), sim, {c.start: c for c in ir.collectives}, delta, topology,
+                                prefix=strand[0], split=set(movable) if split_movable else set())
+    return GraphSegments(strand, segs, covers, movable)

@@ -246,11 +246,17 @@ def _count_nested_collectives(gm: fx.GraphModule, node: fx.Node) -> int:
     return count
 
 
+# Set by the fused train-step partition (commfuse.dhelix.fused_partition) on the nodes of a graph
+# that holds forward and backward together: its tangent is a constant there, the tag says which is which.
+PHASE_META_KEY = "commfuse_phase"
+
+
 def _tangent_dependents(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes computed from a tangent input: the backward region of a joint/backward graph."""
+    """Nodes computed from a tangent input: the backward region of a joint/backward graph (or the
+    nodes tagged backward in a fused forward+backward graph)."""
     out: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        if n.op == "placeholder" and n.name.startswith("tangents"):
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or n.meta.get(PHASE_META_KEY) == "backward":
             out.add(n)
         elif any(a in out for a in n.all_input_nodes):
             out.add(n)

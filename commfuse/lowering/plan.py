@@ -17,6 +17,11 @@ be built, dumped and tested without a process group:
   consumer's stream waits for an event recorded right after the producer; ``keep_alive``
   lists the values a stream other than their producer's reads, which the CUDA runtime
   marks with ``record_stream`` so the allocator never reuses their memory early.
+* ``barriers``: a pass may cut the graph into barrier intervals with
+  ``node.meta["commfuse_barrier"]`` (any label; consecutive nodes with the same label form one
+  interval, DHelix's segment pairs). No stream starts an interval before every stream has
+  finished the previous one: for each pair of streams, an event from the last node one ran
+  in the previous interval to the first node the other runs in the next (added to ``events``).
 
 The plan says nothing about the backend: on CPU the same plan runs with asynchronous
 work handles (streams are a CUDA notion; side-stream nodes then run in graph order).
@@ -33,6 +38,7 @@ from ..ir.graph_ir import CollectiveIR
 from ..ir.kinds import collective_spec, is_wait
 
 STREAM_META = "commfuse_stream"
+BARRIER_META = "commfuse_barrier"
 SETTING_META = "commfuse_comm_setting"
 
 
@@ -150,6 +156,7 @@ def _plan_streams(gm: fx.GraphModule, plan: LoweringPlan) -> None:
     plan.node_streams = {n.name: s for n, s in streams.items() if s}
     if not plan.node_streams:
         return
+    _plan_barriers(gm, streams, plan)
     seen: set[tuple[str, int]] = set()
     for n in gm.graph.nodes:
         for p in n.all_input_nodes:
@@ -164,3 +171,22 @@ def _plan_streams(gm: fx.GraphModule, plan: LoweringPlan) -> None:
             plan.keep_alive.setdefault(p.name, [])
             if dst not in plan.keep_alive[p.name]:
                 plan.keep_alive[p.name].append(dst)
+
+
+def _plan_barriers(gm: fx.GraphModule, streams: dict[fx.Node, int], plan: LoweringPlan) -> None:
+    """Events that make every barrier interval wait for all streams' work of the previous one."""
+    intervals: list[dict[int, list[fx.Node]]] = []  # per interval: stream -> its nodes, in order
+    label: Any = None
+    for n in gm.graph.nodes:
+        b = n.meta.get(BARRIER_META)
+        if b is None or n.op != "call_function":
+            continue
+        if not intervals or b != label:
+            intervals.append({})
+            label = b
+        intervals[-1].setdefault(streams[n], []).append(n)
+    for prev, nxt in zip(intervals, intervals[1:]):
+        for src, done in sorted(prev.items()):
+            for dst, todo in sorted(nxt.items()):
+                if src != dst:  # one stream is ordered by itself
+                    plan.events.append(StreamEdge(done[-1].name, todo[0].name, src, dst))

@@ -19,6 +19,11 @@ _PASSES: dict[str, Type[GraphPass]] = {}
 DEFAULT_PIPELINE: tuple[str, ...] = ("moe_recognition", "chimera", "schedule_overlap", "bucket_collectives",
                                      "sink_waits", "gloo_reduce_scatter")
 
+# Config(dhelix=True): the fused train-step graph is ordered by the strand interleaving alone; bucketing
+# (it would merge the two strands' collectives) and wait sinking (the plan's barriers place the waits)
+# stay out.
+DHELIX_PIPELINE: tuple[str, ...] = ("moe_recognition", "chimera", "dhelix_interleave", "gloo_reduce_scatter")
+
 
 def register_pass(cls: Type[GraphPass]) -> Type[GraphPass]:
     if not getattr(cls, "name", None):
@@ -60,3 +65,4 @@ def _load_builtin() -> None:
     from . import lagom_tune  # noqa: F401
     from . import gloo_reduce_scatter  # noqa: F401
     from . import boundary_fusion  # noqa: F401  (pipeline forward graphs; opt-in, see docs/boundary-fusion.md)
+    from . import dhelix_interleave  # noqa: F401  (fused train-step graphs; Config(dhelix=True))

@@ -530,3 +530,14 @@ class _RangeMax:
         j = (b - a).bit_length() - 1
         row = self.table[j]
         return max(row[a], row[b - (1 << j)])
+
+
+def apply_order(gm: fx.GraphModule, order: list[fx.Node]) -> None:
+    """Move ``gm``'s nodes into ``order`` (a topological order of all of them)."""
+    cur = order[0]
+    if cur is not next(iter(gm.graph.nodes)):
+        next(iter(gm.graph.nodes)).prepend(cur)
+    for n in order[1:]:
+        if cur.next is not n:
+            cur.append(n)
+        cur = n

@@ -64,7 +64,7 @@ from ..train_step import microbatch_of
 from .layer_level import backward_layers, chain_of, preferred_order
 from .model_level import eq2_inputs, grouped_order, microbatch_graph, solve_eq2
 from .registry import register_pass
-from .schedule_list import Priority, ScheduleProblem, build_problem, list_schedule, max_inflight
+from .schedule_list import Priority, ScheduleProblem, apply_order, build_problem, list_schedule, max_inflight
 
 # Picker settings tried, in this order (the first of equal makespans wins).
 PRIORITIES = (Priority(True, True), Priority(False, True), Priority(False, False))
@@ -225,7 +225,7 @@ class ScheduleOverlap(GraphPass):
             if best.problem is not prob:
                 counts["collectives_reordered"] = sum(a != b for a, b in zip(prob.collectives, best.problem.collectives))
             _check_collective_order(best.problem, best.order)
-            _apply(ctx.gm, [prob.nodes[i] for i in best.order])
+            apply_order(ctx.gm, [prob.nodes[i] for i in best.order])
         return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=[decision])
 
 
@@ -294,13 +294,3 @@ def _check_collective_order(p: ScheduleProblem, order: list[int]) -> None:
     colls = [i for i in order if i in p.coll_bytes]
     if colls != p.collectives:  # a scheduler bug: would hang ranks whose graphs differ
         raise RuntimeError("schedule_overlap: the new order changes the collectives' issue order")
-
-
-def _apply(gm: fx.GraphModule, order: list[fx.Node]) -> None:
-    cur = order[0]
-    if cur is not next(iter(gm.graph.nodes)):
-        next(iter(gm.graph.nodes)).prepend(cur)
-    for n in order[1:]:
-        if cur.next is not n:
-            cur.append(n)
-        cur = n

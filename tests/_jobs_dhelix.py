@@ -1,0 +1,133 @@
+"""Rank-pool jobs for tests/test_dhelix_step.py (module level: the pool pickles them by reference).
+
+Each job builds a DTensor-parallelised model of 4 layers on the gloo ranks and, for each
+micro-batch count, runs two SGD steps of
+
+* the plain eager gradient-accumulation loop (the definition of the semantics), and
+* `commfuse.compile_train_step` with `Config(dhelix=True)` (fused partition + strand
+  interleaving, strict, eager inner compiler, commfuse lowering: async gloo handles),
+
+asserts loss, gradients and parameters close under the tolerance policy, and returns what
+the interleaving pass decided (plan digest, units, pairs, simulated peaks) per count.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import commfuse
+from commfuse.models import llama, moe_tp
+from commfuse.testing.numerics import assert_close_tree
+from commfuse.train_step import compile_train_step
+
+STEPS = 2
+LR = 0.05
+LLAMA = llama.LlamaConfig(n_layers=4, dim=32, n_heads=4, ffn_dim=64)
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out.float() - target).pow(2).mean()
+
+
+def _moe_loss(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return out[0].float().mean() + 0.01 * out[1]
+
+
+def _setup(layout: str) -> tuple[Callable[[], torch.nn.Module], Callable[[int], tuple], Callable, dict]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    roles = {mesh.get_group().group_name: "tp"}
+    if layout == "tp_sp":
+        def model() -> torch.nn.Module:
+            return llama.parallelize_llama(llama.build_llama(LLAMA, seed=0), mesh, sequence_parallel=True)
+
+        def batch(step: int) -> tuple:
+            b = llama.make_inputs(LLAMA, 4, 8, rank=rank, world_size=world, seed=step)
+            return b.inputs, b.target
+
+        return model, batch, _mse, roles
+    if layout == "moe":
+        # TP attention + EP experts over the same ranks, vocab-parallel head (Chimera's TP+EP model).
+        cfg = moe_tp.MoETPConfig(n_layers=4, dim=32, n_heads=4, num_experts=2 * world, ffn_dim=32, vocab=64)
+
+        def model() -> torch.nn.Module:
+            return moe_tp.parallelize_moe_tp(moe_tp.build_moe_tp(cfg, seed=0), mesh, "tp_ep")
+
+        def batch(step: int) -> tuple:
+            return torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step)), None
+
+        return model, batch, _moe_loss, {}
+    raise ValueError(layout)
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.detach().clone()
+
+
+def _state(model: torch.nn.Module) -> dict[str, Any]:
+    return {"grads": {n: _local(p.grad) for n, p in model.named_parameters()},
+            "params": {n: _local(p) for n, p in model.named_parameters()}}
+
+
+def plain_loop(model: torch.nn.Module, loss_fn, x: torch.Tensor, y, m: int) -> torch.Tensor:
+    """The reference: gradient accumulation written the ordinary way, eagerly."""
+    total = None
+    ys = y.tensor_split(m) if y is not None else [None] * m
+    for xi, yi in zip(x.tensor_split(m), ys):
+        loss = (loss_fn(model(xi), yi) if yi is not None else loss_fn(model(xi))) / m
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+def _train(model: torch.nn.Module, batch, step_fn) -> dict[str, Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads_step0 = [], None
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(step)
+        losses.append(step_fn(x, y))
+        if step == 0:
+            grads_step0 = _state(model)["grads"]
+        opt.step()
+    return {"loss": losses, "grads0": grads_step0, **_state(model)}
+
+
+def dhelix_step_matches_loop(layout: str, microbatches: list[int]) -> dict[int, Any]:
+    make_model, batch, loss_fn, roles = _setup(layout)
+    cfg = commfuse.Config(inner_compiler="eager", strict=True, dhelix=True, group_roles=roles)
+    where = f"on rank {dist.get_rank()}"
+    seen: dict[int, Any] = {}
+    for m in microbatches:
+        torch._dynamo.reset()
+        ref_model = make_model()
+        ref = _train(ref_model, batch, lambda x, y, mod=ref_model, m=m: plain_loop(mod, loss_fn, x, y, m))
+        model = make_model()
+        step = compile_train_step(model, loss_fn, microbatches=m, config=cfg)
+        got = _train(model, batch, lambda x, y: step(x, targets=y))
+        assert_close_tree(got, ref, dtype=torch.float32, msg=f"{where}, {layout}, dhelix, microbatches={m}")
+        ran = [(r.graph, p) for r in step.reports for p in r.passes if p.name == "dhelix_interleave"]
+        fused = [p for g, p in ran if g == "forward"]
+        d = fused[0].decisions[0] if fused and fused[0].decisions else {}
+        seen[m] = {
+            "partitions": list(step.backend.partitions),
+            "passes_failed": [p.name for r in step.reports for p in r.passes if p.error],
+            "changed": bool(fused and fused[0].changed),
+            "refusals": fused[0].refusals if fused else ["pass did not run"],
+            "kept": d.get("kept"),
+            "digest": d.get("plan", {}).get("digest"),
+            "units": d.get("plan", {}).get("units"),
+            "pairs": d.get("plan", {}).get("pairs", 0),
+            "peak_sequential": d.get("sequential", {}).get("peak_memory_bytes"),
+            "peak_interleaved": d.get("interleaved", {}).get("peak_memory_bytes"),
+            "activation_peak": d.get("activation_peak_bytes"),
+            "collectives_issued_async": sum(1 for pl in step.backend.plans for _ in getattr(pl, "collectives", ())),
+        }
+    return seen
