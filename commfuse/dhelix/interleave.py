@@ -254,6 +254,17 @@ def _chunks(p: ScheduleProblem, g: MicrobatchGraph, unit_of: dict[int, int], pha
     return out
 
 
+def _microbatch_graph(p: ScheduleProblem) -> Optional[MicrobatchGraph]:
+    """The model level's micro-batch/layer map; a graph traced without modules is one layer."""
+    g = microbatch_graph(p)
+    if g is not None:
+        return g
+    mb = {i: k for i, n in enumerate(p.nodes) if n.op == "call_function" and (k := microbatch_of(n)) is not None}
+    if len(set(mb.values())) < 2:
+        return None
+    return MicrobatchGraph(sorted(set(mb.values())), [""], mb, {i: "" for i in mb})
+
+
 def sequential_order(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR) -> list[fx.Node]:
     """The non-interleaved step in the fused graph: every forward, then every backward, each in
     micro-batch order (what the plain step runs, with the accumulation in micro-batch order).
@@ -272,9 +283,9 @@ def plan_interleaving(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, topo
                       group: int = 1, mem_budget: Optional[float] = None) -> InterleavePlan | str:
     """The interleaved order of a fused train-step graph (module docstring), or why there is none."""
     free = build_problem(gm, sim, ir, chain=())
-    g = microbatch_graph(free)
+    g = _microbatch_graph(free)
     if g is None:
-        return "fewer than two micro-batches or no layers in the graph"
+        return "fewer than two micro-batches in the graph"
     phase = [n.meta.get(PHASE_META_KEY) if n.op == "call_function" else None for n in free.nodes]
     if "backward" not in phase:
         return "not a fused forward+backward graph (Config(dhelix=True) partitions train steps that way)"
@@ -300,7 +311,7 @@ def plan_interleaving(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, topo
 
     def label(u: int, c: int, ph: str) -> str:
         r = c if ph == "forward" else n_chunks - 1 - c
-        return f"u{u}:{g.layers[r]}"
+        return f"u{u}:{g.layers[r] or 'graph'}"
 
     def alone(step: int, u: int, ph: str) -> None:
         for c, members in enumerate(chunks.get((u, ph), [])):

@@ -120,14 +120,17 @@ def program_for(seed: int, index: int, pipelines: Sequence[PipelineSpec] = (), f
     for pipe in pipelines:
         for name in pipe.passes or ():
             t = fuzz_target(name)
-            if t.generators or t.needs_joint or t.world_sizes or t.topology:
+            if t.generators or t.needs_joint or t.world_sizes or t.topology or t.microbatches:
                 constrained.append(t)
     if constrained and index % 4 == 3:
         t = constrained[(index // 4) % len(constrained)]
         sizes = t.world_sizes or ((t.topology.world_size,) if t.topology else None)
-        return generate_program(rng, family=rng.choice(t.generators) if t.generators else None,
+        prog = generate_program(rng, family=rng.choice(t.generators) if t.generators else None,
                                 world_size=rng.choice(sizes) if sizes else None,
                                 joint=True if t.needs_joint else None, features=features)
+        if t.microbatches:
+            prog.microbatches = 2 + prog.seed % 2  # derived: no extra draw from the stream
+        return prog
     return generate_program(rng, features=features)
 
 

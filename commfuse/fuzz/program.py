@@ -61,6 +61,10 @@ class Program:
     # The tensor-parallel contract: every rank gets the same inputs, and the passes are told
     # every group is a TP group (Config.group_roles), so they may treat inputs as replicated.
     tp_contract: bool = False
+    # Joint programs only: run the program M times (micro-batch k on its floating inputs scaled by
+    # 1 + k/4), each forward and its backward tagged with its micro-batch and phase as a fused
+    # train-step graph is (dhelix.fused_partition), the gradients summed in micro-batch order.
+    microbatches: int = 1
 
     # ------------------------------------------------------------------ queries
     @property
@@ -81,7 +85,8 @@ class Program:
 
     def summary(self) -> str:
         kinds = ",".join(o["op"] for o in self.ops)
-        return (f"N={self.world_size} {self.dtype}{' joint' if self.joint else ''} {self.family} "
+        mb = f" x{self.microbatches} micro-batches" if self.microbatches > 1 else ""
+        return (f"N={self.world_size} {self.dtype}{' joint' if self.joint else ''}{mb} {self.family} "
                 f"{len(self.ops)} ops [{kinds}]")
 
     # ------------------------------------------------------------------ json
@@ -451,18 +456,24 @@ def _loss_terms(outs: list[torch.Tensor]) -> torch.Tensor | None:
     return sum(terms) if terms else None
 
 
+MICROBATCH_PHASE = "commfuse_fuzz_phase"  # meta["custom"] key of a micro-batch's backward, moved by trace_rank
+
+
 def build_callable(program: Program, ctx: Ctx) -> Callable[..., list]:
     """The program as a Python function of its inputs (for one rank: ``ctx``)."""
     names = [i["name"] for i in program.inputs]
 
-    def fn(*args):
+    def body(*args) -> list:
         env: dict[str, Any] = dict(zip(names, args))
         for op in program.ops:
             outs = OPS[op["op"]].fn(ctx, op, *[env[v] for v in op["in"]])
             if len(outs) != len(op["out"]):
                 raise ValueError(f"op {op['op']} produced {len(outs)} values for outputs {op['out']}")
             env.update(zip(op["out"], outs))
-        outs = [env[v] for v in program.outputs]
+        return [env[v] for v in program.outputs]
+
+    def fn(*args):
+        outs = body(*args)
         if not program.joint:
             return outs
         loss = _loss_terms(outs)
@@ -472,7 +483,28 @@ def build_callable(program: Program, ctx: Ctx) -> Callable[..., list]:
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         return outs + [g for g in grads if g is not None]
 
-    return fn
+    def microbatched(*args):
+        from torch.fx.traceback import annotate
+
+        from ..train_step import MICROBATCH_META_KEY
+
+        params = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        all_outs: list = []
+        total: list = [None] * len(params)
+        for k in range(program.microbatches):
+            with annotate({MICROBATCH_META_KEY: k}):
+                xs = [a * (1.0 + 0.25 * k) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
+                outs = body(*xs)
+                loss = _loss_terms(outs)
+            all_outs.extend(outs)
+            if loss is None:
+                continue
+            with annotate({MICROBATCH_META_KEY: k, MICROBATCH_PHASE: "backward"}):
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+            total = [g if t is None else (t if g is None else t + g) for t, g in zip(total, grads)]
+        return all_outs + [g for g in total if g is not None]
+
+    return microbatched if program.joint and program.microbatches > 1 else fn
 
 
 def make_inputs(program: Program, rank: int) -> list[torch.Tensor]:
@@ -538,6 +570,7 @@ def trace_rank(program: Program, rank: int, inputs: list[torch.Tensor]):
 
     Returns (GraphModule, group name -> ranks of the groups this rank belongs to)."""
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.traceback import preserve_node_meta
 
     ctx, names = create_groups(program, rank)
     args = []
@@ -550,12 +583,28 @@ def trace_rank(program: Program, rank: int, inputs: list[torch.Tensor]):
     level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)  # invalid candidates of the shrinker would log every meta failure
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), preserve_node_meta():
             warnings.simplefilter("ignore")
             gm = make_fx(build_callable(program, ctx), tracing_mode="fake")(*args)
     finally:
         fake_log.setLevel(level)
+    if program.joint and program.microbatches > 1:
+        _tag_phases(gm)
     return gm, names
+
+
+def _tag_phases(gm) -> None:
+    """Phase tags of a fused train-step graph: a micro-batch's backward nodes (tagged at trace
+    time) and everything computed from them (the accumulation) are "backward", the rest "forward"."""
+    from ..ir.graph_ir import PHASE_META_KEY
+
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        custom = n.meta.get("custom") or {}
+        back = custom.get(MICROBATCH_PHASE) == "backward" or any(
+            a.meta.get(PHASE_META_KEY) == "backward" for a in n.all_input_nodes)
+        n.meta[PHASE_META_KEY] = "backward" if back else "forward"
 
 
 def value_shapes(program: Program) -> dict[str, tuple]:

@@ -14,7 +14,9 @@ with :func:`register_fuzz_target`:
   collectives: the verifier's per-group sequence hashes and total-order hash must be
   unchanged;
 * ``world_sizes``: the world sizes to generate (default: 2, 4, 8);
-* ``scaled_tolerance``: compare outputs normalised by their magnitude (see FuzzTarget).
+* ``scaled_tolerance``: compare outputs normalised by their magnitude (see FuzzTarget);
+* ``microbatches``: fuzz on joint programs run as 2-3 tagged micro-batches (``Program.microbatches``:
+  the fused train-step graph shape ``Config(dhelix=True)`` builds).
 
 A pass that cannot be fuzzed meaningfully (or only partly) gets a reasoned note in
 :data:`FUZZ_NOTES` instead. tests/test_fuzz.py fails when a registered pass has
@@ -43,12 +45,15 @@ class FuzzTarget:
     # that regroup sums over many ranks, whose rounding grows with the summands' magnitude
     scaled_tolerance: bool = False
     registered: bool = True  # False: the defaults used for a pass with no registration
+    microbatches: bool = False  # joint programs run as 2-3 tagged micro-batches (a fused train-step graph)
 
     def accepts(self, program) -> bool:
         """Whether ``program`` (a :class:`~commfuse.fuzz.program.Program`) is one to fuzz this pass on."""
         if self.generators is not None and program.family not in self.generators:
             return False
         if self.needs_joint and not program.joint:
+            return False
+        if self.microbatches and program.microbatches < 2:
             return False
         sizes = self.world_sizes or ((self.topology.world_size,) if self.topology else None)
         return sizes is None or program.world_size in sizes
@@ -71,6 +76,7 @@ def register_fuzz_target(
     world_sizes: Optional[Sequence[int]] = None,
     keeps_collective_order: bool = False,
     scaled_tolerance: bool = False,
+    microbatches: bool = False,
 ) -> FuzzTarget:
     """Tell the fuzzer how to fuzz ``pass_name`` (call at import of this module; see docs/contributing.md)."""
     if generators is not None:
@@ -83,9 +89,9 @@ def register_fuzz_target(
     if topology is not None and world_sizes is not None and topology.world_size not in world_sizes:
         raise ValueError(f"register_fuzz_target({pass_name!r}): topology has {topology.world_size} ranks, "
                          f"not in world_sizes {list(world_sizes)}")
-    t = FuzzTarget(pass_name, tuple(generators) if generators is not None else None, needs_joint, topology, exact,
-                   tuple(world_sizes) if world_sizes is not None else None, keeps_collective_order,
-                   scaled_tolerance=scaled_tolerance)
+    t = FuzzTarget(pass_name, tuple(generators) if generators is not None else None, needs_joint or microbatches,
+                   topology, exact, tuple(world_sizes) if world_sizes is not None else None, keeps_collective_order,
+                   scaled_tolerance=scaled_tolerance, microbatches=microbatches)
     _TARGETS[pass_name] = t
     return t
 
@@ -219,3 +225,9 @@ FUZZ_NOTES["boundary_fusion"] = (
     "collective, other users of the received shard, residual orders, 1-3 micro-batches, GPipe/1F1B) fused vs "
     "unfused on 4 gloo ranks (test_random_boundary_cases_match_unfused), every workload at 2 and 3 micro-batches "
     "with both schedules, the byte formulas, and every refusal.")
+
+# DHelix interleaving reorders a fused train-step graph (micro-batch and phase tags; the fuzzer's
+# micro-batched joint programs): only the order changes, so values are bitwise equal; the two
+# strands' collectives interleave, so the issue order changes. tp/sp/fsdp/moe: the families of
+# the models it targets.
+register_fuzz_target("dhelix_interleave", generators=("tp", "sp", "fsdp", "moe"), exact=True, microbatches=True)

@@ -70,7 +70,7 @@ def unit_size(ctx: PassContext, sim: Simulator) -> tuple[int, dict]:
     if not ctx.config.schedule_model_level:
         return 1, {"model_level": "off"}
     free = build_problem(ctx.gm, sim, ctx.ir, chain=())
-    g = microbatch_graph(free)
+    g = microbatch_graph(free)  # None without layers: one micro-batch per unit
     if g is None:
         return 1, {}
     n_layers, n_mb = max(1, len(g.layers)), len(g.mb_order)
