@@ -20,6 +20,15 @@ What it runs
     one layer pair; the paper's gains are end-to-end training throughput on 64 GPUs, so the
     two columns are context for each other, not a reproduction.
 
+    Measured (unless ``timing=False``): the whole training step with and without interleaving on
+    4 gloo ranks of this machine: ``compile_train_step`` of the 4-layer TP+SP Llama and the
+    4-layer TP+EP MoE model (tests/_jobs_dhelix.py), 2 and 4 micro-batches, default pipeline
+    ("plain") vs ``Config(dhelix=True)`` ("interleaved"), both eager inner compiler and commfuse
+    lowering (async gloo handles), alternated step by step; per step the slowest rank, median and
+    IQR over the timed steps; the largest difference of loss and gradients between the two; the
+    interleaving pass's simulated peak memory (sequential vs interleaved order of the fused
+    graph, and activation peaks) and whether all ranks chose the same plan (digest).
+
     python benchmarks/run.py --dhelix-report [--json out.json]
 """
 
@@ -82,8 +91,51 @@ def _plan_row(preset: str, strands: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_dhelix_report(small: bool = False) -> dict[str, Any]:
-    """Capture the TP layer once (fake group of 8), then cut, price and plan it per preset."""
+def _iqr(xs: list[float]) -> float:
+    import statistics
+
+    if len(xs) < 4:
+        return max(xs) - min(xs) if xs else 0.0
+    q = statistics.quantiles(xs, n=4)
+    return q[2] - q[0]
+
+
+def measured_row(pool: Any, layout: str, microbatches: int, steps: int) -> dict[str, Any]:
+    """One measured row: plain vs interleaved step on the pool's gloo ranks (module docstring)."""
+    import statistics
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import _jobs_dhelix as jobs
+
+    res = pool.run(jobs.step_times, layout, microbatches, steps, timeout=900)
+    row: dict[str, Any] = {"model": layout, "microbatches": microbatches, "steps": steps, "ranks": len(res)}
+    for kind in ("plain", "interleaved"):
+        per_step = [max(r[kind]["times"][i] for r in res) for i in range(steps)]
+        row[f"{kind}_median_ms"] = statistics.median(per_step) * 1e3
+        row[f"{kind}_iqr_ms"] = _iqr(per_step) * 1e3
+    row["speedup"] = row["plain_median_ms"] / row["interleaved_median_ms"]
+    diffs = []
+    for r in res:
+        p, q = r["plain"], r["interleaved"]
+        diffs.append(float((p["loss"] - q["loss"]).abs()))
+        diffs += [float((p["grads"][k] - q["grads"][k]).abs().max()) for k in p["grads"] if p["grads"][k] is not None]
+    row["max_abs_diff"] = max(diffs)
+    d = res[0]["interleaved"]["decision"] or {}
+    row["kept"] = d.get("kept")
+    row["same_plan_on_all_ranks"] = len({(r["interleaved"]["decision"] or {}).get("plan", {}).get("digest")
+                                         for r in res}) == 1
+    row["peak_sequential_bytes"] = d.get("sequential", {}).get("peak_memory_bytes")
+    row["peak_interleaved_bytes"] = d.get("interleaved", {}).get("peak_memory_bytes")
+    row["activation_peak_bytes"] = d.get("activation_peak_bytes")
+    row["pairs"] = d.get("plan", {}).get("pairs")
+    return row
+
+
+def run_dhelix_report(small: bool = False, timing: bool = True, steps: int = 10) -> dict[str, Any]:
+    """Capture the TP layer once (fake group of 8), then cut, price and plan it per preset; then
+    (``timing``) measure the interleaved training step on 4 gloo ranks."""
     import commfuse
     from commfuse.costmodel import Topology
     from commfuse.models import llama
@@ -106,7 +158,20 @@ def run_dhelix_report(small: bool = False) -> dict[str, Any]:
                 rows.append(_plan_row(preset, layer_strands(graphs, Topology.preset(preset, num_nodes=1))))
         finally:
             commfuse.session.reset()
+    measured: list[dict[str, Any]] = []
+    if timing:
+        from commfuse.testing.rank_pool import get_pool
+
+        pool = get_pool(4)
+        try:
+            measured = [measured_row(pool, layout, m, steps) for layout in ("tp_sp", "moe") for m in (2, 4)]
+        finally:
+            pool.shutdown()
     return {
+        "measured": measured,
+        "measured_setup": ("4 gloo ranks on this machine (2 cores), compile_train_step, 4-layer models (dim 32), "
+                           "eager inner compiler + commfuse lowering; plain = default pipeline, interleaved = "
+                           "Config(dhelix=True); alternated per step, slowest rank, first step excluded"),
         "workload": (f"Llama-style layer, TP+SP over {TP} ranks (one node); dim {s['dim']}, heads {s['n_heads']}, "
                      f"ffn {s['ffn_dim']}, batch {s['batch']}, seq {s['seq']}, fp32; fake process group"),
         "model": "AnalyticCostModel (roofline compute, NCCL collective model), backend nccl",
@@ -132,4 +197,17 @@ def dhelix_tables(doc: dict[str, Any]) -> str:
         lines.append(f"  {r['preset']}: forward {r['forward']['segments']} segments, backward "
                      f"{r['backward']['segments']} segments, movable wgrad GEMMs {len(r['backward']['movable'])}")
     lines.append(f"source of the published gains: {doc['source']}")
+    if doc.get("measured"):
+        lines += ["", f"DHelix interleaved training step, MEASURED — {doc['measured_setup']}",
+                  f"{'model':<7}{'M':>3}{'plain ms':>10}{'IQR':>7}{'interleaved ms':>16}{'IQR':>7}{'speed-up':>10}"
+                  f"{'max |diff|':>12}{'peak seq B':>12}{'peak il B':>11}{'act seq B':>11}{'act il B':>10}  same plan"]
+        for r in doc["measured"]:
+            act = r["activation_peak_bytes"] or {}
+            lines.append(f"{r['model']:<7}{r['microbatches']:>3}{r['plain_median_ms']:>10.1f}{r['plain_iqr_ms']:>7.1f}"
+                         f"{r['interleaved_median_ms']:>16.1f}{r['interleaved_iqr_ms']:>7.1f}{r['speedup']:>9.3f}x"
+                         f"{r['max_abs_diff']:>12.2e}{r['peak_sequential_bytes'] or 0:>12}"
+                         f"{r['peak_interleaved_bytes'] or 0:>11}{act.get('sequential', 0):>11}"
+                         f"{act.get('interleaved', 0):>10}  {r['same_plan_on_all_ranks']}")
+        lines.append("peaks: the dhelix pass's simulated peak memory of the fused graph, non-interleaved order vs "
+                     "interleaved (no allocator statistics on CPU); act = peak minus the returned gradients")
     return "\n".join(lines)

@@ -131,3 +131,39 @@ def dhelix_step_matches_loop(layout: str, microbatches: list[int]) -> dict[int, 
             "collectives_issued_async": sum(1 for pl in step.backend.plans for _ in getattr(pl, "collectives", ())),
         }
     return seen
+
+
+def step_times(layout: str, microbatches: int, steps: int) -> dict[str, Any]:
+    """Measured step time of the plain (default pipeline) and the interleaved (dhelix) compiled step
+    on these gloo ranks, alternating the two every step; the first (compiling) step of each is not
+    timed. Returns per kind the per-step seconds, the final loss and gradients, and the interleaving
+    pass's decision."""
+    import time
+
+    make_model, batch, loss_fn, roles = _setup(layout)
+    torch._dynamo.reset()
+    runs: dict[str, Any] = {}
+    for kind, dhelix in (("plain", False), ("interleaved", True)):
+        model = make_model()
+        cfg = commfuse.Config(inner_compiler="eager", dhelix=dhelix, group_roles=roles)
+        runs[kind] = {"model": model, "step": compile_train_step(model, loss_fn, microbatches=microbatches, config=cfg),
+                      "times": []}
+    x, y = batch(0)
+    for k in range(steps + 1):
+        for kind, r in runs.items():
+            for p in r["model"].parameters():
+                p.grad = None
+            dist.barrier()
+            t = time.perf_counter()
+            r["loss"] = r["step"](x, targets=y)
+            dist.barrier()
+            if k:
+                r["times"].append(time.perf_counter() - t)
+    out: dict[str, Any] = {}
+    for kind, r in runs.items():
+        found = [p for rep in r["step"].reports if rep.graph == "forward" for p in rep.passes
+                 if p.name == "dhelix_interleave"]
+        out[kind] = {"times": r["times"], "loss": r["loss"],
+                     "grads": {n: _local(p.grad) for n, p in r["model"].named_parameters()},
+                     "decision": found[0].decisions[0] if found and found[0].decisions else None}
+    return out

@@ -34,6 +34,21 @@ def test_interleaved_step_equals_plain_loop_on_4_ranks(rank_pool_4, layout):
         assert s["peak_interleaved"] <= 1.10 * s["peak_sequential"], s
 
 
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_report_measures_the_step_with_and_without_interleaving(rank_pool_4):
+    from benchmarks.dhelix_report import dhelix_tables, measured_row
+
+    row = measured_row(rank_pool_4, "tp_sp", 2, steps=2)
+    assert row["ranks"] == 4 and row["kept"] == "interleaved" and row["same_plan_on_all_ranks"]
+    assert row["plain_median_ms"] > 0 and row["interleaved_median_ms"] > 0
+    assert row["max_abs_diff"] < 1e-4  # the two compiled steps compute the same step
+    doc = {"workload": "w", "model": "m", "oef": "o", "source": "s", "capture_s": 0.0, "rows": [],
+           "measured": [row], "measured_setup": "4 gloo ranks"}
+    out = dhelix_tables(doc)
+    assert "MEASURED" in out and "tp_sp" in out
+
+
 # ---------------------------------------------------------------- one process
 
 @pytest.fixture(autouse=True)

@@ -185,9 +185,11 @@ register_fuzz_target("workload_partition", generators=("tp", "sp", "fsdp", "mixe
 register_fuzz_target("centauri_partition", generators=("tp", "sp", "fsdp", "mixed"), world_sizes=(8,),
                      scaled_tolerance=True, topology=fuzz_target("group_partition").topology)
 
-# The overlap scheduler only reorders nodes and keeps the collectives' issue order (all groups):
-# values bitwise equal and the verifier's sequence / total-order hashes unchanged, every family.
-register_fuzz_target("schedule_overlap", exact=True, keeps_collective_order=True)
+# The overlap scheduler only reorders nodes: values bitwise equal, every family. Its layer level
+# (Eq. 1) re-chains collectives inside a backward layer, so the issue order may change where a graph
+# has backward nodes (tangent inputs or phase tags); the fuzzer's micro-batched joint programs are
+# the first fuzzed graphs with them, so the order contract is not claimed.
+register_fuzz_target("schedule_overlap", exact=True)
 # Re-chains collectives inside a layer (Eq. 1), so the issue order may change; values may not.
 register_fuzz_target("schedule_overlap_layer_forced", exact=True)
 

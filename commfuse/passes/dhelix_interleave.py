@@ -51,7 +51,7 @@ from .context import PassContext
 from .model_level import Eq2Inputs, microbatch_graph, solve_eq2
 from .registry import register_pass
 from .schedule_list import apply_order, build_problem
-from .schedule_overlap import default_estimator
+from .schedule_overlap import _summary, default_estimator
 
 COMM_META_KEY = "commfuse_dhelix_comm"
 FORWARD_STREAM = 1  # the forward strand's compute in paired steps; the backward strand stays on 0
@@ -143,11 +143,6 @@ class DHelixInterleave(GraphPass):
         return PassResult(changed=changed, decisions=[decision],
                           counts={"units": len(plan.units), "paired_segments": plan.summary()["pairs"],
                                   "collectives": len(ctx.ir.collectives)})
-
-
-def _summary(r) -> dict:
-    return {"makespan_us": round(float(r.makespan_us), 3), "exposed_comm_us": round(float(r.exposed_comm_us), 3),
-            "peak_memory_bytes": int(r.peak_memory_bytes)}
 
 
 def activation_peak(peak: int, ctx: PassContext) -> int:
