@@ -24,8 +24,8 @@ from commfuse.models import llama, moe_tp
 from commfuse.testing.numerics import assert_close_tree
 from commfuse.train_step import compile_train_step
 
-STEPS = 2
-LR = 0.05
+from _jobs_train_step import _local, _train  # noqa: E402  (same 2 SGD steps, lr 0.05)
+
 LLAMA = llama.LlamaConfig(n_layers=4, dim=32, n_heads=4, ffn_dim=64)
 
 
@@ -64,18 +64,6 @@ def _setup(layout: str) -> tuple[Callable[[], torch.nn.Module], Callable[[int], 
     raise ValueError(layout)
 
 
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.detach().clone()
-
-
-def _state(model: torch.nn.Module) -> dict[str, Any]:
-    return {"grads": {n: _local(p.grad) for n, p in model.named_parameters()},
-            "params": {n: _local(p) for n, p in model.named_parameters()}}
-
-
 def plain_loop(model: torch.nn.Module, loss_fn, x: torch.Tensor, y, m: int) -> torch.Tensor:
     """The reference: gradient accumulation written the ordinary way, eagerly."""
     total = None
@@ -85,19 +73,6 @@ def plain_loop(model: torch.nn.Module, loss_fn, x: torch.Tensor, y, m: int) -> t
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
-
-
-def _train(model: torch.nn.Module, batch, step_fn) -> dict[str, Any]:
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads_step0 = [], None
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=True)
-        x, y = batch(step)
-        losses.append(step_fn(x, y))
-        if step == 0:
-            grads_step0 = _state(model)["grads"]
-        opt.step()
-    return {"loss": losses, "grads0": grads_step0, **_state(model)}
 
 
 def dhelix_step_matches_loop(layout: str, microbatches: list[int]) -> dict[int, Any]:

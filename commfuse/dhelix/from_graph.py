@@ -78,8 +78,9 @@ class GraphSegments:
         return tuple(s.kind for s in self.segments)
 
 
-def _reaches_only_output(node: fx.Node) -> bool:
-    """Every use of ``node`` leads to the graph output through view-like ops only."""
+def _reaches_only_output(node: fx.Node, through=lambda u: u.target in _VIEW_LIKE) -> bool:
+    """Every use of ``node`` leads to the graph output through nodes ``through`` accepts only
+    (default: view-like ops)."""
     stack = list(node.users)
     if not stack:
         return False
@@ -91,9 +92,7 @@ def _reaches_only_output(node: fx.Node) -> bool:
         seen.add(u)
         if u.op == "output":
             continue
-        if u.op != "call_function" or u.target not in _VIEW_LIKE:
-            return False
-        if not u.users:
+        if u.op != "call_function" or not through(u) or not u.users:
             return False
         stack.extend(u.users)
     return True

@@ -54,7 +54,7 @@ from ..ir.graph_ir import PHASE_META_KEY, CollectiveIR
 from ..passes.model_level import MicrobatchGraph, microbatch_graph
 from ..passes.schedule_list import ScheduleProblem, build_problem, keyed_topological_order
 from ..train_step import microbatch_of
-from .from_graph import _VIEW_LIKE, _comm_kind, cut_segments
+from .from_graph import _VIEW_LIKE, _comm_kind, _reaches_only_output, cut_segments
 from .overlap import OEFTable
 from .plan_dp import InfeasiblePlanError, PairingPlan, search_plans
 from .segments import Segment, merge_overlapping
@@ -114,22 +114,8 @@ class InterleavePlan:
 def _movable(node: fx.Node) -> bool:
     """A backward mm whose value only reaches the output (through views and the accumulation
     of micro-batch gradients): a weight-gradient GEMM nothing else in the step waits for."""
-    if node.target is not aten.mm.default:
-        return False
-    stack, seen = list(node.users), set()
-    while stack:
-        u = stack.pop()
-        if u in seen:
-            continue
-        seen.add(u)
-        if u.op == "output":
-            continue
-        if u.op != "call_function" or not (u.target in _VIEW_LIKE or u.target in _ACCUMULATE):
-            return False
-        if u.meta.get(PHASE_META_KEY) != "backward" or not u.users:
-            return False
-        stack.extend(u.users)
-    return bool(seen)
+    return node.target is aten.mm.default and _reaches_only_output(node, lambda u: (
+        (u.target in _VIEW_LIKE or u.target in _ACCUMULATE) and u.meta.get(PHASE_META_KEY) == "backward"))
 
 
 def _deferred(nodes: list[fx.Node], movable: set[fx.Node]) -> list[fx.Node]:
