@@ -109,18 +109,22 @@ def dhelix_step_matches_loop(layout: str, microbatches: list[int]) -> dict[int, 
 
 
 def step_times(layout: str, microbatches: int, steps: int) -> dict[str, Any]:
-    """Measured step time of the plain (default pipeline) and the interleaved (dhelix) compiled step
-    on these gloo ranks, alternating the two every step; the first (compiling) step of each is not
-    timed. Returns per kind the per-step seconds, the final loss and gradients, and the interleaving
-    pass's decision."""
+    """Measured step time on these gloo ranks of three compiled steps, alternated every step (the
+    first, compiling step of each not timed): "plain" (default pipeline), "fused" (the dhelix
+    partition and pipeline without the interleaving pass: every forward, then every backward) and
+    "interleaved" (``Config(dhelix=True)``). Returns per kind the per-step seconds, the final loss
+    and gradients, and the interleaving pass's decision."""
     import time
 
     make_model, batch, loss_fn, roles = _setup(layout)
     torch._dynamo.reset()
     runs: dict[str, Any] = {}
-    for kind, dhelix in (("plain", False), ("interleaved", True)):
+    from commfuse.passes.registry import DHELIX_PIPELINE
+
+    no_interleave = [p for p in DHELIX_PIPELINE if p != "dhelix_interleave"]
+    for kind, dhelix, passes in (("plain", False, None), ("fused", True, no_interleave), ("interleaved", True, None)):
         model = make_model()
-        cfg = commfuse.Config(inner_compiler="eager", dhelix=dhelix, group_roles=roles)
+        cfg = commfuse.Config(inner_compiler="eager", dhelix=dhelix, passes=passes, group_roles=roles)
         runs[kind] = {"model": model, "step": compile_train_step(model, loss_fn, microbatches=microbatches, config=cfg),
                       "times": []}
     x, y = batch(0)

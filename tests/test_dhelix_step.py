@@ -181,3 +181,32 @@ def test_dhelix_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="dhelix_oef_profile"):
         commfuse.Config(inner_compiler="eager", dhelix=True, dhelix_oef_profile=str(tmp_path / "missing.json"))
     assert "dhelix_interleave" in DHELIX.pass_names() and "schedule_overlap" not in DHELIX.pass_names()
+
+
+def test_over_the_memory_budget_the_non_interleaved_order_is_kept(monkeypatch):
+    import commfuse.passes.dhelix_interleave as mod
+
+    real = mod.plan_interleaving
+
+    def worse(gm, *a, **kw):  # a plan whose order is the input's: every backward held to the end
+        plan = real(gm, *a, **kw)
+        plan.order = list(gm.graph.nodes)
+        return plan
+
+    monkeypatch.setattr(mod, "plan_interleaving", worse)
+    base = llama.build_llama(CFG, seed=0)
+    b = llama.make_inputs(CFG, 8, 8, rank=0, world_size=1, seed=0)
+    ref = copy.deepcopy(base)
+    want = _plain_loop(ref, b.inputs, b.target, 4)
+    model = copy.deepcopy(base)
+    cfg = commfuse.Config(inner_compiler="eager", strict=True, dhelix=True, schedule_memory_budget=1.0)
+    step = compile_train_step(model, _mse, microbatches=4, config=cfg)
+    got = step(b.inputs, targets=b.target)
+    d = _interleave_decision(step)
+    assert d["interleaved"]["peak_memory_bytes"] > d["sequential"]["peak_memory_bytes"]
+    assert d["kept"] == "sequential"
+    refusals = [p for r in step.reports for p in r.passes if p.name == "dhelix_interleave"][0].refusals
+    assert "exceeds schedule_memory_budget=1.0" in refusals[0]
+    assert torch.equal(got, want)
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -13,8 +13,9 @@ Contract
   ``python -m commfuse profile-overlap``; without one, the illustrative default factors).
 - Keeps the interleaved order only if the simulator's peak memory of it stays within
   ``schedule_memory_budget`` times that of the non-interleaved step (``sequential_order``:
-  every forward, then every backward, in micro-batch order, same graph); otherwise the
-  input order is kept and the reason reported. Both peaks, and the activation peaks (peak
+  every forward, then every backward, in micro-batch order, same graph); otherwise that
+  non-interleaved order is applied (or the input order kept, if it holds less) and the reason
+  reported. Both peaks, and the activation peaks (peak
   minus the gradients the step returns), are reported.
   Predicted makespans of both orders are reported, not used to refuse: the cost model has no
   concurrency between two compute streams, so it cannot see all of the gain.
@@ -118,7 +119,8 @@ class DHelixInterleave(GraphPass):
         oef, oef_name = oef_table_for(ctx.config.dhelix_oef_profile)
         group, eq2 = unit_size(ctx, sim)
         before = sim.simulate(record=False)
-        sequential = sim.simulate(order=sequential_order(ctx.gm, sim, ctx.ir), record=False)
+        seq_order = sequential_order(ctx.gm, sim, ctx.ir)
+        sequential = sim.simulate(order=seq_order, record=False)
         plan = plan_interleaving(ctx.gm, sim, ctx.ir, est.topology, oef, group=group)
         decision: dict = {"graph": ctx.graph_kind, "estimator": est_name, "oef": oef_name, "eq2": eq2,
                           "input": _summary(before), "sequential": _summary(sequential)}
@@ -130,11 +132,16 @@ class DHelixInterleave(GraphPass):
                                                    "interleaved": activation_peak(after.peak_memory_bytes, ctx)}})
         limit = ctx.config.schedule_memory_budget * sequential.peak_memory_bytes
         if after.peak_memory_bytes > limit:
-            decision["kept"] = "input"
-            return PassResult(changed=False, decisions=[decision], refusals=[
+            # The non-interleaved order instead: its backwards run in micro-batch order, the order the
+            # fused partition accumulates in, so it never holds more than the input order.
+            use_seq = seq_order != list(ctx.gm.graph.nodes) and sequential.peak_memory_bytes <= before.peak_memory_bytes
+            decision["kept"] = "sequential" if use_seq else "input"
+            if use_seq:
+                apply_order(ctx.gm, seq_order)
+            return PassResult(changed=use_seq, decisions=[decision], refusals=[
                 f"interleaved peak memory {after.peak_memory_bytes} B exceeds schedule_memory_budget="
                 f"{ctx.config.schedule_memory_budget} x the non-interleaved step's {sequential.peak_memory_bytes} B: "
-                "order kept"])
+                f"{decision['kept']} order kept"])
         decision["kept"] = "interleaved"
         changed = plan.order != list(ctx.gm.graph.nodes)
         if changed:
