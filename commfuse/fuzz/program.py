@@ -27,6 +27,8 @@ graph is a joint forward+backward graph.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import json
 import logging
@@ -583,7 +585,10 @@ def trace_rank(program: Program, rank: int, inputs: list[torch.Tensor]):
     level = fake_log.level
     fake_log.setLevel(logging.CRITICAL)  # invalid candidates of the shrinker would log every meta failure
     try:
-        with warnings.catch_warnings(), preserve_node_meta():
+        # micro-batch tags ride on node meta (torch.fx.traceback.annotate): only those traces pay
+        # for preserving it
+        batched = program.joint and program.microbatches > 1
+        with warnings.catch_warnings(), (preserve_node_meta() if batched else contextlib.nullcontext()):
             warnings.simplefilter("ignore")
             gm = make_fx(build_callable(program, ctx), tracing_mode="fake")(*args)
     finally:
