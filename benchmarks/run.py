@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, help="write comparison.png and scaling.png into this directory")
     ap.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
     ap.add_argument("--no-scaling", action="store_true", help="skip the compile-time scaling points")
+    ap.add_argument("--workloads", default=None, metavar="NAME[,NAME]",
+                    help="run only these of the suite's workloads (e.g. llama_tp_sp:s; default: all of them)")
     ap.add_argument("--from-json", type=Path, help="re-render a stored run instead of measuring")
     for name, rep in _REPORTS.items():
         ap.add_argument("--" + name.replace("_", "-"), action="store_true", help=rep.help)
@@ -257,7 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         doc = json.loads(args.from_json.read_text())
     else:
-        doc = run_suite(get_suite(args.suite), args.json, scaling=not args.no_scaling)
+        suite = get_suite(args.suite)
+        if args.workloads:
+            try:
+                suite = suite.only(args.workloads.split(","))
+            except KeyError as e:
+                ap.error(f"--workloads: {e.args[0]}")
+        doc = run_suite(suite, args.json, scaling=not args.no_scaling)
     print(text_tables(doc))
     if doc.get("wall_s") is not None:
         print(f"\nwall time: {doc['wall_s']:.0f} s")

@@ -12,7 +12,9 @@ gets its single-pass baseline in every suite without editing this file.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Sequence
 
 from benchmarks.baselines import baseline_names, get_baseline
 from benchmarks.workloads import workload_names
@@ -47,6 +49,14 @@ class Suite:
                     continue
                 pairs.append((w, b))
         return pairs
+
+    def only(self, workloads: Sequence[str]) -> "Suite":
+        """This suite restricted to ``workloads`` (each must be one of its own)."""
+        unknown = [w for w in workloads if w not in self.workloads]
+        if unknown:
+            raise KeyError(f"workloads {unknown} are not in suite {self.name!r}; its workloads: "
+                           f"{', '.join(self.workloads)}")
+        return dataclasses.replace(self, workloads=tuple(workloads))
 
     @property
     def uses_inductor(self) -> bool:

@@ -1,11 +1,25 @@
-"""Shared pytest fixtures for commfuse tests."""
+"""Shared pytest fixtures and rules for commfuse tests.
+
+Rules enforced at collection: a test marked ``slow`` says why (``@pytest.mark.slow(reason=...)``);
+the inner tier (``-m "not slow"``) must stay within docs/contributing.md's budget.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# One Inductor cache directory for the whole run, shared by this process, the rank pools'
+# workers and the benchmark subprocesses (they inherit the environment): a graph compiled
+# twice in a run compiles once, and no run depends on what an earlier run left in /tmp.
+_OWN_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+if _OWN_INDUCTOR_CACHE:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="commfuse-tests-inductor-")
 
 # Make `import commfuse` work without installing the package. Rank-pool
 # workers copy the parent's sys.path, so they see it too.
@@ -26,3 +40,16 @@ def rank_pool_2() -> RankPool:
 def rank_pool_4() -> RankPool:
     """A session-wide pool of 4 gloo ranks (see commfuse.testing.rank_pool)."""
     return get_pool(4)
+
+
+def pytest_collection_modifyitems(config, items):
+    unreasoned = [item.nodeid for item in items
+                  if (m := item.get_closest_marker("slow")) is not None and not m.kwargs.get("reason")]
+    if unreasoned:
+        raise pytest.UsageError(
+            "tests marked slow without a reason (write @pytest.mark.slow(reason=\"...\")): " + ", ".join(unreasoned))
+
+
+def pytest_unconfigure(config):
+    if _OWN_INDUCTOR_CACHE:
+        shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)

@@ -20,6 +20,7 @@ def test_first_difference_names_the_collective():
     assert "no collective" in first_difference(a, {"forward": a["forward"][:1]})
 
 
+@pytest.mark.slow(reason="compiles on 2 gloo ranks until the planted disagreement raises")
 @pytest.mark.multirank
 def test_planted_rank_disagreement_raises_instead_of_hanging(rank_pool_2):
     msgs = rank_pool_2.run(planted_disagreement, 30.0, timeout=120)
@@ -35,8 +36,8 @@ def test_rank_without_record_still_joins_the_exchange(rank_pool_2):
     assert outs == [28.0, 28.0]
 
 
+@pytest.mark.slow(reason="cold Inductor compiles on 2 gloo ranks, twice")
 @pytest.mark.multirank
-@pytest.mark.slow
 def test_inductor_cache_hit_on_one_rank_does_not_hang(rank_pool_2, tmp_path):
     results = rank_pool_2.run(inductor_cache_hit_on_rank0_only, str(tmp_path), timeout=500)
     r0, r1 = results

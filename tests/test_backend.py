@@ -44,6 +44,7 @@ def test_backend_registered_by_name_and_entry_point():
     assert eps and eps[0].load() is commfuse.commfuse_backend
 
 
+@pytest.mark.slow(reason="starts a fresh Python process that imports torch")
 def test_entry_point_works_without_import():
     # torch.compile(backend="commfuse") in a fresh interpreter that never imports commfuse.
     code = ("import torch\nm=torch.nn.Linear(4,4)\nc=torch.compile(m, backend='commfuse')\n"
@@ -93,7 +94,7 @@ def no_compile_caches():
         yield
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="cold Inductor compiles (caches off)")
 def test_inductor_inner_compiler_equals_torch_compile(tmp_path, no_compile_caches):
     """Empty pass list through Inductor == plain torch.compile (Inductor), bitwise."""
     x = torch.randn(4, 16)
@@ -106,7 +107,7 @@ def test_inductor_inner_compiler_equals_torch_compile(tmp_path, no_compile_cache
     assert sorted(p.name for p in tmp_path.iterdir()) == ["backward_000", "forward_000", "joint_000"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="cold Inductor compile (caches off)")
 def test_inductor_chains_user_post_grad_pass(no_compile_caches):
     import torch._inductor.config as icfg
     from torch._inductor.custom_graph_pass import CustomGraphPass

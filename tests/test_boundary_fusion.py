@@ -311,6 +311,7 @@ def _check(out: list[dict], rule: str, exact: bool) -> None:
                 assert_close_tree(actual, expected, msg=f"on rank {r}, {key}")
 
 
+@pytest.mark.slow(reason="runs fused and unfused pipelines on 4 gloo ranks")
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_fused_pipeline_matches_unfused_on_four_ranks(rank_pool_4, name):
@@ -327,6 +328,7 @@ def test_fused_pipeline_matches_unfused_on_four_ranks(rank_pool_4, name):
     _check(out, w.rule, exact=w.rule in ("ag_p2p", "a2a_p2p", "ar_p2p"))
 
 
+@pytest.mark.slow(reason="runs random pipeline boundary cases on gloo ranks")
 @pytest.mark.multirank
 def test_random_boundary_cases_match_unfused(rank_pool_4):
     """Randomised property test (the fuzzer cannot reach pipeline forward graphs): per rule,

@@ -281,6 +281,7 @@ def test_simple_fsdp_graphs_have_fewer_collectives(mode):
 
 
 # ---------------------------------------------------------------- 4 gloo ranks
+@pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
 @pytest.mark.multirank
 @pytest.mark.parametrize("mode", ["fully_shard", "replicate"])
 def test_simple_fsdp_and_dp_match_eager_on_4_ranks(rank_pool_4, mode):

@@ -29,6 +29,7 @@ def test_fits_become_profile_params():
     assert comp.view_us == 1.5
 
 
+@pytest.mark.slow(reason="micro-benchmarks ops and collectives on gloo ranks")
 @pytest.mark.multirank
 def test_calibrate_smoke_writes_loadable_profile(tmp_path, rank_pool_2):
     res = calibrate(2, sizes=(1024, 16384), warmup=1, reps=2, log=None)

@@ -14,8 +14,8 @@ from commfuse.models import llama
 from commfuse.train_step import compile_train_step
 
 
+@pytest.mark.slow(reason="compiles 4-layer fused train steps on 4 gloo ranks (M = 2 and 4)")
 @pytest.mark.multirank
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp_sp", "moe"])
 def test_interleaved_step_equals_plain_loop_on_4_ranks(rank_pool_4, layout):
     import _jobs_dhelix as jobs
@@ -34,8 +34,8 @@ def test_interleaved_step_equals_plain_loop_on_4_ranks(rank_pool_4, layout):
         assert s["peak_interleaved"] <= 1.10 * s["peak_sequential"], s
 
 
+@pytest.mark.slow(reason="times two compiled train steps on 4 gloo ranks")
 @pytest.mark.multirank
-@pytest.mark.slow
 def test_report_measures_the_step_with_and_without_interleaving(rank_pool_4):
     from benchmarks.dhelix_report import dhelix_tables, measured_row
 
@@ -78,6 +78,7 @@ def _interleave_decision(step) -> dict:
     return found[0].decisions[0]
 
 
+@pytest.mark.slow(reason="compiles a 4-layer fused train step (every micro-batch in one graph)")
 @pytest.mark.parametrize("m", [2, 4])
 def test_fused_interleaved_step_equals_plain_loop(m):
     base = llama.build_llama(CFG, seed=0)
@@ -96,6 +97,7 @@ def test_fused_interleaved_step_equals_plain_loop(m):
         assert torch.equal(p.grad, q.grad), name
 
 
+@pytest.mark.slow(reason="compiles a 4-layer fused train step (every micro-batch in one graph)")
 def test_chain_pairs_each_backward_with_the_next_forward_layer_against_layer():
     model = llama.build_llama(CFG, seed=0)
     b = llama.make_inputs(CFG, 8, 8, rank=0, world_size=1, seed=0)
@@ -116,6 +118,7 @@ def test_chain_pairs_each_backward_with_the_next_forward_layer_against_layer():
     assert [c["step"] for c in alone] == [0] * 4 + [4] * 4  # F(u0) first, B(u3) last
 
 
+@pytest.mark.slow(reason="compiles a 4-layer fused train step twice")
 def test_plan_is_a_function_of_the_graph():
     digests = []
     for _ in range(2):
@@ -138,6 +141,7 @@ def test_one_microbatch_is_partitioned_as_usual():
     assert found and all(not p.changed and "not a fused" in p.refusals[0] for p in found)
 
 
+@pytest.mark.slow(reason="compiles and lowers a 4-layer fused train step")
 def test_interleaved_graph_lowers_with_barriers_and_a_forward_strand_stream():
     model = llama.build_llama(CFG, seed=0)
     b = llama.make_inputs(CFG, 4, 8, rank=0, world_size=1, seed=0)
@@ -183,6 +187,7 @@ def test_dhelix_config_errors_name_the_field(tmp_path):
     assert "dhelix_interleave" in DHELIX.pass_names() and "schedule_overlap" not in DHELIX.pass_names()
 
 
+@pytest.mark.slow(reason="compiles a 4-layer fused train step (every micro-batch in one graph)")
 def test_over_the_memory_budget_the_non_interleaved_order_is_kept(monkeypatch):
     import commfuse.passes.dhelix_interleave as mod
 

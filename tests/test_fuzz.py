@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import time
 import warnings
 from pathlib import Path
@@ -17,10 +18,15 @@ from commfuse.fuzz.generator import FEATURES
 from commfuse.fuzz import (
     FAMILIES,
     FUZZ_NOTES,
+    CorpusError,
     Program,
+    all_pipelines,
     check_program,
+    fuzz_target,
     generate_program,
+    load_corpus,
     load_regression,
+    make_corpus,
     make_regression,
     passes_missing_fuzz_entry,
     program_for,
@@ -28,6 +34,8 @@ from commfuse.fuzz import (
     registered_targets,
     replay,
     run_campaign,
+    run_parallel,
+    save_corpus,
     save_regression,
     shrink,
     single_pass_pipeline,
@@ -39,8 +47,13 @@ from commfuse.passes import GraphPass, PassResult, Stage, available_passes, regi
 
 c10d = torch.ops._c10d_functional
 REGRESSIONS = Path(__file__).parent / "fuzz_regressions"
-CI_PROGRAMS = int(os.environ.get("COMMFUSE_FUZZ_PROGRAMS", "500"))
-CI_SEED = int(os.environ.get("COMMFUSE_FUZZ_SEED", "20240"))
+# The CI slice: programs frozen in a file, so every run of a commit checks the same programs and
+# a change to the generator or the pass registry cannot bring in a newly found failure. Set
+# COMMFUSE_FUZZ_SEED (and COMMFUSE_FUZZ_PROGRAMS, default 500) to check freshly generated
+# programs instead; the long campaign is a command (docs/contributing.md).
+CI_CORPUS = Path(__file__).parent / "fuzz_corpus" / "ci.json"
+FRESH_SEED = os.environ.get("COMMFUSE_FUZZ_SEED")
+FRESH_PROGRAMS = int(os.environ.get("COMMFUSE_FUZZ_PROGRAMS", "500"))
 
 
 def _say(capsys, line: str) -> None:
@@ -119,19 +132,56 @@ def test_shrink_is_greedy_and_keeps_the_failure():
 
 
 # -- the CI campaign ---------------------------------------------------------------------
+@pytest.mark.slow(reason="the CI fuzz slice: the frozen corpus through every registered pass and the default pipeline (~2 min)")
 def test_fuzz_campaign(capsys):
-    """CI_PROGRAMS seeded programs, every registered pass alone and the default pipeline."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    """The CI slice (tests/fuzz_corpus/ci.json), every registered pass alone and the default
+    pipeline, in two processes (one a core)."""
+    if FRESH_SEED is not None:
         # Every generator feature and the IR check are on: the in-place-buffer verifier bug and
         # the view/slice layout gaps they found are fixed (tests/fuzz_regressions/*, status fixed).
-        rep = run_campaign(CI_PROGRAMS, CI_SEED, shrink_failures=True, features=FEATURES, check_ir=True)
+        rep = run_parallel(FRESH_PROGRAMS, int(FRESH_SEED), 2, features=FEATURES, check_ir=True)
+        expected = FRESH_PROGRAMS
+    else:
+        corpus = load_corpus(CI_CORPUS)
+        rep = run_parallel(0, corpus.seed, 2, check_ir=True, corpus=corpus)
+        expected = len(corpus.programs)
     _say(capsys, rep.summary())
-    assert rep.programs == CI_PROGRAMS
+    assert rep.programs == expected
     assert rep.generator_errors == 0, rep.summary()
     assert not rep.failures, rep.summary() + "\n\n" + "\n\n".join(b.failure.message[:3000] for b in rep.bugs)
     assert rep.per_rank > 0 and rep.joint > 0
     assert set(rep.pipeline_checks) == set(available_passes()) | {"default"}
+
+
+def test_ci_corpus_exercises_every_registered_pass():
+    """Each pass is checked on some program of the CI slice; a new pass whose fuzz target accepts
+    none of them needs the corpus rewritten (the command is in the file, docs/contributing.md)."""
+    corpus = load_corpus(CI_CORPUS)
+    assert corpus.command.startswith("python -m commfuse.fuzz --write-corpus")
+    assert len({i for i, _ in corpus.programs}) == len(corpus.programs) >= 100
+    unexercised = [name for name in available_passes()
+                   if not any(fuzz_target(name).accepts(p) for _, p in corpus.programs)]
+    assert not unexercised, (f"no program of {CI_CORPUS} is fuzzed with {unexercised}: rewrite the corpus with "
+                             f"`{corpus.command.replace('FILE', str(CI_CORPUS))}` (more --programs if needed)")
+
+
+def test_corpus_roundtrip_and_bad_files_name_the_field(tmp_path):
+    frozen = make_corpus(20240, 3, start=6, features=FEATURES)
+    assert [i for i, _ in frozen.programs] == [6, 7, 8]
+    assert [p.dumps() for _, p in frozen.programs] == [program_for(20240, i, all_pipelines(), FEATURES).dumps()
+                                                      for i in (6, 7, 8)]
+    again = load_corpus(save_corpus(tmp_path / "c.json", frozen))
+    assert (again.seed, again.start, again.features) == (20240, 6, tuple(FEATURES))
+    assert [(i, p.dumps()) for i, p in again.programs] == [(i, p.dumps()) for i, p in frozen.programs]
+    rep = run_campaign(corpus=again, pipelines=[single_pass_pipeline("sink_waits")])
+    assert rep.programs == 3 and rep.seed == 20240
+    bad = tmp_path / "bad.json"
+    for text, field in (("{", "cannot read"), ('{"format": 2}', "'format'"), ('{"format": 1, "seed": 1}', "'programs'"),
+                        ('{"format": 1, "seed": 1, "programs": [{"index": 0}]}', "programs[0]")):
+        bad.write_text(text)
+        with pytest.raises(CorpusError, match=re.escape(field)) as e:
+            load_corpus(bad)
+        assert str(bad) in str(e.value)
 
 
 # -- deliberately wrong passes are caught ------------------------------------------------
@@ -197,6 +247,7 @@ class _SinkPastMutations(GraphPass):
     (_SwapResults, "mismatch", 5),
     (_SinkPastMutations, "reference_error", 5),
 ], ids=["wrong_reduce_op", "swapped_results", "wait_sunk_past_mutation"])
+@pytest.mark.slow(reason="fuzzes until the planted bug is found (up to 400 programs), then shrinks it")
 def test_wrong_pass_is_caught_shrunk_saved_and_replayed(capsys, tmp_path, cls, kind, max_ops):
     register_pass(cls)
     try:

@@ -303,6 +303,7 @@ def test_two_ranks_simple_fsdp_mlp_matches_eager(rank_pool_2):
     assert all(d["reduce_op"] == "avg" for d in results[0]["backward"]["decisions"])
 
 
+@pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
 @pytest.mark.multirank
 def test_four_ranks_two_nodes_bucketed_llama_matches_eager(rank_pool_4):
     """2 nodes x 2 ranks; buckets first (as the default pipeline does), then the lowering."""
@@ -319,8 +320,8 @@ def test_four_ranks_bf16_sum_matches_eager(rank_pool_4):
     assert all(d["dtype"] == "torch.bfloat16" for d in results[0]["backward"]["decisions"])
 
 
+@pytest.mark.slow(reason="cold Inductor compiles on 2 gloo ranks")
 @pytest.mark.multirank
-@pytest.mark.slow
 def test_inductor_compiles_the_lowered_graph(rank_pool_2):
     results = rank_pool_2.run(jobs.inductor_compiles_the_lowering, timeout=540)
     for r in results:
@@ -328,6 +329,7 @@ def test_inductor_compiles_the_lowered_graph(rank_pool_2):
         assert any(k == ["all_to_all"] for k in r["kinds"].values()), r["kinds"]
 
 
+@pytest.mark.slow(reason="times gloo collectives on 2 ranks")
 @pytest.mark.multirank
 def test_benchmark_measures_and_predicts_on_two_ranks():
     """benchmarks/gloo_reduce_scatter.py end to end at one small size (its correctness check runs

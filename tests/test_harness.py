@@ -156,6 +156,7 @@ def test_raising_rank_reports_rank_and_remote_traceback(rank_pool_2: RankPool) -
     assert rank_pool_2.run(_job_all_reduce)[1][0].item() == 3.0
 
 
+@pytest.mark.slow(reason="waits out a planted hang, then restarts the rank pool")
 @pytest.mark.multirank
 def test_planted_hang_times_out_and_pool_recovers(rank_pool_2: RankPool) -> None:
     generation = rank_pool_2.generation
@@ -172,6 +173,7 @@ def test_planted_hang_times_out_and_pool_recovers(rank_pool_2: RankPool) -> None
     assert [r[0].item() for r in results] == [3.0, 3.0]
 
 
+@pytest.mark.slow(reason="waits out a rank stuck in a collective, then restarts the rank pool")
 @pytest.mark.multirank
 def test_failure_with_peer_stuck_in_collective_recovers(rank_pool_2: RankPool) -> None:
     grace = rank_pool_2.failure_grace_s
@@ -188,6 +190,7 @@ def test_failure_with_peer_stuck_in_collective_recovers(rank_pool_2: RankPool) -
     assert [r[0].item() for r in rank_pool_2.run(_job_all_reduce)] == [3.0, 3.0]
 
 
+@pytest.mark.slow(reason="restarts the rank pool after a planted crash")
 @pytest.mark.multirank
 def test_crashed_rank_is_reported_and_pool_recovers(rank_pool_2: RankPool) -> None:
     with pytest.raises(RankFailure, match="exited with code 7") as info:
@@ -214,6 +217,7 @@ def test_subgroups_do_not_leak_between_jobs(rank_pool_2: RankPool) -> None:
     assert [after for _, after in second] == [2, 2]
 
 
+@pytest.mark.slow(reason="compiles a train step on gloo ranks")
 @pytest.mark.multirank
 def test_train_step_eager_vs_aot_eager_is_bitwise_equal(rank_pool_2: RankPool) -> None:
     results = rank_pool_2.run(_job_eager_vs_aot_eager)

@@ -50,6 +50,7 @@ def page_path(tmp_path_factory):
     return write_html(hostile, d / "report.html", title=f"report {HOSTILE}")
 
 
+@pytest.mark.slow(reason="starts headless Chromium")
 def test_report_page_in_chromium(page_path):
     sync_playwright = _browser_or_skip()
     console, dialogs, failed = [], [], []

@@ -494,6 +494,7 @@ def lagom_pipeline_matches_eager() -> dict:
     return {"lagom": [p for p in out["passes"] if p["name"] == "lagom_tune"], "graphs": out["graphs"]}
 
 
+@pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
 @pytest.mark.multirank
 def test_lagom_pipeline_on_gloo_ranks_matches_eager(rank_pool_2):
     res = rank_pool_2.run(lagom_pipeline_matches_eager)

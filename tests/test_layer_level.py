@@ -91,6 +91,7 @@ def test_parts_of_a_tp_fsdp_layer(tp_fsdp):
     assert all(pos[q] < pos[i] for i in range(free.size) for q in free.preds[i])  # topological
 
 
+@pytest.mark.slow(reason="schedules a backward graph with and without the layer-level order")
 def test_schedule_overlap_keeps_the_layer_order_when_it_is_faster(tp_fsdp):
     gm, roles = tp_fsdp
     before = fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -145,6 +146,7 @@ def model_graphs():
     return out
 
 
+@pytest.mark.slow(reason="traces a multi-layer model (module fixture)")
 def test_model_layers_and_their_choices(model_graphs):
     gm = model_graphs["fsdp"]
     free, ir = _problem(gm, {})

@@ -77,6 +77,7 @@ def step_graphs():
         yield {"forward": g["forward"], "backward": g["backward"]}
 
 
+@pytest.mark.slow(reason="traces train steps with several micro-batches (module fixture)")
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 def test_grouped_orders_are_topological_and_group_layers(step_graphs, kind):
     gm = step_graphs[kind]
@@ -96,6 +97,7 @@ def test_grouped_orders_are_topological_and_group_layers(step_graphs, kind):
     assert grouped_order(free, g, MB) != grouped_order(free, g, 1)
 
 
+@pytest.mark.slow(reason="traces train steps with several micro-batches (module fixture)")
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 def test_schedule_overlap_records_eq2_and_its_brute_force(step_graphs, kind):
     gm = fx.GraphModule(step_graphs[kind], copy.deepcopy(step_graphs[kind].graph))
@@ -116,6 +118,7 @@ def test_schedule_overlap_records_eq2_and_its_brute_force(step_graphs, kind):
         assert ml["eq2"]["L2"] == 1  # each micro-batch reduces its own gradients: grouping cannot hide more
 
 
+@pytest.mark.slow(reason="traces train steps with several micro-batches (module fixture)")
 def test_model_level_switch_and_graphs_without_microbatches(step_graphs):
     gm = fx.GraphModule(step_graphs["forward"], copy.deepcopy(step_graphs["forward"].graph))
     commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], topology=TOPO, strict=True,

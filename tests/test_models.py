@@ -227,6 +227,7 @@ def _check_pair(eager: Result, compiled: Result, reference: Result, counts: tupl
     _check_counts(compiled["bw"], counts[1])
 
 
+@pytest.mark.slow(reason="runs the parallel model on gloo ranks against the single-device reference")
 @pytest.mark.multirank
 @pytest.mark.parametrize("sp", [True, False], ids=["tp_sp", "tp"])
 def test_llama_matches_reference(sp: bool) -> None:
@@ -264,6 +265,7 @@ def test_llama_with_vocab_matches_reference() -> None:
     _assert_matches(results[0], _llama_reference(LLAMA_VOCAB), "eager TP+SP with vocab")
 
 
+@pytest.mark.slow(reason="runs the parallel model on gloo ranks against the single-device reference")
 @pytest.mark.multirank
 def test_moe_matches_reference() -> None:
     eager, compiled = _run_pair(_moe_job, 2)
@@ -277,6 +279,7 @@ def test_moe_top1_matches_reference() -> None:
     _assert_matches(results[0], _moe_reference(1, WORLD), "eager EP top-1")
 
 
+@pytest.mark.slow(reason="runs the parallel model on gloo ranks against the single-device reference")
 @pytest.mark.multirank
 @pytest.mark.parametrize("mode", ["fully_shard", "replicate"])
 def test_simple_fsdp_matches_reference(mode: str) -> None:

@@ -79,6 +79,7 @@ WORKLOADS = {
 }
 
 
+@pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
 @pytest.mark.multirank
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
@@ -93,6 +94,7 @@ def test_moe_workloads_match_eager(rank_pool_4, name, dtype):
         assert counts.get("collective_motion.ops_on_shards", 0) > 0
 
 
+@pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
 @pytest.mark.multirank
 def test_capacity_regroup_flag(rank_pool_4):
     results = rank_pool_4.run(moe_regroup_matches_grouped_reference, timeout=300)

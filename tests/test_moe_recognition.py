@@ -240,6 +240,7 @@ def test_capacity_factor_reproduces_the_capacity():
 
 
 # ------------------------------------------------------------------ chimera after recognition
+@pytest.mark.slow(reason="compiles an SP+EP+SP MoE model on gloo ranks")
 def test_sp_ep_sp_gather_moves_past_recognised_moe():
     """SP+EP+SP block with the GShard style (capacity that cannot bind): unoptimised, every
     rank gathers the sequence and dispatches every token; after recognition chimera runs the
@@ -301,6 +302,7 @@ def test_random_variants_match_eager(cfg, options, shape):
 @pytest.mark.parametrize("style,dtype,layout", [("gshard", "float32", "ep"), ("dropless", "float32", "ep"),
                                                 ("dropless", "bfloat16", "ep"),
                                                 ("dropless", "float32", "sp_ep_sp")])
+@pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
 def test_styles_match_eager_on_4_ranks(rank_pool_4, style, dtype, layout):
     steps = 1 if dtype == "bfloat16" else 2
     results = rank_pool_4.run(style_matches_eager, style, dtype, layout, steps, timeout=600)

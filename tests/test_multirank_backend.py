@@ -15,6 +15,7 @@ EXPECTED_KINDS = {
 }
 
 
+@pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
 @pytest.mark.multirank
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("example", sorted(EXPECTED_KINDS))
@@ -37,8 +38,8 @@ def _assert_runtime_issued_the_plan(r: dict) -> None:
     assert r["completed"]
 
 
+@pytest.mark.slow(reason="cold Inductor compiles of a whole example model on 2 gloo ranks")
 @pytest.mark.multirank
-@pytest.mark.slow
 @pytest.mark.parametrize("example", sorted(EXPECTED_KINDS))
 def test_inductor_end_to_end(rank_pool_2, example):
     """One Inductor end-to-end run per example (2 ranks: cold Inductor compiles dominate)."""

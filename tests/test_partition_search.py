@@ -77,6 +77,7 @@ def dgx2_fsdp(dgx2_graphs):
     return {k: fx.GraphModule(dgx2_graphs[k], copy.deepcopy(dgx2_graphs[k].graph)) for k in ("forward", "backward")}
 
 
+@pytest.mark.slow(reason="runs the partition search on a traced model")
 def test_search_lowers_the_predicted_makespan_and_records_each_decision(dgx2_fsdp):
     # The backward's last gradient reduce_scatter has nothing left to hide under: the
     # search splits it over the two levels of the topology.
@@ -94,6 +95,7 @@ def test_search_lowers_the_predicted_makespan_and_records_each_decision(dgx2_fsd
     assert rec.decisions[-1]["makespan_after_us"] == pytest.approx(after.makespan_us, rel=1e-6)
 
 
+@pytest.mark.slow(reason="runs the partition search twice on a traced model")
 def test_search_is_deterministic(dgx2_fsdp):
     a = dgx2_fsdp["backward"]
     b = fx.GraphModule(a, copy.deepcopy(a.graph))
@@ -120,6 +122,7 @@ def test_leaves_include_every_level_for_a_spanning_all_gather(dgx2_fsdp):
     assert any(s.primitive != "keep" for s in leaves)
 
 
+@pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
 @pytest.mark.multirank
 def test_search_matches_eager_on_4_gloo_ranks(rank_pool_4):
     from _jobs_partition_search import partition_search_matches_eager

@@ -308,6 +308,7 @@ def _check_against_references(results, kind, mbs, num_stages, size):
             assert_bitwise_equal_tree(fb["grads"], gp["grads"], msg=f"{kind} m={m} rank {rank}")
 
 
+@pytest.mark.slow(reason="runs a pipeline-parallel model on 4 gloo ranks")
 @pytest.mark.multirank
 @pytest.mark.parametrize("kind", ["sp", "tp", "ep"])
 def test_pipeline_matches_eager_and_unsharded(rank_pool_4, kind, tmp_path):

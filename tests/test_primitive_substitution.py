@@ -309,6 +309,7 @@ def test_dp_gradient_all_reduce_as_rs_ag_matches_eager(rank_pool_4):
         assert res["kinds"]["backward"] == {"all_gather": 2, "reduce_scatter": 2}
 
 
+@pytest.mark.slow(reason="cold Inductor compiles")
 @pytest.mark.multirank
 def test_inductor_runs_the_rooted_forms(rank_pool_2):
     """The rooted reduce is a custom op with a real kernel: Inductor runs it as a fallback kernel

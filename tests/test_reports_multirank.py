@@ -20,6 +20,9 @@ from commfuse.reports.html import render_html
 EXAMPLES = ["llama_tp", "llama_tp_sp", "moe_ep", "moe_tp_ep", "moe_sp_ep_sp", "simple_fsdp"]
 
 
+pytestmark = pytest.mark.slow(reason="records every example on 4 gloo ranks once (module fixture), then checks the reports")
+
+
 @pytest.fixture(scope="module")
 def recorded(rank_pool_4, tmp_path_factory):
     """example -> (out dir, per-rank job results); the llama_tp run also writes predicted timelines."""

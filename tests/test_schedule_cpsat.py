@@ -155,6 +155,7 @@ def _greedy(gm):
     return p, sim, order, r, max(limit, r.peak_memory_bytes)
 
 
+@pytest.mark.slow(reason="CP-SAT on every window of three example models (module fixture)")
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 @pytest.mark.parametrize("example", ["tp_sp", "simple_fsdp", "moe"])
 def test_cpsat_never_worse_than_greedy_and_within_memory(example_graphs, example, kind):
@@ -170,6 +171,7 @@ def test_cpsat_never_worse_than_greedy_and_within_memory(example_graphs, example
     assert sorted(got_order) == list(range(p.size))
 
 
+@pytest.mark.slow(reason="CP-SAT on every window of three example models (module fixture)")
 def test_same_order_twice(example_graphs):
     p, sim, order, r, limit = _greedy(example_graphs["moe"]["backward"])
     a = _refine(p, sim, order, r, limit)

@@ -222,6 +222,7 @@ def test_without_topology_the_default_estimator_is_named(fsdp_graphs):
     assert d["estimator"] == "default dgx-h100 x1"
 
 
+@pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
 @pytest.mark.multirank
 def test_simple_fsdp_on_four_gloo_ranks_is_bitwise_equal_to_eager(rank_pool_4):
     results = rank_pool_4.run(scheduled_fsdp_matches_eager, timeout=240)
@@ -230,6 +231,7 @@ def test_simple_fsdp_on_four_gloo_ranks_is_bitwise_equal_to_eager(rank_pool_4):
     assert all(r["orders"] == results[0]["orders"] for r in results)  # the same schedule on every rank
 
 
+@pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
 @pytest.mark.multirank
 @pytest.mark.parametrize("example", ["llama_tp_sp", "simple_fsdp"])
 def test_default_pipeline_with_the_scheduler_matches_eager(rank_pool_4, example):

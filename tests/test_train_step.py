@@ -90,7 +90,7 @@ def test_equals_plain_accumulation_loop(m):
     assert [r.graph for r in step.reports] == ["joint", "forward", "backward"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="cold Inductor compile of a whole train step")
 def test_default_config_inductor_equals_plain_loop():
     """The default backend (default pipeline, Inductor codegen) on the same step."""
     x, y = _batch()
@@ -296,6 +296,7 @@ def test_exported_from_package():
     ("ddp", {"all_reduce": 9}),                                # all-reduce each parameter's grad
     ("tp_sp", {"all_gather": 4, "reduce_scatter": 4}),         # SP: 2 gathers + 2 scatters, fw and bw
 ])
+@pytest.mark.slow(reason="traces whole train steps with several micro-batches")
 def test_joint_graph_holds_every_microbatch_collectives(layout, per_microbatch):
     """With no passes, the one joint graph of a 4-micro-batch step holds 4x one micro-batch's collectives
     (the data-parallel gradient reductions included): what later passes get to regroup."""
@@ -319,6 +320,7 @@ def test_joint_graph_holds_every_microbatch_collectives(layout, per_microbatch):
 
 
 # ---------------------------------------------------------------- 4 gloo ranks
+@pytest.mark.slow(reason="compiles whole train steps (several micro-batches) on 4 gloo ranks")
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout, microbatches", [("simple_fsdp", [1, 2, 4]), ("tp_sp", [1, 2, 4]), ("ddp", [1, 4])])
 def test_parallel_llama_equals_plain_loop_on_4_ranks(rank_pool_4, layout, microbatches):

@@ -217,6 +217,7 @@ def llama_reports():
     return out
 
 
+@pytest.mark.slow(reason="compiles Llama TP/SP variants (module fixture)")
 def test_llama_tp_all_reduces_match(llama_reports):
     fw, bw = llama_reports[False]["forward"], llama_reports[False]["backward"]
     b, s, h, n = BATCH, SEQ, DIM, WORLD
@@ -232,6 +233,7 @@ def test_llama_tp_all_reduces_match(llama_reports):
     assert total_logged == V.tp_logged(LAYERS, b, s, h, n, F32, forward_all_reduces=2, backward_all_reduces=5)
 
 
+@pytest.mark.slow(reason="compiles Llama TP/SP variants (module fixture)")
 def test_llama_sp_gathers_and_scatters_match(llama_reports):
     fw, bw = llama_reports[True]["forward"], llama_reports[True]["backward"]
     b, s, h, n = BATCH, SEQ, DIM, WORLD  # s: the full sequence (each rank holds s/n)

@@ -18,6 +18,7 @@ from .check import (
     default_pipeline,
     single_pass_pipeline,
 )
+from .corpus import Corpus, CorpusError, load_corpus, make_corpus, save_corpus
 from .generator import FAMILIES, generate_program
 from .program import OPS, Program
 from .regressions import Regression, load_regression, load_regressions, make_regression, replay, save_regression
@@ -33,10 +34,11 @@ from .targets import (
 )
 
 __all__ = [
-    "FAILURE_KINDS", "FAMILIES", "FUZZ_NOTES", "OPS", "CampaignReport", "CheckResult", "Failure", "FoundBug",
+    "FAILURE_KINDS", "FAMILIES", "FUZZ_NOTES", "OPS", "CampaignReport", "CheckResult", "Corpus", "CorpusError",
+    "Failure", "FoundBug",
     "FuzzTarget", "PipelineSpec", "Program", "Regression", "all_pipelines", "check_program", "default_pipeline",
-    "fuzz_target", "generate_program", "load_regression", "load_regressions", "make_regression",
+    "fuzz_target", "generate_program", "load_corpus", "load_regression", "load_regressions", "make_corpus", "make_regression",
     "passes_missing_fuzz_entry", "program_for", "register_fuzz_target", "registered_targets", "replay",
-    "run_campaign", "run_parallel", "save_regression", "shrink", "shrink_failure", "single_pass_pipeline",
+    "run_campaign", "run_parallel", "save_corpus", "save_regression", "shrink", "shrink_failure", "single_pass_pipeline",
     "unregister_fuzz_target",
 ]

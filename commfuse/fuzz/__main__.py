@@ -1,5 +1,8 @@
 """Command line: ``python -m commfuse.fuzz --programs 20000 --seed 1 --jobs 2``.
 
+``--corpus tests/fuzz_corpus/ci.json`` checks a frozen set of programs (what CI checks);
+``--write-corpus FILE --seed S --programs N`` freezes programs of a seed into such a file.
+
 Exit status 1 when any failure was found (0 otherwise), so a campaign can gate a release.
 """
 
@@ -31,11 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-ir", action="store_true", help="also check the CollectiveIR against each program")
     ap.add_argument("--family", default=None, help="generate every program from this family (e.g. moe_layer; see "
                     "commfuse.fuzz.generator.FAMILIES)")
+    ap.add_argument("--corpus", default=None, metavar="FILE", help="check the programs frozen in this corpus "
+                    "file (e.g. tests/fuzz_corpus/ci.json, what CI checks) instead of generating them")
+    ap.add_argument("--write-corpus", default=None, metavar="FILE", help="write programs --start.. of --seed "
+                    "(--programs of them, --feature as given) to this corpus file, without checking them")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
-    from . import campaign, regressions
+    from . import campaign, corpus, regressions
     from .check import all_pipelines, check_program
 
     log = None if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
@@ -74,7 +81,27 @@ def main(argv: list[str] | None = None) -> int:
                 print("   ", f.headline())
         return 1 if bad else 0
 
-    if a.jobs > 1:
+    if a.write_corpus:
+        frozen = corpus.make_corpus(a.seed, a.programs, start=a.start, features=a.feature,
+                                    pipelines=all_pipelines(passes, include_default=not a.no_default))
+        path = corpus.save_corpus(a.write_corpus, frozen)
+        print(f"wrote {len(frozen.programs)} programs of seed {a.seed} to {path}")
+        return 0
+
+    if a.corpus:
+        try:
+            frozen = corpus.load_corpus(a.corpus)
+        except corpus.CorpusError as e:
+            ap.error(str(e))
+        if a.jobs > 1:
+            rep = campaign.run_parallel(0, frozen.seed, a.jobs, passes=passes, include_default=not a.no_default,
+                                        shrink_failures=not a.no_shrink, save_dir=a.save_dir,
+                                        time_limit=a.time_limit, check_ir=a.check_ir, corpus=frozen)
+        else:
+            rep = campaign.run_campaign(pipelines=all_pipelines(passes, include_default=not a.no_default),
+                                        shrink_failures=not a.no_shrink, save_dir=a.save_dir, progress=log,
+                                        check_ir=a.check_ir, corpus=frozen, time_limit=a.time_limit)
+    elif a.jobs > 1:
         rep = campaign.run_parallel(a.programs, a.seed, a.jobs, passes=passes, include_default=not a.no_default,
                                     shrink_failures=not a.no_shrink, save_dir=a.save_dir, time_limit=a.time_limit,
                                     start=a.start, features=a.feature, check_ir=a.check_ir, family=a.family)

@@ -12,11 +12,12 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
 from .check import Failure, PipelineSpec, all_pipelines, check_program
+from .corpus import Corpus
 from .generator import generate_program
 from .program import Program
 from .regressions import make_regression, save_regression
@@ -200,9 +201,11 @@ def run_campaign(
     stop_after_failures: Optional[int] = None,
     check_ir: bool = False,
     family: Optional[str] = None,
+    corpus: Optional[Corpus] = None,
 ) -> CampaignReport:
-    """Check programs ``start .. start+programs-1`` of ``seed`` (or ``indices``) with ``pipelines``
-    (default: every registered pass alone and the default pipeline).
+    """Check programs ``start .. start+programs-1`` of ``seed`` (or ``indices``, or every program
+    of ``corpus``, a frozen set; then ``programs``, ``seed`` and ``start`` are the corpus's) with
+    ``pipelines`` (default: every registered pass alone and the default pipeline).
 
     A failure is shrunk (the first ``shrinks_per_signature`` of each (pipeline, kind)) and,
     with ``save_dir``, saved as a regression case. ``time_limit`` stops early (the report says
@@ -212,15 +215,20 @@ def run_campaign(
     ``check_ir``: also check the CollectiveIR against every program (failure kind ``ir``).
     ``family``: generate every program from that family (see :func:`program_for`)."""
     pipes = list(pipelines) if pipelines is not None else all_pipelines()
+    if corpus is not None:
+        seed, features = corpus.seed, corpus.features
+        work: Iterable[tuple[int, Optional[Program]]] = list(corpus.programs)
+    else:
+        work = ((i, None) for i in (list(indices) if indices is not None else range(start, start + programs)))
     report = CampaignReport(seed=seed)
     t0 = time.perf_counter()
-    idx = list(indices) if indices is not None else range(start, start + programs)
     failing = 0
     with _threads(threads):
-        for i in idx:
+        for i, program in work:
             if time_limit is not None and time.perf_counter() - t0 > time_limit:
                 break
-            program = program_for(seed, i, pipes, features, family)
+            if program is None:
+                program = program_for(seed, i, pipes, features, family)
             res = check_program(program, pipes, check_ir=check_ir)
             report.programs += 1
             report.per_rank += program.per_rank
@@ -259,28 +267,38 @@ def run_campaign(
 
 # -- parallel campaigns (separate processes; built-in passes only) ----------------------------
 def _worker(args: tuple) -> dict:
-    seed, indices, pipe_names, include_default, shrink_failures, save_dir, time_limit, features, check_ir, family = args
+    seed, indices, pipe_names, include_default, shrink_failures, save_dir, time_limit, features, check_ir, family, \
+        frozen = args
     import warnings
 
     warnings.filterwarnings("ignore")
     pipes = all_pipelines(pipe_names, include_default=include_default)
     rep = run_campaign(seed=seed, indices=indices, pipelines=pipes, shrink_failures=shrink_failures,
                        save_dir=save_dir, time_limit=time_limit, features=features, check_ir=check_ir,
-                       family=family)
+                       family=family, corpus=frozen)
     return {"report": rep}
 
 
 def run_parallel(programs: int, seed: int, jobs: int, *, passes: Optional[Sequence[str]] = None,
                  include_default: bool = True, shrink_failures: bool = True, save_dir: Optional[str] = None,
                  time_limit: Optional[float] = None, start: int = 0, features: Sequence[str] = (),
-                 check_ir: bool = False, family: Optional[str] = None) -> CampaignReport:
-    """The same campaign split over ``jobs`` processes (interleaved indices)."""
+                 check_ir: bool = False, family: Optional[str] = None,
+                 corpus: Optional[Corpus] = None) -> CampaignReport:
+    """The same campaign split over ``jobs`` processes (interleaved indices; with ``corpus``, its
+    programs dealt out in turn, and ``programs``, ``seed`` and ``start`` are ignored)."""
     import multiprocessing as mp
 
     t0 = time.perf_counter()
-    chunks = [list(range(start + j, start + programs, jobs)) for j in range(jobs)]
+    if corpus is not None:
+        seed = corpus.seed
+        parts_of = [Corpus(corpus.seed, corpus.programs[j::jobs], start=corpus.start, features=corpus.features)
+                    for j in range(jobs)]
+        chunks: list = [None] * jobs
+    else:
+        parts_of = [None] * jobs
+        chunks = [list(range(start + j, start + programs, jobs)) for j in range(jobs)]
     args = [(seed, c, list(passes) if passes is not None else None, include_default, shrink_failures, save_dir,
-             time_limit, tuple(features), check_ir, family) for c in chunks]
+             time_limit, tuple(features), check_ir, family, part) for c, part in zip(chunks, parts_of)]
     with mp.get_context("spawn").Pool(jobs) as pool:
         parts = pool.map(_worker, args)
     report = CampaignReport(seed=seed)
