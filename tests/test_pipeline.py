@@ -130,6 +130,47 @@ def test_failing_pass_falls_back_to_unchanged_graph(all_kinds_gm, test_passes, n
     assert verify_graph(gm).ok
 
 
+class _NoChange(GraphPass):
+    """Test pass: looks, changes nothing."""
+
+    name = "test_no_change"
+    stage = Stage.JOINT
+
+    def run(self, ctx):
+        return PassResult(changed=False, refusals=["nothing to do"])
+
+
+def test_a_failing_pass_after_unchanged_and_changed_passes_restores_the_graph_before_it(
+        all_kinds_gm, test_passes, monkeypatch):
+    """One snapshot serves a run of passes that change nothing; after a pass that changed the
+    graph, a failing pass restores the changed graph, not the input."""
+    import commfuse.passes.pipeline as pipeline_mod
+
+    register_pass(_NoChange)
+    copies = []
+    real = pipeline_mod.snapshot_graph
+    monkeypatch.setattr(pipeline_mod, "snapshot_graph", lambda g: copies.append(1) or real(g))
+    try:
+        gm = all_kinds_gm
+        before = gm.code
+        with pytest.warns(RuntimeWarning, match="pass 'test_raises' failed"):
+            commfuse.optimize(gm, commfuse.Config(passes=["test_no_change", "test_no_change", "test_raises"]))
+        assert gm.code == before and verify_graph(gm).ok
+        assert len(copies) == 1  # before the first pass; the unchanged passes reused it
+        gm = trace_all_kinds()  # the fixture's fake world is still up
+        with pytest.warns(RuntimeWarning, match="pass 'test_raises' failed"):
+            commfuse.optimize(gm, commfuse.Config(passes=["test_no_change", "sink_waits", "test_raises"],
+                                                  verify=True))
+        sunk = commfuse.last_report(gm).passes[1]
+        assert sunk.name == "sink_waits" and sunk.changed
+        assert len(copies) == 1 + 2  # a fresh snapshot after sink_waits changed the graph
+        ref = trace_all_kinds()
+        commfuse.optimize(ref, commfuse.Config(passes=["sink_waits"]))
+        assert gm.code == ref.code  # restored to the graph after sink_waits
+    finally:
+        unregister_pass("test_no_change")
+
+
 def test_strict_reraises(test_passes):
     with fake_process_group(8):
         gm, gm2 = trace_all_kinds(), trace_all_kinds()

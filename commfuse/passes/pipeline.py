@@ -103,10 +103,16 @@ class Pipeline:
                               f"{pre.problems[0]}", RuntimeWarning, stacklevel=2)
             selected = []
 
+        # The graph as it was before the current pass, to restore if the pass fails. A pass that
+        # reports no change left the graph as it was (the pipeline trusts that report: it neither
+        # recompiles nor verifies then), so its snapshot serves the next pass too; copying a large
+        # graph before every pass was a good part of a compile.
+        snapshot: Optional[fx.Graph] = None
         for p in selected:
             record = PassRecord(name=p.name, stage=p.stage.value)
             report.passes.append(record)
-            snapshot = snapshot_graph(gm.graph)
+            if snapshot is None:
+                snapshot = snapshot_graph(gm.graph)
             t0 = time.perf_counter()
             try:
                 result = p.run(ctx)
@@ -119,6 +125,7 @@ class Pipeline:
                         v = verify_graph(gm, ir=ctx.ir, deep=cfg.debug)
                         if not v.ok:
                             raise VerificationError(v.problems, after_pass=p.name)
+                    snapshot = None
             except Exception as e:  # noqa: BLE001 - any pass failure falls back (or re-raises when strict)
                 record.seconds = time.perf_counter() - t0
                 if cfg.strict:
