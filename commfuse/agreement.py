@@ -17,6 +17,22 @@ How: through the default group's c10d Store (set + wait with a timeout), never
 through a collective — the point is to find out whether collectives would match
 before issuing any. A rank that does not arrive within the timeout is named in
 the error instead of hanging the others.
+
+What is compared: per process group, identified by its member ranks (not its name: the TP
+group of ranks {0, 1} and that of {2, 3} are different groups that may carry different names
+on their members), the sequences of collectives each member issues on that group, graph by
+graph. Rules for what legitimately differs between ranks:
+
+* ranks that share no group are never compared (pipeline stages, or the TP groups of
+  different data-parallel replicas, run different collectives);
+* a graph only one of two members compiled (the other took it from a compile cache) is not
+  compared; a member that compiled the graph and issues nothing on the group is a difference;
+* point-to-point sends and receives compare as one kind, ``p2p`` (one rank's send pairs with
+  its peer's receive of the same dtype and shape);
+* a collective whose sizes are data-dependent (unbacked symbols, e.g. the split sizes of a
+  dropless MoE's all_to_all) compares by kind, group, reduce op, dtype and position only;
+* a group whose ranks the IR cannot resolve is identified by its name and compared among the
+  ranks that issue collectives on it.
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
@@ -49,16 +66,33 @@ class FrameRecord:
     def add(self, report: PipelineReport) -> None:
         if report.analysis is None:
             return
-        sigs = [[c.kind, c.group, c.reduce_op, c.dtype, [str(s) for s in c.input_shapes]]
+        sigs = [[c.kind, c.group, c.reduce_op, c.dtype, [str(s) for s in c.input_shapes], c.group_ranks]
                 for c in report.analysis.collectives]
         self.graphs[report.graph] = sigs
+
+
+_P2P_KINDS = frozenset({"send", "recv"})
+_UNBACKED = re.compile(r"\bu\d+\b")
 
 
 def _describe(sig: Optional[list]) -> str:
     if sig is None:
         return "no collective"
-    kind, group, op, dtype, shapes = sig
+    kind, group, op, dtype, shapes = sig[:5]
     return f"{kind}(group {group}, {dtype}, in {', '.join(shapes)}{', ' + op if op else ''})"
+
+
+def _comparable(sig: list) -> tuple:
+    """What must agree between two members of a group (see the module docstring's rules)."""
+    kind, _group, op, dtype, shapes = sig[:5]
+    data_dependent = any(_UNBACKED.search(s) for s in shapes)
+    return ("p2p" if kind in _P2P_KINDS else kind, op, dtype, None if data_dependent else tuple(shapes))
+
+
+def group_key(sig: list) -> str:
+    """The group a signature was issued on: its member ranks, or its name when they are unknown."""
+    ranks = sig[5] if len(sig) > 5 else None
+    return "ranks " + str(sorted(ranks)) if ranks is not None else f"name {sig[1]!r}"
 
 
 def first_difference(a: dict[str, list], b: dict[str, list]) -> Optional[str]:
@@ -70,7 +104,7 @@ def first_difference(a: dict[str, list], b: dict[str, list]) -> Optional[str]:
         for i in range(max(len(sa), len(sb))):
             x = sa[i] if i < len(sa) else None
             y = sb[i] if i < len(sb) else None
-            if x != y:
+            if x is None or y is None or _comparable(x) != _comparable(y):
                 return f"{graph} graph, collective #{i}: {{A}} issues {_describe(x)} but {{B}} issues {_describe(y)}"
     return None
 
@@ -101,14 +135,33 @@ def check_agreement(record: FrameRecord, *, timeout_s: float, store=None, rank: 
             f"hanging in a collective ({type(e).__name__}: {e})"
         ) from e
     records = {r: json.loads(store.get(prefix + str(r))) for r in range(world_size)}
-    compared = [r for r in range(world_size) if not records[r]["cache_hit"]]
-    for a, b in zip(compared, compared[1:]):
-        diff = first_difference(records[a]["graphs"], records[b]["graphs"])
-        if diff is not None:
-            raise AgreementError(
-                "cross-rank collective disagreement (training would hang or corrupt data): "
-                + diff.format(A=f"rank {a}", B=f"rank {b}")
-            )
+    problem = first_group_disagreement({r: rec["graphs"] for r, rec in records.items() if not rec["cache_hit"]})
+    if problem is not None:
+        raise AgreementError("cross-rank collective disagreement (training would hang or corrupt data): " + problem)
+
+
+def first_group_disagreement(graphs_by_rank: dict[int, dict[str, list]]) -> Optional[str]:
+    """The first disagreement between members of a process group, as a sentence naming the
+    group's ranks, the graph, the position on the group and both collectives; None if every
+    group agrees. ``graphs_by_rank``: rank -> graph kind -> signatures in issue order (the
+    ranks to compare: cache-hit ranks left out)."""
+    members: dict[str, set[int]] = {}
+    for r, graphs in graphs_by_rank.items():
+        for sigs in graphs.values():
+            for sig in sigs:
+                key = group_key(sig)
+                ranks = sig[5] if len(sig) > 5 else None
+                members.setdefault(key, set()).update(
+                    [m for m in ranks if m in graphs_by_rank] if ranks is not None else [r])
+    for key in sorted(members):
+        ranks = sorted(members[key])
+        on_group = {r: {g: [s for s in sigs if group_key(s) == key] for g, sigs in graphs_by_rank[r].items()}
+                    for r in ranks}
+        for b in ranks[1:]:
+            diff = first_difference(on_group[ranks[0]], on_group[b])
+            if diff is not None:
+                return f"on the group of {key}: " + diff.format(A=f"rank {ranks[0]}", B=f"rank {b}")
+    return None
 
 
 def wrap_first_call(fn, record: FrameRecord, *, timeout_s: float):

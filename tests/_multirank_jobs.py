@@ -376,3 +376,88 @@ def moe_regroup_matches_grouped_reference() -> dict:
         if regroup:
             assert_close_tree(got, ref, dtype=torch.float32, msg=f"regroup rank {dist.get_rank()}")
     return results
+
+
+# -- agreement by group membership (4 ranks) ---------------------------------------------------
+def _agreement_config() -> commfuse.Config:
+    return commfuse.Config(inner_compiler="eager", check_agreement=True, agreement_timeout_s=60)
+
+
+def _run_checked(fn, *args) -> dict:
+    """Compile ``fn`` with the agreement check on and run it once: its result or the AgreementError."""
+    from commfuse.agreement import AgreementError
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(fn, backend=commfuse.backend(_agreement_config()))(*args)
+    except AgreementError as e:
+        return {"error": str(e)}
+    return {"error": None, "out": float(out)}
+
+
+def agreement_on_a_2x2_mesh(plant: bool) -> dict:
+    """TP x DP on a 2 x 2 mesh: an all_reduce on the TP group, then one on the DP group. Each
+    TP group has its own name on its members. ``plant``: rank 3 issues an all_gather where its
+    TP partner (rank 2) issues the all_reduce (a program that would hang)."""
+    import torch.distributed._functional_collectives as funcol
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"].get_group(), mesh["dp"].get_group()
+    wrong = plant and dist.get_rank() == 3
+
+    def step(x):
+        a = funcol.all_gather_tensor(x * 2, 0, tp)[:2] if wrong else funcol.all_reduce(x * 2, "sum", tp)
+        return funcol.all_reduce(a + 1, "sum", dp).sum()
+
+    res = _run_checked(step, torch.full((2,), float(dist.get_rank())))
+    res["tp_group"] = tp.group_name
+    return res
+
+
+def agreement_on_two_pipeline_stages() -> dict:
+    """Stage 0 (ranks 0, 1) reduces on its TP group and sends to stage 1 (ranks 2, 3), which
+    receives and gathers on its own TP group: different graphs on the two stages, one shared
+    group (the world, for the transfer)."""
+    import torch.distributed._functional_collectives as funcol
+
+    from commfuse.ops import stage_transfer
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    tp = mesh["tp"].get_group()
+    world = dist.group.WORLD
+
+    def stage0(x):
+        y = funcol.all_reduce(x * 2, "sum", tp)
+        return stage_transfer(y, [0, 1], [2, 3], world).sum() + y.sum()
+
+    def stage1(x):
+        y = stage_transfer(x, [0, 1], [2, 3], world)
+        return funcol.all_gather_tensor(y + 1, 0, tp).sum()
+
+    return _run_checked(stage0 if dist.get_rank() < 2 else stage1, torch.full((4,), float(dist.get_rank())))
+
+
+def agreement_on_a_dropless_moe() -> dict:
+    """torchtitan-style dropless MoE with expert parallelism over 4 ranks: the all_to_all split
+    sizes are data-dependent (unbacked) and differ per rank; two training steps."""
+    from commfuse.models import moe_styles as ms
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = init_device_mesh("cpu", (world,)).get_group()
+    cfg = ms.MoEStyleConfig(style="dropless", dim=16, num_experts=2 * world, ffn_dim=32, top_k=2)
+
+    def model():
+        return ms.build_moe_style(cfg).expert_parallel(group)
+
+    def inputs(step):
+        return torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+    be = commfuse.backend(_agreement_config())
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch._dynamo.reset()
+        got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05,
+                                 loss_fn=lambda out: (out[0] if isinstance(out, tuple) else out).float().pow(2).mean())
+        torch._dynamo.reset()
+    shapes = [s for r in be.reports if r.analysis for c in r.analysis.collectives if c.kind == "all_to_all"
+              for s in c.input_shapes]
+    return {"losses": [float(v) for v in got["loss"]], "a2a_shapes": [str(s) for s in shapes]}
