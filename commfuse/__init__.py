@@ -13,7 +13,7 @@ from __future__ import annotations
 from ._version import __version__
 from .api import analyze, last_report, optimize
 from .backend import CommfuseBackend, backend, commfuse_backend
-from .config import DUMP_DIR_ENV, Config
+from .config import CONFIG_ENV, DUMP_DIR_ENV, Config, default_config, set_default_config
 from .costmodel.topology import Topology
 from .errors import CommfuseError, ConfigError, PassError, VerificationError
 from .lowering.recorder import Recorder, record
@@ -43,7 +43,8 @@ def _register_dynamo_backend() -> None:
 _register_dynamo_backend()
 
 __all__ = [
-    "AnalysisReport", "CommfuseBackend", "CommfuseError", "Config", "ConfigError", "DUMP_DIR_ENV", "PassError",
-    "PipelineReport", "Recorder", "Topology", "TrainStep", "VerificationError", "__version__", "analyze", "backend",
-    "commfuse_backend", "compile_train_step", "last_report", "ops", "optimize", "record", "setup",
+    "AnalysisReport", "CONFIG_ENV", "CommfuseBackend", "CommfuseError", "Config", "ConfigError", "DUMP_DIR_ENV",
+    "PassError", "PipelineReport", "Recorder", "Topology", "TrainStep", "VerificationError", "__version__", "analyze",
+    "backend", "commfuse_backend", "compile_train_step", "default_config", "last_report", "ops", "optimize", "record",
+    "set_default_config", "setup",
 ]

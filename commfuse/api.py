@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from .config import Config
+from .config import Config, default_config
 from .ir.graph_ir import CollectiveIR, IRBuildOptions
 from .passes.base import Stage
 from .passes.pipeline import Pipeline
@@ -21,7 +21,7 @@ def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind:
     Returns `gm`; the pipeline report is appended to `gm.meta["commfuse_reports"]`
     (see `last_report`).
     """
-    pipeline = Pipeline.for_config(config or Config())
+    pipeline = Pipeline.for_config(config or default_config())
     pipeline.run(gm, graph_kind=graph_kind, stages={Stage.JOINT, Stage.SCHEDULE})
     return gm
 
@@ -33,6 +33,6 @@ def last_report(gm: fx.GraphModule) -> Optional[PipelineReport]:
 
 def analyze(gm: fx.GraphModule, config: Optional[Config] = None, *, graph: str = "graph") -> AnalysisReport:
     """Every collective of `gm` with kind, group, bytes, logical dim and role; totals per kind and group."""
-    roles, sources = resolved_roles(config or Config())
+    roles, sources = resolved_roles(config or default_config())
     ir = CollectiveIR(gm, IRBuildOptions(group_roles=roles, role_sources=sources))
     return build_analysis_report(ir, graph=graph)

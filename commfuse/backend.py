@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from . import _torch_private as priv
 from .agreement import FrameRecord, wrap_first_call
-from .config import Config
+from .config import Config, default_config
 from .lowering import LoweringPlan, lower_eager, lower_runtime
 from .passes.base import Stage
 from .passes.pipeline import Pipeline
@@ -70,7 +70,7 @@ class CommfuseBackend:
     """A Dynamo backend; `commfuse.backend(config)` makes one."""
 
     def __init__(self, config: Optional[Config] = None) -> None:
-        self.config = config or Config()
+        self.config = config or default_config()
         # Built now so that a bad pass name fails at `backend(...)`, not mid-compile.
         self._pipeline_names = self.config.pass_names()
         # One report per graph this backend compiled (joint/forward/backward/inference), in order.
@@ -200,7 +200,7 @@ def _real_multi_rank() -> bool:
 def backend(config: Optional[Config] = None, **overrides: Any) -> CommfuseBackend:
     """A commfuse Dynamo backend with a non-default config: `torch.compile(m, backend=commfuse.backend(cfg))`."""
     if overrides:
-        config = Config(**{**(config or Config()).model_dump(), **overrides})
+        config = Config(**{**(config or default_config()).model_dump(), **overrides})
     return CommfuseBackend(config)
 
 

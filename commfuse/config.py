@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Literal, Optional
+from pathlib import Path
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
@@ -13,6 +14,9 @@ from .costmodel.topology import Topology
 from .ir.collective import ParallelRole
 
 DUMP_DIR_ENV = "COMMFUSE_DUMP_DIR"
+# A Config for every compile not given one: a JSON object of Config fields, or the path of a
+# file holding one. Set it for every rank (torchrun passes the environment to all of them).
+CONFIG_ENV = "COMMFUSE_CONFIG"
 
 
 class Config(BaseModel):
@@ -242,3 +246,56 @@ def _file_digest(path: Optional[str]) -> Optional[str]:
         return None
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+_process_default: Optional[Config] = None
+
+
+def set_default_config(config: Optional[Config] = None, **overrides: Any) -> Optional[Config]:
+    """Make ``config`` (with ``overrides``) the config of every compile that is not given one:
+    ``torch.compile(..., backend="commfuse")`` (e.g. from torchtitan's ``apply_compile``, which
+    takes a backend name), ``commfuse.backend()``, ``compile_train_step``, ``optimize``.
+    ``set_default_config(None)`` goes back to ``COMMFUSE_CONFIG`` / ``Config()``. Call it with the
+    same arguments on every rank. Returns the previous process-wide default (None if unset)."""
+    global _process_default
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a commfuse.Config or None, got {type(config).__name__}")
+    if overrides:
+        config = Config(**{**(config or Config()).model_dump(), **overrides})
+    previous, _process_default = _process_default, config
+    return previous
+
+
+def default_config() -> Config:
+    """The config of a compile not given one: ``set_default_config``'s, else ``COMMFUSE_CONFIG``'s,
+    else ``Config()``."""
+    if _process_default is not None:
+        return _process_default
+    text = os.environ.get(CONFIG_ENV, "").strip()
+    return config_from_text(text, CONFIG_ENV) if text else Config()
+
+
+def config_from_text(text: str, source: str = CONFIG_ENV) -> Config:
+    """A Config from a JSON object, or from the JSON file ``text`` names. Errors name ``source``,
+    the file and the field."""
+    from pydantic import ValidationError
+
+    from .errors import ConfigError
+
+    where = source
+    if not text.startswith("{"):
+        where = f"{source} (file {text})"
+        try:
+            text = Path(text).read_text()
+        except OSError as e:
+            raise ConfigError(f"{source}: not a JSON object and not a readable file: {text!r} ({e})") from e
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: expected a JSON object of Config fields, got {type(doc).__name__}")
+    try:
+        return Config(**doc)
+    except ValidationError as e:
+        raise ConfigError(f"{where}: {e}") from e

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -127,3 +128,80 @@ def test_inductor_chains_user_post_grad_pass(no_compile_caches):
         with torch.no_grad():
             m(torch.randn(2, 16))
     assert seen, "the user's post-grad pass was dropped"
+
+
+# -- configuring commfuse where no Config can be passed ------------------------------------
+@pytest.fixture
+def no_process_default(monkeypatch):
+    monkeypatch.delenv(commfuse.CONFIG_ENV, raising=False)
+    commfuse.set_default_config(None)
+    yield monkeypatch
+    commfuse.set_default_config(None)
+
+
+def _passes_run_when_given_no_config() -> list[str]:
+    """Optimise a small traced graph without a config; the passes its pipeline ran."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from commfuse.testing.fake_pg import fake_process_group
+
+    def f(x):
+        return funcol.all_reduce(x * 2, "sum", torch.distributed.group.WORLD) + 1
+
+    with fake_process_group(2):
+        gm = make_fx(f, tracing_mode="fake")(torch.ones(4))
+        commfuse.optimize(gm)
+    return [p.name for p in commfuse.last_report(gm).passes]
+
+
+def test_set_default_config_reaches_compiles_given_no_config(no_process_default):
+    assert commfuse.default_config() == commfuse.Config()
+    prev = commfuse.set_default_config(commfuse.Config(passes=["sink_waits"]), strict=True)
+    assert prev is None
+    assert commfuse.default_config().passes == ["sink_waits"] and commfuse.default_config().strict
+    assert commfuse.backend().config.passes == ["sink_waits"]
+    assert commfuse.CommfuseBackend().config.strict  # what backend="commfuse" builds
+    assert commfuse.backend(commfuse.Config()).config.passes is None  # an explicit config wins
+    assert _passes_run_when_given_no_config() == ["sink_waits"]
+    assert commfuse.set_default_config(None).passes == ["sink_waits"]
+    assert commfuse.default_config() == commfuse.Config()
+    with pytest.raises(TypeError, match="commfuse.Config"):
+        commfuse.set_default_config({"passes": []})
+
+
+def test_config_from_the_environment(no_process_default, tmp_path):
+    mp = no_process_default
+    mp.setenv(commfuse.CONFIG_ENV, '{"passes": ["sink_waits"], "inner_compiler": "eager"}')
+    assert commfuse.default_config().passes == ["sink_waits"]
+    assert commfuse.CommfuseBackend().config.inner_compiler == "eager"
+    assert _passes_run_when_given_no_config() == ["sink_waits"]
+    path = tmp_path / "commfuse.json"
+    path.write_text(json.dumps({"schedule_cpsat_max_nodes": 0}))
+    mp.setenv(commfuse.CONFIG_ENV, str(path))
+    assert commfuse.default_config().schedule_cpsat_max_nodes == 0
+    commfuse.set_default_config(commfuse.Config(strict=True))  # the process-wide default wins over the variable
+    assert commfuse.default_config().strict and commfuse.default_config().schedule_cpsat_max_nodes == 60
+
+
+@pytest.mark.parametrize("value, words", [
+    ('{"passes": ["sink_waits"', ["COMMFUSE_CONFIG", "not valid JSON"]),
+    ('{"no_such_field": 1}', ["COMMFUSE_CONFIG", "no_such_field"]),
+    ('{"max_chunks": 0}', ["COMMFUSE_CONFIG", "max_chunks"]),
+    ("[1, 2]", ["COMMFUSE_CONFIG", "not a JSON object and not a readable file"]),
+    ("/nonexistent/commfuse.json", ["COMMFUSE_CONFIG", "/nonexistent/commfuse.json"]),
+])
+def test_bad_environment_config_names_the_variable_and_the_field(no_process_default, value, words):
+    no_process_default.setenv(commfuse.CONFIG_ENV, value)
+    with pytest.raises(commfuse.ConfigError) as e:
+        commfuse.default_config()
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_bad_config_file_names_the_file(no_process_default, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"lowering": "nope"}')
+    no_process_default.setenv(commfuse.CONFIG_ENV, str(path))
+    with pytest.raises(commfuse.ConfigError, match="lowering") as e:
+        commfuse.default_config()
+    assert str(path) in str(e.value)
