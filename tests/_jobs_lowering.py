@@ -103,3 +103,43 @@ def synchronous_ops_leave_nothing_pending() -> dict[str, Any]:
     lowered = lower_graph(gm, build_plan(gm, "forward"))
     outs = [lowered(x) for _ in range(3)]
     return {"pending": len(lowered.state.pending), "out": outs[-1].tolist(), "eager": _boundary_ops(x).tolist()}
+
+
+def _compute_around_a_reduce(x: torch.Tensor, w: torch.Tensor):
+    h = torch.tanh(x @ w)
+    s = funcol.all_reduce(h * 2, "sum", dist.group.WORLD)
+    return torch.relu(s @ w) + 1, h.sum()
+
+
+def regions_fall_back_to_eager() -> dict[str, Any]:
+    """The runtime lowering with compute regions from a compiler that fails to compile one region
+    and returns, for another, a callable that fails on its first run (as a region compiled for
+    other strides does): the values equal the functional graph's, one warning per region."""
+    import warnings
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    x, w = torch.randn(4, 6, generator=gen), torch.randn(6, 6, generator=gen)
+    gm = make_fx(_compute_around_a_reduce, tracing_mode="fake")(x, w)
+    seen: list[int] = []
+
+    def flaky_compiler(sub, inputs):
+        seen.append(len(seen))
+        if len(seen) == 1:
+            raise RuntimeError("planted: this region does not compile")
+
+        def fails_on_its_first_run(args):
+            raise AssertionError("planted: expected size 4==4, stride 1==6 at dim=0")
+        return fails_on_its_first_run
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn = lower_runtime(gm, "forward", compile_regions=flaky_compiler, example_inputs=[x, w])
+        first = fn([x, w])
+        second = fn([x, w])
+    ref = gm(x, w)
+    for got in (first, second):
+        for r, g in zip(ref, got):
+            torch.testing.assert_close(g, r, rtol=0, atol=0)
+    return {"regions_compiled": len(seen),
+            "warnings": [str(c.message) for c in caught if "commfuse:" in str(c.message)]}

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import FileCheck
 
 import commfuse
@@ -19,7 +20,7 @@ from commfuse.testing.fake_pg import fake_process_group
 
 from _graphs import prefetch_graph
 from _jobs_lowering import (POOL_ALIAS, lowered_matches_functional, recorder_sees_overlap,
-                            synchronous_ops_leave_nothing_pending)
+                            regions_fall_back_to_eager, synchronous_ops_leave_nothing_pending)
 
 
 @pytest.fixture
@@ -146,6 +147,32 @@ def test_record_writes_one_trace_per_rank(tmp_path):
     with record(tmp_path) as rec:
         rec.collectives.append(_rec(10, 20))
     assert (tmp_path / "rank0.json").exists()
+
+
+@pytest.mark.multirank
+def test_a_region_that_fails_to_compile_or_on_its_first_run_runs_eagerly(rank_pool_2):
+    for r in rank_pool_2.run(regions_fall_back_to_eager, timeout=120):
+        assert r["regions_compiled"] == 2, r  # the compute before the all_reduce's issue and after its wait
+        assert len(r["warnings"]) == 2, r["warnings"]  # one per failing region, not one per call
+        did_not_compile, failed_first_run = r["warnings"]
+        assert "did not compile" in did_not_compile and "of the forward graph" in did_not_compile
+        assert "RuntimeError: planted: this region does not compile" in did_not_compile
+        assert "failed on its first run" in failed_first_run and "stride" in failed_first_run
+        assert "compute region submod_" in did_not_compile and "compute region submod_" in failed_first_run
+
+
+def test_a_graph_without_collectives_that_does_not_compile_runs_eagerly():
+    from commfuse.lowering import lower_runtime
+
+    gm = make_fx(lambda x: (torch.tanh(x) * 2,))(torch.ones(3))
+
+    def broken(sub, inputs):
+        raise RuntimeError("planted")
+
+    with pytest.warns(RuntimeWarning, match="the forward graph .one compute region, no collective. did not compile"):
+        fn = lower_runtime(gm, "forward", compile_regions=broken, example_inputs=[torch.ones(3)])
+    (out,) = fn([torch.ones(3)])
+    assert torch.equal(out, torch.tanh(torch.ones(3)) * 2)
 
 
 def test_lowering_inductor_needs_inductor():

@@ -67,12 +67,15 @@ def lower_runtime(gm: fx.GraphModule, graph_kind: str, *, dump_dir: Optional[str
             return lower_eager(gm)
         if example_inputs is None:
             example_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        return compile_regions(gm, list(example_inputs))
+        from .regions import compile_guarded
+
+        return compile_guarded(compile_regions, gm, list(example_inputs),
+                               f"the {graph_kind} graph (one compute region, no collective)")
     lowered = lower_graph(gm, plan)
     if compile_regions is not None:
         from .regions import compile_compute_regions
 
-        lowered = compile_compute_regions(lowered, compile_regions)
+        lowered = compile_compute_regions(lowered, compile_regions, graph_kind)
     return make_boxed_func(lowered)
 
 
