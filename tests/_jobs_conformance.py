@@ -50,6 +50,13 @@ def hf_llama_tp_trains_like_eager(checkpoint: str, use_setup: bool, shapes: list
             tp_size=dist.get_world_size()), dtype=torch.float32, attn_implementation="sdpa")
 
     ref, model = load(), load()
+    try:
+        return _train_both(ref, model, use_setup, shapes)
+    finally:
+        commfuse.session.reset()  # the next job of this worker starts without this mesh's roles
+
+
+def _train_both(ref, model, use_setup: bool, shapes: list[tuple[int, int]]) -> dict[str, Any]:
     if use_setup:
         mesh = next(p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh"))
         commfuse.setup(mesh=mesh)
