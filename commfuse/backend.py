@@ -84,7 +84,7 @@ class CommfuseBackend:
         self.partitions: list[str] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
-        pipeline = Pipeline.for_config(self.config)
+        pipeline = Pipeline.for_config(self.config, dtensor_roles=_dtensor_roles(gm, example_inputs))
         record = FrameRecord()
         if any(p.stage is Stage.PRE_AUTOGRAD for p in pipeline.passes):
             # Recognition before AOTAutograd traces the graph, so the ops it introduces are
@@ -187,6 +187,20 @@ class CommfuseBackend:
                                  example_inputs=list(example_inputs), on_plan=self.plans.append)
 
         return inner
+
+
+def _dtensor_roles(gm: fx.GraphModule, example_inputs: list) -> dict[str, str]:
+    """Roles of the process groups of the DeviceMeshes that the graph's DTensors (inputs, lifted
+    parameters, or parameters the graph still holds) live on, from the mesh dim names."""
+    from torch.distributed.tensor import DTensor
+
+    from .session import roles_from_meshes
+
+    meshes = {}
+    for t in [*example_inputs, *gm.parameters(), *gm.buffers()]:
+        if isinstance(t, DTensor):
+            meshes.setdefault(id(t.device_mesh), t.device_mesh)
+    return roles_from_meshes(meshes.values()) if meshes else {}
 
 
 def _real_multi_rank() -> bool:

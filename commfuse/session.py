@@ -43,7 +43,7 @@ import hashlib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from ._torch_private import register_process_group_alias
 from .costmodel.topology import Topology
@@ -53,9 +53,42 @@ from .ir.collective import ParallelRole
 # Mesh dimension names users give (torchtitan conventions) -> parallel role.
 MESH_DIM_ROLES = {
     "tp": ParallelRole.TP, "sp": ParallelRole.SP, "ep": ParallelRole.EP, "pp": ParallelRole.PP,
-    "dp": ParallelRole.DP, "dp_replicate": ParallelRole.DP, "ddp": ParallelRole.DP,
-    "dp_shard": ParallelRole.FSDP, "fsdp": ParallelRole.FSDP,
+    "dp": ParallelRole.DP, "dp_replicate": ParallelRole.DP, "ddp": ParallelRole.DP, "batch": ParallelRole.DP,
+    "dp_shard": ParallelRole.FSDP, "fsdp": ParallelRole.FSDP, "efsdp": ParallelRole.FSDP,
 }
+
+
+def mesh_dim_roles(mesh: Any) -> list[tuple[str, Any, Optional[ParallelRole]]]:
+    """(dim name, its process group, its role or None) for every named dim of a DeviceMesh."""
+    out = []
+    for name in getattr(mesh, "mesh_dim_names", None) or ():
+        try:
+            group = mesh.get_group(name)
+        except (RuntimeError, ValueError, KeyError):  # a flattened or unmaterialised dim
+            continue
+        out.append((name, group, MESH_DIM_ROLES.get(name)))
+    return out
+
+
+_WARNED_DIMS: set[str] = set()
+
+
+def roles_from_meshes(meshes: Iterable[Any]) -> dict[str, str]:
+    """Group name -> role for the named dims of the DeviceMeshes the graph's DTensors live on
+    (what HF's ``tp_plan``, torchtitan's ``parallelize_*`` and ``parallelize_module`` already
+    declare). A dim whose name has no known role gets inferred roles, with one warning per name."""
+    roles: dict[str, str] = {}
+    for mesh in meshes:
+        for name, group, role in mesh_dim_roles(mesh):
+            if role is None:
+                if name not in _WARNED_DIMS:
+                    _WARNED_DIMS.add(name)
+                    warnings.warn(f"commfuse: DTensor mesh dim {name!r} has no known role (known: "
+                                  f"{', '.join(sorted(MESH_DIM_ROLES))}); its collectives get inferred roles",
+                                  RuntimeWarning, stacklevel=2)
+                continue
+            roles[group.group_name] = role.value
+    return roles
 
 INTRA_PREFIX = "commfuse.intra."
 INTER_PREFIX = "commfuse.inter."
@@ -389,12 +422,10 @@ def setup(
             warnings.warn("commfuse.setup: communicator_ctas is ignored: no process group is initialized "
                           "(call init_process_group first); no pool groups were created")
     if mesh is not None:
-        for name in names:
-            role = MESH_DIM_ROLES.get(name)
+        for name, group, role in mesh_dim_roles(mesh):
             if role is None:
                 warnings.warn(f"commfuse.setup: mesh dim {name!r} has no known role; its collectives get inferred roles")
                 continue
-            group = mesh.get_group(name)
             session.group_roles[group.group_name] = role.value
             session.role_sources[group.group_name] = "mesh"
             sg = session.subgroups.get(tuple(dist.get_process_group_ranks(group)))
@@ -412,8 +443,10 @@ def reset() -> None:
     _SESSION = Session()
 
 
-def resolved_roles(config) -> tuple[dict[str, str], dict[str, str]]:
-    """Group roles and their sources: the session's (mesh), overridden by `config.group_roles` (user)."""
-    roles = {**_SESSION.group_roles, **{k: v.value for k, v in config.group_roles.items()}}
-    sources = {**_SESSION.role_sources, **{k: "user" for k in config.group_roles}}
+def resolved_roles(config, dtensor_roles: Optional[dict[str, str]] = None) -> tuple[dict[str, str], dict[str, str]]:
+    """Group roles and their sources: those of the graph's DTensor meshes (``dtensor_roles``),
+    overridden by the session's (``setup(mesh=)``), overridden by `config.group_roles` (user)."""
+    found = dtensor_roles or {}
+    roles = {**found, **_SESSION.group_roles, **{k: v.value for k, v in config.group_roles.items()}}
+    sources = {**{k: "dtensor" for k in found}, **_SESSION.role_sources, **{k: "user" for k in config.group_roles}}
     return roles, sources

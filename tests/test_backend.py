@@ -205,3 +205,32 @@ def test_bad_config_file_names_the_file(no_process_default, tmp_path):
     with pytest.raises(commfuse.ConfigError, match="lowering") as e:
         commfuse.default_config()
     assert str(path) in str(e.value)
+
+
+def test_roles_come_from_the_dtensor_meshes_the_graph_holds(recwarn):
+    """No setup(): the backend reads the roles of the groups from the mesh dim names of the
+    graph's DTensors; a name without a known role warns once and is left to inference."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import commfuse.session as session
+    from commfuse.backend import _dtensor_roles
+    from commfuse.testing.fake_pg import fake_mesh
+
+    session._WARNED_DIMS.discard("stage_x")
+    with fake_mesh(4, (2, 2), ("dp_shard", "tp")) as mesh:
+        w = DTensor.from_local(torch.ones(2, 2), mesh, [Shard(0), Shard(1)], run_check=False)
+        b = DTensor.from_local(torch.ones(2), mesh["tp"], [Replicate()], run_check=False)
+        gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+        roles = _dtensor_roles(gm, [torch.ones(1), w, b])
+        assert roles == {mesh.get_group("dp_shard").group_name: "fsdp", mesh.get_group("tp").group_name: "tp"}
+        resolved, sources = session.resolved_roles(commfuse.Config(group_roles={mesh.get_group("tp").group_name: "sp"}),
+                                                   roles)
+        assert resolved[mesh.get_group("tp").group_name] == "sp"  # the user's word wins
+        assert sources[mesh.get_group("dp_shard").group_name] == "dtensor"
+    with fake_mesh(4, (2, 2), ("stage_x", "tp")) as mesh:
+        w = DTensor.from_local(torch.ones(2, 2), mesh, [Shard(0), Shard(1)], run_check=False)
+        gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+        assert _dtensor_roles(gm, [w]) == {mesh.get_group("tp").group_name: "tp"}
+        _dtensor_roles(gm, [w])
+    unknown = [w for w in recwarn if "stage_x" in str(w.message)]
+    assert len(unknown) == 1 and "no known role" in str(unknown[0].message)

@@ -38,13 +38,15 @@ def llama_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def test_hf_llama_tp_plan_with_setup_trains_like_eager_and_moves_the_all_reduces(rank_pool_2, llama_checkpoint):
-    results = rank_pool_2.run(hf_llama_tp_trains_like_eager, llama_checkpoint, True, [(2, 32), (2, 24)], timeout=600)
+def test_hf_llama_tp_plan_without_setup_trains_like_eager_and_moves_the_all_reduces(rank_pool_2, llama_checkpoint):
+    """Zero configuration: no commfuse.setup(); the TP role comes from the mesh dim name ("tp") of
+    the DTensor parameters transformers created."""
+    results = rank_pool_2.run(hf_llama_tp_trains_like_eager, llama_checkpoint, False, [(2, 32), (2, 24)], timeout=600)
     for rank, r in enumerate(results):
         assert len(r["loss"]) == 2
         assert_close_tree(r["loss"], r["ref_loss"], rtol=1e-4, atol=1e-5, msg=f"loss on rank {rank}")
         assert_close_tree(r["grads"], r["ref_grads"], rtol=1e-4, atol=1e-5, msg=f"gradients on rank {rank}")
-        # TP -> SP motion: the plain-TP all_reduces became reduce_scatters and all_gathers
+        # TP -> SP motion (roles from the DTensors' mesh): the all_reduces became reduce_scatters and all_gathers
         kinds = r["collectives"]
         assert kinds.get("reduce_scatter", 0) > 0 and kinds.get("all_gather", 0) > 0, kinds
         assert "forward" in r["graphs"] and "backward" in r["graphs"], r["graphs"]

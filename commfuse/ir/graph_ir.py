@@ -71,7 +71,7 @@ def _sum_sizes(vals: list[Size | None]) -> Size | None:
 @dataclass
 class IRBuildOptions:
     group_roles: Mapping[str, str] = field(default_factory=dict)  # group name -> role (user/mesh given)
-    role_sources: Mapping[str, str] = field(default_factory=dict)  # group name -> "user" | "mesh"
+    role_sources: Mapping[str, str] = field(default_factory=dict)  # group name -> "user" | "mesh" | "dtensor"
 
 
 class CollectiveIR:

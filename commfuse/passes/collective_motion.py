@@ -343,14 +343,16 @@ def apply_region(gm: fx.GraphModule, plan: RegionPlan, members: set[fx.Node]) ->
 
 
 def _tp_contract(ctx: PassContext, collectives: list[Collective], group: str) -> bool:
-    """Whether the user (or their DeviceMesh) told us ``group`` is a TP/SP group whose
-    inputs are replicated; an inferred role is not enough."""
+    """Whether the user told us ``group`` is a TP/SP group whose inputs are replicated: by
+    ``group_roles``, by ``commfuse.setup(mesh=)``, or by the named DeviceMesh of the DTensors
+    their parallelisation plan created (HF ``tp_plan``, torchtitan, ``parallelize_module``);
+    a role inferred from the graph alone is not enough."""
     from ..ir.collective import ParallelRole
 
     if not ctx.config.tp_inputs_replicated:
         return False
     return any(c.group.name == group and c.role in (ParallelRole.TP, ParallelRole.SP)
-               and c.role_source.split("+")[0] in ("user", "mesh") for c in collectives)
+               and c.role_source.split("+")[0] in ("user", "mesh", "dtensor") for c in collectives)
 
 
 @register_pass

@@ -64,11 +64,12 @@ class Pipeline:
         self.on_report: Optional[Callable[[PipelineReport], None]] = None
 
     @classmethod
-    def for_config(cls, config: Config) -> "Pipeline":
-        """The pipeline `config` asks for, with the topology and roles from `commfuse.setup` filled in."""
+    def for_config(cls, config: Config, dtensor_roles: Optional[dict[str, str]] = None) -> "Pipeline":
+        """The pipeline `config` asks for, with the topology and roles from `commfuse.setup` (and
+        from the graph's DTensor meshes, ``dtensor_roles``) filled in."""
         from ..session import current_session, resolved_roles
 
-        roles, sources = resolved_roles(config)
+        roles, sources = resolved_roles(config, dtensor_roles)
         return cls(config, topology=config.topology or current_session().topology,
                    group_roles=roles, role_sources=sources)
 
