@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ._version import __version__
 from .api import analyze, last_report, optimize
-from .backend import CommfuseBackend, backend, commfuse_backend
+from .backend import CommfuseBackend, backend, commfuse_backend, recent_reports
 from .config import CONFIG_ENV, DUMP_DIR_ENV, Config, default_config, set_default_config
 from .costmodel.topology import Topology
 from .errors import CommfuseError, ConfigError, PassError, VerificationError
@@ -45,6 +45,6 @@ _register_dynamo_backend()
 __all__ = [
     "AnalysisReport", "CONFIG_ENV", "CommfuseBackend", "CommfuseError", "Config", "ConfigError", "DUMP_DIR_ENV",
     "PassError", "PipelineReport", "Recorder", "Topology", "TrainStep", "VerificationError", "__version__", "analyze",
-    "backend", "commfuse_backend", "compile_train_step", "default_config", "last_report", "ops", "optimize", "record",
-    "set_default_config", "setup",
+    "backend", "commfuse_backend", "compile_train_step", "default_config", "last_report", "ops", "optimize", "recent_reports",
+    "record", "set_default_config", "setup",
 ]

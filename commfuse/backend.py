@@ -20,6 +20,7 @@ Who executes:
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Any, Callable, Optional
 
@@ -35,6 +36,17 @@ from .passes.pipeline import Pipeline
 from .report import PipelineReport
 
 log = logging.getLogger("commfuse")
+
+# The reports of the graphs compiled in this process by any commfuse backend, including the
+# ones torch.compile builds from the name "commfuse" (which nobody else holds), newest last.
+_RECENT_REPORTS: "collections.deque[PipelineReport]" = collections.deque(maxlen=1024)
+
+
+def recent_reports() -> list[PipelineReport]:
+    """The pipeline reports of the graphs compiled in this process (at most the last 1024): what
+    each commfuse compile did, also when the backend was named by string."""
+    return list(_RECENT_REPORTS)
+
 
 def _graph_kind_post_grad(gm: fx.GraphModule) -> str:
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -93,7 +105,7 @@ class CommfuseBackend:
             rep = pipeline.run(gm, graph_kind="dynamo", stages={Stage.PRE_AUTOGRAD}, dump_if_changed=True)
             if any(p.changed or p.refusals or p.error for p in rep.passes):
                 self.dynamo_reports.append(rep)
-        pipeline.on_report = lambda r: (self.reports.append(r), record.add(r))
+        pipeline.on_report = lambda r: (self.reports.append(r), _RECENT_REPORTS.append(r), record.add(r))
         if self.config.inner_compiler == "eager":
             compiled = self._compile_eager(gm, example_inputs, pipeline)
         else:
@@ -181,7 +193,14 @@ class CommfuseBackend:
             region_kw = {k: kw[k] for k in ("is_backward", "is_inference", "graph_id") if k in kw}
 
             def compile_region(sub: fx.GraphModule, inputs: list):
-                return priv.inductor_compile_fx_inner(sub, inputs, **region_kw)
+                try:
+                    return priv.inductor_compile_fx_inner(sub, inputs, **region_kw)
+                except Exception:  # noqa: BLE001 - retried once without the FX graph cache, then raised
+                    # The cache's lookup evaluates the guards of entries compiled for other
+                    # regions of the same structure, and has failed doing so (KeyError on a
+                    # symbol name) where a cold compile succeeds.
+                    with priv.inductor_config().patch(fx_graph_cache=False):
+                        return priv.inductor_compile_fx_inner(sub, inputs, **region_kw)
 
             return lower_runtime(g, kind, dump_dir=rep.dump_dir, compile_regions=compile_region,
                                  example_inputs=list(example_inputs), on_plan=self.plans.append)

@@ -186,7 +186,16 @@ class PipelineReport(BaseModel):
     order_hash: str = ""
     dump_dir: Optional[str] = None
     analysis: Optional[AnalysisReport] = None  # the graph after the pipeline
+    input_kinds: dict[str, int] = Field(default_factory=dict)  # collectives per kind before the pipeline
 
     @property
     def changed(self) -> bool:
         return any(p.changed for p in self.passes)
+
+    @property
+    def output_kinds(self) -> dict[str, int]:
+        """Collectives per kind after the pipeline."""
+        out: dict[str, int] = {}
+        for c in self.analysis.collectives if self.analysis is not None else []:
+            out[c.kind] = out.get(c.kind, 0) + 1
+        return out

@@ -24,13 +24,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
 
-def _kinds(reports) -> dict[str, int]:
+def _kinds(reports, before: bool = False) -> dict[str, int]:
+    """Collectives per kind over the compiled graphs, after commfuse's pipeline (or before it)."""
     out: dict[str, int] = {}
     for r in reports:
-        if r.analysis is None:
-            continue
-        for c in r.analysis.collectives:
-            out[c.kind] = out.get(c.kind, 0) + 1
+        for k, n in (r.input_kinds if before else r.output_kinds).items():
+            out[k] = out.get(k, 0) + n
     return out
 
 
@@ -82,5 +81,108 @@ def _train_both(ref, model, use_setup: bool, shapes: list[tuple[int, int]]) -> d
                             p.sub_(0.1 * p.grad)
     out["collectives"] = _kinds(be.reports)
     out["graphs"] = sorted({r.graph for r in be.reports})
+    out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
+    return out
+
+
+# ---------------------------------------------------------------- torchtitan 0.3.0
+
+
+def _titan_on_cpu() -> None:
+    """torchtitan picks "cuda" as its device type when no accelerator is present; point it at the
+    CPU before any of its parallelize functions read it."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.tools.utils as tt_utils
+
+    tt_utils.device_type, tt_utils.device_module = "cpu", torch.cpu
+    parallel_dims.device_type = "cpu"
+
+
+def _titan_model(family: str, n_layers: int, parallelism, *, seed: int = 0):
+    """torchtitan's own debug model of ``family`` ("llama3" or "deepseek_v3") truncated to
+    ``n_layers``, SDPA attention (the registry offers flex/varlen only; torchtitan's graph_trainer
+    tests swap the same way), built on meta and initialised identically on every rank."""
+    import importlib
+
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    mod = importlib.import_module(f"torchtitan.models.{family}")
+    spec = mod.model_registry("debugmodel")
+    cfg = spec.model
+    cfg.layers = cfg.layers[:n_layers]
+    for layer in cfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+
+    class _RuntimeConfig:  # what update_from_config reads from a Trainer.Config
+        pass
+
+    rc = _RuntimeConfig()
+    rc.parallelism = parallelism
+    cfg.update_from_config(config=rc)
+    with torch.device("meta"):
+        model = cfg.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return spec, model
+
+
+def titan_trains_like_eager(family: str, degrees: dict[str, int], shapes: list[tuple[int, int]],
+                            ac: str | None = None, n_layers: int = 2, lr: float = 0.1) -> dict[str, Any]:
+    """A torchtitan model parallelised by its own ``parallelize_*`` function (DTensor TP/SP/EP,
+    ``spmd_backend="partial_dtensor"`` so the collectives are in the compiled graphs), with
+    torchtitan's per-block compile (``CompileConfig(backend="commfuse")``) against the same model
+    parallelised the same way and run eagerly; torchtitan's loss (vocab-parallel when the output is
+    vocab-sharded), one SGD step per input shape."""
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    _titan_on_cpu()
+    set_spmd_backend("partial_dtensor")  # what torchtitan's Trainer does with parallelism.spmd_backend
+    world = dist.get_world_size()
+    parallelism = ParallelismConfig(
+        tensor_parallel_degree=degrees.get("tp", 1), expert_parallel_degree=degrees.get("ep", 1),
+        data_parallel_shard_degree=degrees.get("dp_shard", 1), spmd_backend="partial_dtensor")
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    ac_config = {None: None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[ac]
+    training = TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32")
+
+    def build(compiled: bool):
+        spec, model = _titan_model(family, n_layers, parallelism)
+        compile_config = CompileConfig(enable=compiled, components=["model"], backend="commfuse")
+        return spec.parallelize_fn(model, parallel_dims=dims, training=training, parallelism=parallelism,
+                                   compile_config=compile_config, ac_config=ac_config, dump_folder="")
+
+    ref, model = build(False), build(True)
+    seen = len(commfuse.recent_reports())
+    out: dict[str, Any] = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": []}
+    vocab = model.tok_embeddings.weight.shape[0]  # the global size, DTensor or not
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, (b, s) in enumerate(shapes):
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, vocab, (b, s + 1), generator=g)
+            inputs, labels = ids[:, :-1], ids[:, 1:]
+            for m, key in ((ref, "ref_"), (model, "")):
+                m.zero_grad(set_to_none=True)
+                loss = cross_entropy_loss(m(inputs), labels) / labels.numel()
+                loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+                loss.backward()
+                out[key + "loss"].append(float(loss))
+                out[key + "grads"].append({n: _local(p.grad) for n, p in m.named_parameters() if p.grad is not None})
+                with torch.no_grad():
+                    for p in m.parameters():
+                        if p.grad is not None:
+                            p.sub_(lr * p.grad)
+    reports = commfuse.recent_reports()[seen:]
+    out["collectives_before"] = _kinds(reports, before=True)
+    out["collectives"] = _kinds(reports)
+    out["graphs"] = sorted({r.graph for r in reports})
     out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
     return out

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.multirank,
 def llama_checkpoint(tmp_path_factory):
     """A 2-layer Llama saved with save_pretrained, as a user's checkpoint would be. 16 heads of 16:
     a layout for which a compute region compiled by Inductor received other strides than it was
-    compiled for (the executor's crash; now that region runs eagerly)."""
+    compiled for (the executor crashed in the backward graph)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     path = tmp_path_factory.mktemp("hf-llama")
@@ -50,5 +50,6 @@ def test_hf_llama_tp_plan_without_setup_trains_like_eager_and_moves_the_all_redu
         kinds = r["collectives"]
         assert kinds.get("reduce_scatter", 0) > 0 and kinds.get("all_gather", 0) > 0, kinds
         assert "forward" in r["graphs"] and "backward" in r["graphs"], r["graphs"]
-        # the only warnings allowed are the executor's per-region fallbacks (still the same numbers)
-        assert all("runs eagerly" in w for w in r["warnings"]), r["warnings"]
+        # every compute region compiled: none fell back to eager (the region compiled for other
+        # strides than its producer gave it used to, in the backward graph)
+        assert r["warnings"] == [], r["warnings"]

@@ -102,6 +102,77 @@ def test_regions_cut_at_every_runtime_call(gm):
     assert [ids[n.name] for n in nodes] == sorted(ids[n.name] for n in nodes)
 
 
+def commfuse_wait_stand_in(t):
+    """Stands for a runtime call (its name is what cuts regions)."""
+    return t
+
+
+def _graph_with_a_region_sized_4s0():
+    """x: (s0, 3) -> [region 1] y = x.repeat(4, 1) -> runtime call -> [region 2] y.view(-1) * 2:
+    region 2's only input is sized 4*s0, which binds no symbol."""
+    def f(x):
+        y = x.repeat(4, 1).clone()
+        return (y.view(-1) * 2,)
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(5, 3))
+    clone = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default)
+    clone.target = commfuse_wait_stand_in
+    gm.recompile()
+    return gm
+
+
+def test_a_region_is_given_the_input_that_binds_its_symbols():
+    from torch.fx.passes.split_module import split_module
+
+    from commfuse.lowering.regions import bind_region_symbols, commfuse_bind_symbols
+
+    gm = _graph_with_a_region_sized_4s0()
+    ids = region_ids(gm)
+    assert bind_region_symbols(gm, ids) == 1
+    anchors = [n for n in gm.graph.nodes if n.target is commfuse_bind_symbols]
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    assert len(anchors) == 1 and anchors[0].args == (x,)
+    assert ids[anchors[0].name] == max(ids.values())  # the last region, the one after the wait
+    split = split_module(gm, gm, lambda n: ids[n.name], keep_original_order=True, keep_original_node_name=True)
+    last = getattr(split, f"submod_{max(ids.values())}")
+    assert [n.name for n in last.graph.nodes if n.op == "placeholder"] == ["x_1", "clone"]
+
+
+def test_a_region_whose_inputs_bind_its_symbols_gets_nothing():
+    from commfuse.lowering.regions import bind_region_symbols
+
+    def f(x):
+        return (x.clone() * 2,)
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(5, 3))
+    assert bind_region_symbols(gm, region_ids(gm)) == 0
+
+
+def test_a_region_input_in_another_layout_is_copied_into_the_one_compiled_for():
+    from commfuse.lowering.regions import compile_guarded
+
+    def f(a, b):
+        return (a + 1, b.add_(1))
+
+    gm = make_fx(f)(torch.zeros(4, 6), torch.zeros(4, 6))
+    seen = []
+
+    def strict_compiler(sub, inputs):
+        def run(args):
+            seen.append([tuple(a.stride()) for a in args])
+            assert args[0].stride() == (6, 1), "compiled for (6, 1)"
+            return list(sub(*args))
+        return run
+
+    region = compile_guarded(strict_compiler, gm, [torch.zeros(4, 6), torch.zeros(4, 6)], "region r")
+    a = torch.arange(24.0).reshape(6, 4).t()  # the values of a (4, 6) tensor, strides (1, 4)
+    b = torch.zeros(6, 4).t()  # written in place by the region: never copied
+    out = region([a, b])
+    assert seen == [[(6, 1), (1, 4)]] and region.compiled is not None
+    torch.testing.assert_close(out[0], a + 1)
+    assert bool((b == 1).all())
+
+
 def _rec(issued, done):
     return CollectiveRecord(0, "ag", "g#0", "all_gather", "0", "0", 8, 8, 64, issued, done_ns=done)
 

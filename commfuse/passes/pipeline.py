@@ -85,6 +85,8 @@ class Pipeline:
         dumper = DumpWriter(dump_dir, graph_kind, svg_max_nodes=cfg.svg_max_nodes) if dump_dir else None
         report = PipelineReport(graph=graph_kind, dump_dir=str(dumper.dir) if dumper else None)
         selected = [p for p in self.passes if p.stage in stages]
+        for c in ctx.ir.collectives:
+            report.input_kinds[c.kind.value] = report.input_kinds.get(c.kind.value, 0) + 1
 
         if ctx.ir.hidden_collectives:
             hidden = ", ".join(f"{n.name}: {k}" for n, k in ctx.ir.hidden_collectives.items())

@@ -61,6 +61,14 @@ def verify_graph(gm: fx.GraphModule, *, ir: CollectiveIR | None = None, deep: bo
     return report
 
 
+_METADATA_OPS = ("sym_size", "sym_stride", "sym_numel", "sym_storage_offset")
+
+
+def _reads_metadata_only(n) -> bool:
+    """An op that reads a tensor's sizes, strides or offset, never its values."""
+    return n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0] in _METADATA_OPS
+
+
 def _check_waits(c, problems: list[str]) -> None:
     if c.synchronous:  # completes inside the op (e.g. commfuse::m2ms_autograd): must not be waited
         waits = [u for u in c.start.users if u.op == "call_function" and is_wait(u.target)]
@@ -75,7 +83,9 @@ def _check_waits(c, problems: list[str]) -> None:
             problems.append(f"{c.name}: coalesced result used by {out.name} without getitem/wait")
             continue
         waits = [u for u in out.users if u.op == "call_function" and is_wait(u.target)]
-        others = [u for u in out.users if u not in waits]
+        # reading the result's sizes before the wait is safe: the buffer exists once issued
+        # (dropless MoE reads the all_to_all output's data-dependent length this way)
+        others = [u for u in out.users if u not in waits and not _reads_metadata_only(u)]
         if c.inplace and len(waits) == 1:
             # An in-place collective's result *is* its input buffer: tracing records later
             # reads of that buffer as uses of the collective node. Only reads before the wait race.
