@@ -129,12 +129,14 @@ def _titan_model(family: str, n_layers: int, parallelism, *, seed: int = 0):
 
 
 def titan_trains_like_eager(family: str, degrees: dict[str, int], shapes: list[tuple[int, int]],
-                            ac: str | None = None, n_layers: int = 2, lr: float = 0.1) -> dict[str, Any]:
+                            ac: str | None = None, n_layers: int = 1, lr: float = 0.1,
+                            backend: str = "commfuse", env_config: str | None = None) -> dict[str, Any]:
     """A torchtitan model parallelised by its own ``parallelize_*`` function (DTensor TP/SP/EP,
     ``spmd_backend="partial_dtensor"`` so the collectives are in the compiled graphs), with
     torchtitan's per-block compile (``CompileConfig(backend="commfuse")``) against the same model
     parallelised the same way and run eagerly; torchtitan's loss (vocab-parallel when the output is
-    vocab-sharded), one SGD step per input shape."""
+    vocab-sharded), one SGD step per input shape. ``env_config``: commfuse's config given through
+    the ``COMMFUSE_CONFIG`` environment variable (torchtitan passes a backend *name*)."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -155,11 +157,35 @@ def titan_trains_like_eager(family: str, degrees: dict[str, int], shapes: list[t
 
     def build(compiled: bool):
         spec, model = _titan_model(family, n_layers, parallelism)
-        compile_config = CompileConfig(enable=compiled, components=["model"], backend="commfuse")
-        return spec.parallelize_fn(model, parallel_dims=dims, training=training, parallelism=parallelism,
-                                   compile_config=compile_config, ac_config=ac_config, dump_folder="")
+        compile_config = CompileConfig(enable=compiled, components=["model"], backend=backend)
+        if not dims.dp_shard_enabled:
+            return spec.parallelize_fn(model, parallel_dims=dims, training=training, parallelism=parallelism,
+                                       compile_config=compile_config, ac_config=ac_config, dump_folder="")
+        # torchtitan's data-parallel sharding (FSDP2) reduces with PREMUL_SUM, which gloo lacks:
+        # shard the SimpleFSDP way, with torchtitan's graph_trainer (its order: TP, then SimpleFSDP)
+        from torchtitan.distributed.compile import apply_compile
+        from torchtitan.experiments.graph_trainer.common_utils import apply_simple_fsdp
 
-    ref, model = build(False), build(True)
+        if dims.tp_enabled:
+            model.parallelize(dims)
+        if ac_config is not None:
+            ac_config.build(dump_folder="").apply(model)
+        model = apply_simple_fsdp(model, parallel_dims=dims, training=training)
+        if compiled:
+            apply_compile(model, compile_config=compile_config, parallel_dims=dims)
+        return model
+
+    torch._dynamo.reset()  # earlier jobs of this worker compiled the same block code
+    if env_config is not None:
+        os.environ[commfuse.CONFIG_ENV] = env_config
+    try:
+        ref, model = build(False), build(True)
+        return _train_titan(ref, model, shapes, lr, cross_entropy_loss)
+    finally:
+        os.environ.pop(commfuse.CONFIG_ENV, None)
+
+
+def _train_titan(ref, model, shapes, lr, cross_entropy_loss) -> dict[str, Any]:
     seen = len(commfuse.recent_reports())
     out: dict[str, Any] = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": []}
     vocab = model.tok_embeddings.weight.shape[0]  # the global size, DTensor or not
@@ -171,7 +197,9 @@ def titan_trains_like_eager(family: str, degrees: dict[str, int], shapes: list[t
             inputs, labels = ids[:, :-1], ids[:, 1:]
             for m, key in ((ref, "ref_"), (model, "")):
                 m.zero_grad(set_to_none=True)
-                loss = cross_entropy_loss(m(inputs), labels) / labels.numel()
+                logits = m(inputs)
+                out["logits"] = str(getattr(logits, "placements", "local"))
+                loss = cross_entropy_loss(logits, labels) / labels.numel()
                 loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
                 loss.backward()
                 out[key + "loss"].append(float(loss))
@@ -184,5 +212,6 @@ def titan_trains_like_eager(family: str, degrees: dict[str, int], shapes: list[t
     out["collectives_before"] = _kinds(reports, before=True)
     out["collectives"] = _kinds(reports)
     out["graphs"] = sorted({r.graph for r in reports})
+    out["passes_changed"] = sorted({p.name for r in reports for p in r.passes if p.changed})
     out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
     return out
