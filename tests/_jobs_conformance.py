@@ -33,20 +33,22 @@ def _kinds(reports, before: bool = False) -> dict[str, int]:
     return out
 
 
-def hf_llama_tp_trains_like_eager(checkpoint: str, use_setup: bool, shapes: list[tuple[int, int]]) -> dict[str, Any]:
-    """transformers' LlamaForCausalLM loaded with ``DistributedConfig(tp_size=world)`` (its
-    ``tp_plan``), one SGD step per input shape, eager vs ``torch.compile(backend="commfuse")``
-    (default Config and executor); ``use_setup``: ``commfuse.setup(mesh=<the parameters' mesh>)``
-    first. Returns losses, every local gradient, the collectives the compiled graphs issue and
-    commfuse's warnings."""
+def hf_trains_like_eager(checkpoint: str, distributed: dict[str, int], shapes: list[tuple[int, int]],
+                         use_setup: bool = False) -> dict[str, Any]:
+    """A transformers causal LM loaded with ``DistributedConfig(**distributed)`` (its own
+    ``tp_plan`` / ``ep_plan``), one SGD step per input shape, eager vs
+    ``torch.compile(backend="commfuse")`` (default Config and executor); ``use_setup``:
+    ``commfuse.setup(mesh=<the parameters' mesh>)`` first. Returns losses, every local gradient,
+    the collectives the compiled graphs issue before and after commfuse, and commfuse's warnings."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     _torchrun_env()
+    torch._dynamo.reset()  # earlier jobs of this worker compiled the same model code
 
     def load():
-        return AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=DistributedConfig(
-            tp_size=dist.get_world_size()), dtype=torch.float32, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=DistributedConfig(**distributed),
+                                                    dtype=torch.float32, attn_implementation="sdpa")
 
     ref, model = load(), load()
     try:
@@ -79,8 +81,10 @@ def _train_both(ref, model, use_setup: bool, shapes: list[tuple[int, int]]) -> d
                     for p in m.parameters():
                         if p.grad is not None:
                             p.sub_(0.1 * p.grad)
+    out["collectives_before"] = _kinds(be.reports, before=True)
     out["collectives"] = _kinds(be.reports)
     out["graphs"] = sorted({r.graph for r in be.reports})
+    out["passes_changed"] = sorted({p.name for r in be.reports for p in r.passes if p.changed})
     out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
     return out
 

@@ -17,10 +17,13 @@ from commfuse.testing.numerics import assert_close_tree
 
 transformers = pytest.importorskip("transformers", reason="the conformance extra is not installed")
 
-from _jobs_conformance import hf_llama_tp_trains_like_eager  # noqa: E402
+from _jobs_conformance import hf_trains_like_eager  # noqa: E402
 
 pytestmark = [pytest.mark.multirank,
               pytest.mark.slow(reason="third-party models: cold Inductor compiles of whole models on gloo ranks")]
+
+
+SHAPES = [(2, 32), (2, 24)]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ def llama_checkpoint(tmp_path_factory):
 def test_hf_llama_tp_plan_without_setup_trains_like_eager_and_moves_the_all_reduces(rank_pool_2, llama_checkpoint):
     """Zero configuration: no commfuse.setup(); the TP role comes from the mesh dim name ("tp") of
     the DTensor parameters transformers created."""
-    results = rank_pool_2.run(hf_llama_tp_trains_like_eager, llama_checkpoint, False, [(2, 32), (2, 24)], timeout=600)
+    results = rank_pool_2.run(hf_trains_like_eager, llama_checkpoint, {"tp_size": 2}, SHAPES, timeout=600)
     for rank, r in enumerate(results):
         assert len(r["loss"]) == 2
         assert_close_tree(r["loss"], r["ref_loss"], rtol=1e-4, atol=1e-5, msg=f"loss on rank {rank}")
@@ -53,3 +56,46 @@ def test_hf_llama_tp_plan_without_setup_trains_like_eager_and_moves_the_all_redu
         # every compute region compiled: none fell back to eager (the region compiled for other
         # strides than its producer gave it used to, in the backward graph)
         assert r["warnings"] == [], r["warnings"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_checkpoint(tmp_path_factory):
+    """A 1-layer Qwen3-MoE (4 experts, top-2), saved as a user's checkpoint would be."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    path = tmp_path_factory.mktemp("hf-qwen3-moe")
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return str(path)
+
+
+def _trains_like_eager_and_rewrites(results):
+    for rank, r in enumerate(results):
+        assert len(r["loss"]) == len(SHAPES)
+        assert_close_tree(r["loss"], r["ref_loss"], rtol=1e-4, atol=1e-5, msg=f"loss on rank {rank}")
+        assert_close_tree(r["grads"], r["ref_grads"], rtol=1e-4, atol=1e-5, msg=f"gradients on rank {rank}")
+        assert {"forward", "backward"} <= set(r["graphs"]), r["graphs"]
+        assert r["warnings"] == [], r["warnings"]
+        assert r["passes_changed"] and r["collectives"] != r["collectives_before"], r
+    assert results[0]["collectives"] == results[1]["collectives"]
+
+
+def test_hf_qwen3_moe_tensor_parallel_experts_trains_like_eager(rank_pool_2, qwen3_moe_checkpoint):
+    """transformers' MoE TP plan (experts sharded by columns/rows, all_reduces)."""
+    results = rank_pool_2.run(hf_trains_like_eager, qwen3_moe_checkpoint, {"tp_size": 2}, SHAPES, timeout=600)
+    _trains_like_eager_and_rewrites(results)
+    assert results[0]["collectives_before"].get("all_reduce", 0) > 0
+    # bucketing merged all_reduces of the same group
+    assert results[0]["collectives"]["all_reduce"] < results[0]["collectives_before"]["all_reduce"]
+
+
+def test_hf_qwen3_moe_expert_parallel_trains_like_eager(rank_pool_2, qwen3_moe_checkpoint):
+    """transformers' expert parallel (``ep_size``; its dispatch exchanges tokens with all_to_all),
+    attention tensor parallel on the same two ranks."""
+    results = rank_pool_2.run(hf_trains_like_eager, qwen3_moe_checkpoint, {"tp_size": 2, "ep_size": 2}, SHAPES,
+                              timeout=600)
+    _trains_like_eager_and_rewrites(results)
+    assert results[0]["collectives_before"].get("all_to_all", 0) > 0
