@@ -89,9 +89,14 @@ def _comparable(sig: list) -> tuple:
     return ("p2p" if kind in _P2P_KINDS else kind, op, dtype, None if data_dependent else tuple(shapes))
 
 
+def _ranks(sig: list) -> Optional[list[int]]:
+    """The member ranks a signature records for its group (None: unknown, e.g. an older record)."""
+    return sig[5] if len(sig) > 5 else None
+
+
 def group_key(sig: list) -> str:
     """The group a signature was issued on: its member ranks, or its name when they are unknown."""
-    ranks = sig[5] if len(sig) > 5 else None
+    ranks = _ranks(sig)
     return "ranks " + str(sorted(ranks)) if ranks is not None else f"name {sig[1]!r}"
 
 
@@ -145,20 +150,22 @@ def first_group_disagreement(graphs_by_rank: dict[int, dict[str, list]]) -> Opti
     group's ranks, the graph, the position on the group and both collectives; None if every
     group agrees. ``graphs_by_rank``: rank -> graph kind -> signatures in issue order (the
     ranks to compare: cache-hit ranks left out)."""
+    # one pass: per group, its members among the compared ranks and each member's signatures on it
     members: dict[str, set[int]] = {}
+    on_group: dict[str, dict[int, dict[str, list]]] = {}
     for r, graphs in graphs_by_rank.items():
-        for sigs in graphs.values():
+        for graph, sigs in graphs.items():
             for sig in sigs:
-                key = group_key(sig)
-                ranks = sig[5] if len(sig) > 5 else None
+                key, ranks = group_key(sig), _ranks(sig)
                 members.setdefault(key, set()).update(
                     [m for m in ranks if m in graphs_by_rank] if ranks is not None else [r])
+                on_group.setdefault(key, {}).setdefault(r, {}).setdefault(graph, []).append(sig)
     for key in sorted(members):
         ranks = sorted(members[key])
-        on_group = {r: {g: [s for s in sigs if group_key(s) == key] for g, sigs in graphs_by_rank[r].items()}
-                    for r in ranks}
+        # a member that issued nothing on the group still compiled these graphs: empty sequences
+        seqs = {r: {g: on_group[key].get(r, {}).get(g, []) for g in graphs_by_rank[r]} for r in ranks}
         for b in ranks[1:]:
-            diff = first_difference(on_group[ranks[0]], on_group[b])
+            diff = first_difference(seqs[ranks[0]], seqs[b])
             if diff is not None:
                 return f"on the group of {key}: " + diff.format(A=f"rank {ranks[0]}", B=f"rank {b}")
     return None

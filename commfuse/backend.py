@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -134,7 +135,10 @@ class CommfuseBackend:
             def compiler(g: fx.GraphModule, _inputs):
                 rep = pipeline.run(g, graph_kind=kind, stages=stages)
                 if self.config.lowering == "commfuse":
-                    return lower_runtime(g, kind, dump_dir=rep.dump_dir, on_plan=self.plans.append)
+                    try:
+                        return lower_runtime(g, kind, dump_dir=rep.dump_dir, on_plan=self.plans.append)
+                    except Exception as e:  # noqa: BLE001 - same rule as the Inductor path below
+                        _warn_lowering_failed(kind, e, "runs op by op with functional collectives")
                 return lower_eager(g)
 
             return compiler
@@ -202,10 +206,23 @@ class CommfuseBackend:
                     with priv.inductor_config().patch(fx_graph_cache=False):
                         return priv.inductor_compile_fx_inner(sub, inputs, **region_kw)
 
-            return lower_runtime(g, kind, dump_dir=rep.dump_dir, compile_regions=compile_region,
-                                 example_inputs=list(example_inputs), on_plan=self.plans.append)
+            try:
+                return lower_runtime(g, kind, dump_dir=rep.dump_dir, compile_regions=compile_region,
+                                     example_inputs=list(example_inputs), on_plan=self.plans.append)
+            except Exception as e:  # noqa: BLE001 - lowering failed: Inductor's own whole-graph path
+                # Decided at compile time from the graph alone (the same SPMD graph on every rank,
+                # lowered by the same code), so every rank falls back alike; Inductor then issues
+                # the collectives in the graph's order, as with Config(lowering="inductor").
+                _warn_lowering_failed(kind, e, "is compiled by Inductor as a whole")
+                return priv.inductor_compile_fx_inner(g, example_inputs, **kw)
 
         return inner
+
+
+def _warn_lowering_failed(kind: str, e: Exception, instead: str) -> None:
+    warnings.warn(f"commfuse: the {kind} graph could not be lowered to commfuse's runtime and {instead} "
+                  f"(same collectives, in the graph's order): {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+    log.debug("commfuse: lowering of the %s graph failed", kind, exc_info=True)
 
 
 def _dtensor_roles(gm: fx.GraphModule, example_inputs: list) -> dict[str, str]:

@@ -187,6 +187,7 @@ class PipelineReport(BaseModel):
     dump_dir: Optional[str] = None
     analysis: Optional[AnalysisReport] = None  # the graph after the pipeline
     input_kinds: dict[str, int] = Field(default_factory=dict)  # collectives per kind before the pipeline
+    topology: Optional[str] = None  # the topology the passes used, and where it came from
 
     @property
     def changed(self) -> bool:

@@ -450,3 +450,81 @@ def resolved_roles(config, dtensor_roles: Optional[dict[str, str]] = None) -> tu
     roles = {**found, **_SESSION.group_roles, **{k: v.value for k, v in config.group_roles.items()}}
     sources = {**{k: "dtensor" for k in found}, **_SESSION.role_sources, **{k: "user" for k in config.group_roles}}
     return roles, sources
+
+
+# Topologies detected in this process, by (world size, local world size, device name).
+_DETECTED: dict[tuple, Optional[Topology]] = {}
+
+
+def _env_int(environ: dict, name: str) -> Optional[int]:
+    from .errors import ConfigError
+
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+    if value < 1:
+        raise ConfigError(f"environment variable {name}={raw!r} must be at least 1")
+    return value
+
+
+def detected_topology(environ: Optional[dict] = None, world_size: Optional[int] = None,
+                      device_name: Optional[str] = None) -> Optional[Topology]:
+    """`Topology.detect` from what torchrun gives every rank alike: ``LOCAL_WORLD_SIZE``, the world
+    size (the default process group's, else ``WORLD_SIZE``) and the device name (CUDA device 0's,
+    else "cpu"). None outside torchrun (no ``LOCAL_WORLD_SIZE``) or without a world size. A device
+    that matches no preset gets the generic default (`Topology` field defaults; docs/costmodel.md)
+    with one warning. A malformed variable, or a local world size that does not divide the world,
+    raises ConfigError naming it."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from .errors import ConfigError
+
+    env = os.environ if environ is None else environ
+    local = _env_int(env, "LOCAL_WORLD_SIZE")
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+            else _env_int(env, "WORLD_SIZE")
+    if local is None or world_size is None:
+        return None
+    if device_name is None:
+        device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    key = (world_size, local, device_name)
+    if key in _DETECTED:
+        return _DETECTED[key]
+    if local > world_size or world_size % local:
+        raise ConfigError(f"environment variable LOCAL_WORLD_SIZE={local} does not divide the world size "
+                          f"{world_size} (nodes must hold the same number of ranks)")
+    try:
+        topo = Topology.detect(world_size, local, device_name)
+    except ConfigError:
+        warnings.warn(f"commfuse: no topology preset for device {device_name!r}: using the generic default "
+                      f"({world_size // local} node(s) of {local} ranks, nominal links; see docs/costmodel.md). "
+                      "Pass Config(topology=...) or setup(topology=...) for decisions that fit this machine",
+                      RuntimeWarning, stacklevel=2)
+        topo = Topology(name="generic", num_nodes=world_size // local, ranks_per_node=local, device=device_name)
+    _DETECTED[key] = topo
+    return topo
+
+
+def resolved_topology(config) -> tuple[Optional[Topology], Optional[str]]:
+    """The topology a pipeline uses and where it came from: `Config.topology`, else `setup()`'s,
+    else the one detected from the torchrun environment. A topology whose rank count contradicts
+    the process group's world size raises ConfigError."""
+    import torch.distributed as dist
+
+    for topo, source in ((config.topology, "config"), (_SESSION.topology, "setup"), (None, "detected")):
+        if source == "detected":
+            topo = detected_topology()
+        if topo is None:
+            continue
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake":
+            topo.check_world_size(dist.get_world_size())
+        return topo, source
+    return None, None

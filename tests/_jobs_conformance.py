@@ -4,6 +4,7 @@ default config and executor, compared with eager."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any
@@ -14,10 +15,22 @@ import torch.distributed as dist
 import commfuse
 
 
-def _torchrun_env() -> None:
-    """What torchrun would have set (Hugging Face's distributed loading reads it)."""
+@contextlib.contextmanager
+def _torchrun_env():
+    """What torchrun would have set, for the job only (Hugging Face's distributed loading reads it;
+    commfuse detects its topology from it). The pool's workers run other tests' jobs afterwards."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -43,18 +56,18 @@ def hf_trains_like_eager(checkpoint: str, distributed: dict[str, int], shapes: l
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    _torchrun_env()
     torch._dynamo.reset()  # earlier jobs of this worker compiled the same model code
 
     def load():
         return AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=DistributedConfig(**distributed),
                                                     dtype=torch.float32, attn_implementation="sdpa")
 
-    ref, model = load(), load()
-    try:
-        return _train_both(ref, model, use_setup, shapes)
-    finally:
-        commfuse.session.reset()  # the next job of this worker starts without this mesh's roles
+    with _torchrun_env():
+        ref, model = load(), load()
+        try:
+            return _train_both(ref, model, use_setup, shapes)
+        finally:
+            commfuse.session.reset()  # the next job of this worker starts without this mesh's roles
 
 
 def _train_both(ref, model, use_setup: bool, shapes: list[tuple[int, int]]) -> dict[str, Any]:
@@ -85,6 +98,7 @@ def _train_both(ref, model, use_setup: bool, shapes: list[tuple[int, int]]) -> d
     out["collectives"] = _kinds(be.reports)
     out["graphs"] = sorted({r.graph for r in be.reports})
     out["passes_changed"] = sorted({p.name for r in be.reports for p in r.passes if p.changed})
+    out["topology"] = sorted({r.topology for r in be.reports})
     out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
     return out
 
@@ -183,8 +197,9 @@ def titan_trains_like_eager(family: str, degrees: dict[str, int], shapes: list[t
     if env_config is not None:
         os.environ[commfuse.CONFIG_ENV] = env_config
     try:
-        ref, model = build(False), build(True)
-        return _train_titan(ref, model, shapes, lr, cross_entropy_loss)
+        with _torchrun_env():
+            ref, model = build(False), build(True)
+            return _train_titan(ref, model, shapes, lr, cross_entropy_loss)
     finally:
         os.environ.pop(commfuse.CONFIG_ENV, None)
 
@@ -217,5 +232,6 @@ def _train_titan(ref, model, shapes, lr, cross_entropy_loss) -> dict[str, Any]:
     out["collectives"] = _kinds(reports)
     out["graphs"] = sorted({r.graph for r in reports})
     out["passes_changed"] = sorted({p.name for r in reports for p in r.passes if p.changed})
+    out["topology"] = sorted({r.topology for r in reports})
     out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
     return out

@@ -143,3 +143,46 @@ def regions_fall_back_to_eager() -> dict[str, Any]:
             torch.testing.assert_close(g, r, rtol=0, atol=0)
     return {"regions_compiled": len(seen),
             "warnings": [str(c.message) for c in caught if "commfuse:" in str(c.message)]}
+
+
+def _tp_mlp_step(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    h = torch.relu(x @ w1)
+    return funcol.all_reduce(h @ w2, "sum", dist.group.WORLD)
+
+
+def a_graph_that_fails_to_lower_falls_back(inner_compiler: str) -> dict[str, Any]:
+    """The commfuse backend with its runtime lowering made to fail: the graphs fall back (eager:
+    op by op with functional collectives; inductor: Inductor's whole-graph compile), one warning
+    each, the same forward values and gradients as eager."""
+    import warnings
+    from unittest import mock
+
+    import commfuse
+    import commfuse.backend as backend_mod
+
+    torch._dynamo.reset()
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, 8, generator=gen)
+    ws = [torch.randn(8, 8, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in (1, 2)]
+
+    def run(fn):
+        for w in ws:
+            w.grad = None
+        out = fn(x, *ws)
+        out.sum().backward()
+        return out.detach(), [w.grad.clone() for w in ws]
+
+    ref = run(_tp_mlp_step)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("planted: lowering failed")
+
+    be = commfuse.backend(inner_compiler=inner_compiler)
+    with mock.patch.object(backend_mod, "lower_runtime", fail), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(torch.compile(_tp_mlp_step, backend=be, fullgraph=True))
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    for g, r in zip(got[1], ref[1]):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+    return {"warnings": [str(c.message) for c in caught if "commfuse:" in str(c.message)]}

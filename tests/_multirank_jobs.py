@@ -461,3 +461,29 @@ def agreement_on_a_dropless_moe() -> dict:
     shapes = [s for r in be.reports if r.analysis for c in r.analysis.collectives if c.kind == "all_to_all"
               for s in c.input_shapes]
     return {"losses": [float(v) for v in got["loss"]], "a2a_shapes": [str(s) for s in shapes]}
+
+
+def topology_against_the_world() -> dict:
+    """The topology a compile uses, checked against the real world size: one that holds another
+    number of ranks is refused with an error naming it; the torchrun environment's is detected."""
+    import os
+
+    from commfuse.errors import ConfigError
+    from commfuse.session import resolved_topology
+
+    out = {}
+    try:
+        resolved_topology(commfuse.Config(topology=commfuse.Topology.preset("dgx-h100")))
+    except ConfigError as e:
+        out["error"] = str(e)
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(dist.get_world_size())
+    try:
+        topo, source = resolved_topology(commfuse.Config())
+        out["detected"] = (topo.name, topo.world_size, source)
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_WORLD_SIZE")
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    return out

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import commfuse
+from commfuse import Config, ConfigError, Topology
 from commfuse.testing.numerics import assert_bitwise_equal_tree
 
 
@@ -234,3 +235,64 @@ def test_roles_come_from_the_dtensor_meshes_the_graph_holds(recwarn):
         _dtensor_roles(gm, [w])
     unknown = [w for w in recwarn if "stage_x" in str(w.message)]
     assert len(unknown) == 1 and "no known role" in str(unknown[0].message)
+
+
+# --------------------------------------------------------------- topology from the environment
+
+
+def test_topology_is_detected_from_the_torchrun_environment():
+    from commfuse.session import detected_topology
+
+    t = detected_topology({"LOCAL_WORLD_SIZE": "8", "WORLD_SIZE": "16"}, device_name="NVIDIA H100 80GB HBM3")
+    assert (t.name, t.num_nodes, t.ranks_per_node) == ("dgx-h100", 2, 8)
+    assert detected_topology({"WORLD_SIZE": "16"}, device_name="cpu") is None  # not under torchrun
+    cpu = detected_topology({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}, device_name="cpu")
+    assert (cpu.name, cpu.ranks_per_node) == ("cpu-gloo", 2)
+
+
+def test_an_unknown_device_gets_the_generic_topology_with_one_warning():
+    from commfuse.session import detected_topology
+
+    env = {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "8"}
+    with pytest.warns(RuntimeWarning, match="no topology preset for device 'Quantum 9000'") as caught:
+        t = detected_topology(env, device_name="Quantum 9000")
+        assert detected_topology(env, device_name="Quantum 9000") is t  # decided once per process
+    assert len(caught) == 1
+    assert (t.name, t.num_nodes, t.ranks_per_node, t.device) == ("generic", 2, 4, "Quantum 9000")
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"LOCAL_WORLD_SIZE": "eight", "WORLD_SIZE": "16"}, "LOCAL_WORLD_SIZE='eight' is not an integer"),
+    ({"LOCAL_WORLD_SIZE": "0", "WORLD_SIZE": "16"}, "LOCAL_WORLD_SIZE='0' must be at least 1"),
+    ({"LOCAL_WORLD_SIZE": "3", "WORLD_SIZE": "16"}, "LOCAL_WORLD_SIZE=3 does not divide the world size 16"),
+    ({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "x"}, "WORLD_SIZE='x' is not an integer"),
+])
+def test_a_malformed_torchrun_environment_names_the_variable(env, match):
+    from commfuse.session import detected_topology
+
+    with pytest.raises(ConfigError, match=match):
+        detected_topology(env, device_name="cpu")
+
+
+def test_the_report_names_the_topology_and_where_it_came_from(monkeypatch):
+    from commfuse.passes.pipeline import Pipeline
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    rep = Pipeline.for_config(Config()).run(gm, graph_kind="forward", stages=set())
+    assert rep.topology.startswith("none")
+    rep = Pipeline.for_config(Config(topology=Topology.preset("dgx-a100"))).run(gm, graph_kind="forward", stages=set())
+    assert rep.topology == "dgx-a100: 1 node(s) x 8 ranks, device A100-SXM (Config.topology)"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    rep = Pipeline.for_config(Config()).run(gm, graph_kind="forward", stages=set())
+    assert rep.topology.endswith("(detected from the torchrun environment)") and "2 node(s) x 2 ranks" in rep.topology
+
+
+@pytest.mark.multirank
+def test_a_topology_that_contradicts_the_world_size_is_refused_by_name(rank_pool_2):
+    from _multirank_jobs import topology_against_the_world
+
+    for r in rank_pool_2.run(topology_against_the_world):
+        assert "topology: num_nodes*ranks_per_node = 1*8 = 8, but the process group has world_size 2" in r["error"]
+        assert r["detected"] == ("cpu-gloo", 2, "detected")

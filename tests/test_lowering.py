@@ -19,8 +19,8 @@ from commfuse.lowering.streams import stream_program
 from commfuse.testing.fake_pg import fake_process_group
 
 from _graphs import prefetch_graph
-from _jobs_lowering import (POOL_ALIAS, lowered_matches_functional, recorder_sees_overlap,
-                            regions_fall_back_to_eager, synchronous_ops_leave_nothing_pending)
+from _jobs_lowering import (POOL_ALIAS, a_graph_that_fails_to_lower_falls_back, lowered_matches_functional,
+                            recorder_sees_overlap, regions_fall_back_to_eager, synchronous_ops_leave_nothing_pending)
 
 
 @pytest.fixture
@@ -146,6 +146,16 @@ def test_a_region_whose_inputs_bind_its_symbols_gets_nothing():
 
     gm = make_fx(f, tracing_mode="symbolic")(torch.randn(5, 3))
     assert bind_region_symbols(gm, region_ids(gm)) == 0
+
+
+@pytest.mark.multirank
+@pytest.mark.slow(reason="2 gloo ranks; the inductor case compiles forward and backward cold")
+@pytest.mark.parametrize("inner_compiler, instead", [("eager", "runs op by op"),
+                                                     ("inductor", "is compiled by Inductor as a whole")])
+def test_a_graph_that_fails_to_lower_falls_back_with_one_warning(rank_pool_2, inner_compiler, instead):
+    for r in rank_pool_2.run(a_graph_that_fails_to_lower_falls_back, inner_compiler, timeout=300):
+        assert sorted(w.split(" graph")[0] for w in r["warnings"]) == ["commfuse: the backward", "commfuse: the forward"]
+        assert all(instead in w and "planted: lowering failed" in w for w in r["warnings"]), r["warnings"]
 
 
 def test_a_region_input_in_another_layout_is_copied_into_the_one_compiled_for():

@@ -233,6 +233,21 @@ def test_pure_expert_parallel_layer_is_left_alone_unless_forced(mode):
     assert ("tensor/sequence-parallel" if mode == "auto" else "moe_recognition='off'") in rec.refusals[0]
 
 
+def test_auto_leaves_the_pure_expert_parallel_example_whose_norm_is_a_replicated_dtensor():
+    """The moe_ep example: its norm and router are data-parallel replicated DTensors upstream of
+    the tokens. "auto" decides from the token path (a gather, all_reduce or sharded activation
+    to move), not from any DTensor upstream, so this layer stays as written."""
+    from commfuse.models import moe
+
+    with fake_mesh(4) as mesh:
+        model = moe.parallelize_moe(moe.build_moe(dim=16, num_experts=8, ffn_dim=32, seed=0), mesh)
+        data = moe.make_inputs(8, 4, 16, rank=0, world_size=4, seed=1)
+        (gm, *_), reports = _compile(model, data.inputs, moe_recognition="auto")
+    (rec,) = _recognition(reports)
+    assert not rec.changed and MOE_OP not in gm.code, rec
+    assert "tensor/sequence-parallel" in rec.refusals[0], rec.refusals
+
+
 def test_capacity_factor_reproduces_the_capacity():
     for cap, k, tokens, e in [(3, 2, 8, 8), (1, 1, 5, 7), (7, 2, 33, 6), (40, 2, 40, 4), (2, 1, 1000, 999)]:
         cf = capacity_factor_for(cap, k, tokens, e)

@@ -290,6 +290,17 @@ def _fake_value(gm: fx.GraphModule, target, args, kwargs):
         return target(*fx.node.map_aggregate(args, val), **fx.node.map_aggregate(kwargs, val))
 
 
+_STRIDE_BOUND_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _viewable(gm: fx.GraphModule, target, args, kwargs) -> bool:
+    try:
+        _fake_value(gm, target, args, kwargs)
+    except (RuntimeError, ValueError):  # "view size is not compatible with input tensor's size and stride"
+        return False
+    return True
+
+
 def apply_region(gm: fx.GraphModule, plan: RegionPlan, members: set[fx.Node]) -> dict[str, int]:
     graph = gm.graph
     local: dict[fx.Node, fx.Node] = {s.full: s.shard for s in plan.seeds.values() if s.full in members}
@@ -310,6 +321,14 @@ def apply_region(gm: fx.GraphModule, plan: RegionPlan, members: set[fx.Node]) ->
             else:
                 args = fx.node.map_arg(rule.args, swap)
                 kwargs = fx.node.map_arg(rule.kwargs, swap)
+                if node.target in _STRIDE_BOUND_VIEWS and not _viewable(gm, node.target, args, kwargs):
+                    # the shard (e.g. of a permuted tensor) has strides the full value had not:
+                    # view a contiguous copy of it, as reshape would
+                    src = graph.call_function(torch.ops.aten.clone.default, (args[0],),
+                                              {"memory_format": torch.contiguous_format})
+                    src.meta["val"] = _fake_value(gm, src.target, src.args, src.kwargs)
+                    rewrite.inherit_meta(node, src)
+                    args = (src, *args[1:])
                 new = graph.call_function(node.target, args, kwargs)
                 new.meta["val"] = _fake_value(gm, node.target, args, kwargs)
         rewrite.inherit_meta(node, new)
@@ -368,16 +387,29 @@ class CollectiveMotion(GraphPass):
         totals: dict[str, int] = {}
         changed = False
         groups = sorted({c.group.name for c in ctx.ir.collectives if c.kind is CollectiveKind.ALL_GATHER})
-        # One group at a time, re-planning on the rewritten graph: regions of different
-        # groups may meet, and a plan must never refer to nodes another rewrite erased.
+        # One component at a time, re-planning on the rewritten graph: regions of different
+        # groups may meet, and the components of one plan may too (a gather of a value another
+        # component computes), so a plan must never outlive a rewrite that erased its nodes.
+        # The refusals reported are those of the last planning round, on the final graph.
         for group in groups:
-            colls = ctx.ir.collectives
-            group_changed = False
-            for plan in plan_regions(ctx.gm, colls, refusals, lambda g: _tp_contract(ctx, colls, g),
-                                     only_group=group, moe_capacity_regroup=ctx.config.moe_capacity_regroup):
-                for members in _components(plan).values():
-                    group_changed |= self._apply_component(ctx, plan, members, totals, refusals)
-            if group_changed:
+            # each applied component removes a gather; the bound only guards against a cycle
+            rounds = 2 * sum(1 for c in ctx.ir.collectives if c.kind is CollectiveKind.ALL_GATHER) + 2
+            while rounds > 0:
+                rounds -= 1
+                colls = ctx.ir.collectives
+                round_refusals: list[str] = []
+                applied = False
+                for plan in plan_regions(ctx.gm, colls, round_refusals, lambda g: _tp_contract(ctx, colls, g),
+                                         only_group=group, moe_capacity_regroup=ctx.config.moe_capacity_regroup):
+                    for members in _components(plan).values():
+                        if self._apply_component(ctx, plan, members, totals, round_refusals):
+                            applied = True
+                            break
+                    if applied:
+                        break
+                if not applied:
+                    refusals.extend(round_refusals)
+                    break
                 changed = True
                 ctx.gm.graph.lint()
                 ctx.gm.recompile()

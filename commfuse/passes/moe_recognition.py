@@ -150,12 +150,25 @@ def _rewrite(gm: fx.GraphModule, m: Match) -> Optional[str]:
 _FUNCOL_MODULES = ("torch.distributed._functional_collectives", "torch.ops._c10d_functional")
 
 
-def _from_parallel_compute(x: fx.Node, limit: int = 10_000) -> bool:
-    """Whether ``x`` depends on a DTensor or a functional collective in the Dynamo graph.
+_MOVABLE = ("all_gather", "all_reduce", "reduce_scatter")
 
-    That is where TP/SP put a gather or an all_reduce in front of the layer, which
-    collective motion can move past the op once it is one region."""
+
+def _from_parallel_compute(x: fx.Node, limit: int = 10_000) -> bool:
+    """Whether the tokens ``x`` come out of tensor- or sequence-parallel compute: somewhere on
+    their path (values of at least two dims whose last dim is the hidden size, so weights and
+    norm scales are not followed) a gather, all_reduce or reduce_scatter, or a DTensor sharded
+    or partial over its placements. That is what collective motion can move past the op once the
+    layer is one region. A replicated DTensor (a data-parallel norm weight), an all_to_all (an
+    earlier expert-parallel layer) or a sharded parameter feeding a weight is not."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Partial, Shard
+
+    hidden = (static_shape(x) or [None])[-1]
+
+    def on_token_path(n: fx.Node) -> bool:
+        v = value(n)
+        shape = getattr(v, "shape", None)
+        return shape is not None and len(shape) >= 2 and shape[-1] == hidden
 
     seen, todo = set(), [x]
     while todo and len(seen) < limit:
@@ -163,14 +176,16 @@ def _from_parallel_compute(x: fx.Node, limit: int = 10_000) -> bool:
         if n in seen:
             continue
         seen.add(n)
-        if isinstance(value(n), DTensor):
+        v = value(n)
+        if isinstance(v, DTensor) and any(isinstance(p, (Shard, Partial)) for p in v.placements):
             return True
         target = n.target
-        where = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}" \
+        name = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}" \
             if n.op == "call_function" else ""
-        if str(target).startswith("_c10d_functional") or where.startswith(_FUNCOL_MODULES):
+        is_funcol = str(target).startswith("_c10d_functional") or name.startswith(_FUNCOL_MODULES)
+        if is_funcol and any(k in str(target) for k in _MOVABLE):
             return True
-        todo.extend(a for a in n.all_input_nodes)
+        todo.extend(a for a in n.all_input_nodes if on_token_path(a))
     return False
 
 

@@ -62,16 +62,20 @@ class Pipeline:
         self.role_sources = role_sources or {}
         self.passes = [get_pass(name) for name in config.pass_names()]
         self.on_report: Optional[Callable[[PipelineReport], None]] = None
+        # where the topology came from ("config", "setup", "detected"): reports name it
+        self.topology_source: Optional[str] = "given" if topology is not None else None
 
     @classmethod
     def for_config(cls, config: Config, dtensor_roles: Optional[dict[str, str]] = None) -> "Pipeline":
         """The pipeline `config` asks for, with the topology and roles from `commfuse.setup` (and
         from the graph's DTensor meshes, ``dtensor_roles``) filled in."""
-        from ..session import current_session, resolved_roles
+        from ..session import resolved_roles, resolved_topology
 
         roles, sources = resolved_roles(config, dtensor_roles)
-        return cls(config, topology=config.topology or current_session().topology,
-                   group_roles=roles, role_sources=sources)
+        topology, source = resolved_topology(config)
+        pipeline = cls(config, topology=topology, group_roles=roles, role_sources=sources)
+        pipeline.topology_source = source
+        return pipeline
 
     def run(self, gm: fx.GraphModule, *, graph_kind: str, stages: Iterable[Stage],
             dump_if_changed: bool = False) -> PipelineReport:
@@ -83,7 +87,8 @@ class Pipeline:
                           group_roles=self.group_roles, role_sources=self.role_sources)
         dump_dir = cfg.resolved_dump_dir()
         dumper = DumpWriter(dump_dir, graph_kind, svg_max_nodes=cfg.svg_max_nodes) if dump_dir else None
-        report = PipelineReport(graph=graph_kind, dump_dir=str(dumper.dir) if dumper else None)
+        report = PipelineReport(graph=graph_kind, dump_dir=str(dumper.dir) if dumper else None,
+                                topology=_describe_topology(self.topology, self.topology_source))
         selected = [p for p in self.passes if p.stage in stages]
         for c in ctx.ir.collectives:
             report.input_kinds[c.kind.value] = report.input_kinds.get(c.kind.value, 0) + 1
@@ -164,3 +169,13 @@ class Pipeline:
         if self.on_report is not None:
             self.on_report(report)
         return report
+
+
+def _describe_topology(topology: Optional[Topology], source: Optional[str]) -> str:
+    if topology is None:
+        return "none (cost-model passes refuse; give Config.topology or setup(topology=), or run under torchrun)"
+    where = {"config": "Config.topology", "setup": "commfuse.setup", "given": "given",
+             "detected": "detected from the torchrun environment"}.get(source or "given", source)
+    return (f"{topology.name}: {topology.num_nodes} node(s) x {topology.ranks_per_node} ranks, "
+            f"device {topology.device} ({where})")
+
