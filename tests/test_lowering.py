@@ -138,6 +138,32 @@ def test_a_region_is_given_the_input_that_binds_its_symbols():
     assert [n.name for n in last.graph.nodes if n.op == "placeholder"] == ["x_1", "clone"]
 
 
+def test_a_graph_returning_a_module_attribute_as_it_is_is_cut_into_regions():
+    """AOTAutograd may return an opaque object (a process group) straight from a module
+    attribute; split_module cannot, so the cut holds it out and puts it back."""
+    from commfuse.lowering.regions import compile_compute_regions
+    from commfuse.lowering.runtime import LoweredGraph
+
+    gm = _graph_with_a_region_sized_4s0()
+    gm.opaque = torch.nn.Parameter(torch.ones(1), requires_grad=False)  # stands for an opaque object
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        attr = gm.graph.get_attr("opaque")
+    out.args = ((*out.args[0], attr),)
+    gm.recompile()
+    compiled = []
+
+    def compile_region(sub, inputs):
+        compiled.append(sub)
+        return lambda args: list(sub(*args))
+
+    lowered = compile_compute_regions(LoweredGraph(gm, None, None), compile_region)
+    x = torch.randn(5, 3)
+    y, opaque = lowered.module(x)
+    assert opaque is gm.opaque and len(compiled) == 2
+    torch.testing.assert_close(y, x.repeat(4, 1).view(-1) * 2)
+
+
 def test_a_region_whose_inputs_bind_its_symbols_gets_nothing():
     from commfuse.lowering.regions import bind_region_symbols
 

@@ -262,6 +262,38 @@ def _example_inputs(sub: fx.GraphModule, vals: dict[str, Any]) -> list[Any]:
             for n in sub.graph.nodes if n.op == "placeholder"]
 
 
+def _hold_attribute_outputs(gm: fx.GraphModule) -> dict[int, str]:
+    """Take the module attributes the graph returns as they are (an opaque object AOTAutograd
+    passes through, e.g. a process group in a backward graph's outputs) out of its output:
+    ``split_module`` can only return values computed in a partition. Returns position ->
+    attribute name; the output holds None there until ``_restore_attribute_outputs``."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    values = out.args[0]
+    if not isinstance(values, (tuple, list)):
+        return {}
+    held = {i: v.target for i, v in enumerate(values) if isinstance(v, fx.Node) and v.op == "get_attr"}
+    if held:
+        out.args = (type(values)(None if i in held else v for i, v in enumerate(values)),)
+        for n in list(gm.graph.nodes):
+            if n.op == "get_attr" and not n.users:
+                gm.graph.erase_node(n)
+        gm.recompile()
+    return held
+
+
+def _restore_attribute_outputs(split: fx.GraphModule, gm: fx.GraphModule, held: dict[int, str]) -> None:
+    if not held:
+        return
+    out = next(n for n in split.graph.nodes if n.op == "output")
+    values = list(out.args[0])
+    with split.graph.inserting_before(out):
+        for i, target in held.items():
+            if not hasattr(split, target):
+                setattr(split, target, getattr(gm, target))
+            values[i] = split.graph.get_attr(target)
+    out.args = (type(out.args[0])(values),)
+
+
 def compile_compute_regions(lowered: LoweredGraph, compile_region: Callable[[fx.GraphModule, list], Any],
                             graph_kind: str = "graph") -> LoweredGraph:
     """Replace every compute region of `lowered.module` by `compile_region(region_gm, example_inputs)`
@@ -271,8 +303,10 @@ def compile_compute_regions(lowered: LoweredGraph, compile_region: Callable[[fx.
     ids = region_ids(gm)
     if bind_region_symbols(gm, ids):
         gm.recompile()
+    held = _hold_attribute_outputs(gm)
     split = split_module(gm, gm, lambda n: ids[n.name], keep_original_order=True,
                          keep_original_node_name=True)
+    _restore_attribute_outputs(split, gm, held)
     for n in list(split.graph.nodes):
         if n.op != "call_module":
             continue
