@@ -187,11 +187,18 @@ class PipelineReport(BaseModel):
     dump_dir: Optional[str] = None
     analysis: Optional[AnalysisReport] = None  # the graph after the pipeline
     input_kinds: dict[str, int] = Field(default_factory=dict)  # collectives per kind before the pipeline
+    # wire bytes per rank of the graph's collectives before the pipeline (int, or a symbolic size)
+    input_wire_bytes: Optional[Union[int, str]] = None
     topology: Optional[str] = None  # the topology the passes used, and where it came from
 
     @property
     def changed(self) -> bool:
         return any(p.changed for p in self.passes)
+
+    @property
+    def output_wire_bytes(self) -> Optional[Union[int, str]]:
+        """Wire bytes per rank of the graph's collectives after the pipeline (as ``input_wire_bytes``)."""
+        return self.analysis.total.wire_bytes if self.analysis is not None else None
 
     @property
     def output_kinds(self) -> dict[str, int]:

@@ -15,6 +15,11 @@ import torch.distributed as dist
 import commfuse
 
 
+def _wire_bytes(reports) -> list[tuple[str, Any, Any]]:
+    """Per compiled graph: (graph, wire bytes per rank before commfuse's pipeline, after)."""
+    return [(r.graph, r.input_wire_bytes, r.output_wire_bytes) for r in reports]
+
+
 @contextlib.contextmanager
 def _torchrun_env():
     """What torchrun would have set, for the job only (Hugging Face's distributed loading reads it;
@@ -99,6 +104,7 @@ def _train_both(ref, model, use_setup: bool, shapes: list[tuple[int, int]]) -> d
     out["graphs"] = sorted({r.graph for r in be.reports})
     out["passes_changed"] = sorted({p.name for r in be.reports for p in r.passes if p.changed})
     out["topology"] = sorted({r.topology for r in be.reports})
+    out["wire_bytes"] = _wire_bytes(be.reports)
     out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
     return out
 
@@ -118,7 +124,7 @@ def _titan_on_cpu() -> None:
 
 def _titan_model(family: str, n_layers: int, parallelism, *, seed: int = 0):
     """torchtitan's own debug model of ``family`` ("llama3" or "deepseek_v3") truncated to
-    ``n_layers``, SDPA attention (the registry offers flex/varlen only; torchtitan's graph_trainer
+    ``n_layers`` (deepseek_v3: its MoE layers), SDPA attention (the registry offers flex/varlen only; torchtitan's graph_trainer
     tests swap the same way), built on meta and initialised identically on every rank."""
     import importlib
 
@@ -127,7 +133,9 @@ def _titan_model(family: str, n_layers: int, parallelism, *, seed: int = 0):
     mod = importlib.import_module(f"torchtitan.models.{family}")
     spec = mod.model_registry("debugmodel")
     cfg = spec.model
-    cfg.layers = cfg.layers[:n_layers]
+    # deepseek_v3's first layer is dense: start after it, so that one layer is a MoE layer
+    first = 1 if family == "deepseek_v3" else 0
+    cfg.layers = cfg.layers[first:first + n_layers]
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
 
@@ -233,5 +241,6 @@ def _train_titan(ref, model, shapes, lr, cross_entropy_loss) -> dict[str, Any]:
     out["graphs"] = sorted({r.graph for r in reports})
     out["passes_changed"] = sorted({p.name for r in reports for p in r.passes if p.changed})
     out["topology"] = sorted({r.topology for r in reports})
+    out["wire_bytes"] = _wire_bytes(reports)
     out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
     return out

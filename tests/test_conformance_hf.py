@@ -80,6 +80,9 @@ def _trains_like_eager_and_rewrites(results):
         assert {"forward", "backward"} <= set(r["graphs"]), r["graphs"]
         assert r["warnings"] == [], r["warnings"]
         assert r["passes_changed"] and r["collectives"] != r["collectives_before"], r
+        for graph, before, after in r["wire_bytes"]:  # never more bytes on the wire
+            if isinstance(before, int) and isinstance(after, int):
+                assert after <= before, f"rank {rank}, {graph} graph: {before} -> {after} wire bytes"
     assert results[0]["collectives"] == results[1]["collectives"]
 
 

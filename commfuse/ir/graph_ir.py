@@ -154,6 +154,9 @@ class CollectiveIR:
         )
         if spec.kind is CollectiveKind.ALL_TO_ALL:
             c.extra["equal_splits"] = args.input_split_sizes is None or len(set(map(str, args.input_split_sizes))) <= 1
+            # split sizes given explicitly are this rank's (uneven, or data-dependent): another
+            # rank's sizes, and so the collective's bytes there, may differ
+            c.extra["rank_local_sizes"] = args.input_split_sizes is not None or args.output_split_sizes is not None
         self._logical_layout(c)
         if spec.refine is not None:
             spec.refine(c)

@@ -22,7 +22,9 @@ Contract
 - Guarantees: the output order is a topological order of the graph; it changes the order of
   collectives (the strands' collectives interleave), decided from the graph, the config and
   the OEF profile only, so every rank issues the same sequence; the plan's digest is
-  reported for checking that.
+  reported for checking that. A graph with an all_to_all whose split sizes are given per rank
+  (uneven, or data-dependent as in dropless MoE) is left in its input order: its simulated
+  cost differs between ranks, and so could the plan.
 - Execution hints for the lowering (docs/lowering.md): every node of a paired step gets
   ``node.meta["commfuse_barrier"]`` (its barrier interval: the lowering plan orders every
   stream's work of one interval after all streams' work of the previous one), the forward
@@ -114,6 +116,14 @@ class DHelixInterleave(GraphPass):
             return PassResult(changed=False, refusals=[
                 "not a fused forward+backward train-step graph: nothing to interleave (compile_train_step with "
                 "Config(dhelix=True) and microbatches >= 2 builds one)"])
+        local = [c.name for c in ctx.ir.collectives if c.extra.get("rank_local_sizes")]
+        if local:
+            # the plan is chosen from simulated costs: with sizes that differ per rank, ranks could
+            # choose different orders and pair different collectives on one group
+            return PassResult(changed=False, refusals=[
+                f"all_to_all {', '.join(local[:3])}{' ...' if len(local) > 3 else ''} has split sizes given per "
+                "rank (uneven or data-dependent): its cost, and so the interleaved order, could differ between "
+                "ranks; input order kept"])
         est, est_name = default_estimator(ctx)
         sim = Simulator(ctx.gm, est, ir=ctx.ir)
         oef, oef_name = oef_table_for(ctx.config.dhelix_oef_profile)

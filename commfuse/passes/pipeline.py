@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch.fx as fx
 
@@ -29,6 +29,7 @@ from ..config import Config
 from ..costmodel.topology import Topology
 from ..dumps import DumpWriter
 from ..errors import PassError, VerificationError
+from ..ir.shapes import size_to_json
 from ..report import PassRecord, PipelineReport, build_analysis_report
 from .base import Stage
 from .context import PassContext
@@ -90,8 +91,14 @@ class Pipeline:
         report = PipelineReport(graph=graph_kind, dump_dir=str(dumper.dir) if dumper else None,
                                 topology=_describe_topology(self.topology, self.topology_source))
         selected = [p for p in self.passes if p.stage in stages]
+        wire: Any = 0
         for c in ctx.ir.collectives:
             report.input_kinds[c.kind.value] = report.input_kinds.get(c.kind.value, 0) + 1
+            wire = wire + (c.wire_bytes or 0)
+        for e in ctx.ir.embedded:  # collectives ops issue from their kernels, as the analysis counts them
+            for t in e.transfers:
+                wire = wire + (t.wire_bytes or 0)
+        report.input_wire_bytes = size_to_json(wire)
 
         if ctx.ir.hidden_collectives:
             hidden = ", ".join(f"{n.name}: {k}" for n, k in ctx.ir.hidden_collectives.items())
