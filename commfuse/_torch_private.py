@@ -105,6 +105,14 @@ def inductor_compile_fx_inner(gm, example_inputs, **kwargs):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
+def inductor_decompositions():
+    """Private: `torch._inductor.decomposition.select_decomp_table()`, the decompositions
+    AOTAutograd applies before Inductor sees a graph."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
 def dynamo_backend_registry():
     """Private: `torch._dynamo.backends.registry` (_COMPILER_FNS, register_backend)."""
     import torch._dynamo.backends.registry as reg

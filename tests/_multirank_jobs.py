@@ -125,6 +125,7 @@ def compiled_matches_eager(name: str, dtype_name: str, inner: str = "eager", ste
     kinds = sorted({k for r in be.reports if r.analysis for k in r.analysis.by_kind})
     wire = {r.graph: r.analysis.total.wire_bytes for r in be.reports if r.analysis}
     return {"kinds": kinds, "wire": wire, "passes": [p.model_dump() for r in be.reports for p in r.passes],
+            "wire_before_after": [(r.graph, r.input_wire_bytes, r.output_wire_bytes) for r in be.reports],
             "graphs": [r.graph for r in be.reports], "state_dict": _state_dict_meta(model, inputs),
             "planned": [[c.kind for c in p.collectives] for p in be.plans], "steps": steps,
             "recorded": [c.kind for c in rec.collectives],

@@ -26,7 +26,15 @@ def test_four_rank_training_matches_eager(rank_pool_4, example, dtype):
         assert r["graphs"] == ["joint", "forward", "backward"]
         assert set(EXPECTED_KINDS[example]) <= set(r["kinds"]), r["kinds"]
         _assert_runtime_issued_the_plan(r)
+        _assert_never_more_bytes(r)
     assert all(r["state_dict"] == results[0]["state_dict"] for r in results)
+
+
+def _assert_never_more_bytes(r: dict) -> None:
+    """No compiled graph sends more wire bytes per rank after the pipeline than before."""
+    for graph, before, after in r["wire_before_after"]:
+        assert isinstance(before, int) and isinstance(after, int), (graph, before, after)
+        assert after <= before, f"{graph} graph: {before} -> {after} wire bytes per rank"
 
 
 def _assert_runtime_issued_the_plan(r: dict) -> None:

@@ -311,9 +311,10 @@ def compile_compute_regions(lowered: LoweredGraph, compile_region: Callable[[fx.
         if n.op != "call_module":
             continue
         sub = getattr(split, n.target)
-        calls = [m for m in sub.graph.nodes if m.op == "call_function" and m.target is not commfuse_bind_symbols]
+        calls = [m for m in sub.graph.nodes if m.op == "call_function" and m.target is not commfuse_bind_symbols
+                 and m.target is not operator.getitem]
         if not calls or all(is_runtime_call(m) for m in calls):
-            continue
+            continue  # a runtime call, with the getitems that unpack a coalesced one's results
         _drop_symbol_anchors(sub)
         out = next(m for m in sub.graph.nodes if m.op == "output")
         single = not isinstance(out.args[0], (tuple, list))
