@@ -153,6 +153,26 @@ def test_fuzz_campaign(capsys):
     assert set(rep.pipeline_checks) == set(available_passes()) | {"default"}
 
 
+# the share of the CI slice that also runs through the default executor (world sizes 2 and 4)
+EXECUTOR_SAMPLE = 16
+
+
+@pytest.mark.multirank
+@pytest.mark.slow(reason="fuzz programs through commfuse's runtime with Inductor-compiled regions on gloo rank pools")
+def test_ci_corpus_sample_runs_through_the_default_executor(rank_pool_2, rank_pool_4):
+    """The first programs of the CI slice the pools can run, optimised by the default pipeline,
+    lowered by the runtime with Inductor-compiled regions and run on every rank: the values
+    equal the reference's run of the unoptimised program, no region falls back to eager."""
+    from commfuse.fuzz.execute import check_executed, sample
+
+    programs = sample([p for _, p in load_corpus(CI_CORPUS).programs], EXECUTOR_SAMPLE)
+    assert len(programs) == EXECUTOR_SAMPLE and {p.world_size for p in programs} == {2, 4}
+    failures = [(p, f) for p in programs
+                if (f := check_executed(p, rank_pool_2 if p.world_size == 2 else rank_pool_4,
+                                        compile_regions=True)) is not None]
+    assert not failures, "\n\n".join(f"{f.pipeline} {f.kind}: {f.message[:2000]}\n{p.dumps()}" for p, f in failures)
+
+
 def test_ci_corpus_exercises_every_registered_pass():
     """Each pass is checked on some program of the CI slice; a new pass whose fuzz target accepts
     none of them needs the corpus rewritten (the command is in the file, docs/contributing.md)."""

@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
                     "file (e.g. tests/fuzz_corpus/ci.json, what CI checks) instead of generating them")
     ap.add_argument("--write-corpus", default=None, metavar="FILE", help="write programs --start.. of --seed "
                     "(--programs of them, --feature as given) to this corpus file, without checking them")
+    ap.add_argument("--execute", type=int, default=0, metavar="N",
+                    help="also run the first N programs of world size 2 or 4 through the default executor "
+                         "(commfuse's runtime, Inductor-compiled regions) on gloo rank pools against the reference")
     ap.add_argument("-q", "--quiet", action="store_true")
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -113,7 +116,38 @@ def main(argv: list[str] | None = None) -> int:
     print(rep.summary())
     if a.report:
         Path(a.report).write_text(json.dumps(rep.to_json(), indent=1) + "\n")
-    return 1 if rep.failures else 0
+    executed = 0
+    if a.execute:
+        executed = _execute(a, passes, frozen if a.corpus else None, log)
+    return 1 if rep.failures or executed else 0
+
+
+def _execute(a, passes, frozen, log) -> int:
+    """The executor sample (``--execute N``): returns how many programs failed."""
+    import time
+
+    from ..testing import get_pool
+    from .check import all_pipelines
+    from .execute import check_executed, sample
+
+    pipelines = all_pipelines(passes, include_default=not a.no_default)
+    if frozen is not None:
+        programs = [p for _, p in frozen.programs]
+    else:
+        programs = (campaign.program_for(a.seed, i, pipelines, a.feature, a.family)
+                    for i in range(a.start, a.start + a.programs))
+    chosen = sample(list(programs), a.execute)
+    t0, failed = time.perf_counter(), 0
+    for i, prog in enumerate(chosen):
+        f = check_executed(prog, get_pool(prog.world_size), compile_regions=True)
+        if f is not None:
+            failed += 1
+            print(f"executor: program {i} of the sample: {f.pipeline} {f.kind}: {f.message[:2000]}\n{prog.dumps()}")
+        elif log:
+            log(f"executor: {i + 1}/{len(chosen)} ok")
+    print(f"executor: {len(chosen)} programs (world sizes 2/4) through the default executor with Inductor regions "
+          f"in {time.perf_counter() - t0:.1f} s; {failed} failed")
+    return failed
 
 
 if __name__ == "__main__":
