@@ -127,6 +127,7 @@ def _execute(a, passes, frozen, log) -> int:
     import time
 
     from ..testing import get_pool
+    from . import campaign
     from .check import all_pipelines
     from .execute import check_executed, sample
 
