@@ -600,11 +600,14 @@ def _build(gm: fx.GraphModule, ir, sim: Simulator) -> _Graph:
 # ----------------------------------------------------------------- rewriting
 def _apply(gm: fx.GraphModule, buckets: list[_Bucket], nodes: list[fx.Node]) -> None:
     """Splice every bucket (issue and wait templates), then rewire and erase the members."""
+    # a member's input may be the result of a collective an earlier bucket replaced (a
+    # reduce_scatter of a bucketed all_gather's result): read it from the bucket's output
+    replaced: dict[fx.Node, fx.Node] = {}
     for b in sorted(buckets, key=lambda b: (b.issue, b.wait)):
         ms = b.members
         c0 = ms[0].c
         n, group = c0.group.size, c0.group.name
-        xs = [x.c.inputs[0] for x in ms]
+        xs = [replaced.get(x.c.inputs[0], x.c.inputs[0]) for x in ms]
         shapes = tuple(tuple(shape_of(x.c.start)) for x in ms)
         if c0.kind is K.ALL_GATHER:
             issue_fn, consts = _issue_ag, (n, group)
@@ -621,6 +624,7 @@ def _apply(gm: fx.GraphModule, buckets: list[_Bucket], nodes: list[fx.Node]) -> 
         outs = rewrite.splice(gm, wait_fn, [start], consts=wconsts, before=anchor_wait, meta_from=c0.waits[0])
         for x, o in zip(ms, outs):
             x.c.waits[0].replace_all_uses_with(o)
+            replaced[x.c.waits[0]] = o
     for b in buckets:
         for x in b.members:
             gm.graph.erase_node(x.c.waits[0])
