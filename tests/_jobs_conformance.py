@@ -15,6 +15,29 @@ import torch.distributed as dist
 import commfuse
 
 
+def _record_step(out: dict[str, Any], key: str, model, loss: torch.Tensor, lr: float) -> None:
+    """After ``loss.backward()``: record the loss and every local gradient under ``key``, then
+    take one SGD step."""
+    out[key + "loss"].append(float(loss))
+    out[key + "grads"].append({n: _local(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.sub_(lr * p.grad)
+
+
+def _summary(out: dict[str, Any], reports, caught) -> dict[str, Any]:
+    """What commfuse did to the compiled graphs, and its warnings."""
+    out["collectives_before"] = _kinds(reports, before=True)
+    out["collectives"] = _kinds(reports)
+    out["graphs"] = sorted({r.graph for r in reports})
+    out["passes_changed"] = sorted({p.name for r in reports for p in r.passes if p.changed})
+    out["topology"] = sorted({r.topology for r in reports})
+    out["wire_bytes"] = _wire_bytes(reports)
+    out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
+    return out
+
+
 def _wire_bytes(reports) -> list[tuple[str, Any, Any]]:
     """Per compiled graph: (graph, wire bytes per rank before commfuse's pipeline, after)."""
     return [(r.graph, r.input_wire_bytes, r.output_wire_bytes) for r in reports]
@@ -93,20 +116,8 @@ def _train_both(ref, model, use_setup: bool, shapes: list[tuple[int, int]]) -> d
                 m.zero_grad(set_to_none=True)
                 loss = fn(input_ids=ids, labels=ids).loss
                 loss.backward()
-                out[key + "loss"].append(float(loss))
-                out[key + "grads"].append({n: _local(p.grad) for n, p in m.named_parameters() if p.grad is not None})
-                with torch.no_grad():
-                    for p in m.parameters():
-                        if p.grad is not None:
-                            p.sub_(0.1 * p.grad)
-    out["collectives_before"] = _kinds(be.reports, before=True)
-    out["collectives"] = _kinds(be.reports)
-    out["graphs"] = sorted({r.graph for r in be.reports})
-    out["passes_changed"] = sorted({p.name for r in be.reports for p in r.passes if p.changed})
-    out["topology"] = sorted({r.topology for r in be.reports})
-    out["wire_bytes"] = _wire_bytes(be.reports)
-    out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
-    return out
+                _record_step(out, key, m, loss, 0.1)
+    return _summary(out, be.reports, caught)
 
 
 # ---------------------------------------------------------------- torchtitan 0.3.0
@@ -229,18 +240,5 @@ def _train_titan(ref, model, shapes, lr, cross_entropy_loss) -> dict[str, Any]:
                 loss = cross_entropy_loss(logits, labels) / labels.numel()
                 loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
                 loss.backward()
-                out[key + "loss"].append(float(loss))
-                out[key + "grads"].append({n: _local(p.grad) for n, p in m.named_parameters() if p.grad is not None})
-                with torch.no_grad():
-                    for p in m.parameters():
-                        if p.grad is not None:
-                            p.sub_(lr * p.grad)
-    reports = commfuse.recent_reports()[seen:]
-    out["collectives_before"] = _kinds(reports, before=True)
-    out["collectives"] = _kinds(reports)
-    out["graphs"] = sorted({r.graph for r in reports})
-    out["passes_changed"] = sorted({p.name for r in reports for p in r.passes if p.changed})
-    out["topology"] = sorted({r.topology for r in reports})
-    out["wire_bytes"] = _wire_bytes(reports)
-    out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
-    return out
+                _record_step(out, key, m, loss, lr)
+    return _summary(out, commfuse.recent_reports()[seen:], caught)
