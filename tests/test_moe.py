@@ -92,6 +92,8 @@ def test_moe_workloads_match_eager(rank_pool_4, name, dtype):
         assert WORKLOADS[name] <= set(r["kinds"]), r["kinds"]
         counts = {k: v for p in r["passes"] for k, v in p["counts"].items()}
         assert counts.get("collective_motion.ops_on_shards", 0) > 0
+        for graph, before, after in r["wire_before_after"]:  # never more bytes on the wire
+            assert after <= before, f"{name} {graph} graph: {before} -> {after} wire bytes per rank"
 
 
 @pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
