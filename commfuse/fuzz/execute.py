@@ -81,6 +81,9 @@ def run_program_on_rank(text: str, compile_regions: bool) -> dict[str, Any]:
 
 
 def _decomposed(gm):
+    """``gm`` as AOTAutograd hands graphs to Inductor: functionalized (``make_fx`` keeps e.g. the
+    ``squeeze_`` that ``matmul`` of a vector decomposes into) and decomposed."""
+    from torch.func import functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from .._torch_private import inductor_decompositions
@@ -88,7 +91,13 @@ def _decomposed(gm):
     example = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return make_fx(gm, decomposition_table=inductor_decompositions(), tracing_mode="fake")(*example)
+        try:
+            fn = functionalize(gm, remove="mutations")
+            return make_fx(fn, decomposition_table=inductor_decompositions(), tracing_mode="fake")(*example)
+        except RuntimeError:
+            # in-place collectives (all_reduce_, broadcast_) cannot be functionalized; Dynamo
+            # never hands them to AOTAutograd (it traces dist.all_reduce as functional + copy_)
+            return make_fx(gm, decomposition_table=inductor_decompositions(), tracing_mode="fake")(*example)
 
 
 def _inductor_region_compiler():
