@@ -105,6 +105,14 @@ def inductor_compile_fx_inner(gm, example_inputs, **kwargs):
         return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
+def process_group_names() -> dict:
+    """Private: `torch.distributed.distributed_c10d._world.pg_names` (every process group this
+    process created -> its name)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._world.pg_names
+
+
 def inductor_decompositions():
     """Private: `torch._inductor.decomposition.select_decomp_table()`, the decompositions
     AOTAutograd applies before Inductor sees a graph."""

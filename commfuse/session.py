@@ -457,8 +457,6 @@ _DETECTED: dict[tuple, Optional[Topology]] = {}
 
 
 def _env_int(environ: dict, name: str) -> Optional[int]:
-    from .errors import ConfigError
-
     raw = environ.get(name)
     if raw is None or raw == "":
         return None
@@ -484,8 +482,6 @@ def detected_topology(environ: Optional[dict] = None, world_size: Optional[int] 
     import torch
     import torch.distributed as dist
 
-    from .errors import ConfigError
-
     env = os.environ if environ is None else environ
     local = _env_int(env, "LOCAL_WORLD_SIZE")
     if world_size is None:
@@ -501,9 +497,9 @@ def detected_topology(environ: Optional[dict] = None, world_size: Optional[int] 
     if local > world_size or world_size % local:
         raise ConfigError(f"environment variable LOCAL_WORLD_SIZE={local} does not divide the world size "
                           f"{world_size} (nodes must hold the same number of ranks)")
-    try:
+    if Topology.preset_for_device(device_name) is not None:
         topo = Topology.detect(world_size, local, device_name)
-    except ConfigError:
+    else:
         warnings.warn(f"commfuse: no topology preset for device {device_name!r}: using the generic default "
                       f"({world_size // local} node(s) of {local} ranks, nominal links; see docs/costmodel.md). "
                       "Pass Config(topology=...) or setup(topology=...) for decisions that fit this machine",
@@ -519,12 +515,14 @@ def resolved_topology(config) -> tuple[Optional[Topology], Optional[str]]:
     the process group's world size raises ConfigError."""
     import torch.distributed as dist
 
-    for topo, source in ((config.topology, "config"), (_SESSION.topology, "setup"), (None, "detected")):
-        if source == "detected":
-            topo = detected_topology()
-        if topo is None:
-            continue
-        if dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake":
-            topo.check_world_size(dist.get_world_size())
-        return topo, source
-    return None, None
+    if config.topology is not None:
+        topo, source = config.topology, "config"
+    elif _SESSION.topology is not None:
+        topo, source = _SESSION.topology, "setup"
+    else:
+        topo, source = detected_topology(), "detected"
+    if topo is None:
+        return None, None
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() != "fake":
+        topo.check_world_size(dist.get_world_size())
+    return topo, source

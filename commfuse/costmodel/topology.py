@@ -173,6 +173,12 @@ class Topology(BaseModel):
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
 
+    @staticmethod
+    def preset_for_device(device_name: str) -> "str | None":
+        """The preset whose pattern (`DEVICE_PRESETS`, case-insensitive) matches ``device_name``."""
+        low = device_name.lower()
+        return next((p for pat, p in DEVICE_PRESETS if re.search(pat, low)), None)
+
     @classmethod
     def detect(cls, world_size: int, local_world_size: int, device_name: str) -> "Topology":
         """The topology for this job from inputs identical on every rank.
@@ -192,8 +198,7 @@ class Topology(BaseModel):
                 f"{local_world_size} (nodes must hold the same number of ranks)")
         if not isinstance(device_name, str) or not device_name.strip():
             raise ConfigError(f"topology.detect: device_name must be a non-empty string, got {device_name!r}")
-        low = device_name.lower()
-        preset = next((p for pat, p in DEVICE_PRESETS if re.search(pat, low)), None)
+        preset = cls.preset_for_device(device_name)
         if preset is None:
             known = ", ".join(pat for pat, _ in DEVICE_PRESETS)
             raise ConfigError(

@@ -362,7 +362,8 @@ def _normalised(a: Any, e: Any) -> tuple[list, list]:
     return fa, fe
 
 
-_LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+# the floating dtypes the fuzzer generates programs in, all narrower than float64
+_FUZZ_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _in_float64(gm: fx.GraphModule) -> fx.GraphModule:
@@ -370,7 +371,7 @@ def _in_float64(gm: fx.GraphModule) -> fx.GraphModule:
     new = _copy_gm(gm)
 
     def conv(a):
-        return torch.float64 if isinstance(a, torch.dtype) and a in _LOW_PRECISION else a
+        return torch.float64 if isinstance(a, torch.dtype) and a in _FUZZ_FLOATS else a
 
     for n in new.graph.nodes:
         if n.op == "call_function":
@@ -395,7 +396,7 @@ def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list
     gradients back to the parameters' low-precision dtype; ``_in_float64``), so they compute in
     float64 throughout."""
     dtype = traced.program.torch_dtype
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if dtype not in _FUZZ_FLOATS:
         return False
     ins64 = [[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in r]
              for r in traced.inputs]

@@ -45,11 +45,12 @@ def run_program_on_rank(text: str, compile_regions: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
     from .. import optimize
+    from .._torch_private import process_group_names
     from ..lowering import lower_runtime
 
     program = Program.from_json(json.loads(text))
     rank = dist.get_rank()
-    before = set(dist.distributed_c10d._world.pg_names)
+    before = set(process_group_names())
     try:
         inputs = make_inputs(program, rank)
         gm, _names = trace_rank(program, rank, inputs)
@@ -76,7 +77,7 @@ def run_program_on_rank(text: str, compile_regions: bool) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - reported as the program's failure
         return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
     finally:
-        for pg in [pg for pg, name in dist.distributed_c10d._world.pg_names.items() if pg not in before]:
+        for pg in [pg for pg in process_group_names() if pg not in before]:
             dist.destroy_process_group(pg)
 
 
