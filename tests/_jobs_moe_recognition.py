@@ -64,3 +64,57 @@ def style_matches_eager(style: str, dtype_name: str, layout: str = "ep", steps: 
                 counts[f"{r.graph}:{p.name}.{k}"] = counts.get(f"{r.graph}:{p.name}.{k}", 0) + v
     return {"counts": counts,
             "refusals": [x for r in be.dynamo_reports + be.reports for p in r.passes for x in p.refusals]}
+
+
+def _counts_and_refusals(be) -> dict:
+    counts: dict[str, int] = {}
+    for r in be.dynamo_reports + be.reports:
+        for p in r.passes:
+            for k, v in p.counts.items():
+                counts[f"{r.graph}:{p.name}.{k}"] = counts.get(f"{r.graph}:{p.name}.{k}", 0) + v
+    wire = {r.graph: (r.input_wire_bytes, r.output_wire_bytes) for r in be.reports}
+    kinds = {r.graph: (r.input_kinds, r.output_kinds) for r in be.reports}
+    return {"counts": counts, "wire": wire, "kinds": kinds,
+            "refusals": [x for r in be.dynamo_reports + be.reports for p in r.passes for x in p.refusals]}
+
+
+def user_style_matches_eager(style: str, layout: str, steps: int = 2) -> dict:
+    """An independently written MoE layer (tests/_user_moe_layers.py) with experts split over
+    the world, trained ``steps`` SGD steps eagerly and compiled with the default pipeline
+    (eager inner compiler): outputs, loss, gradients and parameters close. ``layout="ep"``:
+    each rank routes its own tokens (capacity that drops tokens for the GShard style;
+    recognition forced, since "auto" leaves pure EP alone); ``"sp_ep_sp"``: the tokens are
+    sequence shards the layer gathers, and it returns its own chunk."""
+    import _user_moe_layers as user
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = init_device_mesh("cpu", (world,)).get_group().group_name
+    hidden, experts, ffn, top_k = 16, 2 * world, 32, 2
+    sp = layout == "sp_ep_sp"
+    tokens = 2 * 4 * (world if sp else 1)  # tokens the layer routes per rank
+    par = dict(group=group, ranks=world, rank=rank, sp=sp, seed=3)
+
+    def model():
+        if style == "einsum_capacity":
+            # EP: 2 slots for 2 assignments per expert on average (drops happen); SP: capacity that cannot bind
+            return user.EinsumCapacityMoE(hidden, experts, ffn, top_k, capacity=tokens if sp else 2, **par)
+        if style == "sort_dropless":
+            return user.SortDroplessMoE(hidden, experts, ffn, top_k, **par)
+        return user.ExpertLoopMoE(hidden, experts, ffn, top_k, **par)
+
+    def inputs(step):
+        return torch.randn(2, 4, hidden, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+    def loss(out):
+        return out[0].pow(2).mean() + 0.1 * out[1] if isinstance(out, tuple) else out.pow(2).mean()
+
+    config = commfuse.Config(inner_compiler="eager", strict=True, moe_recognition="auto" if sp else "always",
+                             group_roles={group: "tp"} if sp else {})
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        torch._dynamo.reset()
+        ref = train_step_outputs(model, inputs, steps=steps, lr=0.05, loss_fn=loss)
+        be = commfuse.backend(config)
+        got = train_step_outputs(model, inputs, backend=be, steps=steps, lr=0.05, loss_fn=loss)
+        torch._dynamo.reset()
+    assert_close_tree(got, ref, dtype=torch.float32, msg=f"{style} {layout} rank {rank}")
+    return _counts_and_refusals(be)

@@ -27,7 +27,7 @@ from commfuse.passes.moe_recognition import capacity_factor_for
 from commfuse.testing.fake_pg import fake_mesh
 from commfuse.testing.numerics import assert_close_tree, train_step_outputs
 
-from _jobs_moe_recognition import style_matches_eager
+from _jobs_moe_recognition import style_matches_eager, user_style_matches_eager
 
 MOE_OP = "torch.ops.commfuse.moe_layer.default("
 
@@ -174,20 +174,12 @@ def _refused_case(case, mesh):
     if case == "low_precision_router":
         return _ep_layer(mesh, "dropless", fp32_router=False).to(torch.bfloat16), \
             "router logits computed in torch.bfloat16"
-    if case == "counts_of_all_choices":
-        return _ep_layer(mesh, "dropless", track_tokens=True), "token counts over all top-2 choices"
     if case == "route_scale":
         return _ep_layer(mesh, "dropless", route_scale=2.0), "(gates) is also used by"
-    if case == "extra_use_of_dispatch_mask":
-        layer = _LeakyGShard(16, 8, 32).expert_parallel(mesh.get_group())
-        ms.init_weights_(layer, 0)
-        return layer, "(dispatch_f) is also used by"
-    if case == "per_group_statistic":
-        return moe_model.build_moe(dim=16, num_experts=8, ffn_dim=32, num_token_groups=2), "unsupported statistic"
     if case == "combine_in_another_sort_order":
         layer = _TwoSortsDropless(16, 8, 32)
         ms.init_weights_(layer, 0)
-        return layer, "(weighted) is also used by"
+        return layer, "unstable sort"
     if case == "two_groups":
         layer = _TwoGroupGShard(16, 8, 32).expert_parallel(mesh.get_group())
         layer.back_group = dist.new_group([0, 1, 2, 3]).group_name
@@ -196,8 +188,7 @@ def _refused_case(case, mesh):
     raise ValueError(case)
 
 
-@pytest.mark.parametrize("case", ["sigmoid", "low_precision_router", "counts_of_all_choices", "route_scale",
-                                  "extra_use_of_dispatch_mask", "per_group_statistic", "two_groups",
+@pytest.mark.parametrize("case", ["sigmoid", "low_precision_router", "route_scale", "two_groups",
                                   "combine_in_another_sort_order"])
 def test_refusals_leave_the_graph_and_say_why(case):
     with fake_mesh(4) as mesh:
@@ -207,6 +198,119 @@ def test_refusals_leave_the_graph_and_say_why(case):
     (rec,) = _recognition(reports)
     assert not rec.changed and MOE_OP not in gm.code
     assert len(rec.refusals) == 1 and why in rec.refusals[0], rec.refusals
+
+
+def _kept_statistic_case(case, mesh):
+    if case == "counts_of_all_choices":
+        return _ep_layer(mesh, "dropless", track_tokens=True), "histc"
+    if case == "extra_use_of_dispatch_mask":
+        layer = _LeakyGShard(16, 8, 32).expert_parallel(mesh.get_group())
+        ms.init_weights_(layer, 0)
+        return layer, "cumsum"
+    return moe_model.build_moe(dim=16, num_experts=8, ffn_dim=32, num_token_groups=2), "one_hot"
+
+
+@pytest.mark.parametrize("case", ["counts_of_all_choices", "extra_use_of_dispatch_mask", "per_group_statistic"])
+def test_statistics_the_op_does_not_return_stay_computed(case):
+    """A value of the routing read outside the layer (counts of every choice, the dispatch mask,
+    per-group statistics) is beyond the templates; by meaning the layer becomes the op and the
+    routing that value needs stays in the graph."""
+    with fake_mesh(4) as mesh:
+        model, kept = _kept_statistic_case(case, mesh)
+        (gm,), reports = _compile(model, torch.randn(2, 4, 16))
+    (rec,) = _recognition(reports)
+    assert rec.counts == {"by_meaning_rewritten": 1} and not rec.refusals, rec
+    assert MOE_OP in gm.code and kept in gm.code and "all_to_all" not in gm.code
+
+
+def test_kept_counts_of_every_choice_match_eager():
+    """torchtitan's expert-usage buffer over all top-2 choices keeps its value after the rewrite."""
+    cfg = ms.MoEStyleConfig(style="dropless", top_k=2)
+
+    def model():
+        return ms.build_moe_style(cfg, track_tokens=True)
+
+    x = torch.randn(2, 4, 16)
+    eager, compiled = model(), model()
+    be = commfuse.backend(commfuse.Config(inner_compiler="eager", strict=True, moe_recognition="always"))
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch._dynamo.reset()
+        cm = torch.compile(compiled, backend=be)
+        outs = [(eager(x), cm(x)) for _ in range(2)]
+        torch._dynamo.reset()
+    assert _recognition(be.dynamo_reports)[0].counts == {"by_meaning_rewritten": 1}
+    for (want, _), (got, _) in outs:
+        torch.testing.assert_close(got, want)
+    assert eager.tokens_per_expert.sum() == 2 * 2 * 8
+    torch.testing.assert_close(compiled.tokens_per_expert, eager.tokens_per_expert, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ independently written layers
+def _user_layer(style, mesh, **options):
+    import _user_moe_layers as user
+
+    par = dict(group=mesh.get_group().group_name, ranks=4, rank=0)
+    if style == "einsum_capacity":
+        return user.EinsumCapacityMoE(16, 8, 32, 2, capacity=3, **par, **options)
+    if style == "sort_dropless":
+        return user.SortDroplessMoE(16, 8, 32, 2, **par, **options)
+    return user.ExpertLoopMoE(16, 8, 32, 2, **par, **options)
+
+
+def _compile_user(model, **cfg):
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        return _compile(model, torch.randn(2, 4, 16), **cfg)
+
+
+@pytest.mark.parametrize("style", ["einsum_capacity", "sort_dropless", "expert_loop"])
+def test_independently_written_layers_become_one_op(style):
+    """GShard einsum with capacity, sort-based dropless, a Hugging Face expert loop: none is
+    spelled like commfuse's templates; each is recognised by what it computes, and its
+    exchanges go with it."""
+    with fake_mesh(4) as mesh:
+        (gm,), reports = _compile_user(_user_layer(style, mesh))
+    (rec,) = _recognition(reports)
+    assert rec.counts == {"by_meaning_rewritten": 1} and not rec.refusals, rec
+    FileCheck().check_count(MOE_OP, 1, exactly=True).check_not("all_to_all").run(gm.code)
+    if style == "einsum_capacity":  # capacity 3 = ceil(1.5 * 8 tokens * 2 choices / 8 experts)
+        assert ", 2, 1.5, 1, '" in gm.code, gm.code
+
+
+def _unsupported(case, mesh):
+    import _user_moe_layers as user
+
+    if case == "sigmoid":
+        return _user_layer("expert_loop", mesh, scoring="sigmoid"), "sigmoid router scores"
+
+    class Unstable(user.SortDroplessMoE):
+        def forward(self, x):
+            real_sort = torch.sort
+            try:
+                torch.sort = lambda t, stable=True: real_sort(t)  # the user forgot stable=True
+                return super().forward(x)
+            finally:
+                torch.sort = real_sort
+
+    return Unstable(16, 8, 32, 2, group=mesh.get_group().group_name, ranks=4), "unstable sort"
+
+
+@pytest.mark.parametrize("case", ["sigmoid", "unstable_sort"])
+def test_unsupported_variants_of_independent_layers_are_reported(case):
+    with fake_mesh(4) as mesh:
+        model, why = _unsupported(case, mesh)
+        (gm,), reports = _compile_user(model)
+    (rec,) = _recognition(reports)
+    assert not rec.changed and MOE_OP not in gm.code
+    assert len(rec.refusals) == 1 and why in rec.refusals[0], rec.refusals
+
+
+@pytest.mark.parametrize("style", ["einsum_capacity", "sort_dropless", "expert_loop"])
+def test_auto_leaves_independent_pure_expert_parallel_layers_alone(style):
+    with fake_mesh(4) as mesh:
+        (gm,), reports = _compile_user(_user_layer(style, mesh), moe_recognition="auto")
+    (rec,) = _recognition(reports)
+    assert not rec.changed and MOE_OP not in gm.code
+    assert len(rec.refusals) == 1 and "tensor/sequence-parallel" in rec.refusals[0], rec.refusals
 
 
 def test_graph_break_is_reported():
@@ -325,3 +429,23 @@ def test_styles_match_eager_on_4_ranks(rank_pool_4, style, dtype, layout):
         assert r["counts"].get(f"dynamo:moe_recognition.{style}_rewritten", 0) >= 1, r
         if layout == "sp_ep_sp":
             assert r["counts"].get("joint:chimera.collective_motion.gathers_removed", 0) > 0, r
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("style,layout", [("einsum_capacity", "sp_ep_sp"), ("sort_dropless", "sp_ep_sp"),
+                                          ("expert_loop", "sp_ep_sp"), ("einsum_capacity", "ep")])
+@pytest.mark.slow(reason="trains independently written MoE layers on real gloo ranks against eager")
+def test_independent_styles_match_eager_on_4_ranks(rank_pool_4, style, layout):
+    """Independently written layers on 4 gloo ranks, the same numbers as eager (outputs, loss,
+    gradients, two SGD steps). SP+EP+SP with the default pipeline: recognised by meaning, the
+    forward runs the layer on sequence shards (the gather before it and the way back are gone)
+    and the step sends fewer bytes. The backward still gathers the tokens once: the gradient of
+    the user's local chunk is zero outside it, a form motion does not model. Pure EP (forced):
+    GShard capacity that drops tokens keeps the same drops."""
+    results = rank_pool_4.run(user_style_matches_eager, style, layout, timeout=600)
+    for r in results:
+        assert r["counts"].get("dynamo:moe_recognition.by_meaning_rewritten", 0) == 1, r
+        if layout == "sp_ep_sp":
+            assert r["counts"].get("joint:chimera.collective_motion.ops_on_shards", 0) > 0, r
+            before, after = r["wire"]["joint"]
+            assert after < before, r["wire"]

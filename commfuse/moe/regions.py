@@ -110,11 +110,12 @@ def prove(m: Matcher) -> tuple[list[Match], list[str]]:
 _FRAGMENT_OPS = {"argsort", "histc", "cumsum", "one_hot", "repeat_interleave", "index_copy", "scatter_add"}
 
 
-def fragments(m: Matcher) -> list[str]:
-    """A refusal line when the graph holds all_to_all + dispatch operations outside any router's region."""
+def fragments(m: Matcher, exclude: frozenset[fx.Node] | set[fx.Node] = frozenset()) -> list[str]:
+    """A refusal line when the graph holds all_to_all + dispatch operations outside any router's region
+    (``exclude``: nodes of routers already reported)."""
     from .patterns import op_name
 
-    in_regions = {n for n, f in m.facts.items() if f.root is not None}
+    in_regions = {n for n, f in m.facts.items() if f.root is not None} | set(exclude)
     a2a, ops = [], []
     for n in m.gm.graph.nodes:
         if n in in_regions:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,17 @@ def capacity(capacity_factor: float, top_k: int, tokens_per_group: int, num_expe
     if capacity_factor <= 0:
         return 0
     return max(1, math.ceil(capacity_factor * top_k * tokens_per_group / num_experts))
+
+
+def capacity_factor_for(cap: int, top_k: int, tokens: int, num_experts: int) -> Optional[float]:
+    """A ``capacity_factor`` for which :func:`capacity` gives ``cap`` on ``tokens`` tokens."""
+    cf = cap * num_experts / (top_k * tokens)
+    for _ in range(8):
+        got = capacity(cf, top_k, tokens, num_experts)
+        if got == cap:
+            return cf
+        cf = math.nextafter(cf, 0.0 if got > cap else math.inf)
+    return None
 
 
 def capacity_can_bind(capacity_factor: float, top_k: int, num_experts: int) -> bool:

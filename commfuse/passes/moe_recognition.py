@@ -47,9 +47,10 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
+from ..moe.by_meaning import MeaningMatch, NotMoE, recognise, routers
 from ..moe.ops import MOE_LAYER
 from ..moe.patterns import op_name, static_shape, value
-from ..moe.routing import capacity
+from ..moe.routing import capacity_factor_for
 from ..moe.regions import Match, fragments, prove
 from ..moe.templates import STAT_OUTPUT, Matcher
 from .base import GraphPass, PassResult, Stage
@@ -57,17 +58,6 @@ from .context import PassContext
 from .registry import register_pass
 
 _VALUE_KEYS = ("example_value", "val", "tensor_meta", "grapharg", "unbacked_bindings")
-
-
-def capacity_factor_for(cap: int, top_k: int, tokens: int, num_experts: int) -> Optional[float]:
-    """A ``capacity_factor`` for which :func:`capacity` gives ``cap`` on ``tokens`` tokens."""
-    cf = cap * num_experts / (top_k * tokens)
-    for _ in range(8):
-        got = capacity(cf, top_k, tokens, num_experts)
-        if got == cap:
-            return cf
-        cf = math.nextafter(cf, 0.0 if got > cap else math.inf)
-    return None
 
 
 def _fake_mode(gm: fx.GraphModule):
@@ -147,10 +137,8 @@ def _rewrite(gm: fx.GraphModule, m: Match) -> Optional[str]:
     return None
 
 
-_FUNCOL_MODULES = ("torch.distributed._functional_collectives", "torch.ops._c10d_functional")
-
-
 _MOVABLE = ("all_gather", "all_reduce", "reduce_scatter")
+_FUNCOL = "torch.distributed._functional_collectives"
 
 
 def _from_parallel_compute(x: fx.Node, limit: int = 10_000) -> bool:
@@ -167,8 +155,8 @@ def _from_parallel_compute(x: fx.Node, limit: int = 10_000) -> bool:
 
     def on_token_path(n: fx.Node) -> bool:
         v = value(n)
-        shape = getattr(v, "shape", None)
-        return shape is not None and len(shape) >= 2 and shape[-1] == hidden
+        vals = v if isinstance(v, (tuple, list)) else (v,)  # chunk / split results too
+        return any(len(getattr(t, "shape", ())) >= 2 and t.shape[-1] == hidden for t in vals)
 
     seen, todo = set(), [x]
     while todo and len(seen) < limit:
@@ -179,11 +167,9 @@ def _from_parallel_compute(x: fx.Node, limit: int = 10_000) -> bool:
         v = value(n)
         if isinstance(v, DTensor) and any(isinstance(p, (Shard, Partial)) for p in v.placements):
             return True
-        target = n.target
-        name = f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}" \
-            if n.op == "call_function" else ""
-        is_funcol = str(target).startswith("_c10d_functional") or name.startswith(_FUNCOL_MODULES)
-        if is_funcol and any(k in str(target) for k in _MOVABLE):
+        name = op_name(n) or ""
+        funcol = name.startswith("c10d.") or getattr(n.target, "__module__", "") == _FUNCOL
+        if funcol and any(k in name for k in _MOVABLE):
             return True
         todo.extend(a for a in n.all_input_nodes if on_token_path(a))
     return False
@@ -231,24 +217,93 @@ class MoERecognition(GraphPass):
         gm = ctx.gm
         matcher = Matcher(gm).run()
         matches, refusals = prove(matcher)
-        refusals += fragments(matcher)
         counts: dict[str, int] = {}
         mode = ctx.config.moe_recognition
+        by_template = {m.info.root for m in matches}
         for m in matches:
             where = f"MoE router {m.info.root.name}"
-            if mode == "off":
-                refusals.append(f"{where}: left unchanged: Config.moe_recognition='off'")
-                continue
-            if mode == "auto" and not _from_parallel_compute(m.info.x):
-                refusals.append(f"{where}: left unchanged: its tokens do not come from tensor/sequence-parallel "
-                                "compute, so motion has nothing to move and the op's backward would send more "
-                                "bytes than the layer's own (Config.moe_recognition='always' rewrites anyway)")
-                continue
-            why = _rewrite(gm, m)
+            why = _mode_refusal(mode, m.info.x)
+            if why is None:
+                why = _rewrite(gm, m)
             if why is not None:
                 refusals.append(f"{where}: left unchanged: {why}")
                 continue
             counts[f"{m.style}_rewritten"] = counts.get(f"{m.style}_rewritten", 0) + 1
+        reported: set[fx.Node] = set()
+        for topk, logits, router in list(routers(gm)):
+            reported |= _descendants(topk)  # this router's report covers its dispatch
+            info = matcher.regions.get(logits) if logits is not None else None
+            if logits in by_template or (info is not None and info.reasons):
+                continue  # the template decided, with its reason
+            if isinstance(router, str):
+                _refuse(refusals, (logits or topk).name, router)
+                continue
+            where = f"MoE router {router.logits.name}"
+            try:
+                meaning = recognise(gm, router)
+            except NotMoE as e:
+                _refuse(refusals, router.logits.name, f"by meaning: {e}")
+                continue
+            why = _mode_refusal(mode, meaning.tokens) or _rewrite_by_meaning(gm, meaning)
+            refusals[:] = [line for line in refusals if not line.startswith(where + ":")]
+            if why is not None:
+                refusals.append(f"{where}: left unchanged: {why}")
+                continue
+            counts["by_meaning_rewritten"] = counts.get("by_meaning_rewritten", 0) + 1
+        refusals += fragments(matcher, exclude=reported)
         if counts:
             gm.graph.lint()
         return PassResult(changed=bool(counts), counts=counts, refusals=refusals)
+
+
+def _mode_refusal(mode: str, tokens: fx.Node) -> Optional[str]:
+    if mode == "off":
+        return "Config.moe_recognition='off'"
+    if mode == "auto" and not _from_parallel_compute(tokens):
+        return ("its tokens do not come from tensor/sequence-parallel compute, so motion has nothing to move "
+                "and the op's backward would send more bytes than the layer's own "
+                "(Config.moe_recognition='always' rewrites anyway)")
+    return None
+
+
+def _refuse(refusals: list[str], router: str, why: str) -> None:
+    """One line per router: a reason found by meaning joins the template's."""
+    where = f"MoE router {router}:"
+    for i, line in enumerate(refusals):
+        if line.startswith(where):
+            refusals[i] = f"{line}; {why}"
+            return
+    refusals.append(f"{where} left unchanged: {why}")
+
+
+def _descendants(n: fx.Node) -> set[fx.Node]:
+    seen, todo = {n}, [n]
+    while todo:
+        for u in todo.pop().users:
+            if u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return seen
+
+
+def _rewrite_by_meaning(gm: fx.GraphModule, m: MeaningMatch) -> Optional[str]:
+    """Splice the op in for the region ``m`` proved; returns why not when the graph order forbids it."""
+    g = gm.graph
+    order = {n: i for i, n in enumerate(g.nodes)}
+    r = m.router
+    leaves = [r.weight, *(leaf for w in m.weights for leaf in w.leaves)]
+    anchor = max([m.tokens, *leaves], key=order.__getitem__)
+    outside = [u for u in m.out.users if u not in m.region]
+    if outside and order[anchor] >= min(order[u] for u in outside):
+        return "an operand of the op is computed after a use of the region's result"
+    emit = _Emitter(gm, anchor, m.out)
+    weights = [w.build(lambda n: n, emit) for w in m.weights]
+    router_w = emit(torch.transpose, r.weight, 0, 1) if r.weight_transposed else r.weight
+    op = emit(MOE_LAYER, m.tokens, router_w, *weights, r.top_k, m.capacity_factor, m.token_groups, m.group_name)
+    out = emit(operator.getitem, op, 0)
+    if static_shape(m.out) != static_shape(m.tokens):
+        out = emit(torch.reshape, out, static_shape(m.out))
+    m.out.replace_all_uses_with(out, delete_user_cb=lambda u: u not in m.region)
+    for n in reversed(m.dead):
+        g.erase_node(n)
+    return None
