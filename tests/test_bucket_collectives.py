@@ -105,6 +105,19 @@ def test_all_reduces_become_one_flat():
     assert summary["simulated_makespan_us"][1] < summary["simulated_makespan_us"][0]
 
 
+def test_a_bucket_reading_one_value_twice_does_not_leak_into_the_next():
+    """Two members of one input, then two of different inputs with the same shapes: the
+    spliced template (cached by shape) must read each member's own input in both buckets."""
+    def f(a):
+        g = dist.group.WORLD
+        b = funcol.all_reduce(a, "sum", g) + funcol.all_reduce(a, "sum", g)
+        return funcol.all_reduce(b * 2, "sum", g), funcol.all_reduce(b * 3, "sum", g)
+
+    with fake_process_group(4):
+        gm, rec = _bucketed(f, [(3, 4)])
+    assert _kinds(gm) == {"all_reduce": 2} and rec.counts["buckets"] == 2
+
+
 def test_bf16_and_different_kinds_interleaved():
     """Interleaved kinds form one bucket per kind; bf16 reductions stay bitwise on the reference."""
     def f(a, b, c, d):

@@ -111,12 +111,29 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], consts: tuple = (), fake_
 
         if fake_mode is not None:
             with fake_mode:
-                gm = make_fx(body, tracing_mode="real")(*vals)
+                gm = make_fx(body, tracing_mode="real")(*_distinct(vals))
         else:
-            gm = make_fx(body, tracing_mode="fake")(*vals)
+            gm = make_fx(body, tracing_mode="fake")(*_distinct(vals))
         _drop_shape_asserts(gm)
         cache[key] = gm
     return gm
+
+
+def _distinct(vals: list[Any]) -> list[Any]:
+    """``vals`` with every repeat of a tensor object replaced by a fresh tensor of its shape,
+    stride and dtype. make_fx binds a tensor to the placeholder it last came in, so a value
+    passed twice would leave one placeholder unused and read the other in both places; the
+    cache key holds only shapes, and such a template, reused for two different nodes, would
+    read the second node twice."""
+    seen: set[int] = set()
+    out = []
+    for v in vals:
+        if isinstance(v, torch.Tensor) and id(v) in seen:
+            v = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device=v.device)
+        elif isinstance(v, torch.Tensor):
+            seen.add(id(v))
+        out.append(v)
+    return out
 
 
 _ASSERTS = {torch.ops.aten._assert_async.default, torch.ops.aten._assert_async.msg,
