@@ -10,6 +10,7 @@ SP+EP+SP block (outputs and gradients, fp32 and bf16).
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -413,6 +414,51 @@ def test_random_variants_match_eager(cfg, options, shape):
         got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=loss)
         torch._dynamo.reset()
     assert sum(_recognition(be.dynamo_reports)[0].counts.values()) == 1, be.dynamo_reports
+    assert_close_tree(got, ref, dtype=torch.float32)
+
+
+def _independent_variants(n: int, seed: int = 11):
+    import _user_moe_layers as user
+
+    rng = random.Random(seed)
+    for i in range(n):
+        style = ("einsum_capacity", "sort_dropless", "expert_loop")[i % 3]
+        h, e, f, k = rng.choice([8, 12]), rng.choice([4, 6, 8]), rng.choice([8, 16]), rng.choice([1, 2, 2, 3])
+        shape = (rng.choice([1, 2]), rng.choice([3, 4, 6]), h)
+        tokens = shape[0] * shape[1]
+        if style == "einsum_capacity":
+            cap = rng.randint(1, tokens)
+            yield style, k, shape, functools.partial(user.EinsumCapacityMoE, h, e, f, k, capacity=cap, seed=5)
+        elif style == "sort_dropless":
+            yield style, k, shape, functools.partial(user.SortDroplessMoE, h, e, f, k, seed=5)
+        else:
+            yield style, k, shape, functools.partial(user.ExpertLoopMoE, h, e, f, k, seed=5)
+
+
+@pytest.mark.parametrize("style,k,shape,model", list(_independent_variants(6)),
+                         ids=lambda v: str(v) if not callable(v) else "")
+def test_random_independent_variants_match_eager(style, k, shape, model):
+    """Independently written layers with random sizes, top-k and capacity, all experts local:
+    with k > 1 recognised by meaning; with k = 1 they renormalise the one gate to 1, which
+    commfuse::moe_layer does not (it keeps the probability), so the probes refuse them. Either way
+    the same numbers as eager over two SGD steps."""
+    def inputs(step):
+        return torch.randn(*shape, generator=torch.Generator().manual_seed(step))
+
+    def loss(out):
+        return out[0].pow(2).mean() + 0.1 * out[1] if isinstance(out, tuple) else out.pow(2).mean()
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        torch._dynamo.reset()
+        ref = train_step_outputs(model, inputs, steps=2, lr=0.05, loss_fn=loss)
+        be = commfuse.backend(commfuse.Config(inner_compiler="eager", strict=True, moe_recognition="always"))
+        got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=loss)
+        torch._dynamo.reset()
+    (rec,) = _recognition(be.dynamo_reports)
+    if k > 1:
+        assert rec.counts == {"by_meaning_rewritten": 1}, rec
+    else:
+        assert not rec.changed and "something other than commfuse::moe_layer" in rec.refusals[0], rec
     assert_close_tree(got, ref, dtype=torch.float32)
 
 

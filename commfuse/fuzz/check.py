@@ -19,6 +19,7 @@ fuzzer itself (a program the reference cannot run before any pass touched it).
 from __future__ import annotations
 
 import contextlib
+import operator
 import re
 import time
 import traceback
@@ -31,9 +32,11 @@ import torch.fx as fx
 
 from ..config import Config
 from ..errors import PassError, VerificationError
+from ..ir.kinds import collective_spec, is_wait
 from ..passes.registry import DEFAULT_PIPELINE, available_passes
 from ..passes.verifier import verify_graph
 from ..reference import ReferenceInterpreter, ReferenceSemanticsError
+from ..reference.groups import GroupTable
 from ..testing.fake_pg import fake_process_group
 from ..testing.numerics import tolerances
 from .program import Program, Traced, create_groups, make_inputs, trace_rank
@@ -381,6 +384,138 @@ def _in_float64(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
+# -- Monte Carlo arithmetic: how far rounding alone moves the unoptimised program ------------
+# Ops whose result is one of their inputs' values, exactly (no rounding): layout, copies,
+# selection, sign. Views (OpOverload.is_view) are exact too. Dtype casts are handled apart.
+_EXACT_OPS = frozenset({
+    "clone", "contiguous", "copy", "copy_", "cat", "stack", "index", "index_select", "gather", "scatter",
+    "select_scatter", "slice_scatter", "where", "masked_fill", "neg", "abs", "relu", "sign", "maximum", "minimum",
+    "max", "min", "amax", "amin", "argmax", "argmin", "topk", "sort", "one_hot", "repeat", "flip", "roll",
+    "constant_pad_nd", "zeros", "zeros_like", "ones", "ones_like", "empty", "empty_like", "empty_strided",
+    "new_zeros", "new_ones", "new_empty", "new_empty_strided", "full", "full_like", "scalar_tensor", "lift_fresh_copy",
+})
+_CASTS = frozenset({"_to_copy", "to", "convert_element_type", "type_as"})
+_SUMMING = ("sum", "avg")  # reduce ops whose every step rounds (max/min are exact; products are not emulated)
+_MCA_SAMPLES = 16
+_MCA_MARGIN = 2.0  # the optimised program may be this much noisier than the worst sample
+
+
+def _unit_roundoff(t: Any) -> float:
+    """The largest relative error of one round-to-nearest to ``t``'s dtype (0: float64 or not floating)."""
+    dt = getattr(t, "dtype", None)
+    if not isinstance(t, torch.Tensor) or dt is None or not dt.is_floating_point or dt == torch.float64:
+        return 0.0
+    return torch.finfo(dt).eps / 2
+
+
+def _mca_perturb(x: Any, us: tuple, sample: int) -> Any:
+    """``x`` (a tensor or a tuple/list of them) with every floating leaf ``i`` multiplied by
+    ``1 + us[i]·ξ``, ``ξ`` in [-1, 1] a hash of the element's value and ``sample``: one random
+    rounding per element. Keyed by value, not by rank or node, so equal values (a replicated
+    router, the same shard on every rank) stay bitwise equal across ranks, as real rounding is
+    deterministic. A fresh tensor, never a mutation."""
+    leaves = iter(us)
+
+    def one(t):
+        u = next(leaves, 0.0)
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not u or not t.numel():
+            return t
+        xi = torch.remainder(torch.sin(t * 12.9898 + (78.233 * (sample + 1))) * 43758.5453, 1.0) * 2 - 1
+        return t * (1 + u * torch.nan_to_num(xi))
+
+    if isinstance(x, (tuple, list)):
+        return type(x)(one(t) for t in x)
+    return one(x)
+
+
+def _mca_summand(x: torch.Tensor, rank: int, where: tuple, u: float, seed: int) -> torch.Tensor:
+    """Rank ``rank``'s contribution ``x`` to a summing collective, times the rounding errors the
+    reference's sum ``((x0 + x1) + x2) + …`` (group-rank order, one rounding per step) applies
+    to it: group rank ``i`` of ``m`` (``where[rank]``) takes part in steps ``max(i, 1) … m-1``, so
+    ``x_i·Π(1 + δ_k)``: the sum's exact backward error, to first order in ``u``. ``δ_k``, up to
+    one unit roundoff per element, is drawn from ``seed`` and ``k`` only, so every member of the
+    group applies the same step errors, as one reduction does."""
+    i, m = where[rank]
+    if not x.is_floating_point() or not x.numel() or m < 2:
+        return x
+    factor = torch.ones(x.shape, dtype=x.dtype)
+    for k in range(max(i, 1), m):
+        gen = torch.Generator().manual_seed(seed * 1009 + k)
+        factor = factor * (1 + u * (torch.rand(x.shape, generator=gen, dtype=x.dtype) * 2 - 1))
+    return x * factor
+
+
+def _rounding_points(n: fx.Node) -> tuple:
+    """Per output leaf of compute node ``n``, the unit roundoff of the rounding that produces it
+    (from the traced dtype in ``n.meta["val"]``); () when ``n`` does not round."""
+    t = n.target
+    if n.op != "call_function" or t is operator.getitem or is_wait(t) or collective_spec(t) is not None:
+        return ()
+    if not isinstance(t, torch._ops.OpOverload):
+        return ()
+    if t.namespace in ("_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor") or t.is_view \
+            or t._schema.is_mutable:  # in-place results alias a buffer other readers see unperturbed
+        return ()
+    name = t.overloadpacket.__name__
+    val = n.meta.get("val")
+    leaves = list(val) if isinstance(val, (tuple, list)) else [val]
+    if name in _EXACT_OPS:
+        return ()
+    if name in _CASTS:  # rounds only when it narrows
+        src = n.args[0].meta.get("val") if n.args and isinstance(n.args[0], fx.Node) else None
+        if not isinstance(src, torch.Tensor) or _unit_roundoff(leaves[0]) <= _unit_roundoff(src):
+            return ()
+    us = tuple(_unit_roundoff(v) for v in leaves)
+    return us if any(us) else ()
+
+
+def _with_random_rounding(gm: fx.GraphModule, sample: int, groups: GroupTable) -> fx.GraphModule:
+    """A float64 copy of the traced graph ``gm`` that rounds at random where ``gm`` rounds
+    (Monte Carlo arithmetic, Parker 1997): every compute node's result is perturbed by up to
+    one unit roundoff of the dtype it was traced in (``_mca_perturb``), and every summing
+    collective's inputs by the step errors of the reference's reduction (``_mca_summand``).
+    Exact ops (views, copies, selections, widening casts), in-place results and in-place
+    collectives are left alone (their buffers are read back unperturbed): that can only
+    understate the noise. The copy takes one more input after the program's, the global rank
+    (the position of a rank in a group decides which reduction steps round its contribution).
+    Each sample is one other equally valid rounding of the same program."""
+    new = _in_float64(gm)
+    g = new.graph
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    with g.inserting_after(phs[-1]) if phs else g.inserting_before(next(iter(g.nodes))):
+        rank = g.placeholder("mca_rank")
+    ordinal = 0
+    for n in list(g.nodes):
+        us = _rounding_points(n)
+        if us:
+            with g.inserting_after(n):
+                p = g.call_function(_mca_perturb, (n, us, sample))
+            p.meta["val"] = n.meta.get("val")
+            n.replace_all_uses_with(p, delete_user_cb=lambda user: user is not p)
+            continue
+        spec = collective_spec(n.target) if n.op == "call_function" else None
+        if spec is None or spec.kind.value not in ("all_reduce", "reduce_scatter"):
+            continue
+        ordinal += 1
+        try:
+            args = spec.parse(n.args, n.kwargs)
+            blocks = [groups.resolve(args.group_name, r) for r in range(groups.world_size)]
+        except Exception:  # noqa: BLE001 - arguments or group not known: no perturbation (understates)
+            continue
+        if spec.inplace or str(args.reduce_op).lower() not in _SUMMING:
+            continue
+        where = tuple((b.index(r), len(b)) for r, b in enumerate(blocks))
+        inputs = args.inputs[0] if spec.coalesced else args.inputs
+        for j, inp in enumerate(dict.fromkeys(i for i in inputs if isinstance(i, fx.Node))):
+            u = _unit_roundoff(inp.meta.get("val"))
+            if u:
+                with g.inserting_before(n):
+                    p = g.call_function(_mca_summand, (inp, rank, where, u, (sample * 7919 + ordinal) * 131 + j))
+                n.replace_input_with(inp, p)
+    new.recompile()
+    return new
+
+
 def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list, expected: list,
                    actual: list) -> bool:
     """For floating-point programs of targets not registered exact: whether a difference is
@@ -388,39 +523,63 @@ def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list
     in the hundreds, differs by more than fixed tolerances under any other summation order). Both
     programs run again on float64 inputs: they must agree to 1e-9 of each output's magnitude
     (equal in exact arithmetic: a wrong slice or a missing term changes the result by O(values)),
-    and no optimised float32 output may be further from the float64 result, relative to its
-    magnitude, than 8x the unoptimised program's worst relative error on that rank plus the
-    dtype's atol (the rank's noise level: how much the program amplifies rounding; another
-    summation order is another sample of it, while losing precision, e.g. to bf16, costs ~1000x).
-    Both float64 runs convert the graphs' own dtype arguments too (a joint graph casts
-    gradients back to the parameters' low-precision dtype; ``_in_float64``), so they compute in
-    float64 throughout."""
+    and no optimised low-precision output may be further from the float64 result, relative to its
+    magnitude, than 8x the rank's noise level plus the dtype's atol. The noise level is how far
+    rounding alone moves the unoptimised program: its worst relative error on that rank, in its
+    own run and in ``_MCA_SAMPLES`` runs that round at random where it rounds, by at most one
+    unit roundoff of each value's traced dtype (``_with_random_rounding``). One run alone can
+    understate it: an ill-conditioned op (a layer norm over two nearly equal values, whose sign
+    a rounding decides) may happen to be close in the canonical run and O(1) off in another
+    equally valid one. Another summation order is another sample of that noise, while losing
+    precision (a bf16 rounding where the program keeps float32, a cancellation the program does
+    not have) costs orders of magnitude more. The float64 runs convert the graphs' own dtype
+    arguments too (a joint graph casts gradients back to the parameters' low-precision dtype;
+    ``_in_float64``), so they compute in float64 throughout."""
     dtype = traced.program.torch_dtype
     if dtype not in _FUZZ_FLOATS:
         return False
     ins64 = [[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in r]
              for r in traced.inputs]
     n = traced.program.world_size
+
+    def run(gms: list) -> list:
+        return ReferenceInterpreter(gms[0] if len(gms) == 1 else gms, n, traced.groups).run(ins64)
+
     try:
-        base = [_in_float64(g) for g in traced.graphs]
-        opt = [_in_float64(g) for g in graphs]
-        truth = ReferenceInterpreter(base[0] if len(base) == 1 else base, n, traced.groups).run(ins64)
-        opt64 = ReferenceInterpreter(opt[0] if len(opt) == 1 else opt, n, traced.groups).run(ins64)
+        truth = run([_in_float64(g) for g in traced.graphs])
+        opt64 = run([_in_float64(g) for g in graphs])
     except Exception:  # noqa: BLE001 - e.g. an op with a float32 dtype argument: cannot tell, keep the failure
         return False
     atol = tolerances(dtype)[1]
+
+    def errors(outs: list, r: int) -> list[float]:  # per floating leaf: max |out - truth| / magnitude
+        return [float((o.double() - t.double()).abs().max()) / max(1.0, float(t.abs().max()))
+                for t, o in zip(_flat(truth[r]), _flat(outs[r]))
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+
+    suspect = []  # ranks the unoptimised run's own noise does not explain
     for r in range(len(truth)):
-        leaves = [(t.double(), o, e, a) for t, o, e, a in zip(_flat(truth[r]), _flat(opt64[r]), _flat(expected[r]),
-                                                              _flat(actual[r]))
-                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
-        scales = [max(1.0, float(t.abs().max())) for t, *_ in leaves]
-        noise = max([float((e.double() - t).abs().max()) / s for (t, _, e, _), s in zip(leaves, scales)], default=0.0)
-        for (t, o64, _, a), s in zip(leaves, scales):
-            if float((o64.double() - t).abs().max()) > 1e-9 * s:
+        for t, o64 in zip(_flat(truth[r]), _flat(opt64[r])):
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and \
+                    float((o64.double() - t.double()).abs().max()) > 1e-9 * max(1.0, float(t.abs().max())):
                 return False
-            if float((a.double() - t).abs().max()) / s > 8 * noise + atol:
-                return False
-    return True
+        canonical = max(errors(expected, r), default=0.0)
+        if max(errors(actual, r), default=0.0) > 8 * canonical + atol:
+            suspect.append(r)
+    if not suspect:
+        return True
+    table = GroupTable(n, traced.groups)
+    ins_rank = [[*ins, r] for r, ins in enumerate(ins64)]
+    noise = dict.fromkeys(suspect, 0.0)
+    for k in range(_MCA_SAMPLES):
+        try:
+            gms = [_with_random_rounding(g, k, table) for g in traced.graphs]
+            smp = ReferenceInterpreter(gms[0] if len(gms) == 1 else gms, n, traced.groups).run(ins_rank)
+        except Exception:  # noqa: BLE001 - a perturbed run the reference refuses: the other samples stand
+            continue
+        for r in suspect:
+            noise[r] = max(noise[r], *errors(smp, r), 0.0)
+    return all(max(errors(actual, r), default=0.0) <= _MCA_MARGIN * noise[r] for r in suspect)
 
 
 def compare_outputs(actual: list, expected: list, *, exact: bool, program: Program, scaled: bool = False

@@ -213,7 +213,10 @@ FUZZ_NOTES["moe_recognition"] = (
     "where that stage never runs, so a registration would check nothing. Covered instead by "
     "tests/test_moe_recognition.py: randomised layer shapes / top-k / capacity / EP degrees recognised and "
     "compared with eager in one process (test_random_variants_match_eager), both styles on 4 gloo ranks "
-    "(outputs and gradients, fp32 and bf16), the TP/SP+EP block after chimera, and every refusal case. "
+    "(outputs and gradients, fp32 and bf16), the TP/SP+EP block after chimera, and every refusal case; "
+    "recognition by meaning by randomised independently written layers (GShard einsum, sort-based dropless, "
+    "Hugging Face expert loop; test_random_independent_variants_match_eager) and the same three on 4 gloo "
+    "ranks. "
     "The op it emits is fuzzed through the moe_layer family (collective_motion, chimera).")
 
 # Boundary fusion rewrites the FORWARD graph of commfuse.pipeline (autograd-level

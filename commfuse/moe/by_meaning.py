@@ -57,6 +57,8 @@ from .routing import capacity_factor_for
 
 # Beyond this many multiply-adds a probe costs more than a compile should spend.
 PROBE_MACS_LIMIT = 2e9
+# Candidate combined outputs tried per router (an expert loop's partial sums come first).
+_MAX_OUTPUTS = 256
 _SCORE_OPS = ("softmax", "float", "to", "type", "contiguous")
 _LAYOUT_OPS = ("t", "transpose", "float", "to", "type", "contiguous", "permute")
 _INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
@@ -113,7 +115,12 @@ class MeaningMatch:
 
 
 class NotMoE(Exception):
-    """The region is not (provably) ``commfuse::moe_layer``; the message says why."""
+    """The region is not (provably) ``commfuse::moe_layer``; the message says why. ``depth``:
+    how far the check got (the report names the candidate that came closest)."""
+
+    def __init__(self, why: str, depth: int = 0) -> None:
+        super().__init__(why)
+        self.depth = depth
 
 
 # ------------------------------------------------------------------ routers
@@ -212,11 +219,11 @@ def backward_slice(out: fx.Node, stop: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _descendants(n: fx.Node) -> set[fx.Node]:
-    seen, todo = set(), [n]
+def descendants(n: fx.Node) -> set[fx.Node]:
+    """``n`` and every node computed from it."""
+    seen, todo = {n}, [n]
     while todo:
-        m = todo.pop()
-        for u in m.users:
+        for u in todo.pop().users:
             if u not in seen:
                 seen.add(u)
                 todo.append(u)
@@ -406,20 +413,21 @@ def recognise(gm: fx.GraphModule, r: Router) -> MeaningMatch:
         raise NotMoE("the tokens' shape is not static")
     h, dtype = r.hidden, value(tokens).dtype
     numel = torch.Size(shape).numel()
-    after = _descendants(r.topk)
+    after = descendants(r.topk)
     outs = [n for n in gm.graph.nodes if n in after and n.op in ("call_function", "call_method")
             and isinstance(value(n), torch.Tensor) and value(n).dtype == dtype
             and static_shape(n) is not None and static_shape(n)[-1:] == (h,)
-            and torch.Size(static_shape(n)).numel() == numel][:6]
+            and torch.Size(static_shape(n)).numel() == numel][:_MAX_OUTPUTS]
     if not outs:
         raise NotMoE("no value after the top-k has the tokens' shape and dtype (no combined output)")
-    why = ""
+    closest: Optional[NotMoE] = None
     for out in outs:
         try:
             return _prove(gm, r, tokens, out)
         except NotMoE as e:
-            why = why or f"{out.name}: {e}"
-    raise NotMoE(why)
+            if closest is None or e.depth > closest.depth:
+                closest = NotMoE(f"{out.name}: {e}", e.depth)
+    raise closest
 
 
 def _first_use(n: fx.Node, order: dict) -> int:
@@ -450,9 +458,9 @@ def _prove(gm: fx.GraphModule, r: Router, tokens: fx.Node, out: fx.Node) -> Mean
     recipes = list(weight_assignments(experts, h, local))
     if not recipes:
         shapes = ", ".join(f"{n.name} {list(static_shape(n) or [])}" for n in experts)
-        raise NotMoE(f"expert weights not recognised as SwiGLU gate/up/down of {local} local experts: {shapes}")
+        raise NotMoE(f"expert weights not recognised as SwiGLU gate/up/down of {local} local experts: {shapes}", 1)
     if _macs(r, t, experts, ranks) > PROBE_MACS_LIMIT:
-        raise NotMoE(f"too large to probe at compile time (over {PROBE_MACS_LIMIT:.0e} multiply-adds)")
+        raise NotMoE(f"too large to probe at compile time (over {PROBE_MACS_LIMIT:.0e} multiply-adds)", 2)
     names = [r.weight, *experts]
     interp = ReferenceInterpreter(_probe_graph(gm, region, tokens, names, [out]), ranks,
                                   {group: list(range(ranks))} if group else None)
@@ -462,7 +470,7 @@ def _prove(gm: fx.GraphModule, r: Router, tokens: fx.Node, out: fx.Node) -> Mean
         try:
             got = interp.run(inputs)
         except Exception as e:  # noqa: BLE001 - a region that cannot run on probes is not proven
-            raise NotMoE(f"does not run on probe values ({type(e).__name__}: {str(e)[:160]})") from e
+            raise NotMoE(f"does not run on probe values ({type(e).__name__}: {str(e)[:160]})", 2) from e
         probes.append((inputs, [g[0].reshape(t, h) for g in got]))
 
     def reproduces(recipe: tuple[WeightRecipe, ...], cf: float, groups: int) -> bool:
@@ -484,10 +492,10 @@ def _prove(gm: fx.GraphModule, r: Router, tokens: fx.Node, out: fx.Node) -> Mean
         kept = sorted(n.name for n in region - set(dead) if _communicates(n))
         if kept:
             raise NotMoE(f"collectives {', '.join(kept)} are still needed outside the region (an intermediate "
-                         "value is read by other code)")
+                         "value is read by other code)", 3)
         return MeaningMatch(r, tokens, out, recipe, cap, cf, groups, group, dead, region)
     raise NotMoE("computes something other than commfuse::moe_layer on the probes (no assignment of the "
-                 "expert weights, capacity and token groups reproduces it)")
+                 "expert weights, capacity and token groups reproduces it)", 2)
 
 
 def _candidates(recipes, region, t, k) -> Iterator[tuple[tuple[WeightRecipe, ...], int, int]]:

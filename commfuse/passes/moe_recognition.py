@@ -40,14 +40,13 @@ two implementations recognised.
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
-from ..moe.by_meaning import MeaningMatch, NotMoE, recognise, routers
+from ..moe.by_meaning import MeaningMatch, NotMoE, descendants, recognise, routers
 from ..moe.ops import MOE_LAYER
 from ..moe.patterns import op_name, static_shape, value
 from ..moe.routing import capacity_factor_for
@@ -231,7 +230,7 @@ class MoERecognition(GraphPass):
             counts[f"{m.style}_rewritten"] = counts.get(f"{m.style}_rewritten", 0) + 1
         reported: set[fx.Node] = set()
         for topk, logits, router in list(routers(gm)):
-            reported |= _descendants(topk)  # this router's report covers its dispatch
+            reported |= descendants(topk)  # this router's report covers its dispatch
             info = matcher.regions.get(logits) if logits is not None else None
             if logits in by_template or (info is not None and info.reasons):
                 continue  # the template decided, with its reason
@@ -274,16 +273,6 @@ def _refuse(refusals: list[str], router: str, why: str) -> None:
             refusals[i] = f"{line}; {why}"
             return
     refusals.append(f"{where} left unchanged: {why}")
-
-
-def _descendants(n: fx.Node) -> set[fx.Node]:
-    seen, todo = {n}, [n]
-    while todo:
-        for u in todo.pop().users:
-            if u not in seen:
-                seen.add(u)
-                todo.append(u)
-    return seen
 
 
 def _rewrite_by_meaning(gm: fx.GraphModule, m: MeaningMatch) -> Optional[str]:
