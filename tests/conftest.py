@@ -48,6 +48,12 @@ def pytest_collection_modifyitems(config, items):
     if unreasoned:
         raise pytest.UsageError(
             "tests marked slow without a reason (write @pytest.mark.slow(reason=\"...\")): " + ", ".join(unreasoned))
+    # Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) every test on real ranks
+    # runs in one worker: one pool of each size for the run, and the other worker takes the
+    # single-process tests meanwhile.
+    for item in items:
+        if item.get_closest_marker("multirank") or any(f.startswith("rank_pool") for f in item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group("ranks"))
 
 
 def pytest_unconfigure(config):
