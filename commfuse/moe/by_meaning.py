@@ -425,8 +425,11 @@ def recognise(gm: fx.GraphModule, r: Router) -> MeaningMatch:
         try:
             return _prove(gm, r, tokens, out)
         except NotMoE as e:
-            if closest is None or e.depth > closest.depth:
-                closest = NotMoE(f"{out.name}: {e}", e.depth)
+            why = e
+        except Exception as e:  # noqa: BLE001 - a region the checks cannot read is not proven
+            why = NotMoE(f"could not be checked ({type(e).__name__}: {str(e)[:160]})", 1)
+        if closest is None or why.depth > closest.depth:
+            closest = NotMoE(f"{out.name}: {why}", why.depth)
     raise closest
 
 
