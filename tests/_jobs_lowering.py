@@ -189,3 +189,43 @@ def a_graph_that_fails_to_lower_falls_back(inner_compiler: str) -> dict[str, Any
     for g, r in zip(got[1], ref[1]):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
     return {"warnings": [str(c.message) for c in caught if "commfuse:" in str(c.message)]}
+
+
+def _coalesced_avg_reduce_scatter(x: torch.Tensor, y: torch.Tensor):
+    """A coalesced ``avg`` reduce-scatter with compute between the issue and the waits of its
+    two outputs (each output is waited by its own ``wait_tensor``, the first before the second)."""
+    a, b = funcol.reduce_scatter_tensor_coalesced([x, torch.neg(y)], "avg", [0, 0], dist.group.WORLD)
+    h = torch.tanh(x).sum()
+    return a + 0, b * 1, h
+
+
+def coalesced_avg_reduce_scatter_is_divided(compile_regions: bool) -> dict[str, Any]:
+    """Every output of a coalesced ``avg`` reduce-scatter lowered on gloo (sum, then the runtime's
+    finish divides after the wait) is the average. Regression (fuzz executor sample, seed 20261204
+    program 2): the second output's wait waited every work of the collective again, and gloo's
+    reduce-scatter work copies its sum into the output on each ``wait()``, so the first output
+    came out as the sum (world size times the average)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(2 * n, 3, generator=gen), torch.randn(n, 5, generator=gen)
+    gm = make_fx(_coalesced_avg_reduce_scatter, tracing_mode="fake")(x, y)
+    waits = [nd.name for nd in gm.graph.nodes if nd.op == "call_function" and "wait_tensor" in str(nd.target)]
+    compile_fn = None
+    if compile_regions:
+        from commfuse._torch_private import inductor_compile_fx_inner
+
+        compile_fn = inductor_compile_fx_inner
+    fn = lower_runtime(gm, "forward", compile_regions=compile_fn, example_inputs=[x, y])
+    ref = gm(x, y)
+    # the values by hand: the sum of every rank's input, this rank's rows, divided by n
+    xs, ys = [torch.empty_like(x) for _ in range(n)], [torch.empty_like(y) for _ in range(n)]
+    dist.all_gather(xs, x)
+    dist.all_gather(ys, y)
+    by_hand = [torch.stack(xs).sum(0).chunk(n)[rank] / n, -torch.stack(ys).sum(0).chunk(n)[rank] / n]
+    ratios = []
+    for _ in range(2):  # and a second step of the same lowered graph
+        got = fn([x.clone(), y.clone()])
+        for i in range(3):
+            torch.testing.assert_close(got[i], ref[i], rtol=1e-5, atol=1e-6, msg=f"output {i} on rank {rank}")
+        ratios.append([float(got[i].norm() / by_hand[i].norm()) for i in range(2)])  # the sum: n
+    return {"waits": len(waits), "ratios": ratios}

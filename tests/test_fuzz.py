@@ -173,6 +173,29 @@ def test_ci_corpus_sample_runs_through_the_default_executor(rank_pool_2, rank_po
     assert not failures, "\n\n".join(f"{f.pipeline} {f.kind}: {f.message[:2000]}\n{p.dumps()}" for p, f in failures)
 
 
+# Programs the executor sample of a campaign found failing, frozen as a corpus (one per line, with
+# the seed and index that generated it): replayed through the executor on every CI run.
+EXECUTOR_CORPUS = Path(__file__).parent / "fuzz_corpus" / "executor.json"
+
+
+@pytest.mark.multirank
+@pytest.mark.slow(reason="the executor's regression programs through the runtime with Inductor-compiled regions "
+                         "(~3 s after the CI sample above warmed the pools' Inductor, ~20 s alone)")
+def test_executor_regression_corpus_runs_through_the_default_executor():
+    """Every program of tests/fuzz_corpus/executor.json (found failing by ``--execute N``), run as
+    the executor sample runs it: the values equal the reference's, no region falls back to eager.
+    Seed 20261204 program 2: a coalesced ``avg`` reduce_scatter whose first output came out as the
+    sum on gloo (the second output's wait re-waited the first one's work)."""
+    from commfuse.fuzz.execute import check_executed, executable
+    from commfuse.testing import get_pool
+
+    programs = [p for _, p in load_corpus(EXECUTOR_CORPUS).programs]
+    assert programs and all(executable(p) for p in programs)
+    failures = [(p, f) for p in programs
+                if (f := check_executed(p, get_pool(p.world_size), compile_regions=True)) is not None]
+    assert not failures, "\n\n".join(f"{f.pipeline} {f.kind}: {f.message[:2000]}\n{p.dumps()}" for p, f in failures)
+
+
 def test_ci_corpus_exercises_every_registered_pass():
     """Each pass is checked on some program of the CI slice; a new pass whose fuzz target accepts
     none of them needs the corpus rewritten (the command is in the file, docs/contributing.md)."""

@@ -19,8 +19,9 @@ from commfuse.lowering.streams import stream_program
 from commfuse.testing.fake_pg import fake_process_group
 
 from _graphs import prefetch_graph
-from _jobs_lowering import (POOL_ALIAS, a_graph_that_fails_to_lower_falls_back, lowered_matches_functional,
-                            recorder_sees_overlap, regions_fall_back_to_eager, synchronous_ops_leave_nothing_pending)
+from _jobs_lowering import (POOL_ALIAS, a_graph_that_fails_to_lower_falls_back,
+                            coalesced_avg_reduce_scatter_is_divided, lowered_matches_functional, recorder_sees_overlap,
+                            regions_fall_back_to_eager, synchronous_ops_leave_nothing_pending)
 
 
 @pytest.fixture
@@ -293,6 +294,18 @@ def test_every_issuer_matches_functional_collectives(rank_pool_4):
         assert r["issue_groups"][0] == POOL_ALIAS and len(set(r["issue_groups"][1:])) == 1
         assert r["recorded"][0] == ("all_reduce", POOL_ALIAS)
         assert len(r["recorded"]) == len(r["issue_groups"]) and r["completed"]
+
+
+@pytest.mark.multirank
+def test_every_output_of_a_coalesced_avg_reduce_scatter_is_divided(rank_pool_4):
+    """gloo has no AVG: the runtime sums and divides each output after its wait. The wait of
+    the second output must not wait the collective's works again (gloo's reduce-scatter work
+    re-copies its sum into the output on every wait(), undoing the first output's division).
+    Eager compute: the cause is in the runtime, not in the regions (the fuzz corpus's executor
+    entry runs the same with Inductor regions)."""
+    for r in rank_pool_4.run(coalesced_avg_reduce_scatter_is_divided, False, timeout=300):
+        assert r["waits"] == 2
+        assert r["ratios"] == [[pytest.approx(1.0, rel=1e-5)] * 2] * 2
 
 
 @pytest.mark.multirank

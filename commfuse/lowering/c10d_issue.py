@@ -11,8 +11,10 @@ tells the recorder when the transfer ended) and the freedom to pick the group ob
 
 * ``avg`` reductions: NCCL has ``ReduceOp.AVG``; gloo does not, so there the runtime
   sums and ``finish`` divides by the group size (what functional collectives do on gloo).
-* Coalesced ops issue one call per tensor; each output is waited separately, as the
-  graph already does.
+* Coalesced ops issue one call per tensor; the graph waits each output separately. The
+  runtime waits every ``Work`` exactly once (at the first output's wait) and applies
+  ``finish`` to each output at its own wait: gloo's reduce-scatter ``Work`` copies its
+  result into the output again on every ``wait()``, so a second wait would undo a finish.
 * Ops without an entry here (in-place variants, point-to-point, commfuse's own
   ``reduce_to_root``) are run as the graph's op itself with the group name swapped
   (:func:`issue_fallback`); the recorder then only knows when the wait returned.

@@ -8,7 +8,11 @@ Contract
       ``issue_group`` (resolved at the first run, in the process that runs it; the
       runtime never creates a process group), at the start's position in the graph;
     * every ``wait_tensor`` becomes a call that waits on that work where the schedule
-      put the wait, then applies the collective's in-place finish (``avg`` on gloo);
+      put the wait, then applies the collective's in-place finish (``avg`` on gloo) to
+      the waited output. Each ``Work`` is waited once: the first wait of any output of a
+      coalesced collective waits all its works, the waits of its other outputs only
+      finish them (gloo's reduce-scatter work copies its sum into the output again on
+      every ``wait()``, which would undo a finish applied by an earlier wait);
     * everything else is left as the graph's own ops, in the graph's order (so the
       issue order is the scheduler's single total order on every rank);
     * on CUDA, nodes the plan puts on a side stream run under ``torch.cuda.stream(s)``
@@ -50,6 +54,10 @@ class _Pending:
     planned: PlannedCollective
     issued: c10d_issue.Issued
     record: Optional[rec_mod.CollectiveRecord]
+    # The works were waited (by the wait of one output; a coalesced collective shares this entry
+    # among its outputs). Never wait a Work twice: gloo's reduce-scatter work copies its result
+    # into the output again on each wait(), undoing the finish (avg division) already applied.
+    waited: bool = False
 
 
 @dataclass
@@ -111,11 +119,12 @@ def _make_wait(state: RuntimeState) -> Callable[[torch.Tensor], torch.Tensor]:
         if p is None:  # not issued by this runtime (e.g. a tensor a custom op registered)
             out = c10d_issue.wait_fallback(t)
         else:
-            if p.issued.works:
+            if not p.issued.works:
+                c10d_issue.wait_fallback(t)
+            elif not p.waited:
                 for w in p.issued.works:
                     w.wait()
-            else:
-                c10d_issue.wait_fallback(t)
+                p.waited = True
             if p.issued.finish is not None:
                 p.issued.finish(t)
             out = t
