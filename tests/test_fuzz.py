@@ -196,6 +196,58 @@ def test_executor_regression_corpus_runs_through_the_default_executor():
     assert not failures, "\n\n".join(f"{f.pipeline} {f.kind}: {f.message[:2000]}\n{p.dumps()}" for p, f in failures)
 
 
+# Seed 20261204 program 76 (executor sample program 56): bf16, softmax → layer_norm over 2
+# elements → scores, joint; Inductor (float32 inside its regions) was 0.015 of the magnitude from
+# the float64 result where the bf16 reference was 0.35 (finding 17).
+_EXECUTOR_BF16_LAYER_NORM = json.loads(
+    '{"dtype": "bfloat16", "family": "mixed", "format": 1, "groups": {"world": [[0, 1]]}, "inpu'
+    'ts": [{"init": "act", "name": "x1", "shape": [1, 2, 6, 2]}], "joint": true, "microbatches"'
+    ': 1, "ops": [{"dim": 2, "in": ["x1"], "log": false, "op": "softmax", "out": ["v2"]}, {"dst'
+    '": [1], "group": "world", "in": ["v2"], "op": "stage_transfer", "out": ["v3"], "src": [0]}'
+    ', {"in": ["v2"], "op": "layer_norm", "out": ["v4"]}, {"in": ["v4", "v4"], "op": "scores", '
+    '"out": ["v5"]}], "outputs": ["v3", "v5"], "seed": 571315247, "tp_contract": false, "world_'
+    'size": 2}')
+
+
+@pytest.mark.parametrize("which", ["bf16_layer_norm_76", "float32_moe_34"])
+def test_executor_rounding_only_judgement(which):
+    """``executed_rounding_only`` (check.py's rounding-only oracle, applied to executed outputs):
+    the float64 result rounded once to the program's dtype differs from the reference beyond the
+    fixed tolerances (ill-conditioned outputs) but is rounding alone; the same output with one
+    value of a well-conditioned leaf changed is not. The float32 MoE program (seed 20261204
+    program 34) needs the float64 run inside the MoE ops (router statistics fixed to float32)."""
+    from commfuse.fuzz.check import _flat, _float64_inside, _in_float64, compare_outputs, prepare
+    from commfuse.fuzz.execute import executed_rounding_only
+    from commfuse.reference import ReferenceInterpreter
+
+    if which == "float32_moe_34":
+        program = program_for(20261204, 34, all_pipelines(None, include_default=True), (), None)
+        assert (program.family, program.dtype) == ("moe_layer", "float32")
+    else:
+        program = Program.from_json(_EXECUTOR_BF16_LAYER_NORM)
+    prep = prepare(program, [])
+    traced = prep.traced
+    expected = list(prep.reference.run(traced.inputs))
+    ins64 = [[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in r]
+             for r in traced.inputs]
+    gms = [_in_float64(g) for g in traced.graphs]
+    with _float64_inside():
+        truth = ReferenceInterpreter(gms[0] if len(gms) == 1 else gms, program.world_size, traced.groups).run(ins64)
+    rounded = [[t.to(e.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t, e in zip(_flat(tr), _flat(ex))] for tr, ex in zip(truth, expected)]
+    if which == "bf16_layer_norm_76":  # the reference itself is beyond tolerance of the float64 result
+        assert compare_outputs(rounded, expected, exact=False, program=program, scaled=True) is not None
+    assert executed_rounding_only(prep, expected, rounded)
+    if which == "bf16_layer_norm_76":  # (a rejection runs all Monte Carlo samples: slow for the MoE program)
+        wrong = [list(r) for r in rounded]
+        # rank 1's received stage_transfer: well-conditioned. The noise is per rank (the worst leaf,
+        # as in check.py): rank 0's ill-conditioned gradient (0.35) would hide 0.5 there.
+        leaf = wrong[1][0].clone()
+        leaf.view(-1)[0] += max(1.0, float(leaf.abs().max()))
+        wrong[1][0] = leaf
+        assert not executed_rounding_only(prep, expected, wrong)
+
+
 def test_ci_corpus_exercises_every_registered_pass():
     """Each pass is checked on some program of the CI slice; a new pass whose fuzz target accepts
     none of them needs the corpus rewritten (the command is in the file, docs/contributing.md)."""

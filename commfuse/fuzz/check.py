@@ -384,6 +384,44 @@ def _in_float64(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
+class _Float64Inside(torch.overrides.TorchFunctionMode):
+    """The runtime half of ``_in_float64``: inside ops that fix a dtype in their own code (the MoE
+    ops keep router statistics in float32: ``.float()``, ``dtype=torch.float32``), a float64 run
+    stays float64 instead of failing on mixed dtypes. Any fuzz float dtype an op asks for becomes
+    float64, and ``.float()``/``.half()``/``.bfloat16()`` of a float64 tensor is that tensor."""
+
+    _NARROWING = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self._NARROWING and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype == torch.float64:
+            return args[0]
+
+        def conv(a):
+            if isinstance(a, torch.dtype) and a in _FUZZ_FLOATS:
+                return torch.float64
+            if func is torch.Tensor.to and isinstance(a, torch.Tensor) and a.dtype in _FUZZ_FLOATS:
+                return a.double()  # .to(other) takes other's dtype
+            return a
+
+        args = tuple(conv(a) for a in args)
+        kwargs = {k: conv(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _float64_inside() -> Iterator[None]:
+    """Float64 runs (``_in_float64`` graphs on float64 inputs) also compute in float64 inside ops
+    (``_Float64Inside``; tensors an op creates without a dtype are float64 too)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with _Float64Inside():
+            yield
+    finally:
+        torch.set_default_dtype(default)
+
+
 # -- Monte Carlo arithmetic: how far rounding alone moves the unoptimised program ------------
 # Ops whose result is one of their inputs' values, exactly (no rounding): layout, copies,
 # selection, sign. Views (OpOverload.is_view) are exact too. Dtype casts are handled apart.
@@ -534,7 +572,8 @@ def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list
     small margin: losing precision (a bf16 rounding where the program keeps float32, a
     cancellation the program does not have) costs far more than another summation order. The float64 runs convert the graphs' own dtype
     arguments too (a joint graph casts gradients back to the parameters' low-precision dtype;
-    ``_in_float64``), so they compute in float64 throughout."""
+    ``_in_float64``), and inside ops too
+    (the MoE ops' float32 router statistics; ``_float64_inside``), so they compute in float64 throughout."""
     dtype = traced.program.torch_dtype
     if dtype not in _FUZZ_FLOATS:
         return False
@@ -542,8 +581,9 @@ def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list
              for r in traced.inputs]
     n = traced.program.world_size
 
-    def run(gms: list) -> list:
-        return ReferenceInterpreter(gms[0] if len(gms) == 1 else gms, n, traced.groups).run(ins64)
+    def run(gms: list, ins: list = ins64) -> list:
+        with _float64_inside():
+            return ReferenceInterpreter(gms[0] if len(gms) == 1 else gms, n, traced.groups).run(ins)
 
     try:
         truth = run([_in_float64(g) for g in traced.graphs])
@@ -574,7 +614,7 @@ def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list
     for k in range(_MCA_SAMPLES):
         try:
             gms = [_with_random_rounding(g, k, table) for g in traced.graphs]
-            smp = ReferenceInterpreter(gms[0] if len(gms) == 1 else gms, n, traced.groups).run(ins_rank)
+            smp = run(gms, ins_rank)
         except Exception:  # noqa: BLE001 - a perturbed run the reference refuses: the other samples stand
             continue
         for r in suspect:

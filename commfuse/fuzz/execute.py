@@ -7,7 +7,10 @@ program's, each rank traces the program, runs the default pipeline on its graph,
 with ``lower_runtime`` (commfuse's runtime issuing every collective as an asynchronous c10d
 call on the real groups; compute regions compiled by Inductor, or run eagerly) and runs it on
 its inputs. The outputs of all ranks are compared with the reference interpreter's run of the
-*unoptimised* program, with the tolerance policy of ``check_program``.
+*unoptimised* program, with the tolerance policy of ``check_program``; a difference beyond it
+passes when it is rounding alone (``executed_rounding_only``: check.py's rounding-only oracle,
+the executed error against the float64 reference within what rounding alone of the unoptimised
+program produces).
 
 Oracle: real gloo groups and the runtime's own code paths (``lowering/runtime.py``,
 ``lowering/c10d_issue.py``, ``lowering/regions.py``), so a wrong plan, a region missing a symbol
@@ -27,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .check import Failure, compare_outputs, default_pipeline, prepare
+from .check import Failure, _rounding_only, compare_outputs, default_pipeline, prepare
 from .program import Program, make_inputs, trace_rank
 
 # world sizes the rank pools provide (tests/conftest.py: rank_pool_2, rank_pool_4)
@@ -122,10 +125,25 @@ def check_executed(program: Program, pool, *, compile_regions: bool, timeout: fl
         return Failure(name, "executor_error", "\n".join(errors))
     actual = [res["outputs"] for res in results]
     diff = compare_outputs(actual, list(expected), exact=False, program=program, scaled=True)
+    if diff is not None and executed_rounding_only(prep, list(expected), actual):
+        diff = None
     if diff is not None:
         return Failure(name, "mismatch", diff)
     fallbacks = [f"rank {r}: {w}" for r, res in enumerate(results) for w in res["fallbacks"]]
     return Failure(name, "region_fallback", "\n".join(fallbacks)) if fallbacks else None
+
+
+def executed_rounding_only(prep, expected: list, actual: list) -> bool:
+    """Whether the executed outputs ``actual`` differ from the reference's ``expected`` by rounding
+    alone: check.py's rounding-only judgement (``_rounding_only``) with the unoptimised program
+    as both programs (its float64 self-agreement is trivial), so what it decides is that every
+    rank's executed error against the float64 run of the unoptimised program is within 8x the
+    reference run's own error plus atol, or within ``_MCA_MARGIN`` x the worst Monte Carlo
+    rounding sample of the unoptimised program. Inductor regions compute low-precision ops in
+    float32 and fuse reductions in their own order (a bf16 layer norm over 2 elements, the
+    reference the noisy one; a float32 MoE gradient 1.5x the reference's error; finding 17)."""
+    traced = prep.traced
+    return _rounding_only(prep.reference, traced, traced.graphs, expected, actual)
 
 
 def sample(programs: Sequence[Program], count: int) -> list[Program]:

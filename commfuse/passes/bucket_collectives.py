@@ -65,6 +65,7 @@ from ..ir.shapes import shape_of
 from . import rewrite
 from .base import GraphPass, PassResult, Stage
 from .context import PassContext
+from .rank_local import rank_local_reason
 from .cost import estimator_for
 from .registry import register_pass
 
@@ -199,19 +200,8 @@ class BucketCollectives(GraphPass):
 
 def _graph_refusal(ctx: PassContext) -> Optional[str]:
     """A reason to leave the whole graph alone: ranks might not see the same graph or sizes."""
-    for c in ctx.ir.collectives:
-        if c.kind in (K.SEND, K.RECV, K.BATCH_P2P):
-            return (f"graph has point-to-point ops ({c.name}): ranks may run different graphs, so cost-based "
-                    "bucketing could decide differently on each; left unchanged")
-        if c.kind is K.ALL_TO_ALL and not c.extra.get("equal_splits", True):
-            return (f"graph has an all_to_all with unequal splits ({c.name}): shapes downstream differ between "
-                    "ranks, so cost-based bucketing could decide differently on each; left unchanged")
-    for n in ctx.gm.graph.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape):
-            return (f"graph has symbolic shapes ({n.name}): their size hints are rank-local, so cost-based "
-                    "bucketing could decide differently on each rank; left unchanged")
-    return None
+    why = rank_local_reason(ctx.ir.collectives, ctx.gm)
+    return None if why is None else f"{why}, so cost-based bucketing could decide differently on each; left unchanged"
 
 
 def _nominal_estimator(ir) -> AnalyticCostModel:

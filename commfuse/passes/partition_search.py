@@ -63,6 +63,7 @@ from ..ir.collective import Collective
 from ..ir.kinds import CollectiveKind
 from .base import GraphPass, PassResult, Stage
 from .context import PassContext
+from .rank_local import rank_local_reason
 from .cost import estimator_for
 from .registry import register_pass
 
@@ -140,29 +141,6 @@ def leaves_for(ctx: PassContext, c: Collective) -> list[Scheme]:
               if k == 1 or not isinstance(work.plan_workload_partition(ctx, c, chunks=k), str)]
     leaves = [Scheme(f, g, k) for k in chunks for g in groups for f in forms]
     return sorted(leaves, key=Scheme.complexity)
-
-
-def _rank_local_reason(ctx: PassContext) -> Optional[str]:
-    """Why ranks may hold different graphs or sizes (None: the graph is the same on every rank).
-
-    A leaf is scored by simulating the whole graph, so its makespan depends on every node,
-    not only on the collective searched. Where ranks trace different graphs (pipeline
-    stages, per-rank peers or piece sizes) or size hints are rank-local, the cheapest leaf
-    of one collective can differ between the ranks of its group, and they would then issue
-    different collectives on it (a hang or corrupted data)."""
-    for c in ctx.ir.collectives:
-        if c.kind in (CollectiveKind.SEND, CollectiveKind.RECV, CollectiveKind.BATCH_P2P, CollectiveKind.P2P,
-                      CollectiveKind.M2MS):
-            return (f"graph has point-to-point or pipeline boundary ops ({c.name}, {c.kind.value}): ranks may "
-                    "run different graphs")
-        if c.kind is CollectiveKind.ALL_TO_ALL and c.extra.get("rank_local_sizes"):
-            return (f"graph has an all_to_all with split sizes given per rank ({c.name}): shapes downstream "
-                    "may differ between ranks")
-    for n in ctx.gm.graph.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape):
-            return f"graph has symbolic shapes ({n.name}): their size hints are rank-local"
-    return None
 
 
 def _collectives_at(ctx: PassContext, starts: list[fx.Node]) -> list[Collective]:
@@ -295,7 +273,7 @@ class CentauriPartition(GraphPass):
         if estimator_for(ctx) is None:
             return PassResult(changed=False, refusals=["no topology (Config.topology or commfuse.setup): "
                                                        "the partition search has no cost model to decide with"])
-        local = _rank_local_reason(ctx)
+        local = rank_local_reason(ctx.ir.collectives, ctx.gm)
         if local is not None:
             return PassResult(changed=False, refusals=[f"{local}, so the simulated costs, and the scheme chosen "
                                                        "for a collective, could differ between ranks; graph left "
