@@ -51,6 +51,7 @@ import torch
 import torch.fx as fx
 
 from ..ir.kinds import collective_spec, is_wait
+from ..ir.walk import descendants
 from .ops import moe_forward
 from .patterns import Call, op_name, static_shape, value
 from .routing import capacity_factor_for
@@ -216,17 +217,6 @@ def backward_slice(out: fx.Node, stop: fx.Node) -> set[fx.Node]:
             continue
         todo.extend(n.all_input_nodes)
         todo.extend(u for u in n.users if _mutates(u) and u.args and u.args[0] is n and order[u] < order[out])
-    return seen
-
-
-def descendants(n: fx.Node) -> set[fx.Node]:
-    """``n`` and every node computed from it."""
-    seen, todo = {n}, [n]
-    while todo:
-        for u in todo.pop().users:
-            if u not in seen:
-                seen.add(u)
-                todo.append(u)
     return seen
 
 

@@ -82,6 +82,7 @@ from ..ir.collective import Collective
 from ..ir.graph_ir import CollectiveIR
 from ..ir.kinds import CollectiveKind, collective_spec, is_wait
 from ..ir.shapes import shape_of, tensor_meta
+from ..ir.walk import descendants
 from ..ops import M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, parse_stage_transfer
 from . import rewrite
 
@@ -762,18 +763,6 @@ def match_ar_p2p(site: Site, env: Env) -> Match | str:
 
 
 # -- rule: p2p_a2a (PP+EP) ---------------------------------------------------------------------
-def _cone(start: fx.Node) -> set:
-    """``start`` and every node that depends on it."""
-    seen = {start}
-    stack = [start]
-    while stack:
-        for u in stack.pop().users:
-            if u not in seen:
-                seen.add(u)
-                stack.append(u)
-    return seen
-
-
 def _ancestors(node: fx.Node) -> set:
     seen = {node}
     stack = [node]
@@ -899,7 +888,7 @@ def match_p2p_a2a(site: Site, env: Env) -> Match | str:
     all_to_all received)."""
     t, bd = site.node, site.boundary
     y = t.args[0]
-    cone = _cone(t)
+    cone = descendants(t)
     cands = [c for c in env.ir.collectives if c.kind is K.ALL_TO_ALL and c.logical_input in cone]
     if not cands:
         return "the transferred value reaches no all_to_all"
@@ -909,7 +898,7 @@ def match_p2p_a2a(site: Site, env: Env) -> Match | str:
         return why
     if not c.extra.get("equal_splits", False) or c.logical_concat_dim is None:
         return f"{c.name} has unequal splits or no known concat dim"
-    after = _cone(c.start)
+    after = descendants(c.start)
     a2a_nodes = {c.start, *c.layout_nodes}
     movable: list[fx.Node] = []  # M, graph order
     mset: set = set()

@@ -46,7 +46,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from ..moe.by_meaning import MeaningMatch, NotMoE, descendants, recognise, routers
+from ..ir.walk import descendants
+from ..moe.by_meaning import MeaningMatch, NotMoE, recognise, routers
 from ..moe.ops import MOE_LAYER
 from ..moe.patterns import op_name, static_shape, value
 from ..moe.routing import capacity_factor_for
