@@ -20,23 +20,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<17}{text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "demo":
-        from .demo import demo
+        from commfuse.demo import demo
 
         return demo(argv[1:])
     if argv[0] == "calibrate":
-        from .costmodel.calibrate import main as calibrate_main
+        from commfuse.costmodel.calibrate import main as calibrate_main
 
         return calibrate_main(argv[1:])
     if argv[0] in ("report", "volume", "validate"):
-        from .reports import cli
+        from commfuse.reports import cli
 
         return getattr(cli, f"{argv[0]}_main")(argv[1:])
     if argv[0] == "align":
-        from .trace.cli import main as align_main
+        from commfuse.trace.cli import main as align_main
 
         return align_main(argv[1:])
     if argv[0] == "profile-overlap":
-        from .dhelix.profile import main as profile_overlap_main
+        from commfuse.dhelix.profile import main as profile_overlap_main
 
         return profile_overlap_main(argv[1:])
     return 2

@@ -45,8 +45,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .errors import CommfuseError
-from .report import PipelineReport
+from commfuse.errors import CommfuseError
+from commfuse.report import PipelineReport
 
 _ROUND = itertools.count()
 _LOCK = threading.Lock()
@@ -119,7 +119,7 @@ def check_agreement(record: FrameRecord, *, timeout_s: float, store=None, rank: 
     """Publish this rank's record, wait for every rank's, raise `AgreementError` on any difference."""
     import torch.distributed as dist
 
-    from ._torch_private import default_store
+    from commfuse._torch_private import default_store
 
     store = store if store is not None else default_store()
     rank = dist.get_rank() if rank is None else rank

@@ -6,12 +6,12 @@ from typing import Optional
 
 import torch.fx as fx
 
-from .config import Config, default_config
-from .ir.graph_ir import CollectiveIR, IRBuildOptions
-from .passes.base import Stage
-from .passes.pipeline import Pipeline
-from .report import AnalysisReport, PipelineReport, build_analysis_report
-from .session import resolved_roles
+from commfuse.config import Config, default_config
+from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
+from commfuse.passes.base import Stage
+from commfuse.passes.pipeline import Pipeline
+from commfuse.report import AnalysisReport, PipelineReport, build_analysis_report
+from commfuse.session import resolved_roles
 
 
 def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind: str = "graph") -> fx.GraphModule:

@@ -28,13 +28,13 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from . import _torch_private as priv
-from .agreement import FrameRecord, wrap_first_call
-from .config import Config, default_config
-from .lowering import LoweringPlan, lower_eager, lower_runtime
-from .passes.base import Stage
-from .passes.pipeline import Pipeline
-from .report import PipelineReport
+from commfuse import _torch_private as priv
+from commfuse.agreement import FrameRecord, wrap_first_call
+from commfuse.config import Config, default_config
+from commfuse.lowering import LoweringPlan, lower_eager, lower_runtime
+from commfuse.passes.base import Stage
+from commfuse.passes.pipeline import Pipeline
+from commfuse.report import PipelineReport
 
 log = logging.getLogger("commfuse")
 
@@ -122,7 +122,7 @@ class CommfuseBackend:
         def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
             pipeline.run(joint, graph_kind="joint", stages={Stage.JOINT})
             if self.config.dhelix:
-                from .dhelix.fused_partition import fused_partition  # (imports train_step, which imports us)
+                from commfuse.dhelix.fused_partition import fused_partition  # (imports train_step, which imports us)
 
                 fused = fused_partition(joint, kwargs["num_fwd_outputs"])
                 self.partitions.append("fused" if not isinstance(fused, str) else fused)
@@ -230,7 +230,7 @@ def _dtensor_roles(gm: fx.GraphModule, example_inputs: list) -> dict[str, str]:
     parameters, or parameters the graph still holds) live on, from the mesh dim names."""
     from torch.distributed.tensor import DTensor
 
-    from .session import roles_from_meshes
+    from commfuse.session import roles_from_meshes
 
     meshes = {}
     for t in [*example_inputs, *gm.parameters(), *gm.buffers()]:

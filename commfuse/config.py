@@ -10,8 +10,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
 
-from .costmodel.topology import Topology
-from .ir.collective import ParallelRole
+from commfuse.costmodel.topology import Topology
+from commfuse.ir.collective import ParallelRole
 
 DUMP_DIR_ENV = "COMMFUSE_DUMP_DIR"
 # A Config for every compile not given one: a JSON object of Config fields, or the path of a
@@ -157,7 +157,7 @@ class Config(BaseModel):
     @classmethod
     def _readable_profile(cls, v: Optional[str]) -> Optional[str]:
         if v is not None:
-            from .dhelix.profile import read_oef_profile
+            from commfuse.dhelix.profile import read_oef_profile
 
             try:
                 read_oef_profile(v)
@@ -186,7 +186,7 @@ class Config(BaseModel):
     def _known_passes(cls, v: Optional[list[str]]) -> Optional[list[str]]:
         if v is None:
             return v
-        from .passes.registry import available_passes
+        from commfuse.passes.registry import available_passes
 
         known = available_passes()
         unknown = [p for p in v if p not in known]
@@ -195,7 +195,7 @@ class Config(BaseModel):
         return v
 
     def pass_names(self) -> list[str]:
-        from .passes.registry import DEFAULT_PIPELINE, DHELIX_PIPELINE
+        from commfuse.passes.registry import DEFAULT_PIPELINE, DHELIX_PIPELINE
 
         if self.passes is not None:
             return list(self.passes)
@@ -206,7 +206,7 @@ class Config(BaseModel):
 
     def cache_key(self, topology: Optional[Topology] = None) -> str:
         """Everything that can change the produced graph (not dumps, not strictness)."""
-        from ._version import __version__
+        from commfuse._version import __version__
 
         topo = topology or self.topology
         payload = {
@@ -280,7 +280,7 @@ def config_from_text(text: str, source: str = CONFIG_ENV) -> Config:
     the file and the field."""
     from pydantic import ValidationError
 
-    from .errors import ConfigError
+    from commfuse.errors import ConfigError
 
     where = source
     if not text.startswith("{"):

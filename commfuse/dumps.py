@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch.fx as fx
 
-from .ir.graph_ir import CollectiveIR
-from .render import condensed_dot, dot_to_svg, graph_to_dot
-from .report import build_analysis_report
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.render import condensed_dot, dot_to_svg, graph_to_dot
+from commfuse.report import build_analysis_report
 
 _COUNTERS: dict[tuple[str, str], itertools.count] = defaultdict(itertools.count)
 _LOCK = threading.Lock()

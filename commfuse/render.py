@@ -13,9 +13,9 @@ import subprocess
 
 import torch.fx as fx
 
-from .ir.graph_ir import CollectiveIR
-from .ir.kinds import is_wait
-from .ir.shapes import shape_of
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.ir.kinds import is_wait
+from commfuse.ir.shapes import shape_of
 
 _PALETTE = ["#e6550d", "#3182bd", "#31a354", "#756bb1", "#de2d26", "#636363", "#d6616b", "#8c6d31"]
 

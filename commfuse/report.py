@@ -7,8 +7,8 @@ from typing import Optional, Union
 
 from pydantic import BaseModel, Field
 
-from .ir.graph_ir import CollectiveIR
-from .ir.shapes import size_to_json
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.ir.shapes import size_to_json
 
 JsonSize = Union[int, str, None]
 

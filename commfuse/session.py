@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
-from ._torch_private import register_process_group_alias
-from .costmodel.topology import Topology
-from .errors import ConfigError
-from .ir.collective import ParallelRole
+from commfuse._torch_private import register_process_group_alias
+from commfuse.costmodel.topology import Topology
+from commfuse.errors import ConfigError
+from commfuse.ir.collective import ParallelRole
 
 # Mesh dimension names users give (torchtitan conventions) -> parallel role.
 MESH_DIM_ROLES = {
@@ -265,7 +265,7 @@ def _qualifying_parents(topo: Topology, partitions: list[list[Ranks]]) -> list[t
 def _reusable(world: Any) -> bool:
     import torch.distributed as dist
 
-    from ._torch_private import resolve_process_group
+    from commfuse._torch_private import resolve_process_group
 
     if _CREATED_UNDER[0] is not world:
         return False
@@ -323,7 +323,7 @@ def communicator_pool_plan(world_size: int, communicator_ctas: Any, *, mesh: Any
     """The pool groups ``setup(communicator_ctas=...)`` creates on NCCL, in creation order: for the
     world, then every block of each mesh dim, then of ``groups`` (a rank tuple once; single ranks
     skipped), one group per CTA pair in the order given. Pure: nothing is created."""
-    from .costmodel.lagom import plan_communicator_pool, validate_communicator_ctas
+    from commfuse.costmodel.lagom import plan_communicator_pool, validate_communicator_ctas
 
     ctas = validate_communicator_ctas(communicator_ctas)
     parents = [tuple(range(world_size))] + [b for part in _partitions(mesh, groups) for b in part]
@@ -338,7 +338,7 @@ def _create_communicator_pool(session: Session, plan: list[Any]) -> None:
     order (new_group is collective), each rank registering the aliases of the groups it belongs to."""
     import torch.distributed as dist
 
-    from ._torch_private import resolve_process_group
+    from commfuse._torch_private import resolve_process_group
 
     backend = str(dist.get_backend())
     if "nccl" not in backend or not hasattr(dist, "ProcessGroupNCCL"):
@@ -397,7 +397,7 @@ def setup(
 
     topo = _as_topology(topology)
     session = Session(topology=topo)
-    from .costmodel.lagom import validate_communicator_ctas
+    from commfuse.costmodel.lagom import validate_communicator_ctas
 
     session.communicator_ctas = validate_communicator_ctas(communicator_ctas)
     names = None

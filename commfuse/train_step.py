@@ -42,10 +42,10 @@ import torch
 import torch.fx as fx
 from torch.fx.traceback import annotate
 
-from .backend import CommfuseBackend
-from .config import Config
-from .report import PipelineReport
-from .train_step_split import check_divisible, split_microbatches
+from commfuse.backend import CommfuseBackend
+from commfuse.config import Config
+from commfuse.report import PipelineReport
+from commfuse.train_step_split import check_divisible, split_microbatches
 
 log = logging.getLogger("commfuse")
 

@@ -26,13 +26,13 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from ..ir.collective import Collective
-from .collectives import CollectiveModel, CollectiveParams
-from .compute import ComputeEstimate, ComputeModel, ComputeParams
-from .contention import ContentionModel
-from .estimator import CollectiveEstimate
-from .step import RuntimeParams
-from .topology import Topology
+from commfuse.ir.collective import Collective
+from commfuse.costmodel.collectives import CollectiveModel, CollectiveParams
+from commfuse.costmodel.compute import ComputeEstimate, ComputeModel, ComputeParams
+from commfuse.costmodel.contention import ContentionModel
+from commfuse.costmodel.estimator import CollectiveEstimate
+from commfuse.costmodel.step import RuntimeParams
+from commfuse.costmodel.topology import Topology
 
 
 class AnalyticCostModel:
@@ -53,7 +53,7 @@ class AnalyticCostModel:
     @classmethod
     def from_profile(cls, profile: Any, topology: Optional[Topology] = None) -> "AnalyticCostModel":
         """From a `CostProfile` (or a path to one); `topology` overrides the profile's."""
-        from .profile import CostProfile
+        from commfuse.costmodel.profile import CostProfile
 
         if not isinstance(profile, CostProfile):
             profile = CostProfile.load(profile)

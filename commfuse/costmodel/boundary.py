@@ -48,9 +48,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..ir.collective import Collective
-from ..ir.kinds import CollectiveKind
-from .estimator import CollectiveEstimate
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.costmodel.estimator import CollectiveEstimate
 
 K = CollectiveKind
 _BYTES_PER_US_PER_GBPS = 1e3
@@ -128,7 +128,7 @@ def transfer_time_us(model, kind: CollectiveKind, pieces: Sequence[tuple[int, in
 def estimate_boundary(model, c: Collective) -> Optional[CollectiveEstimate]:
     """The estimate of a boundary-op collective (``c.extra["boundary"]``), None if it has no
     transfer description (then the generic M2MS / p2p model answers)."""
-    from .collectives import concrete
+    from commfuse.costmodel.collectives import concrete
 
     t = c.extra.get("boundary")
     if t is None or t.unit_bytes is None:

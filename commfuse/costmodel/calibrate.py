@@ -45,9 +45,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..ir.kinds import CollectiveKind
-from .collectives import AlphaBeta, CollectiveParams
-from .compute import ComputeParams, FamilyFit
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.costmodel.collectives import AlphaBeta, CollectiveParams
+from commfuse.costmodel.compute import ComputeParams, FamilyFit
 
 K = CollectiveKind
 COLLECTIVE_KINDS = (K.ALL_REDUCE, K.ALL_GATHER, K.REDUCE_SCATTER, K.ALL_TO_ALL, K.BROADCAST)
@@ -198,7 +198,7 @@ def _units(family: str, call: Callable[[], object]) -> float:
     """FLOPs (matmul, attention) or bytes (the rest) of one call, counted by op_cost."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from .compute import op_cost
+    from commfuse.costmodel.compute import op_cost
 
     gm = make_fx(lambda: call())()
     costs = [op_cost(n) for n in gm.graph.nodes if n.op == "call_function"]
@@ -302,7 +302,7 @@ def fit_view_us(view_graph_times_us: Sequence[float]) -> float:
     """Time of one view/metadata op as a graph runs it (Python call from the graph's code,
     dispatch, a new TensorImpl): the view graph's time spread over its view ops
     (``getitem`` of a split is a Python index: counted as free)."""
-    from .compute import op_cost
+    from commfuse.costmodel.compute import op_cost
 
     gm, _ = _view_graph()
     views = sum(1 for n in gm.graph.nodes if n.op == "call_function" and op_cost(n).family == "view")
@@ -314,8 +314,8 @@ def fit_graph_overhead(graph_times_us: Sequence[float], compute: ComputeParams) 
     caches) beyond what the op micro-benchmarks measured, from the synthetic fw+bw graph:
     its measured time minus the per-op fits (views at ``compute.view_us``), spread over
     its non-view ops."""
-    from .compute import ComputeModel, op_cost
-    from .topology import Topology
+    from commfuse.costmodel.compute import ComputeModel, op_cost
+    from commfuse.costmodel.topology import Topology
 
     gm, _ = _synthetic_graph()
     model = ComputeModel(Topology.preset("cpu-gloo"), compute.model_copy(update={"overhead_us": 0.0}))
@@ -467,8 +467,8 @@ def fit_in_graph_latency(samples: Sequence[InGraphSample], collectives: Collecti
     cost in the graph - the back-to-back fit's price at that kind and size), at least 0.
     The one or two cheap ops that bring a collective's output back to the activation's
     shape (a scale, a slice, a concatenation: a few us) count as the collective's."""
-    from .collectives import CollectiveModel
-    from .topology import Topology
+    from commfuse.costmodel.collectives import CollectiveModel
+    from commfuse.costmodel.topology import Topology
 
     model = CollectiveModel(Topology.preset("cpu-gloo"), "gloo", collectives)
     extras = [s.per_collective_us() - model.time(K(s.kind), s.size, world).time_us for s in samples]
@@ -517,7 +517,7 @@ def measure_step_runtime_job(reps: int, counts: Sequence[int] = STEP_PARAM_COUNT
     import torch.distributed as dist
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    from .. import _torch_private as priv
+    from commfuse import _torch_private as priv
 
     torch.set_num_threads(1)
     world = dist.get_world_size()
@@ -679,9 +679,9 @@ def calibrate(world_size: int = 2, *, sizes: Sequence[int] = DEFAULT_SIZES, warm
               kinds: Sequence[CollectiveKind] = COLLECTIVE_KINDS, timeout: float = 900.0,
               log: Optional[Callable[[str], None]] = print) -> CalibrationResult:
     """Run the sweeps on a pool of ``world_size`` gloo ranks and fit a ``cpu-gloo`` profile."""
-    from ..testing.rank_pool import get_pool
-    from .profile import CostProfile, Provenance
-    from .step import RuntimeParams
+    from commfuse.testing.rank_pool import get_pool
+    from commfuse.costmodel.profile import CostProfile, Provenance
+    from commfuse.costmodel.step import RuntimeParams
 
     pool = get_pool(world_size)
     if log:

@@ -78,11 +78,11 @@ from typing import Any, Literal, Optional, Sequence
 import sympy
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
-from ..errors import ConfigError
-from ..ir.collective import Collective
-from ..ir.kinds import CollectiveKind
-from .estimator import CollectiveEstimate
-from .topology import Topology
+from commfuse.errors import ConfigError
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.costmodel.estimator import CollectiveEstimate
+from commfuse.costmodel.topology import Topology
 
 K = CollectiveKind
 Backend = Literal["nccl", "gloo"]
@@ -264,7 +264,7 @@ class CollectiveModel:
     def estimate(self, c: Collective, algorithm: Optional[str] = None) -> CollectiveEstimate:
         if c.kind in (K.M2MS, K.P2P) and algorithm is None:
             # commfuse's boundary ops: priced from every rank's messages (costmodel/boundary.py)
-            from .boundary import estimate_boundary
+            from commfuse.costmodel.boundary import estimate_boundary
 
             est = estimate_boundary(self, c)
             if est is not None:

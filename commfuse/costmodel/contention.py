@@ -46,9 +46,9 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
-from ..errors import ConfigError
-from .compute import ComputeEstimate
-from .topology import Topology
+from commfuse.errors import ConfigError
+from commfuse.costmodel.compute import ComputeEstimate
+from commfuse.costmodel.topology import Topology
 
 _GBPS = 1e3  # bytes/us per GB/s
 _TFLOPS = 1e6  # flop/us per TFLOP/s

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch.fx as fx
 
-from ..ir.collective import Collective
+from commfuse.ir.collective import Collective
 
 
 @dataclass(frozen=True)

@@ -113,13 +113,13 @@ from typing import Any, Optional, Sequence
 
 import torch.fx as fx
 
-from ..errors import ConfigError
-from ..ir.collective import Collective
-from ..ir.graph_ir import CollectiveIR
-from .analytic import AnalyticCostModel
-from .collectives import Placement
-from .contention import CommResources
-from .simulator import NODE_COLLECTIVE, Simulator
+from commfuse.errors import ConfigError
+from commfuse.ir.collective import Collective
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.costmodel.analytic import AnalyticCostModel
+from commfuse.costmodel.collectives import Placement
+from commfuse.costmodel.contention import CommResources
+from commfuse.costmodel.simulator import NODE_COLLECTIVE, Simulator
 
 __all__ = [
     "CommSetting", "CommunicatorPool", "Evaluation", "LagomResult", "LagomStep", "PoolGroupPlan",
@@ -214,7 +214,7 @@ def validate_communicator_ctas(value: Any, field_name: str = "communicator_ctas"
 
 def pool_alias(min_ctas: int, max_ctas: int, ranks: Sequence[int]) -> str:
     """``commfuse.cta<min>-<max>.<ranks label>`` (the label of ``session.ranks_label``)."""
-    from ..session import ranks_label
+    from commfuse.session import ranks_label
 
     return f"{POOL_PREFIX}{min_ctas}-{max_ctas}.{ranks_label(ranks)}"
 

@@ -29,11 +29,11 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, model_validator
 
-from ..errors import ConfigError
-from .collectives import CollectiveParams
-from .compute import ComputeParams
-from .step import RuntimeParams
-from .topology import PRESETS, Topology, load_json_model
+from commfuse.errors import ConfigError
+from commfuse.costmodel.collectives import CollectiveParams
+from commfuse.costmodel.compute import ComputeParams
+from commfuse.costmodel.step import RuntimeParams
+from commfuse.costmodel.topology import PRESETS, Topology, load_json_model
 
 
 class Provenance(BaseModel):
@@ -49,7 +49,7 @@ class Provenance(BaseModel):
     def here(cls, notes: str = "") -> "Provenance":
         import torch
 
-        from .._version import __version__
+        from commfuse._version import __version__
 
         return cls(machine=platform.node(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                    torch_version=torch.__version__, commfuse_version=__version__, notes=notes)
@@ -83,7 +83,7 @@ class CostProfile(BaseModel):
         return Topology.preset(self.topology, num_nodes=nodes)
 
     def build_model(self, topology: Optional[Topology] = None):
-        from .analytic import AnalyticCostModel
+        from commfuse.costmodel.analytic import AnalyticCostModel
 
         return AnalyticCostModel(topology or self.resolve_topology(), self.backend, self.collective, self.compute,
                                  contention_kappa=self.contention_kappa, runtime=self.runtime)

@@ -44,8 +44,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch.fx as fx
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat
 
-from .estimator import CostEstimator
-from .simulator import SimResult, Simulator, SlowdownFn, StreamAssignment
+from commfuse.costmodel.estimator import CostEstimator
+from commfuse.costmodel.simulator import SimResult, Simulator, SlowdownFn, StreamAssignment
 
 __all__ = ["RuntimeParams", "StepPrediction", "gradient_outputs", "predict_step"]
 

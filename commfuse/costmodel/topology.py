@@ -56,7 +56,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..errors import ConfigError
+from commfuse.errors import ConfigError
 
 
 def _describe_validation_error(e: ValidationError) -> str:

@@ -427,7 +427,7 @@ class BoundaryPlan:
     dim: int | None = None
 
     def transfers(self):
-        from ..ir.boundary import BoundaryTransfers
+        from commfuse.ir.boundary import BoundaryTransfers
 
         return BoundaryTransfers(self.op, "boundary", self.group_size, self.src, self.dst, self.dim, self.splits,
                                  self.unit)

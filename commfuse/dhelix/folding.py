@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from ..pipeline.schedule import stage_actions
+from commfuse.pipeline.schedule import stage_actions
 
 
 def _pos_int(name: str, v) -> int:

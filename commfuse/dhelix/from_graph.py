@@ -44,11 +44,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, Simulator, buffer_lifetimes
-from ..costmodel.topology import Topology
-from ..ir.collective import Collective
-from ..ir.graph_ir import CollectiveIR
-from .segments import Segment
+from commfuse.costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, Simulator, buffer_lifetimes
+from commfuse.costmodel.topology import Topology
+from commfuse.ir.collective import Collective
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.dhelix.segments import Segment
 
 aten = torch.ops.aten
 STRANDS = ("forward", "backward")

@@ -41,9 +41,9 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from .. import _torch_private as priv
-from ..ir.graph_ir import PHASE_META_KEY
-from ..train_step import microbatch_of
+from commfuse import _torch_private as priv
+from commfuse.ir.graph_ir import PHASE_META_KEY
+from commfuse.train_step import microbatch_of
 
 __all__ = ["FUSED_GRAPH_META_KEY", "PHASE_META_KEY", "fused_partition", "is_fused_graph", "phase_of"]
 FUSED_GRAPH_META_KEY = "commfuse_fused_step"

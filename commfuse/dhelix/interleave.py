@@ -48,16 +48,16 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..costmodel.simulator import NODE_COLLECTIVE, Simulator, buffer_lifetimes
-from ..costmodel.topology import Topology
-from ..ir.graph_ir import PHASE_META_KEY, CollectiveIR
-from ..passes.model_level import MicrobatchGraph, microbatch_graph
-from ..passes.schedule_list import ScheduleProblem, build_problem, keyed_topological_order
-from ..train_step import microbatch_of
-from .from_graph import _VIEW_LIKE, _comm_kind, _reaches_only_output, cut_segments
-from .overlap import OEFTable
-from .plan_dp import InfeasiblePlanError, PairingPlan, search_plans
-from .segments import Segment, merge_overlapping
+from commfuse.costmodel.simulator import NODE_COLLECTIVE, Simulator, buffer_lifetimes
+from commfuse.costmodel.topology import Topology
+from commfuse.ir.graph_ir import PHASE_META_KEY, CollectiveIR
+from commfuse.passes.model_level import MicrobatchGraph, microbatch_graph
+from commfuse.passes.schedule_list import ScheduleProblem, build_problem, keyed_topological_order
+from commfuse.train_step import microbatch_of
+from commfuse.dhelix.from_graph import _VIEW_LIKE, _comm_kind, _reaches_only_output, cut_segments
+from commfuse.dhelix.overlap import OEFTable
+from commfuse.dhelix.plan_dp import InfeasiblePlanError, PairingPlan, search_plans
+from commfuse.dhelix.segments import Segment, merge_overlapping
 
 aten = torch.ops.aten
 _ACCUMULATE = frozenset({aten.add.Tensor, aten.mul.Tensor})

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from .segments import SEGMENT_KINDS, Segment, check_strand
+from commfuse.dhelix.segments import SEGMENT_KINDS, Segment, check_strand
 
 
 def _key(a: str, b: str) -> tuple[str, str]:

@@ -35,8 +35,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from .overlap import OEFTable, overlap_table
-from .segments import Segment, check_strand
+from commfuse.dhelix.overlap import OEFTable, overlap_table
+from commfuse.dhelix.segments import Segment, check_strand
 
 STEP_KINDS = ("pair", "fwd", "bwd")  # tie-break preference, first = preferred
 

@@ -45,9 +45,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
-from ..errors import ConfigError
-from .overlap import OEFTable, default_oef
-from .segments import SEGMENT_KINDS
+from commfuse.errors import ConfigError
+from commfuse.dhelix.overlap import OEFTable, default_oef
+from commfuse.dhelix.segments import SEGMENT_KINDS
 
 SCHEMA_VERSION = 1
 COMPUTE_KINDS = ("matmul", "elementwise")
@@ -342,7 +342,7 @@ def main(argv: Sequence[str]) -> int:
     a = p.parse_args(list(argv))
     if a.world_size < 2 or a.repeats < 1 or min(a.sizes) < 1:
         p.error("--world-size must be >= 2, --repeats >= 1, --sizes >= 1")
-    from ..testing.rank_pool import get_pool  # the ranks `calibrate` uses: one gloo group
+    from commfuse.testing.rank_pool import get_pool  # the ranks `calibrate` uses: one gloo group
 
     prof = get_pool(a.world_size).run(measure_oef, OP_KINDS, list(a.sizes), a.repeats, timeout=1800)[0]
     save_oef_profile(a.output, prof)

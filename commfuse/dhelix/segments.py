@@ -111,7 +111,7 @@ def merge_overlapping(segments: Sequence[Segment], groups: Iterable[Sequence[str
     """Merge each group (names of adjacent segments) into one segment (module docstring).
 
     ``oef`` is an :class:`~commfuse.dhelix.overlap.OEFTable`."""
-    from .overlap import pair_time
+    from commfuse.dhelix.overlap import pair_time
 
     segs = check_strand(segments, "segments")
     pos = {s.name: k for k, s in enumerate(segs)}

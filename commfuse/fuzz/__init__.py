@@ -7,8 +7,8 @@ See docs/reliability.md (what it checks, how failures shrink and are saved) and
 docs/contributing.md (registering a pass with the fuzzer, adding a regression case).
 """
 
-from .campaign import CampaignReport, FoundBug, program_for, run_campaign, run_parallel, shrink_failure
-from .check import (
+from commfuse.fuzz.campaign import CampaignReport, FoundBug, program_for, run_campaign, run_parallel, shrink_failure
+from commfuse.fuzz.check import (
     FAILURE_KINDS,
     CheckResult,
     Failure,
@@ -18,12 +18,12 @@ from .check import (
     default_pipeline,
     single_pass_pipeline,
 )
-from .corpus import Corpus, CorpusError, load_corpus, make_corpus, save_corpus
-from .generator import FAMILIES, generate_program
-from .program import OPS, Program
-from .regressions import Regression, load_regression, load_regressions, make_regression, replay, save_regression
-from .shrink import shrink
-from .targets import (
+from commfuse.fuzz.corpus import Corpus, CorpusError, load_corpus, make_corpus, save_corpus
+from commfuse.fuzz.generator import FAMILIES, generate_program
+from commfuse.fuzz.program import OPS, Program
+from commfuse.fuzz.regressions import Regression, load_regression, load_regressions, make_regression, replay, save_regression
+from commfuse.fuzz.shrink import shrink
+from commfuse.fuzz.targets import (
     FUZZ_NOTES,
     FuzzTarget,
     fuzz_target,

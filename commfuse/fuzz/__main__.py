@@ -45,13 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
-    from . import campaign, corpus, regressions
-    from .check import all_pipelines, check_program
+    from commfuse.fuzz import campaign, corpus, regressions
+    from commfuse.fuzz.check import all_pipelines, check_program
 
     log = None if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     passes = a.passes.split(",") if a.passes else None
     if a.family is not None:
-        from .generator import FAMILIES
+        from commfuse.fuzz.generator import FAMILIES
 
         if a.family not in FAMILIES:
             ap.error(f"unknown family {a.family!r}; known: {', '.join(sorted(FAMILIES))}")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         pipes = all_pipelines(passes, include_default=not a.no_default)
         prog = campaign.program_for(seed, index, pipes, a.feature, a.family)
         print(json.dumps(prog.to_json(), indent=1, sort_keys=True))
-        from .check import prepare
+        from commfuse.fuzz.check import prepare
 
         prep = prepare(prog)
         for r, gm in enumerate(prep.traced.graphs):
@@ -126,10 +126,10 @@ def _execute(a, passes, frozen, log) -> int:
     """The executor sample (``--execute N``): returns how many programs failed."""
     import time
 
-    from ..testing import get_pool
-    from . import campaign
-    from .check import all_pipelines
-    from .execute import check_executed, sample
+    from commfuse.testing import get_pool
+    from commfuse.fuzz import campaign
+    from commfuse.fuzz.check import all_pipelines
+    from commfuse.fuzz.execute import check_executed, sample
 
     pipelines = all_pipelines(passes, include_default=not a.no_default)
     if frozen is not None:

@@ -16,13 +16,13 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from .check import Failure, PipelineSpec, all_pipelines, check_program
-from .corpus import Corpus
-from .generator import generate_program
-from .program import Program
-from .regressions import make_regression, save_regression
-from .shrink import shrink
-from .targets import fuzz_target
+from commfuse.fuzz.check import Failure, PipelineSpec, all_pipelines, check_program
+from commfuse.fuzz.corpus import Corpus
+from commfuse.fuzz.generator import generate_program
+from commfuse.fuzz.program import Program
+from commfuse.fuzz.regressions import make_regression, save_regression
+from commfuse.fuzz.shrink import shrink
+from commfuse.fuzz.targets import fuzz_target
 
 
 @dataclass

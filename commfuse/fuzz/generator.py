@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from .program import OPS, Program, _shape_rule
+from commfuse.fuzz.program import OPS, Program, _shape_rule
 
 FAMILIES: dict[str, dict[str, float]] = {
     "mixed": {

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .._version import __version__
-from .check import CheckResult, Failure, PipelineSpec, check_program
-from .program import Program
+from commfuse._version import __version__
+from commfuse.fuzz.check import CheckResult, Failure, PipelineSpec, check_program
+from commfuse.fuzz.program import Program
 
 FORMAT = 1
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator, Optional
 
-from .program import Program, value_shapes
+from commfuse.fuzz.program import Program, value_shapes
 
 
 def _prune(p: Program) -> Optional[Program]:

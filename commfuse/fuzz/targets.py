@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..costmodel.topology import PRESETS, Topology
+from commfuse.costmodel.topology import PRESETS, Topology
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def register_fuzz_target(
 ) -> FuzzTarget:
     """Tell the fuzzer how to fuzz ``pass_name`` (call at import of this module; see docs/contributing.md)."""
     if generators is not None:
-        from .generator import FAMILIES
+        from commfuse.fuzz.generator import FAMILIES
 
         unknown = [g for g in generators if g not in FAMILIES]
         if unknown:
@@ -111,7 +111,7 @@ def registered_targets() -> dict[str, FuzzTarget]:
 
 def passes_missing_fuzz_entry() -> list[str]:
     """Registered passes with neither a fuzz registration nor a note in FUZZ_NOTES."""
-    from ..passes.registry import available_passes
+    from commfuse.passes.registry import available_passes
 
     return sorted(p for p in available_passes() if p not in _TARGETS and p not in FUZZ_NOTES)
 

@@ -1,13 +1,13 @@
 """commfuse's collective IR: a typed, read-only view over FX graphs."""
 
-from .collective import Collective, GroupInfo, ParallelRole
-from .dims import DimType, DimTypeAnalysis, NodeDims, OpCategory
-from .graph_ir import CollectiveIR, IRBuildOptions
-from .kinds import CollectiveKind, CollectiveOpSpec, collective_spec, is_wait, register_collective_op
+from commfuse.ir.collective import Collective, GroupInfo, ParallelRole
+from commfuse.ir.dims import DimType, DimTypeAnalysis, NodeDims, OpCategory
+from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
+from commfuse.ir.kinds import CollectiveKind, CollectiveOpSpec, collective_spec, is_wait, register_collective_op
 
 # commfuse's boundary ops (commfuse::m2ms, commfuse::stage_transfer): imported last, it defines the
 # ops (commfuse.ops) and registers them with the table above
-from . import boundary  # noqa: E402,F401
+from commfuse.ir import boundary  # noqa: E402,F401
 
 __all__ = [
     "Collective", "CollectiveIR", "CollectiveKind", "CollectiveOpSpec", "DimType", "DimTypeAnalysis",

@@ -43,10 +43,10 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from .._torch_private import resolve_process_group
-from .collective import Collective
-from .kinds import CollectiveArgs, CollectiveKind, CollectiveOpSpec, register_collective_op
-from .shapes import Size, is_concrete, shape_of, tensor_meta
+from commfuse._torch_private import resolve_process_group
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveArgs, CollectiveKind, CollectiveOpSpec, register_collective_op
+from commfuse.ir.shapes import Size, is_concrete, shape_of, tensor_meta
 
 M2MS_OP = "m2ms"
 STAGE_TRANSFER_OP = "stage_transfer"
@@ -193,7 +193,7 @@ def transfers_of(node: fx.Node) -> Optional[BoundaryTransfers]:
     which = _OPS.get(node.target)
     if which is None:
         return None
-    from ..ops import parse_m2ms, parse_stage_transfer
+    from commfuse.ops import parse_m2ms, parse_stage_transfer
 
     a, k = tuple(node.args), dict(node.kwargs)
     x = a[0] if a else k.get("x")
@@ -283,7 +283,7 @@ def register_boundary_op(op: Any, which: str, *, synchronous: bool = False) -> N
 
 
 def _register_builtin() -> None:
-    from ..ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD
+    from commfuse.ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD
 
     register_boundary_op(M2MS, M2MS_OP)
     register_boundary_op(M2MS_AUTOGRAD, M2MS_OP, synchronous=True)

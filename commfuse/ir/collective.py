@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .kinds import CollectiveKind
-from .shapes import Size
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.ir.shapes import Size
 
 
 class ParallelRole(str, enum.Enum):

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .kinds import collective_spec, is_wait
-from .shapes import shape_of
+from commfuse.ir.kinds import collective_spec, is_wait
+from commfuse.ir.shapes import shape_of
 
 aten = torch.ops.aten
 

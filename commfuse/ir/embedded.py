@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from .kinds import CollectiveKind
+from commfuse.ir.kinds import CollectiveKind
 
 
 @dataclass(frozen=True)

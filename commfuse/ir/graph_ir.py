@@ -17,15 +17,15 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
-from .._torch_private import resolve_process_group
-from . import volume
-from .collective import Collective, GroupInfo, ParallelRole
-from .dims import DimTypeAnalysis
-from .embedded import EmbeddedComm, embedded_comm
-from .kinds import CollectiveKind, collective_spec, is_wait
-from .layout import match_gather_shuffle, match_scatter_shuffle
-from .roles import infer_role
-from .shapes import Size, nbytes, shape_of, tensor_meta
+from commfuse._torch_private import resolve_process_group
+from commfuse.ir import volume
+from commfuse.ir.collective import Collective, GroupInfo, ParallelRole
+from commfuse.ir.dims import DimTypeAnalysis
+from commfuse.ir.embedded import EmbeddedComm, embedded_comm
+from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
+from commfuse.ir.layout import match_gather_shuffle, match_scatter_shuffle
+from commfuse.ir.roles import infer_role
+from commfuse.ir.shapes import Size, nbytes, shape_of, tensor_meta
 
 
 def _resolve_group(name: str, size_hint: int | None) -> GroupInfo:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .._torch_private import c10d_functional, c10d_functional_autograd
+from commfuse._torch_private import c10d_functional, c10d_functional_autograd
 
 
 class CollectiveKind(str, enum.Enum):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .shapes import shape_of
+from commfuse.ir.shapes import shape_of
 
 aten = torch.ops.aten
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}

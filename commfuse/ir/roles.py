@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from .collective import Collective, ParallelRole
-from .kinds import CollectiveKind
+from commfuse.ir.collective import Collective, ParallelRole
+from commfuse.ir.kinds import CollectiveKind
 
 _VIEWISH = {"view", "reshape", "_unsafe_view", "t", "permute", "transpose", "detach", "alias", "clone", "squeeze", "unsqueeze"}
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import sympy
 
-from .kinds import CollectiveKind
-from .shapes import Size
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.ir.shapes import Size
 
 
 def _exact(x: sympy.Expr | int) -> Size:

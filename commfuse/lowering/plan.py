@@ -34,8 +34,8 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from ..ir.graph_ir import CollectiveIR
-from ..ir.kinds import collective_spec, is_wait
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.ir.kinds import collective_spec, is_wait
 
 STREAM_META = "commfuse_stream"
 BARRIER_META = "commfuse_barrier"

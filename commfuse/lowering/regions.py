@@ -42,7 +42,7 @@ from torch.fx.passes.split_module import split_module
 
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from .runtime import LoweredGraph
+from commfuse.lowering.runtime import LoweredGraph
 
 log = logging.getLogger(__name__)
 

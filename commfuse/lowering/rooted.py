@@ -42,8 +42,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._torch_private import register_work, resolve_process_group
-from ..ir.kinds import CollectiveArgs, CollectiveKind, CollectiveOpSpec, register_collective_op
+from commfuse._torch_private import register_work, resolve_process_group
+from commfuse.ir.kinds import CollectiveArgs, CollectiveKind, CollectiveOpSpec, register_collective_op
 
 ROOTED_REDUCE_OPS = ("sum", "product", "max", "min", "band", "bor", "bxor")
 

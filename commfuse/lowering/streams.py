@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
-from .plan import LoweringPlan
+from commfuse.lowering.plan import LoweringPlan
 
 Op = tuple[Any, ...]
 

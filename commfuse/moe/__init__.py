@@ -6,8 +6,8 @@
 * :mod:`.comm_volume` -- the bytes the op sends, for the IR.
 """
 
-from . import comm_volume  # noqa: F401  (registers the op's bytes with the IR)
-from .layer import MoELayer, RouterStats
-from .ops import MOE_LAYER, MOE_LAYER_BACKWARD, moe_layer
+from commfuse.moe import comm_volume  # noqa: F401  (registers the op's bytes with the IR)
+from commfuse.moe.layer import MoELayer, RouterStats
+from commfuse.moe.ops import MOE_LAYER, MOE_LAYER_BACKWARD, moe_layer
 
 __all__ = ["MOE_LAYER", "MOE_LAYER_BACKWARD", "MoELayer", "RouterStats", "moe_layer"]

@@ -50,11 +50,11 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.fx as fx
 
-from ..ir.kinds import collective_spec, is_wait
-from ..ir.walk import descendants
-from .ops import moe_forward
-from .patterns import Call, op_name, static_shape, value
-from .routing import capacity_factor_for
+from commfuse.ir.kinds import collective_spec, is_wait
+from commfuse.ir.walk import descendants
+from commfuse.moe.ops import moe_forward
+from commfuse.moe.patterns import Call, op_name, static_shape, value
+from commfuse.moe.routing import capacity_factor_for
 
 # Beyond this many multiply-adds a probe costs more than a compile should spend.
 PROBE_MACS_LIMIT = 2e9
@@ -428,7 +428,7 @@ def _first_use(n: fx.Node, order: dict) -> int:
 
 
 def _prove(gm: fx.GraphModule, r: Router, tokens: fx.Node, out: fx.Node) -> MeaningMatch:
-    from ..reference.interpreter import ReferenceInterpreter
+    from commfuse.reference.interpreter import ReferenceInterpreter
 
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     region = backward_slice(out, tokens)

@@ -20,11 +20,11 @@ import math
 
 import torch.fx as fx
 
-from ..ir.embedded import EmbeddedTransfer, register_embedded_comm
-from ..ir.kinds import CollectiveKind
-from ..ir.shapes import shape_of
-from .ops import MOE_LAYER, MOE_LAYER_BACKWARD
-from .routing import capacity
+from commfuse.ir.embedded import EmbeddedTransfer, register_embedded_comm
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.ir.shapes import shape_of
+from commfuse.moe.ops import MOE_LAYER, MOE_LAYER_BACKWARD
+from commfuse.moe.routing import capacity
 
 
 def transfers(x_shape: tuple[int, ...], elt: int, num_experts: int, n: int, top_k: int, capacity_factor: float,

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .routing import Assignments
+from commfuse.moe.routing import Assignments
 
 
 class Exchange:

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .exchange import Exchange
-from .routing import assign, router_probs, router_statistics, top_k_gates
+from commfuse.moe.exchange import Exchange
+from commfuse.moe.routing import assign, router_probs, router_statistics, top_k_gates
 
 Tensor = torch.Tensor
 

@@ -39,7 +39,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .patterns import Call, dtype, is_const, norm_dim, norm_dims, shape, static_shape, tensor
+from commfuse.moe.patterns import Call, dtype, is_const, norm_dim, norm_dims, shape, static_shape, tensor
 
 Atom = tuple[str, int]
 Dims = tuple[tuple[Atom, ...], ...]

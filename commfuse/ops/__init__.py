@@ -17,10 +17,10 @@ Semantics, implementation and limits: docs/boundary-ops.md.
 
 from __future__ import annotations
 
-from .m2ms import M2MS, M2MS_AUTOGRAD, M2MSArgs, m2ms, parse_m2ms
-from .stage_transfer import (STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, StageTransferArgs, parse_stage_transfer,
+from commfuse.ops.m2ms import M2MS, M2MS_AUTOGRAD, M2MSArgs, m2ms, parse_m2ms
+from commfuse.ops.stage_transfer import (STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, StageTransferArgs, parse_stage_transfer,
                              stage_transfer)
-from .trace import trace_as_rank, trace_position
+from commfuse.ops.trace import trace_as_rank, trace_position
 
 __all__ = ["M2MS", "M2MSArgs", "M2MS_AUTOGRAD", "STAGE_TRANSFER", "STAGE_TRANSFER_AUTOGRAD", "StageTransferArgs",
            "m2ms", "parse_m2ms", "parse_stage_transfer", "stage_transfer", "trace_as_rank", "trace_position"]

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .._torch_private import resolve_process_group
+from commfuse._torch_private import resolve_process_group
 
 
 def as_rank_list(value: Any, arg: str, op: str) -> list[int]:

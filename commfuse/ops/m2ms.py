@@ -48,11 +48,11 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._torch_private import c10d_functional, register_work
-from ._common import (as_rank_list, check_group_size, check_ranks, group_name_and_size, norm_dim,
+from commfuse._torch_private import c10d_functional, register_work
+from commfuse.ops._common import (as_rank_list, check_group_size, check_ranks, group_name_and_size, norm_dim,
                       own_group_rank, resolve_group, want_autograd)
-from ._p2p import BatchedWork, Transfer, issue_batched
-from .trace import active_entry, reenter, traced_sides, tracing_as_other
+from commfuse.ops._p2p import BatchedWork, Transfer, issue_batched
+from commfuse.ops.trace import active_entry, reenter, traced_sides, tracing_as_other
 
 _OP = "commfuse::m2ms"
 

@@ -40,9 +40,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .._torch_private import c10d_functional, register_work
-from ._common import as_rank_list, check_group_size, check_ranks, group_name_and_size, resolve_group, want_autograd
-from ._p2p import BatchedWork, Transfer, issue_batched
+from commfuse._torch_private import c10d_functional, register_work
+from commfuse.ops._common import as_rank_list, check_group_size, check_ranks, group_name_and_size, resolve_group, want_autograd
+from commfuse.ops._p2p import BatchedWork, Transfer, issue_batched
 
 _OP = "commfuse::stage_transfer"
 

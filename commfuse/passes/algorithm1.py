@@ -34,9 +34,9 @@ from typing import Optional
 
 import torch.fx as fx
 
-from ..ir.collective import Collective
-from ..ir.kinds import is_wait
-from .context import PassContext
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import is_wait
+from commfuse.passes.context import PassContext
 
 
 @dataclass(frozen=True)

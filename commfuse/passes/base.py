@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .context import PassContext
+from commfuse.passes.context import PassContext
 
 
 class Stage(str, enum.Enum):

@@ -47,14 +47,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.fx as fx
 
-from ..ir.graph_ir import CollectiveIR
-from ..ir.kinds import CollectiveKind
-from ..ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD
-from .base import GraphPass, PassResult, Stage
-from .boundary_rules import (LAYOUT_META_KEY, MATCHERS, BoundaryFusionOptions, BoundaryMap, Env, RuleVolume,
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.boundary_rules import (LAYOUT_META_KEY, MATCHERS, BoundaryFusionOptions, BoundaryMap, Env, RuleVolume,
                              m2ms_traceable_across_stages, ring_bytes, sites)
-from .context import PassContext
-from .registry import register_pass
+from commfuse.passes.context import PassContext
+from commfuse.passes.registry import register_pass
 
 LAYOUT_META = LAYOUT_META_KEY
 OPTIONS_META = "commfuse.boundary_fusion_options"
@@ -114,9 +114,9 @@ def measured_bytes(gm: fx.GraphModule, bmap: BoundaryMap) -> dict[int, dict[str,
     """Per stage, per op kind: the bytes one rank of that stage (at this graph's position) sends
     in the graph's collectives, Chimera Table 1 conventions, read from the CollectiveIR (and
     commfuse.pipeline's reduce_from_group, an all_reduce the IR does not list)."""
-    from ..ir.boundary import transfers_of
-    from ..ir.shapes import nbytes
-    from ..pipeline.collectives import REDUCE_FROM_GROUP
+    from commfuse.ir.boundary import transfers_of
+    from commfuse.ir.shapes import nbytes
+    from commfuse.pipeline.collectives import REDUCE_FROM_GROUP
 
     out: dict[int, dict[str, int]] = {}
 

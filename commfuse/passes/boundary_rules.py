@@ -78,13 +78,13 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..ir.collective import Collective
-from ..ir.graph_ir import CollectiveIR
-from ..ir.kinds import CollectiveKind, collective_spec, is_wait
-from ..ir.shapes import shape_of, tensor_meta
-from ..ir.walk import descendants
-from ..ops import M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, parse_stage_transfer
-from . import rewrite
+from commfuse.ir.collective import Collective
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
+from commfuse.ir.shapes import shape_of, tensor_meta
+from commfuse.ir.walk import descendants
+from commfuse.ops import M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, parse_stage_transfer
+from commfuse.passes import rewrite
 
 aten = torch.ops.aten
 K = CollectiveKind
@@ -141,7 +141,7 @@ class BoundaryMap:
         """The map a pipeline forward graph implies through commfuse.pipeline's aliases
         (``commfuse.pp.boundary<b>`` joins ``commfuse.pp.stage<b>`` and ``<b+1>``; a forward
         transfer pairs positions). Position unknown. Returns the map and notes on what did not fit."""
-        from ..pipeline.layout import BOUNDARY_PREFIX, STAGE_PREFIX
+        from commfuse.pipeline.layout import BOUNDARY_PREFIX, STAGE_PREFIX
 
         notes: list[str] = []
         pairs: dict[str, set] = {}
@@ -263,7 +263,7 @@ def replicated_values(gm: fx.GraphModule, group: str, ir: CollectiveIR, bmap: Bo
     (Megatron's g and f: f marks a value every member holds) on that group, declared graph
     inputs, transfers of a value replicated on the sending stage, and deterministic
     functions of those (no random or mutating op, no other collective)."""
-    from ..pipeline.collectives import COPY_TO_GROUP, REDUCE_FROM_GROUP
+    from commfuse.pipeline.collectives import COPY_TO_GROUP, REDUCE_FROM_GROUP
 
     full = (K.ALL_REDUCE, K.ALL_GATHER, K.BROADCAST)
     rep: set = set()
@@ -320,7 +320,7 @@ def replicated_values(gm: fx.GraphModule, group: str, ir: CollectiveIR, bmap: Bo
 def pipeline_trace_position(position: Optional[int]) -> Iterator[None]:
     """The tracing context of commfuse.pipeline's whole-model traces: boundary ops trace their
     input as ``src[position]`` and their output as ``dst[position]``."""
-    from ..ops import trace_position
+    from commfuse.ops import trace_position
 
     with trace_position(None, position):
         yield
@@ -404,7 +404,7 @@ def fused_a2a_transfer(x, s, c, n, splits, src, dst, gsize, gname):
 def fused_allreduce_transfer(h, *residuals, d, n, p, plan, splits, src, dst, gsize, gname, group_a, group_b):
     """ar_p2p: RS on A (+ this position's chunk of each replicated residual), the diagonal m2ms,
     an all_gather on B whose own chunk keeps its gradient (module docstring)."""
-    from ..pipeline.collectives import all_gather, reduce_scatter
+    from commfuse.pipeline.collectives import all_gather, reduce_scatter
 
     tie = h
     for r in residuals:  # value h, gradient also to r: one all_gather serves both (docstring)
@@ -680,8 +680,8 @@ def _scatter_dim(shape: Sequence[int], n: int) -> Optional[int]:
 
 
 def match_ar_p2p(site: Site, env: Env) -> Match | str:
-    from ..pipeline.collectives import REDUCE_FROM_GROUP
-    from ..pipeline.layout import StageGroup
+    from commfuse.pipeline.collectives import REDUCE_FROM_GROUP
+    from commfuse.pipeline.layout import StageGroup
 
     t, bd = site.node, site.boundary
     y = t.args[0]
@@ -776,7 +776,7 @@ def _ancestors(node: fx.Node) -> set:
 
 def _movable(n: fx.Node) -> Optional[str]:
     """Why ``n`` cannot run on another stage (None: it can: deterministic, no side effect)."""
-    from ..pipeline.collectives import COPY_TO_GROUP, REDUCE_FROM_GROUP
+    from commfuse.pipeline.collectives import COPY_TO_GROUP, REDUCE_FROM_GROUP
 
     t = n.target
     if n.op != "call_function":

@@ -53,21 +53,21 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from .._torch_private import c10d_functional as _f
-from ..costmodel.analytic import AnalyticCostModel
-from ..costmodel.collectives import message_bytes
-from ..costmodel.compute import OpCost
-from ..costmodel.simulator import Simulator, alias_source, buffer_lifetimes, tensor_bytes
-from ..costmodel.topology import Topology
-from ..ir.collective import Collective
-from ..ir.kinds import CollectiveKind, is_wait
-from ..ir.shapes import shape_of
-from . import rewrite
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .rank_local import rank_local_reason
-from .cost import estimator_for
-from .registry import register_pass
+from commfuse._torch_private import c10d_functional as _f
+from commfuse.costmodel.analytic import AnalyticCostModel
+from commfuse.costmodel.collectives import message_bytes
+from commfuse.costmodel.compute import OpCost
+from commfuse.costmodel.simulator import Simulator, alias_source, buffer_lifetimes, tensor_bytes
+from commfuse.costmodel.topology import Topology
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind, is_wait
+from commfuse.ir.shapes import shape_of
+from commfuse.passes import rewrite
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.rank_local import rank_local_reason
+from commfuse.passes.cost import estimator_for
+from commfuse.passes.registry import register_pass
 
 K = CollectiveKind
 _KINDS = (K.ALL_GATHER, K.REDUCE_SCATTER, K.ALL_REDUCE)
@@ -179,7 +179,7 @@ class BucketCollectives(GraphPass):
                   "collectives_removed": sum(len(b.members) - 1 for b in buckets), "refused": len(refusals)}
         if not buckets:
             return PassResult(False, counts, refusals)
-        from .pipeline import restore_graph, snapshot_graph
+        from commfuse.passes.pipeline import restore_graph, snapshot_graph
 
         planner.simulate_before()
         snapshot = snapshot_graph(ctx.gm.graph)
@@ -458,7 +458,7 @@ class _Planner:
         gm = self.ctx.gm
         before = self._before
         self.sim.update([n for n in gm.graph.nodes if n not in before_nodes])
-        from .context import PassContext as _Ctx  # a fresh IR of the rewritten graph
+        from commfuse.passes.context import PassContext as _Ctx  # a fresh IR of the rewritten graph
 
         ir = _Ctx(gm, self.cfg).ir
         after = self.sim.simulate(_sunk_order(gm, ir), record=False)

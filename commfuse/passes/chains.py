@@ -55,11 +55,11 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from ..ir.collective import Collective
-from ..ir.dims import DimType, DimTypeAnalysis, OpCategory
-from ..ir.kinds import CollectiveKind, collective_spec, is_wait
-from ..ir.shapes import shape_of
-from . import rewrite
+from commfuse.ir.collective import Collective
+from commfuse.ir.dims import DimType, DimTypeAnalysis, OpCategory
+from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
+from commfuse.ir.shapes import shape_of
+from commfuse.passes import rewrite
 
 aten = torch.ops.aten
 

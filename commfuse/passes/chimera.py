@@ -25,10 +25,10 @@ Source: Chimera (ISCA '25) §3: split, reorder, fuse (Table 3), applied repeated
 
 from __future__ import annotations
 
-from ..errors import VerificationError
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .registry import get_pass, register_pass
+from commfuse.errors import VerificationError
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.registry import get_pass, register_pass
 
 STEPS = ("split_all_reduce", "collective_motion", "fuse_collectives")
 
@@ -40,8 +40,8 @@ class Chimera(GraphPass):
     stage = Stage.JOINT
 
     def run(self, ctx: PassContext) -> PassResult:
-        from .pipeline import restore_graph, snapshot_graph
-        from .verifier import verify_graph
+        from commfuse.passes.pipeline import restore_graph, snapshot_graph
+        from commfuse.passes.verifier import verify_graph
 
         gm = ctx.gm
         start_hash = ctx.ir.order_hash()

@@ -40,13 +40,13 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from ..ir.collective import Collective
-from ..ir.kinds import CollectiveKind
-from . import rewrite
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .registry import register_pass
-from .shard_rules import Complete, Layout, LocalOp, Partial, RuleEnv, Sharded, local_rule, value_bytes
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.passes import rewrite
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.registry import register_pass
+from commfuse.passes.shard_rules import Complete, Layout, LocalOp, Partial, RuleEnv, Sharded, local_rule, value_bytes
 
 PARTIAL_BUDGET = 0.25  # partial-sum all_reduces may cost at most this share of the gathers removed
 _VIEWLIKE = {
@@ -118,7 +118,7 @@ def replicated_values(gm: fx.GraphModule, group: str, collectives: list[Collecti
     all_gather / broadcast on it, constants, deterministic functions of those, and --
     when ``trust_inputs`` (the TP contract, see ``Config.tp_inputs_replicated``) -- the
     graph's inputs."""
-    from ..ir.kinds import collective_spec, is_wait
+    from commfuse.ir.kinds import collective_spec, is_wait
 
     full_kinds = (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER, CollectiveKind.BROADCAST)
     rep = {w for c in collectives if c.group.name == group and c.kind in full_kinds and not c.coalesced
@@ -366,7 +366,7 @@ def _tp_contract(ctx: PassContext, collectives: list[Collective], group: str) ->
     ``group_roles``, by ``commfuse.setup(mesh=)``, or by the named DeviceMesh of the DTensors
     their parallelisation plan created (HF ``tp_plan``, torchtitan, ``parallelize_module``);
     a role inferred from the graph alone is not enough."""
-    from ..ir.collective import ParallelRole
+    from commfuse.ir.collective import ParallelRole
 
     if not ctx.config.tp_inputs_replicated:
         return False

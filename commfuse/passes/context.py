@@ -7,9 +7,9 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.fx as fx
 
-from ..config import Config
-from ..costmodel.topology import Topology
-from ..ir.graph_ir import CollectiveIR, IRBuildOptions
+from commfuse.config import Config
+from commfuse.costmodel.topology import Topology
+from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
 
 T = TypeVar("T")
 log = logging.getLogger("commfuse")

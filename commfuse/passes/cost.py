@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..costmodel.analytic import AnalyticCostModel
-from .context import PassContext
+from commfuse.costmodel.analytic import AnalyticCostModel
+from commfuse.passes.context import PassContext
 
 ESTIMATOR_KEY = "cost_estimator"
 

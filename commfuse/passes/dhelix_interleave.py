@@ -42,19 +42,19 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..costmodel.simulator import NODE_COMPUTE, Simulator, tensor_bytes
-from ..dhelix.fused_partition import is_fused_graph
-from ..dhelix.interleave import InterleavePlan, plan_interleaving, segment_comm_kind, sequential_order
-from ..dhelix.overlap import OEFTable, default_oef
-from ..ir.graph_ir import PHASE_META_KEY
-from ..ir.kinds import CollectiveKind, collective_spec, is_wait
-from ..lowering.plan import BARRIER_META, STREAM_META, stream_of
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .model_level import Eq2Inputs, microbatch_graph, solve_eq2
-from .registry import register_pass
-from .schedule_list import apply_order, build_problem
-from .schedule_overlap import _summary, default_estimator
+from commfuse.costmodel.simulator import NODE_COMPUTE, Simulator, tensor_bytes
+from commfuse.dhelix.fused_partition import is_fused_graph
+from commfuse.dhelix.interleave import InterleavePlan, plan_interleaving, segment_comm_kind, sequential_order
+from commfuse.dhelix.overlap import OEFTable, default_oef
+from commfuse.ir.graph_ir import PHASE_META_KEY
+from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
+from commfuse.lowering.plan import BARRIER_META, STREAM_META, stream_of
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.model_level import Eq2Inputs, microbatch_graph, solve_eq2
+from commfuse.passes.registry import register_pass
+from commfuse.passes.schedule_list import apply_order, build_problem
+from commfuse.passes.schedule_overlap import _summary, default_estimator
 
 COMM_META_KEY = "commfuse_dhelix_comm"
 FORWARD_STREAM = 1  # the forward strand's compute in paired steps; the backward strand stays on 0
@@ -63,7 +63,7 @@ FORWARD_STREAM = 1  # the forward strand's compute in paired steps; the backward
 def oef_table_for(path: Optional[str]) -> tuple[OEFTable, str]:
     if path is None:
         return default_oef(), "default (illustrative)"
-    from ..dhelix.profile import load_oef_profile
+    from commfuse.dhelix.profile import load_oef_profile
 
     return load_oef_profile(path), path
 

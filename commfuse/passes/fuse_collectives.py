@@ -70,13 +70,13 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from ..ir.collective import Collective
-from ..ir.kinds import CollectiveKind, collective_spec
-from ..ir.shapes import shape_of
-from . import rewrite
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .registry import register_pass
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind, collective_spec
+from commfuse.ir.shapes import shape_of
+from commfuse.passes import rewrite
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.registry import register_pass
 
 aten = torch.ops.aten
 K = CollectiveKind

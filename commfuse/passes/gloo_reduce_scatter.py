@@ -58,17 +58,17 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .._torch_private import c10d_functional as _f
-from ..costmodel.analytic import AnalyticCostModel
-from ..costmodel.collectives import concrete
-from ..costmodel.topology import PRESETS, Topology
-from ..ir.collective import Collective
-from ..ir.kinds import CollectiveKind, collective_spec, is_wait
-from . import rewrite
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .cost import backend_of, estimator_for
-from .registry import register_pass
+from commfuse._torch_private import c10d_functional as _f
+from commfuse.costmodel.analytic import AnalyticCostModel
+from commfuse.costmodel.collectives import concrete
+from commfuse.costmodel.topology import PRESETS, Topology
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
+from commfuse.passes import rewrite
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.cost import backend_of, estimator_for
+from commfuse.passes.registry import register_pass
 
 K = CollectiveKind
 REDUCE_OPS = ("sum", "avg")

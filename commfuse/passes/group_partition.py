@@ -54,16 +54,16 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from ..costmodel.collectives import message_bytes
-from ..ir.collective import Collective
-from ..ir.kinds import CollectiveKind, collective_spec
-from ..session import current_session, hierarchy_layout, mesh_blocks
-from . import rewrite
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .cost import estimator_for
-from .registry import register_pass
-from .split_all_reduce import SPLITTABLE_OPS, split_dim
+from commfuse.costmodel.collectives import message_bytes
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind, collective_spec
+from commfuse.session import current_session, hierarchy_layout, mesh_blocks
+from commfuse.passes import rewrite
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.cost import estimator_for
+from commfuse.passes.registry import register_pass
+from commfuse.passes.split_all_reduce import SPLITTABLE_OPS, split_dim
 
 K = CollectiveKind
 KINDS = (K.ALL_GATHER, K.REDUCE_SCATTER, K.ALL_REDUCE)

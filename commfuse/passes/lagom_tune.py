@@ -37,18 +37,18 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from ..costmodel.lagom import MEMORY_FORMULA, CommunicatorPool, lagom_search
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .cost import estimator_for
-from .registry import register_pass
+from commfuse.costmodel.lagom import MEMORY_FORMULA, CommunicatorPool, lagom_search
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.cost import estimator_for
+from commfuse.passes.registry import register_pass
 
 SETTING_META = "commfuse_comm_setting"  # read by commfuse.lowering.plan (SETTING_META there)
 
 
 def session_pool() -> CommunicatorPool | None:
     """The communicator pool ``commfuse.setup`` created in this process (None: none)."""
-    from ..session import current_session
+    from commfuse.session import current_session
 
     return CommunicatorPool.from_plan(current_session().communicator_pool_plan)
 

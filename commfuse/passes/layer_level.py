@@ -43,11 +43,11 @@ from typing import Optional
 
 import torch.fx as fx
 
-from ..costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT
-from ..ir.collective import ParallelRole
-from ..ir.graph_ir import CollectiveIR
-from ..ir.kinds import CollectiveKind
-from .schedule_list import ScheduleProblem, keyed_topological_order
+from commfuse.costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT
+from commfuse.ir.collective import ParallelRole
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.passes.schedule_list import ScheduleProblem, keyed_topological_order
 
 W_AG, ACT_AG, G_ACT, ACT_RS, G_W, G_W_RS, OTHERS = "W_AG", "act_AG", "G_act", "act_RS", "G_w", "G_w_RS", "others"
 PARTS = (W_AG, ACT_AG, G_ACT, ACT_RS, G_W, G_W_RS, OTHERS)

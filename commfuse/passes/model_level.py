@@ -33,12 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..costmodel.simulator import NODE_COMPUTE, tensor_bytes
-from ..ir.graph_ir import CollectiveIR
-from ..ir.kinds import CollectiveKind
-from ..train_step import microbatch_of
-from .layer_level import layer_name
-from .schedule_list import ScheduleProblem, keyed_topological_order
+from commfuse.costmodel.simulator import NODE_COMPUTE, tensor_bytes
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.train_step import microbatch_of
+from commfuse.passes.layer_level import layer_name
+from commfuse.passes.schedule_list import ScheduleProblem, keyed_topological_order
 
 
 @dataclass(frozen=True)

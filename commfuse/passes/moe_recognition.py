@@ -46,16 +46,16 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from ..ir.walk import descendants
-from ..moe.by_meaning import MeaningMatch, NotMoE, recognise, routers
-from ..moe.ops import MOE_LAYER
-from ..moe.patterns import op_name, static_shape, value
-from ..moe.routing import capacity_factor_for
-from ..moe.regions import Match, fragments, prove
-from ..moe.templates import STAT_OUTPUT, Matcher
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .registry import register_pass
+from commfuse.ir.walk import descendants
+from commfuse.moe.by_meaning import MeaningMatch, NotMoE, recognise, routers
+from commfuse.moe.ops import MOE_LAYER
+from commfuse.moe.patterns import op_name, static_shape, value
+from commfuse.moe.routing import capacity_factor_for
+from commfuse.moe.regions import Match, fragments, prove
+from commfuse.moe.templates import STAT_OUTPUT, Matcher
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.registry import register_pass
 
 _VALUE_KEYS = ("example_value", "val", "tensor_meta", "grapharg", "unbacked_bindings")
 

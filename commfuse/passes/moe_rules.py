@@ -43,11 +43,11 @@ from typing import Optional
 
 import torch.fx as fx
 
-from ..ir.shapes import shape_of
-from ..moe.comm_volume import node_transfers
-from ..moe.ops import MOE_LAYER, MOE_LAYER_BACKWARD
-from ..moe.routing import capacity_can_bind
-from .shard_rules import Complete, LocalOp, Partial, RuleEnv, Sharded, StateOf
+from commfuse.ir.shapes import shape_of
+from commfuse.moe.comm_volume import node_transfers
+from commfuse.moe.ops import MOE_LAYER, MOE_LAYER_BACKWARD
+from commfuse.moe.routing import capacity_can_bind
+from commfuse.passes.shard_rules import Complete, LocalOp, Partial, RuleEnv, Sharded, StateOf
 
 
 def _token_groups(x: fx.Node, d: int, top_k: int, capacity_factor: float, groups: int, num_experts: int,

@@ -57,15 +57,15 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from .._torch_private import copy_graph
-from ..costmodel.simulator import SimResult, Simulator
-from ..ir.collective import Collective
-from ..ir.kinds import CollectiveKind
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .rank_local import rank_local_reason
-from .cost import estimator_for
-from .registry import register_pass
+from commfuse._torch_private import copy_graph
+from commfuse.costmodel.simulator import SimResult, Simulator
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.rank_local import rank_local_reason
+from commfuse.passes.cost import estimator_for
+from commfuse.passes.registry import register_pass
 
 log = logging.getLogger("commfuse")
 
@@ -115,7 +115,7 @@ class InfeasibleLeaf(Exception):
 
 def _building_blocks():
     # Imported on use: the three passes import the registry, which imports this module.
-    from . import group_partition, primitive_substitution, workload_partition
+    from commfuse.passes import group_partition, primitive_substitution, workload_partition
 
     return primitive_substitution, group_partition, workload_partition
 
@@ -231,7 +231,7 @@ class _MemoEstimator:
 
 def score_graph(ctx: PassContext, estimator=None) -> Score:
     """The graph's predicted cost once its waits are sunk (as the pipeline's ``sink_waits`` will)."""
-    from .sink_waits import SinkWaits
+    from commfuse.passes.sink_waits import SinkWaits
 
     if SinkWaits().run(ctx).changed:
         ctx.invalidate()

@@ -24,17 +24,17 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch.fx as fx
 
-from .._torch_private import copy_graph, reset_graph_namespace
-from ..config import Config
-from ..costmodel.topology import Topology
-from ..dumps import DumpWriter
-from ..errors import PassError, VerificationError
-from ..ir.shapes import size_to_json
-from ..report import PassRecord, PipelineReport, build_analysis_report
-from .base import Stage
-from .context import PassContext
-from .registry import get_pass
-from .verifier import verify_graph
+from commfuse._torch_private import copy_graph, reset_graph_namespace
+from commfuse.config import Config
+from commfuse.costmodel.topology import Topology
+from commfuse.dumps import DumpWriter
+from commfuse.errors import PassError, VerificationError
+from commfuse.ir.shapes import size_to_json
+from commfuse.report import PassRecord, PipelineReport, build_analysis_report
+from commfuse.passes.base import Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.registry import get_pass
+from commfuse.passes.verifier import verify_graph
 
 log = logging.getLogger("commfuse")
 
@@ -70,7 +70,7 @@ class Pipeline:
     def for_config(cls, config: Config, dtensor_roles: Optional[dict[str, str]] = None) -> "Pipeline":
         """The pipeline `config` asks for, with the topology and roles from `commfuse.setup` (and
         from the graph's DTensor meshes, ``dtensor_roles``) filled in."""
-        from ..session import resolved_roles, resolved_topology
+        from commfuse.session import resolved_roles, resolved_topology
 
         roles, sources = resolved_roles(config, dtensor_roles)
         topology, source = resolved_topology(config)
@@ -158,7 +158,7 @@ class Pipeline:
             record.seconds = time.perf_counter() - t0
             if record.changed and dumper:
                 if deferred_input is not None:
-                    from ..ir.graph_ir import CollectiveIR
+                    from commfuse.ir.graph_ir import CollectiveIR
 
                     dumper.write_graph("input", deferred_input, CollectiveIR(deferred_input, ctx.ir_options))
                     deferred_input = None

@@ -52,20 +52,20 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from .._torch_private import c10d_functional as _f
-from ..costmodel.analytic import AnalyticCostModel
-from ..costmodel.collectives import concrete
-from ..costmodel.topology import Topology
-from ..ir.collective import Collective
-from ..ir.kinds import CollectiveKind, collective_spec
-from ..ir.layout import match_gather_shuffle, match_scatter_shuffle
-from ..lowering.rooted import REDUCE_TO_ROOT
-from . import rewrite
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .cost import estimator_for
-from .registry import register_pass
-from .split_all_reduce import split_dim, split_one, why_not_splittable
+from commfuse._torch_private import c10d_functional as _f
+from commfuse.costmodel.analytic import AnalyticCostModel
+from commfuse.costmodel.collectives import concrete
+from commfuse.costmodel.topology import Topology
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind, collective_spec
+from commfuse.ir.layout import match_gather_shuffle, match_scatter_shuffle
+from commfuse.lowering.rooted import REDUCE_TO_ROOT
+from commfuse.passes import rewrite
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.cost import estimator_for
+from commfuse.passes.registry import register_pass
+from commfuse.passes.split_all_reduce import split_dim, split_one, why_not_splittable
 
 K = CollectiveKind
 

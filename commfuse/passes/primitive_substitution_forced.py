@@ -21,10 +21,10 @@ Source: Centauri (ASPLOS '24) §3.1, Table 2.
 
 from __future__ import annotations
 
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .primitive_substitution import substitute_all
-from .registry import register_pass
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.primitive_substitution import substitute_all
+from commfuse.passes.registry import register_pass
 
 
 @register_pass

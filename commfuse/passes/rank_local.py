@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..ir.kinds import CollectiveKind as K
+from commfuse.ir.kinds import CollectiveKind as K
 
 _PER_RANK_GRAPH = (K.SEND, K.RECV, K.BATCH_P2P, K.P2P, K.M2MS)
 

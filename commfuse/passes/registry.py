@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Type
 
-from .base import GraphPass
+from commfuse.passes.base import GraphPass
 
 _PASSES: dict[str, Type[GraphPass]] = {}
 
@@ -46,7 +46,7 @@ def available_passes() -> dict[str, Type[GraphPass]]:
 def get_pass(name: str) -> GraphPass:
     passes = available_passes()
     if name not in passes:
-        from ..errors import ConfigError
+        from commfuse.errors import ConfigError
 
         raise ConfigError(f"passes: unknown pass {name!r}; available passes: {sorted(passes)}")
     return passes[name]()
@@ -55,14 +55,14 @@ def get_pass(name: str) -> GraphPass:
 def _load_builtin() -> None:
     # Importing the modules registers their passes; kept lazy so that Config
     # validation does not import every pass module at `import commfuse` time twice.
-    from . import (  # noqa: F401
+    from commfuse.passes import (  # noqa: F401
         chimera, collective_motion, fuse_collectives, group_partition, moe_recognition, partition_search,
         primitive_substitution, primitive_substitution_forced, schedule_overlap, schedule_overlap_layer_forced,
         sink_waits, split_all_reduce,
         workload_partition,
     )
-    from . import bucket_collectives  # noqa: F401
-    from . import lagom_tune  # noqa: F401
-    from . import gloo_reduce_scatter  # noqa: F401
-    from . import boundary_fusion  # noqa: F401  (pipeline forward graphs; opt-in, see docs/boundary-fusion.md)
-    from . import dhelix_interleave  # noqa: F401  (fused train-step graphs; Config(dhelix=True))
+    from commfuse.passes import bucket_collectives  # noqa: F401
+    from commfuse.passes import lagom_tune  # noqa: F401
+    from commfuse.passes import gloo_reduce_scatter  # noqa: F401
+    from commfuse.passes import boundary_fusion  # noqa: F401  (pipeline forward graphs; opt-in, see docs/boundary-fusion.md)
+    from commfuse.passes import dhelix_interleave  # noqa: F401  (fused train-step graphs; Config(dhelix=True))

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .._torch_private import c10d_functional
+from commfuse._torch_private import c10d_functional
 
 _f = c10d_functional
 # Per fake mode: a template's meta["val"] tensors belong to the mode it was traced in, and
@@ -199,7 +199,7 @@ def erase_dead(gm: fx.GraphModule, roots: Sequence[fx.Node]) -> int:
     (waits are side-effecting for FX's own dead-code elimination, which is why this
     exists). Placeholders and in-place ops are never removed.
     """
-    from ..ir.kinds import collective_spec, is_wait
+    from commfuse.ir.kinds import collective_spec, is_wait
 
     erased = 0
     stack = list(roots)

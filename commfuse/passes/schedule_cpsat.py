@@ -59,8 +59,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ..costmodel.simulator import NODE_COLLECTIVE, NODE_WAIT, SimResult, Simulator
-from .schedule_list import ScheduleProblem
+from commfuse.costmodel.simulator import NODE_COLLECTIVE, NODE_WAIT, SimResult, Simulator
+from commfuse.passes.schedule_list import ScheduleProblem
 
 MAX_WINDOWS = 8  # windows re-solved per graph (compile time stays bounded on deep graphs)
 NS = 1000  # model time unit: 1 ns (costs are in µs)

@@ -39,10 +39,10 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ..costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT, Simulator, tensor_bytes
-from ..ir.graph_ir import CollectiveIR
-from ..ir.kinds import collective_spec, is_wait
-from .rewrite import mutates
+from commfuse.costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT, Simulator, tensor_bytes
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.ir.kinds import collective_spec, is_wait
+from commfuse.passes.rewrite import mutates
 
 # How many ready nodes the picker looks at to find one that does not block on a collective:
 # a bounded window keeps a pick O(log n) on deep graphs.

@@ -54,17 +54,17 @@ from typing import NamedTuple, Optional
 
 import torch.fx as fx
 
-from ..costmodel.analytic import AnalyticCostModel
-from ..costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT, SimResult, Simulator
-from ..costmodel.topology import Topology
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .cost import estimator_for
-from ..train_step import microbatch_of
-from .layer_level import backward_layers, chain_of, preferred_order
-from .model_level import eq2_inputs, grouped_order, microbatch_graph, solve_eq2
-from .registry import register_pass
-from .schedule_list import Priority, ScheduleProblem, apply_order, build_problem, list_schedule, max_inflight
+from commfuse.costmodel.analytic import AnalyticCostModel
+from commfuse.costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT, SimResult, Simulator
+from commfuse.costmodel.topology import Topology
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.cost import estimator_for
+from commfuse.train_step import microbatch_of
+from commfuse.passes.layer_level import backward_layers, chain_of, preferred_order
+from commfuse.passes.model_level import eq2_inputs, grouped_order, microbatch_graph, solve_eq2
+from commfuse.passes.registry import register_pass
+from commfuse.passes.schedule_list import Priority, ScheduleProblem, apply_order, build_problem, list_schedule, max_inflight
 
 # Picker settings tried, in this order (the first of equal makespans wins).
 PRIORITIES = (Priority(True, True), Priority(False, True), Priority(False, False))
@@ -197,7 +197,7 @@ class ScheduleOverlap(GraphPass):
             decision["model_level"] = model_info
         cpsat_info: dict = {"enabled": cfg.schedule_cpsat_max_nodes > 0}
         if best is not None and cfg.schedule_cpsat_max_nodes > 0:
-            from .schedule_cpsat import refine_windows
+            from commfuse.passes.schedule_cpsat import refine_windows
 
             order, r, cpsat_info = refine_windows(
                 best.problem, sim, best.order, best.result, max_nodes=cfg.schedule_cpsat_max_nodes,

@@ -19,8 +19,8 @@ Source: Centauri §3.2.2 (Eq. 1).
 
 from __future__ import annotations
 
-from .registry import register_pass
-from .schedule_overlap import ScheduleOverlap
+from commfuse.passes.registry import register_pass
+from commfuse.passes.schedule_overlap import ScheduleOverlap
 
 
 @register_pass

@@ -36,8 +36,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.fx as fx
 
-from ..ir.shapes import shape_of
-from .rewrite import mutates
+from commfuse.ir.shapes import shape_of
+from commfuse.passes.rewrite import mutates
 
 aten = torch.ops.aten
 
@@ -164,7 +164,7 @@ def local_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
 
 def _moe_rules() -> dict:
     # Imported on use: moe_rules builds on the layouts defined here.
-    from .moe_rules import MOE_RULES
+    from commfuse.passes.moe_rules import MOE_RULES
 
     return MOE_RULES
 

@@ -26,11 +26,11 @@ import bisect
 
 import torch.fx as fx
 
-from ..ir.kinds import is_wait
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .registry import register_pass
-from .rewrite import mutates
+from commfuse.ir.kinds import is_wait
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.registry import register_pass
+from commfuse.passes.rewrite import mutates
 
 
 @register_pass

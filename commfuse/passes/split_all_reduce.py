@@ -24,12 +24,12 @@ Megatron-LM sequence parallelism (all_reduce = reduce_scatter + all_gather).
 
 from __future__ import annotations
 
-from ..ir.collective import Collective
-from ..ir.kinds import CollectiveKind
-from . import rewrite
-from .base import GraphPass, PassResult, Stage
-from .context import PassContext
-from .registry import register_pass
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.passes import rewrite
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.context import PassContext
+from commfuse.passes.registry import register_pass
 
 SPLITTABLE_OPS = ("sum", "avg", "max", "min")
 

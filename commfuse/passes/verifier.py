@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..ir.graph_ir import CollectiveIR, IRBuildOptions
-from ..ir.kinds import CollectiveKind, is_wait
-from ..ir.shapes import shape_of, tensor_meta
+from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
+from commfuse.ir.kinds import CollectiveKind, is_wait
+from commfuse.ir.shapes import shape_of, tensor_meta
 
 
 @dataclass
@@ -142,7 +142,7 @@ def _check_meta_present(gm: fx.GraphModule, problems: list[str]) -> None:
 def _check_fake_propagation(gm: fx.GraphModule, problems: list[str]) -> None:
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from .._torch_private import fake_tensor_mode_of
+    from commfuse._torch_private import fake_tensor_mode_of
 
     mode = fake_tensor_mode_of(gm)
     if mode is None:

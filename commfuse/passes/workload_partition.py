@@ -59,15 +59,15 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from .._torch_private import c10d_functional
-from ..costmodel.compute import op_cost
-from ..ir.collective import Collective
-from ..ir.kinds import CollectiveKind
-from . import chains, rewrite
-from .base import GraphPass, PassResult, Stage
-from .chains import CONSUMER, PRODUCER, Chain, ChainStep, GraphFacts, Partial, Split
-from .context import PassContext
-from .registry import register_pass
+from commfuse._torch_private import c10d_functional
+from commfuse.costmodel.compute import op_cost
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.passes import chains, rewrite
+from commfuse.passes.base import GraphPass, PassResult, Stage
+from commfuse.passes.chains import CONSUMER, PRODUCER, Chain, ChainStep, GraphFacts, Partial, Split
+from commfuse.passes.context import PassContext
+from commfuse.passes.registry import register_pass
 
 _f = c10d_functional
 aten = torch.ops.aten
@@ -134,8 +134,8 @@ def _chunk_count(ctx: PassContext, chunks: Optional[int]) -> int:
 
 def algorithm1_chunks(ctx: PassContext, c: Collective) -> tuple[Optional[int], str]:
     """Centauri's Algorithm 1 count for ``c`` (None: no partition), and why."""
-    from .algorithm1 import algorithm1, independent_compute_us
-    from .cost import estimator_for
+    from commfuse.passes.algorithm1 import algorithm1, independent_compute_us
+    from commfuse.passes.cost import estimator_for
 
     est = estimator_for(ctx)
     if est is None:
@@ -209,7 +209,7 @@ def _best_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tuple
     found, reasons = candidate_chains(ctx, c, k)
     if not found:
         return _summarise(reasons, k, chains.static_shape(c.logical_output))
-    from .cost import estimator_for
+    from commfuse.passes.cost import estimator_for
 
     est = estimator_for(ctx)
     comm_us = est.collective(c).time_us if est is not None else None

@@ -58,8 +58,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._torch_private import c10d_functional, c10d_functional_autograd
-from .layout import StageGroup
+from commfuse._torch_private import c10d_functional, c10d_functional_autograd
+from commfuse.pipeline.layout import StageGroup
 
 aten = torch.ops.aten
 

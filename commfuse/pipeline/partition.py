@@ -43,12 +43,12 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from .._torch_private import c10d_functional
-from ..errors import CommfuseError
-from ..ir.kinds import collective_spec, is_wait
-from ..ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, parse_m2ms, parse_stage_transfer
-from .layout import PipelineLayout
-from .trace import InputSpec, PipelineProgram
+from commfuse._torch_private import c10d_functional
+from commfuse.errors import CommfuseError
+from commfuse.ir.kinds import collective_spec, is_wait
+from commfuse.ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, parse_m2ms, parse_stage_transfer
+from commfuse.pipeline.layout import PipelineLayout
+from commfuse.pipeline.trace import InputSpec, PipelineProgram
 
 FW, BW = "fw", "bw"
 TRANSFER_OPS = (STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, M2MS, M2MS_AUTOGRAD)

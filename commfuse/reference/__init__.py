@@ -10,7 +10,7 @@ communicate inside their kernel), :mod:`.moe_semantics` (``commfuse::moe_layer``
 :mod:`.groups` (group names -> ranks). docs/reliability.md describes how the pass fuzzer uses it.
 """
 
-from .errors import (
+from commfuse.reference.errors import (
     CollectiveMismatchError,
     DeadlockError,
     GroupResolutionError,
@@ -18,10 +18,10 @@ from .errors import (
     ReferenceSemanticsError,
     UnknownCollectiveError,
 )
-from .groups import GroupSpec, GroupTable, groups_from_process_groups
-from .interpreter import ReferenceInterpreter, run_reference
-from . import boundary as _boundary  # noqa: F401,E402  (semantics of commfuse::m2ms / stage_transfer)
-from .semantics import (
+from commfuse.reference.groups import GroupSpec, GroupTable, groups_from_process_groups
+from commfuse.reference.interpreter import ReferenceInterpreter, run_reference
+from commfuse.reference import boundary as _boundary  # noqa: F401,E402  (semantics of commfuse::m2ms / stage_transfer)
+from commfuse.reference.semantics import (
     P2PPlan,
     RankCall,
     SyncOpSpec,

@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ir.boundary import M2MS_OP, STAGE_TRANSFER_OP, boundary_op_names
-from .errors import CollectiveMismatchError
-from .semantics import P2PPlan, RankCall, register_semantics
+from commfuse.ir.boundary import M2MS_OP, STAGE_TRANSFER_OP, boundary_op_names
+from commfuse.reference.errors import CollectiveMismatchError
+from commfuse.reference.semantics import P2PPlan, RankCall, register_semantics
 
 _TAG = 0  # the ops post every message with c10d's default tag
 
@@ -63,7 +63,7 @@ def _parsed(call: RankCall, parse):
 
 
 def m2ms(call: RankCall) -> P2PPlan:
-    from ..ops import parse_m2ms
+    from commfuse.ops import parse_m2ms
 
     p = _parsed(call, parse_m2ms)
     x: torch.Tensor = p.x
@@ -106,7 +106,7 @@ def m2ms(call: RankCall) -> P2PPlan:
 
 
 def stage_transfer(call: RankCall) -> P2PPlan:
-    from ..ops import parse_stage_transfer
+    from commfuse.ops import parse_stage_transfer
 
     p = _parsed(call, parse_stage_transfer)
     x: torch.Tensor = p.x

@@ -174,7 +174,7 @@ def broadcast_inplace(ctx, rank, x):
 
 def reduce_to_root_world(ctx, rank, x):
     # commfuse's rooted reduce (commfuse/lowering/rooted.py): root = group rank 2; -0.0 elsewhere
-    from ..lowering.rooted import REDUCE_TO_ROOT
+    from commfuse.lowering.rooted import REDUCE_TO_ROOT
 
     return W(REDUCE_TO_ROOT(x, 2, "sum", 4, _name(ctx["world"]))) + 0
 
@@ -182,7 +182,7 @@ def reduce_to_root_world(ctx, rank, x):
 def reduces_of_distinct_roots(ctx, rank, x):
     # Centauri's reduce_scatter substitute on a sub-group: reduce r delivers slice r to group
     # rank r, and the -0.0 of the other reduces adds away exactly
-    from ..lowering.rooted import REDUCE_TO_ROOT
+    from commfuse.lowering.rooted import REDUCE_TO_ROOT
 
     pieces = x.chunk(2, 0)
     outs = [W(REDUCE_TO_ROOT(pieces[r].contiguous(), r, "max", 2, _name(ctx["strided"]))) for r in range(2)]
@@ -302,7 +302,7 @@ def _moe_shapes(role: str, local: int, tokens, backward: bool = False, joint: bo
 
 def _moe_case(role: str, top_k: int, cf: float, tg: int, local: int, tokens, *, mode: str = "forward",
               scale: float = 1.0) -> Case:
-    from ..moe import MOE_LAYER, MOE_LAYER_BACKWARD
+    from commfuse.moe import MOE_LAYER, MOE_LAYER_BACKWARD
 
     if mode == "forward":
         def fn(ctx, rank, x, rw, w1, w3, w2):
@@ -313,7 +313,7 @@ def _moe_case(role: str, top_k: int, cf: float, tg: int, local: int, tokens, *, 
                                            scale))
     else:  # joint: autograd through the op (its registered backward)
         def fn(ctx, rank, x, rw, w1, w3, w2, up):
-            from ..moe import moe_layer
+            from commfuse.moe import moe_layer
 
             params = [t.detach().requires_grad_() for t in (x, rw, w1, w3, w2)]
             out, ps, t1, z = moe_layer(*params, top_k, cf, tg, _moe_group(ctx, role))
@@ -375,28 +375,28 @@ def _flat(splits: list[list[int]]) -> list[int]:
 
 
 def m2ms_overlap_dim1(ctx, rank, x):
-    from ..ops import M2MS
+    from commfuse.ops import M2MS
 
     src, dst, splits = M2MS_OVERLAP
     return W(M2MS(x, 1, _flat(splits), src, dst, WORLD_SIZE, _name(ctx["world"]))) + 0
 
 
 def m2ms_disjoint_dim0(ctx, rank, x):
-    from ..ops import M2MS
+    from commfuse.ops import M2MS
 
     src, dst, splits = M2MS_DISJOINT
     return W(M2MS(x, 0, _flat(splits), src, dst, WORLD_SIZE, _name(ctx["world"]))) * 1
 
 
 def m2ms_equal_negdim(ctx, rank, x):
-    from ..ops import m2ms
+    from commfuse.ops import m2ms
 
     src, dst, splits = M2MS_EQUAL
     return m2ms(x, -1, splits, src, dst, ctx["world"]) * 1
 
 
 def m2ms_subgroup(ctx, rank, x):
-    from ..ops import m2ms
+    from commfuse.ops import m2ms
 
     src, dst, splits = M2MS_SUB
     return m2ms(x, 0, splits, src, dst, ctx["strided"]) + 0
@@ -404,7 +404,7 @@ def m2ms_subgroup(ctx, rank, x):
 
 def m2ms_joint(ctx, rank, x, up):
     # differentiable wrapper (commfuse::m2ms_autograd): forward and the reverse-scatter gradient
-    from ..ops import m2ms
+    from commfuse.ops import m2ms
 
     src, dst, splits = M2MS_OVERLAP
     xx = x.detach().requires_grad_()
@@ -415,19 +415,19 @@ def m2ms_joint(ctx, rank, x, up):
 
 def stage_transfer_chain(ctx, rank, x):
     # 0 -> 1 -> 2 (rank 1 sends and receives), 3 -> 3 (a local copy); nothing reaches 0
-    from ..ops import STAGE_TRANSFER
+    from commfuse.ops import STAGE_TRANSFER
 
     return W(STAGE_TRANSFER(x, [0, 1, 3], [1, 2, 3], WORLD_SIZE, _name(ctx["world"]))) + 0
 
 
 def stage_transfer_subgroup(ctx, rank, x):
-    from ..ops import stage_transfer
+    from commfuse.ops import stage_transfer
 
     return stage_transfer(x * 2, [0], [1], ctx["blocked"]) + 0
 
 
 def stage_transfer_joint(ctx, rank, x):
-    from ..ops import stage_transfer
+    from commfuse.ops import stage_transfer
 
     xx = x.detach().requires_grad_()
     y = stage_transfer(xx, [0, 1], [2, 3], ctx["world"])
@@ -436,7 +436,7 @@ def stage_transfer_joint(ctx, rank, x):
 
 def boundary_mixed(ctx, rank, x, w):
     # a stage boundary inside a program: compute, m2ms to the next stage, compute, all_reduce
-    from ..ops import M2MS, STAGE_TRANSFER
+    from commfuse.ops import M2MS, STAGE_TRANSFER
 
     src, dst, splits = M2MS_DISJOINT
     h = torch.relu(x @ w)
@@ -496,7 +496,7 @@ def trace_case(case: str, seed: int = 0, *, per_rank: bool | None = None):
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from ..testing.fake_pg import fake_process_group
+    from commfuse.testing.fake_pg import fake_process_group
 
     spec = _case(case)
     per_rank = spec.per_rank if per_rank is None else per_rank

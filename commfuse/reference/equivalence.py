@@ -19,11 +19,11 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from ..ir.kinds import collective_spec, is_wait
-from ..testing.numerics import assert_bitwise_equal_tree, assert_close_tree
-from .groups import GroupSpec
-from .interpreter import run_reference
-from .semantics import sync_op_spec
+from commfuse.ir.kinds import collective_spec, is_wait
+from commfuse.testing.numerics import assert_bitwise_equal_tree, assert_close_tree
+from commfuse.reference.groups import GroupSpec
+from commfuse.reference.interpreter import run_reference
+from commfuse.reference.semantics import sync_op_spec
 
 
 def replicated_placeholders(gm: fx.GraphModule) -> set[fx.Node]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import CommfuseError
+from commfuse.errors import CommfuseError
 
 
 class ReferenceSemanticsError(CommfuseError):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence, Union
 
-from .errors import GroupResolutionError
+from commfuse.reference.errors import GroupResolutionError
 
 GroupSpec = Union[str, Sequence[int], Sequence[Sequence[int]]]
 

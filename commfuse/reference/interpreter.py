@@ -49,16 +49,16 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from ..ir.kinds import CollectiveOpSpec, collective_spec, is_wait
-from .errors import (
+from commfuse.ir.kinds import CollectiveOpSpec, collective_spec, is_wait
+from commfuse.reference.errors import (
     CollectiveMismatchError,
     DeadlockError,
     InFlightMutationError,
     ReferenceSemanticsError,
     UnknownCollectiveError,
 )
-from .groups import GroupSpec, GroupTable
-from .semantics import P2PPlan, RankCall, Semantics, SyncOpSpec, _op_name, semantics_for, sync_op_spec
+from commfuse.reference.groups import GroupSpec, GroupTable
+from commfuse.reference.semantics import P2PPlan, RankCall, Semantics, SyncOpSpec, _op_name, semantics_for, sync_op_spec
 
 aten = torch.ops.aten
 

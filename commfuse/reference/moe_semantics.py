@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
-from ..ir.kinds import CollectiveArgs
-from ..moe import ops as moe_ops
-from ..moe.routing import capacity
-from .errors import ReferenceSemanticsError
-from .semantics import RankCall, _mismatch, register_sync_op
+from commfuse.ir.kinds import CollectiveArgs
+from commfuse.moe import ops as moe_ops
+from commfuse.moe.routing import capacity
+from commfuse.reference.errors import ReferenceSemanticsError
+from commfuse.reference.semantics import RankCall, _mismatch, register_sync_op
 
 MOE_LAYER = moe_ops.MOE_LAYER
 MOE_LAYER_BACKWARD = moe_ops.MOE_LAYER_BACKWARD

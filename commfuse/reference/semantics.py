@@ -47,8 +47,8 @@ from typing import Any, Callable, Union
 import torch
 import torch.fx as fx
 
-from ..ir.kinds import CollectiveArgs, CollectiveKind, CollectiveOpSpec
-from .errors import CollectiveMismatchError, UnknownCollectiveError
+from commfuse.ir.kinds import CollectiveArgs, CollectiveKind, CollectiveOpSpec
+from commfuse.reference.errors import CollectiveMismatchError, UnknownCollectiveError
 
 
 @dataclass
@@ -474,4 +474,4 @@ def _register_builtin() -> None:
 _register_builtin()
 
 # commfuse's own group-synchronous ops (the MoE layer); imported last: it registers with this module.
-from . import moe_semantics as _moe_semantics  # noqa: E402,F401
+from commfuse.reference import moe_semantics as _moe_semantics  # noqa: E402,F401

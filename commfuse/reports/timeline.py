@@ -39,16 +39,16 @@ def _world_size(gm: fx.GraphModule) -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    from ..ir.graph_ir import CollectiveIR
+    from commfuse.ir.graph_ir import CollectiveIR
 
     return max([c.group.size or 1 for c in CollectiveIR(gm).collectives] or [1])
 
 
 def cost_model(profile: Any = None, topology: Any = None, backend: Optional[str] = None, world_size: int = 2):
     """(AnalyticCostModel, description): the profile's model, or the analytic one of `topology`."""
-    from ..costmodel.analytic import AnalyticCostModel
-    from ..costmodel.profile import CostProfile
-    from ..costmodel.topology import Topology
+    from commfuse.costmodel.analytic import AnalyticCostModel
+    from commfuse.costmodel.profile import CostProfile
+    from commfuse.costmodel.topology import Topology
 
     if profile is not None:
         if not isinstance(profile, CostProfile):
@@ -64,7 +64,7 @@ def cost_model(profile: Any = None, topology: Any = None, backend: Optional[str]
 
 def simulate_trace(gm: fx.GraphModule, *, profile: Any = None, topology: Any = None,
                    backend: Optional[str] = None) -> dict[str, Any]:
-    from ..costmodel.simulator import Simulator
+    from commfuse.costmodel.simulator import Simulator
 
     model, describe = cost_model(profile, topology, backend, _world_size(gm))
     trace = Simulator(gm, model).simulate().to_chrome_trace()

@@ -49,8 +49,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from ..report import AnalysisReport, PipelineReport
-from .volume import graph_dirs, rank_dirs
+from commfuse.report import AnalysisReport, PipelineReport
+from commfuse.reports.volume import graph_dirs, rank_dirs
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -297,12 +297,12 @@ def _message_size(kind: str, sent: Optional[int], received: Optional[int]) -> Op
 class _TimeModel:
     def __init__(self, profile: Any = None, topology: Any = None, backend: Optional[str] = None,
                  world_size: int = 2) -> None:
-        from .timeline import cost_model
+        from commfuse.reports.timeline import cost_model
 
         self.model, self.describe = cost_model(profile, topology, backend, world_size)
 
     def time_us(self, kind: str, size: Optional[int], n: Optional[int]) -> Optional[float]:
-        from ..ir.kinds import CollectiveKind
+        from commfuse.ir.kinds import CollectiveKind
 
         if size is None or n is None:
             return None

@@ -42,13 +42,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..errors import ConfigError
-from . import nw
-from .comms import SYNC_POINTS, CommMap, LogicalComm, assign_global_ranks, map_communicators, synchronize_clocks
-from .kernel_trace import KernelRecord, KernelTrace
-from .launches import Launch, launches
-from .nccl_log import NcclProcessLog
-from .vocab import kernel_dtype_class
+from commfuse.errors import ConfigError
+from commfuse.trace import nw
+from commfuse.trace.comms import SYNC_POINTS, CommMap, LogicalComm, assign_global_ranks, map_communicators, synchronize_clocks
+from commfuse.trace.kernel_trace import KernelRecord, KernelTrace
+from commfuse.trace.launches import Launch, launches
+from commfuse.trace.nccl_log import NcclProcessLog
+from commfuse.trace.vocab import kernel_dtype_class
 
 THESIS_WEIGHTS: dict[str, float] = {"AllReduce": 1.0, "ReduceScatter": 2.0, "AllGather": 2.0, "Broadcast": 2.0,
                                     "Reduce": 2.0, "Send": 0.5, "Recv": 0.5, "SendRecv": 0.5}

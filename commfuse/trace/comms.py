@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from ..errors import ConfigError
-from .kernel_trace import KernelRecord
-from .launches import Launch, launches
-from .nccl_log import NcclCall, NcclProcessLog
+from commfuse.errors import ConfigError
+from commfuse.trace.kernel_trace import KernelRecord
+from commfuse.trace.launches import Launch, launches
+from commfuse.trace.nccl_log import NcclCall, NcclProcessLog
 
 if TYPE_CHECKING:
-    from .align import RankAlignment
+    from commfuse.trace.align import RankAlignment
 
 
 def assign_global_ranks(logs: Sequence[NcclProcessLog]) -> dict[tuple[str, int], int]:

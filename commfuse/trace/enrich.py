@@ -41,13 +41,13 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..costmodel.collectives import Placement, bus_factor
-from ..costmodel.topology import Topology
-from ..errors import ConfigError
-from .align import Launch, LogicalComm, RankAlignment, RunAlignment
-from .kernel_trace import KernelRecord
-from .nccl_log import NcclTopology
-from .vocab import collective_kind
+from commfuse.costmodel.collectives import Placement, bus_factor
+from commfuse.costmodel.topology import Topology
+from commfuse.errors import ConfigError
+from commfuse.trace.align import Launch, LogicalComm, RankAlignment, RunAlignment
+from commfuse.trace.kernel_trace import KernelRecord
+from commfuse.trace.nccl_log import NcclTopology
+from commfuse.trace.vocab import collective_kind
 
 
 def message_bytes(lau: Launch, nranks: Optional[int]) -> Optional[int]:

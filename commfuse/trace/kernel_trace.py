@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..errors import ConfigError
-from .nccl_log import TraceParseWarning
-from .vocab import canonical_op, dtype_token, normalize_algo, normalize_proto
+from commfuse.errors import ConfigError
+from commfuse.trace.nccl_log import TraceParseWarning
+from commfuse.trace.vocab import canonical_op, dtype_token, normalize_algo, normalize_proto
 
 _NEW = re.compile(r"^nccl(?:Dev)?Kernel_(?P<op>[A-Za-z]+)(?P<rest>(?:_[A-Za-z0-9]+)*)")
 _OLD = re.compile(r"^nccl(?P<op>AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|SendRecv|Send|Recv)"

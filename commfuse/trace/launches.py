@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from .nccl_log import NcclCall
+from commfuse.trace.nccl_log import NcclCall
 
 
 @dataclass

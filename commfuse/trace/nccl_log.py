@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from ..errors import ConfigError
-from .vocab import NCCL_DATATYPES, NCCL_REDOPS, canonical_op, normalize_algo, normalize_proto
+from commfuse.errors import ConfigError
+from commfuse.trace.vocab import NCCL_DATATYPES, NCCL_REDOPS, canonical_op, normalize_algo, normalize_proto
 
 
 class TraceParseWarning(UserWarning):

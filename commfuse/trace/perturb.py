@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from .align import AlignConfig, RunAlignment, align_run
-from .kernel_trace import read_kernel_traces
-from .nccl_log import parse_nccl_logs
-from .synth import LogItem, SynthCall, SynthKernel, SynthLaunch, SynthRun, render_log, render_torch_trace, \
+from commfuse.trace.align import AlignConfig, RunAlignment, align_run
+from commfuse.trace.kernel_trace import read_kernel_traces
+from commfuse.trace.nccl_log import parse_nccl_logs
+from commfuse.trace.synth import LogItem, SynthCall, SynthKernel, SynthLaunch, SynthRun, render_log, render_torch_trace, \
     write_nsys_sqlite
 
 THESIS_F1 = {"1:1": 0.988, "kernel_drop_20": 0.912, "log_drop_20": 0.868, "both_drop_20": 0.805}

@@ -52,10 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..costmodel.collectives import CollectiveModel
-from ..costmodel.topology import Topology
-from ..errors import ConfigError
-from ..ir.kinds import CollectiveKind
+from commfuse.costmodel.collectives import CollectiveModel
+from commfuse.costmodel.topology import Topology
+from commfuse.errors import ConfigError
+from commfuse.ir.kinds import CollectiveKind
 
 FIXTURE_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "alignment"
 SEQUENCES = FIXTURE_DIR / "sequences.json"

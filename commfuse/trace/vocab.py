@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..ir.kinds import CollectiveKind
+from commfuse.ir.kinds import CollectiveKind
 
 # ncclDataType_t: code -> (name, bytes, kernel token)
 NCCL_DATATYPES: dict[int, tuple[str, int, str]] = {
