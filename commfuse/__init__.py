@@ -10,18 +10,21 @@
 
 from __future__ import annotations
 
+from commfuse import pipeline  # noqa: F401  (commfuse.pipeline: setup_pipeline, PipelineRunner)
+from commfuse import ops
 from commfuse._version import __version__
 from commfuse.api import analyze, last_report, optimize
 from commfuse.backend import CommfuseBackend, backend, commfuse_backend, recent_reports
 from commfuse.config import CONFIG_ENV, DUMP_DIR_ENV, Config, default_config, set_default_config
+from commfuse.core.errors import CommfuseError, ConfigError, PassError, VerificationError
+from commfuse.core.torch_private import dynamo_backend_registry
 from commfuse.costmodel.topology import Topology
-from commfuse.errors import CommfuseError, ConfigError, PassError, VerificationError
 from commfuse.lowering.recorder import Recorder, record
-from commfuse import ops  # noqa: F401  (registers commfuse::m2ms and commfuse::stage_transfer)
-from commfuse import pipeline  # noqa: F401  (commfuse.pipeline: setup_pipeline, PipelineRunner)
-from commfuse.report import AnalysisReport, PipelineReport
+from commfuse.passmgr.report import AnalysisReport, PipelineReport
 from commfuse.session import setup
 from commfuse.train_step import TrainStep, compile_train_step
+
+ops.install()  # commfuse's own ops into the IR, the cost model and the reference interpreter
 
 
 def _register_dynamo_backend() -> None:
@@ -30,8 +33,6 @@ def _register_dynamo_backend() -> None:
     # here too would make that lookup fail with "duplicate name"). A source checkout
     # that was not pip-installed has no entry point: register on import instead.
     from importlib.metadata import entry_points
-
-    from commfuse._torch_private import dynamo_backend_registry
 
     if any(e.name == "commfuse" for e in entry_points(group="torch_dynamo_backends")):
         return

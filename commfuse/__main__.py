@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import sys
 
+from commfuse.reports import cli
+from commfuse.tools.calibrate import main as calibrate_main
+from commfuse.tools.demo import demo
+from commfuse.tools.profile_overlap import main as profile_overlap_main
+from commfuse.trace.cli import main as align_main
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -20,23 +26,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<17}{text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "demo":
-        from commfuse.demo import demo
 
         return demo(argv[1:])
     if argv[0] == "calibrate":
-        from commfuse.costmodel.calibrate import main as calibrate_main
 
         return calibrate_main(argv[1:])
     if argv[0] in ("report", "volume", "validate"):
-        from commfuse.reports import cli
 
         return getattr(cli, f"{argv[0]}_main")(argv[1:])
     if argv[0] == "align":
-        from commfuse.trace.cli import main as align_main
 
         return align_main(argv[1:])
     if argv[0] == "profile-overlap":
-        from commfuse.dhelix.profile import main as profile_overlap_main
 
         return profile_overlap_main(argv[1:])
     return 2

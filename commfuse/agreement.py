@@ -45,8 +45,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
-from commfuse.errors import CommfuseError
-from commfuse.report import PipelineReport
+from commfuse.core.errors import CommfuseError
+from commfuse.core.torch_private import default_store
+from commfuse.passmgr.report import PipelineReport
 
 _ROUND = itertools.count()
 _LOCK = threading.Lock()
@@ -118,8 +119,6 @@ def check_agreement(record: FrameRecord, *, timeout_s: float, store=None, rank: 
                     world_size: Optional[int] = None) -> None:
     """Publish this rank's record, wait for every rank's, raise `AgreementError` on any difference."""
     import torch.distributed as dist
-
-    from commfuse._torch_private import default_store
 
     store = store if store is not None else default_store()
     rank = dist.get_rank() if rank is None else rank

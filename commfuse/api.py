@@ -1,4 +1,5 @@
-"""`commfuse.optimize` and `commfuse.analyze`: the pass list on any FX graph."""
+"""`commfuse.optimize` and `commfuse.analyze`: the pass list on any FX graph; `pipeline_for`: the
+pipeline a config asks for, with what the job's session knows."""
 
 from __future__ import annotations
 
@@ -7,11 +8,22 @@ from typing import Optional
 import torch.fx as fx
 
 from commfuse.config import Config, default_config
+from commfuse.core.meta import REPORTS_META
 from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
-from commfuse.passes.base import Stage
-from commfuse.passes.pipeline import Pipeline
-from commfuse.report import AnalysisReport, PipelineReport, build_analysis_report
-from commfuse.session import resolved_roles
+from commfuse.passmgr.base import Stage
+from commfuse.passmgr.pipeline import Pipeline
+from commfuse.passmgr.report import AnalysisReport, PipelineReport, build_analysis_report
+from commfuse.session import current_session, resolved_roles, resolved_topology
+from commfuse.transforms.registry import get_pass
+
+
+def pipeline_for(config: Config, dtensor_roles: Optional[dict[str, str]] = None) -> Pipeline:
+    """The pipeline `config` asks for, with the topology, roles and session state from
+    `commfuse.setup` (and the roles of the graph's DTensor meshes, ``dtensor_roles``) filled in."""
+    roles, sources = resolved_roles(config, dtensor_roles)
+    topology, source = resolved_topology(config)
+    return Pipeline([get_pass(name) for name in config.pass_names()], config, topology=topology,
+                    group_roles=roles, role_sources=sources, session=current_session(), topology_source=source)
 
 
 def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind: str = "graph") -> fx.GraphModule:
@@ -21,13 +33,13 @@ def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind:
     Returns `gm`; the pipeline report is appended to `gm.meta["commfuse_reports"]`
     (see `last_report`).
     """
-    pipeline = Pipeline.for_config(config or default_config())
+    pipeline = pipeline_for(config or default_config())
     pipeline.run(gm, graph_kind=graph_kind, stages={Stage.JOINT, Stage.SCHEDULE})
     return gm
 
 
 def last_report(gm: fx.GraphModule) -> Optional[PipelineReport]:
-    reports = gm.meta.get("commfuse_reports") or []
+    reports = gm.meta.get(REPORTS_META) or []
     return reports[-1] if reports else None
 
 

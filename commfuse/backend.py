@@ -28,13 +28,16 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from commfuse import _torch_private as priv
 from commfuse.agreement import FrameRecord, wrap_first_call
+from commfuse.api import pipeline_for
 from commfuse.config import Config, default_config
+from commfuse.core import torch_private as priv
+from commfuse.dhelix.fused_partition import fused_partition
 from commfuse.lowering import LoweringPlan, lower_eager, lower_runtime
-from commfuse.passes.base import Stage
-from commfuse.passes.pipeline import Pipeline
-from commfuse.report import PipelineReport
+from commfuse.passmgr.base import Stage
+from commfuse.passmgr.pipeline import Pipeline, ReportTo
+from commfuse.passmgr.report import PipelineReport
+from commfuse.session import roles_from_meshes
 
 log = logging.getLogger("commfuse")
 
@@ -97,7 +100,7 @@ class CommfuseBackend:
         self.partitions: list[str] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
-        pipeline = Pipeline.for_config(self.config, dtensor_roles=_dtensor_roles(gm, example_inputs))
+        pipeline = pipeline_for(self.config, dtensor_roles=_dtensor_roles(gm, example_inputs))
         record = FrameRecord()
         if any(p.stage is Stage.PRE_AUTOGRAD for p in pipeline.passes):
             # Recognition before AOTAutograd traces the graph, so the ops it introduces are
@@ -106,7 +109,7 @@ class CommfuseBackend:
             rep = pipeline.run(gm, graph_kind="dynamo", stages={Stage.PRE_AUTOGRAD}, dump_if_changed=True)
             if any(p.changed or p.refusals or p.error for p in rep.passes):
                 self.dynamo_reports.append(rep)
-        pipeline.on_report = lambda r: (self.reports.append(r), _RECENT_REPORTS.append(r), record.add(r))
+        pipeline.instruments.append(ReportTo(lambda r: (self.reports.append(r), _RECENT_REPORTS.append(r), record.add(r))))
         if self.config.inner_compiler == "eager":
             compiled = self._compile_eager(gm, example_inputs, pipeline)
         else:
@@ -122,8 +125,6 @@ class CommfuseBackend:
         def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
             pipeline.run(joint, graph_kind="joint", stages={Stage.JOINT})
             if self.config.dhelix:
-                from commfuse.dhelix.fused_partition import fused_partition  # (imports train_step, which imports us)
-
                 fused = fused_partition(joint, kwargs["num_fwd_outputs"])
                 self.partitions.append("fused" if not isinstance(fused, str) else fused)
                 if not isinstance(fused, str):
@@ -229,8 +230,6 @@ def _dtensor_roles(gm: fx.GraphModule, example_inputs: list) -> dict[str, str]:
     """Roles of the process groups of the DeviceMeshes that the graph's DTensors (inputs, lifted
     parameters, or parameters the graph still holds) live on, from the mesh dim names."""
     from torch.distributed.tensor import DTensor
-
-    from commfuse.session import roles_from_meshes
 
     meshes = {}
     for t in [*example_inputs, *gm.parameters(), *gm.buffers()]:

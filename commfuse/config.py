@@ -8,10 +8,15 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator,
+                      model_validator)
 
+from commfuse._version import __version__
+from commfuse.core.errors import ConfigError
 from commfuse.costmodel.topology import Topology
+from commfuse.dhelix.profile import read_oef_profile
 from commfuse.ir.collective import ParallelRole
+from commfuse.transforms.registry import DEFAULT_PIPELINE, DHELIX_PIPELINE, available_passes
 
 DUMP_DIR_ENV = "COMMFUSE_DUMP_DIR"
 # A Config for every compile not given one: a JSON object of Config fields, or the path of a
@@ -157,7 +162,6 @@ class Config(BaseModel):
     @classmethod
     def _readable_profile(cls, v: Optional[str]) -> Optional[str]:
         if v is not None:
-            from commfuse.dhelix.profile import read_oef_profile
 
             try:
                 read_oef_profile(v)
@@ -186,7 +190,6 @@ class Config(BaseModel):
     def _known_passes(cls, v: Optional[list[str]]) -> Optional[list[str]]:
         if v is None:
             return v
-        from commfuse.passes.registry import available_passes
 
         known = available_passes()
         unknown = [p for p in v if p not in known]
@@ -195,7 +198,6 @@ class Config(BaseModel):
         return v
 
     def pass_names(self) -> list[str]:
-        from commfuse.passes.registry import DEFAULT_PIPELINE, DHELIX_PIPELINE
 
         if self.passes is not None:
             return list(self.passes)
@@ -206,7 +208,6 @@ class Config(BaseModel):
 
     def cache_key(self, topology: Optional[Topology] = None) -> str:
         """Everything that can change the produced graph (not dumps, not strictness)."""
-        from commfuse._version import __version__
 
         topo = topology or self.topology
         payload = {
@@ -279,8 +280,6 @@ def config_from_text(text: str, source: str = CONFIG_ENV) -> Config:
     """A Config from a JSON object, or from the JSON file ``text`` names. Errors name ``source``,
     the file and the field."""
     from pydantic import ValidationError
-
-    from commfuse.errors import ConfigError
 
     where = source
     if not text.startswith("{"):

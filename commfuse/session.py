@@ -45,9 +45,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
-from commfuse._torch_private import register_process_group_alias
+from commfuse.core.errors import ConfigError
+from commfuse.core.torch_private import register_process_group_alias, resolve_process_group
+from commfuse.costmodel.hierarchy import (INTER_PREFIX, INTRA_PREFIX, Ranks, SubGroups, hierarchy_layout, mesh_blocks,
+                                          ranks_label, subgroup_names)
+from commfuse.costmodel.lagom import plan_communicator_pool, validate_communicator_ctas
 from commfuse.costmodel.topology import Topology
-from commfuse.errors import ConfigError
 from commfuse.ir.collective import ParallelRole
 
 # Mesh dimension names users give (torchtitan conventions) -> parallel role.
@@ -89,26 +92,6 @@ def roles_from_meshes(meshes: Iterable[Any]) -> dict[str, str]:
                 continue
             roles[group.group_name] = role.value
     return roles
-
-INTRA_PREFIX = "commfuse.intra."
-INTER_PREFIX = "commfuse.inter."
-
-Ranks = tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class SubGroups:
-    """This rank's two sub-groups of one parent group (Centauri's G'_k on the mesh [a, b])."""
-
-    parent: Ranks  # the parent's global ranks, in group-rank order (ascending)
-    nodes: int  # a: nodes the parent spans
-    local: int  # b: parent ranks on each of those nodes
-    intra: Ranks  # this rank's intra-node sub-group {i*b + l'}
-    inter: Ranks  # this rank's inter-node sub-group {i'*b + l}
-    intra_name: str  # the alias graphs use for `intra` (registered in this process)
-    inter_name: str
-    intra_pg: Any = field(default=None, compare=False, repr=False)
-    inter_pg: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -164,64 +147,6 @@ def _as_topology(topology: Union[Topology, str, Path, dict, None]) -> Optional[T
     return Topology.preset(s)
 
 
-# --------------------------------------------------------------------------- layout
-def hierarchy_layout(ranks: Sequence[int], topology: Topology) -> Union[tuple[int, int], str]:
-    """``(a, b)`` if ``ranks`` (a group, in group-rank order) is the node-major mesh
-    [a nodes, b ranks each] with a, b >= 2 on ``topology``; else the reason it is not."""
-    ranks = tuple(ranks)
-    if len(ranks) < 2:
-        return "group of one rank"
-    if any(r < 0 or r >= topology.world_size for r in ranks):
-        return f"ranks {list(ranks)} are not all inside the topology's {topology.world_size} ranks"
-    if list(ranks) != sorted(set(ranks)):
-        # new_group orders a sub-group's ranks ascending; the index formula needs the
-        # parent's group-rank order to agree with it.
-        return f"group rank order {list(ranks)} is not ascending (node-major)"
-    counts: list[int] = []
-    last = None
-    for r in ranks:  # ascending ranks: each node's ranks form one run
-        node = topology.node_of(r)
-        if node != last:
-            counts.append(0)
-            last = node
-        counts[-1] += 1
-    if len(counts) == 1:
-        return f"group inside one node (node {topology.node_of(ranks[0])})"
-    if len(set(counts)) != 1:
-        return f"uneven ranks per node ({counts})"
-    if counts[0] == 1:
-        return "one rank per node: no intra-node level to split off"
-    return len(counts), counts[0]
-
-
-def mesh_blocks(parent: Ranks, a: int, b: int) -> tuple[list[Ranks], list[Ranks]]:
-    """The parent's intra-node blocks (a of b ranks) and inter-node blocks (b of a ranks):
-    Centauri's ``index(j) = (j // b % a, j % b)`` on group rank j."""
-    intra = [parent[i * b:(i + 1) * b] for i in range(a)]
-    inter = [tuple(parent[i * b + l] for i in range(a)) for l in range(b)]
-    return intra, inter
-
-
-def ranks_label(ranks: Sequence[int]) -> str:
-    """A short name for a rank tuple, the same on every rank: ``0:8`` (a range), ``1:8:2``
-    (a strided range), ``0-3-5`` (short lists), or a hash (long irregular lists)."""
-    ranks = tuple(ranks)
-    if len(ranks) >= 2:
-        step = ranks[1] - ranks[0]
-        if step > 0 and all(y - x == step for x, y in zip(ranks, ranks[1:])):
-            stop = ranks[-1] + 1
-            return f"{ranks[0]}:{stop}" if step == 1 else f"{ranks[0]}:{stop}:{step}"
-    if len(ranks) <= 16:
-        return "-".join(map(str, ranks))
-    return "h" + hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:12]
-
-
-def subgroup_names(parent: Sequence[int]) -> tuple[str, str]:
-    """The (intra, inter) aliases graphs use for the sub-groups of ``parent``."""
-    label = ranks_label(parent)
-    return INTRA_PREFIX + label, INTER_PREFIX + label
-
-
 # Registering this rank's sub-group under an alias is what makes one graph valid on every
 # rank (module docstring); the registry is private c10d API, wrapped in _torch_private.
 def _register_alias(name: str, pg: Any) -> None:
@@ -264,8 +189,6 @@ def _qualifying_parents(topo: Topology, partitions: list[list[Ranks]]) -> list[t
 
 def _reusable(world: Any) -> bool:
     import torch.distributed as dist
-
-    from commfuse._torch_private import resolve_process_group
 
     if _CREATED_UNDER[0] is not world:
         return False
@@ -323,7 +246,6 @@ def communicator_pool_plan(world_size: int, communicator_ctas: Any, *, mesh: Any
     """The pool groups ``setup(communicator_ctas=...)`` creates on NCCL, in creation order: for the
     world, then every block of each mesh dim, then of ``groups`` (a rank tuple once; single ranks
     skipped), one group per CTA pair in the order given. Pure: nothing is created."""
-    from commfuse.costmodel.lagom import plan_communicator_pool, validate_communicator_ctas
 
     ctas = validate_communicator_ctas(communicator_ctas)
     parents = [tuple(range(world_size))] + [b for part in _partitions(mesh, groups) for b in part]
@@ -337,8 +259,6 @@ def _create_communicator_pool(session: Session, plan: list[Any]) -> None:
     """Lagom's pool (docs/lagom.md): the planned NCCL groups, created on every rank in the plan's
     order (new_group is collective), each rank registering the aliases of the groups it belongs to."""
     import torch.distributed as dist
-
-    from commfuse._torch_private import resolve_process_group
 
     backend = str(dist.get_backend())
     if "nccl" not in backend or not hasattr(dist, "ProcessGroupNCCL"):
@@ -397,7 +317,6 @@ def setup(
 
     topo = _as_topology(topology)
     session = Session(topology=topo)
-    from commfuse.costmodel.lagom import validate_communicator_ctas
 
     session.communicator_ctas = validate_communicator_ctas(communicator_ctas)
     names = None

@@ -44,25 +44,16 @@ from torch.fx.traceback import annotate
 
 from commfuse.backend import CommfuseBackend
 from commfuse.config import Config
-from commfuse.report import PipelineReport
+from commfuse.core.meta import MICROBATCH_META_KEY, microbatch_of
+from commfuse.passmgr.report import PipelineReport
 from commfuse.train_step_split import check_divisible, split_microbatches
 
 log = logging.getLogger("commfuse")
 
-MICROBATCH_META_KEY = "commfuse_microbatch"
 Reduction = Literal["mean", "sum"]
 
 __all__ = ["MICROBATCH_META_KEY", "CapturedGraph", "TrainStep", "compile_train_step", "microbatch_of"]
 
-
-def microbatch_of(node: fx.Node) -> Optional[int]:
-    """The micro-batch a node of a `compile_train_step` graph was traced for (None: shared, e.g.
-    parameters, gradient accumulation, the loss sum, or nodes a pass created without the tag)."""
-    if node.op in ("placeholder", "output", "get_attr"):
-        # Dynamo lifts a parameter where it is first read, i.e. inside micro-batch 0's tag.
-        return None
-    custom = node.meta.get("custom")
-    return custom.get(MICROBATCH_META_KEY) if isinstance(custom, dict) else None
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,13 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from commfuse.ir.collective import Collective
 from commfuse.costmodel.collectives import CollectiveModel, CollectiveParams
 from commfuse.costmodel.compute import ComputeEstimate, ComputeModel, ComputeParams
 from commfuse.costmodel.contention import ContentionModel
 from commfuse.costmodel.estimator import CollectiveEstimate
 from commfuse.costmodel.step import RuntimeParams
 from commfuse.costmodel.topology import Topology
+from commfuse.ir.collective import Collective
 
 
 class AnalyticCostModel:
@@ -49,15 +49,6 @@ class AnalyticCostModel:
         self.collectives = CollectiveModel(topology, backend, collective_params, symbol_hint=symbol_hint)
         self.compute = ComputeModel(topology, compute_params, symbol_hint=symbol_hint)
         self.contention = ContentionModel(topology, backend, kappa=contention_kappa)
-
-    @classmethod
-    def from_profile(cls, profile: Any, topology: Optional[Topology] = None) -> "AnalyticCostModel":
-        """From a `CostProfile` (or a path to one); `topology` overrides the profile's."""
-        from commfuse.costmodel.profile import CostProfile
-
-        if not isinstance(profile, CostProfile):
-            profile = CostProfile.load(profile)
-        return profile.build_model(topology)
 
     # ---- CostEstimator
 

@@ -34,7 +34,7 @@ What it models
       point-to-point messages: ``sum(pieces) / bandwidth + latency per peer``. For an IR
       collective of commfuse's boundary ops (``commfuse::m2ms``, ``commfuse::stage_transfer``,
       kinds ``many_to_many_scatter`` / ``p2p``) `estimate` prices every rank's messages,
-      intra vs inter node, and takes the slowest rank (`commfuse.costmodel.boundary`).
+      intra vs inter node, and takes the slowest rank (`commfuse.ops.boundary.cost`).
     * **gloo-allreduce-emulation**: gloo has no reduce_scatter; ProcessGroupGloo
       runs a full all_reduce of the input and keeps a slice, so reduce_scatter
       costs an all_reduce of its *input* (see pytorch-landscape.md).
@@ -78,11 +78,11 @@ from typing import Any, Literal, Optional, Sequence
 import sympy
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
-from commfuse.errors import ConfigError
-from commfuse.ir.collective import Collective
-from commfuse.ir.kinds import CollectiveKind
+from commfuse.core.errors import ConfigError
 from commfuse.costmodel.estimator import CollectiveEstimate
 from commfuse.costmodel.topology import Topology
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind
 
 K = CollectiveKind
 Backend = Literal["nccl", "gloo"]
@@ -243,6 +243,16 @@ class Placement:
 # --------------------------------------------------------------------------- the model
 
 
+# Cost rules of the ops commfuse defines (commfuse.ops plugs them in with register_cost_rule):
+# kind -> fn(model, collective) -> estimate, or None to fall back to the generic model.
+_OWN_OP_RULES: dict = {}
+
+
+def register_cost_rule(kind: "CollectiveKind", rule) -> None:
+    """Price collectives of ``kind`` with ``rule(model, collective)`` (None: the generic model)."""
+    _OWN_OP_RULES[kind] = rule
+
+
 class CollectiveModel:
     """Collective time model over a `Topology` for backend "nccl" or "gloo".
 
@@ -262,11 +272,9 @@ class CollectiveModel:
     # ---- public API
 
     def estimate(self, c: Collective, algorithm: Optional[str] = None) -> CollectiveEstimate:
-        if c.kind in (K.M2MS, K.P2P) and algorithm is None:
-            # commfuse's boundary ops: priced from every rank's messages (costmodel/boundary.py)
-            from commfuse.costmodel.boundary import estimate_boundary
-
-            est = estimate_boundary(self, c)
+        rule = _OWN_OP_RULES.get(c.kind) if algorithm is None else None
+        if rule is not None:  # an op commfuse defines, priced by its own rule (None: the generic model)
+            est = rule(self, c)
             if est is not None:
                 return est
         # unknown group size (e.g. a graph loaded without its process groups): assume the whole world

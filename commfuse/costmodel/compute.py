@@ -49,9 +49,9 @@ import torch
 import torch.fx as fx
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, field_validator
 
-from commfuse.ir.kinds import collective_spec, is_wait
 from commfuse.costmodel.collectives import concrete
 from commfuse.costmodel.topology import Topology
+from commfuse.ir.kinds import collective_spec, is_wait
 
 FAMILIES = ("matmul", "attention", "attention_bw", "conv", "norm", "softmax", "pointwise", "reduction", "embedding",
             "memory", "view", "free", "unknown")

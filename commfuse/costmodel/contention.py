@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt
 
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 from commfuse.costmodel.compute import ComputeEstimate
 from commfuse.costmodel.topology import Topology
 

@@ -113,13 +113,14 @@ from typing import Any, Optional, Sequence
 
 import torch.fx as fx
 
-from commfuse.errors import ConfigError
-from commfuse.ir.collective import Collective
-from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.core.errors import ConfigError
 from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.collectives import Placement
 from commfuse.costmodel.contention import CommResources
+from commfuse.costmodel.hierarchy import ranks_label
 from commfuse.costmodel.simulator import NODE_COLLECTIVE, Simulator
+from commfuse.ir.collective import Collective
+from commfuse.ir.graph_ir import CollectiveIR
 
 __all__ = [
     "CommSetting", "CommunicatorPool", "Evaluation", "LagomResult", "LagomStep", "PoolGroupPlan",
@@ -214,8 +215,6 @@ def validate_communicator_ctas(value: Any, field_name: str = "communicator_ctas"
 
 def pool_alias(min_ctas: int, max_ctas: int, ranks: Sequence[int]) -> str:
     """``commfuse.cta<min>-<max>.<ranks label>`` (the label of ``session.ranks_label``)."""
-    from commfuse.session import ranks_label
-
     return f"{POOL_PREFIX}{min_ctas}-{max_ctas}.{ranks_label(ranks)}"
 
 

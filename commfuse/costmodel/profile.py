@@ -29,7 +29,9 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, model_validator
 
-from commfuse.errors import ConfigError
+from commfuse._version import __version__
+from commfuse.core.errors import ConfigError
+from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.collectives import CollectiveParams
 from commfuse.costmodel.compute import ComputeParams
 from commfuse.costmodel.step import RuntimeParams
@@ -48,8 +50,6 @@ class Provenance(BaseModel):
     @classmethod
     def here(cls, notes: str = "") -> "Provenance":
         import torch
-
-        from commfuse._version import __version__
 
         return cls(machine=platform.node(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                    torch_version=torch.__version__, commfuse_version=__version__, notes=notes)
@@ -83,7 +83,6 @@ class CostProfile(BaseModel):
         return Topology.preset(self.topology, num_nodes=nodes)
 
     def build_model(self, topology: Optional[Topology] = None):
-        from commfuse.costmodel.analytic import AnalyticCostModel
 
         return AnalyticCostModel(topology or self.resolve_topology(), self.backend, self.collective, self.compute,
                                  contention_kappa=self.contention_kappa, runtime=self.runtime)

@@ -82,10 +82,10 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from commfuse.costmodel.estimator import CollectiveEstimate, CostEstimator
 from commfuse.ir.collective import Collective
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import collective_spec, is_wait
-from commfuse.costmodel.estimator import CollectiveEstimate, CostEstimator
 
 __all__ = [
     "CollectiveTiming",

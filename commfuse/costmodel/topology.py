@@ -45,18 +45,10 @@ import json
 import re
 from pathlib import Path
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
-    ValidationError,
-    model_validator,
-)
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError,
+                      model_validator)
 
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 
 
 def _describe_validation_error(e: ValidationError) -> str:

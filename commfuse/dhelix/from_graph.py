@@ -46,9 +46,9 @@ import torch.fx as fx
 
 from commfuse.costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, Simulator, buffer_lifetimes
 from commfuse.costmodel.topology import Topology
+from commfuse.dhelix.segments import Segment
 from commfuse.ir.collective import Collective
 from commfuse.ir.graph_ir import CollectiveIR
-from commfuse.dhelix.segments import Segment
 
 aten = torch.ops.aten
 STRANDS = ("forward", "backward")

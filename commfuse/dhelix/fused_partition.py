@@ -41,12 +41,10 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from commfuse import _torch_private as priv
-from commfuse.ir.graph_ir import PHASE_META_KEY
-from commfuse.train_step import microbatch_of
+from commfuse.core import torch_private as priv
+from commfuse.core.meta import FUSED_GRAPH_META_KEY, PHASE_META_KEY, microbatch_of
 
 __all__ = ["FUSED_GRAPH_META_KEY", "PHASE_META_KEY", "fused_partition", "is_fused_graph", "phase_of"]
-FUSED_GRAPH_META_KEY = "commfuse_fused_step"
 
 
 def phase_of(node: fx.Node) -> str | None:

@@ -48,16 +48,16 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from commfuse.core.meta import PHASE_META_KEY, microbatch_of
 from commfuse.costmodel.simulator import NODE_COLLECTIVE, Simulator, buffer_lifetimes
 from commfuse.costmodel.topology import Topology
-from commfuse.ir.graph_ir import PHASE_META_KEY, CollectiveIR
-from commfuse.passes.model_level import MicrobatchGraph, microbatch_graph
-from commfuse.passes.schedule_list import ScheduleProblem, build_problem, keyed_topological_order
-from commfuse.train_step import microbatch_of
 from commfuse.dhelix.from_graph import _VIEW_LIKE, _comm_kind, _reaches_only_output, cut_segments
-from commfuse.dhelix.overlap import OEFTable
+from commfuse.dhelix.overlap import OEFTable, merge_overlapping
 from commfuse.dhelix.plan_dp import InfeasiblePlanError, PairingPlan, search_plans
-from commfuse.dhelix.segments import Segment, merge_overlapping
+from commfuse.dhelix.segments import Segment
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.schedule.list_scheduler import ScheduleProblem, build_problem, keyed_topological_order
+from commfuse.schedule.model_level import MicrobatchGraph, microbatch_graph
 
 aten = torch.ops.aten
 _ACCUMULATE = frozenset({aten.add.Tensor, aten.mul.Tensor})

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from commfuse.dhelix.segments import SEGMENT_KINDS, Segment, check_strand
 
@@ -93,3 +93,49 @@ def overlap_table(fwd: Sequence[Segment], bwd: Sequence[Segment], oef: OEFTable)
     for f in fwd:
         rows.append(tuple([float(f.duration)] + [pair_time(f.kind, f.duration, b.kind, b.duration, oef) for b in bwd]))
     return tuple(rows)
+
+
+def merge_overlapping(segments: Sequence[Segment], groups: Iterable[Sequence[str]], oef) -> tuple[Segment, ...]:
+    """Merge each group (names of adjacent segments) into one segment (module docstring).
+
+    ``oef`` is an :class:`~commfuse.dhelix.overlap.OEFTable`."""
+
+    segs = check_strand(segments, "segments")
+    pos = {s.name: k for k, s in enumerate(segs)}
+    start_of: dict[int, int] = {}
+    used: set[str] = set()
+    for g in groups:
+        g = tuple(g)
+        if len(g) < 2:
+            raise ValueError(f"merge_overlapping: group {g} must name at least two segments")
+        missing = [n for n in g if n not in pos]
+        if missing:
+            raise ValueError(f"merge_overlapping: group {g} names unknown segments {missing}")
+        again = [n for n in g if n in used]
+        if again:
+            raise ValueError(f"merge_overlapping: segments {again} appear in more than one group")
+        used.update(g)
+        idx = sorted(pos[n] for n in g)
+        if idx != list(range(idx[0], idx[0] + len(idx))):
+            raise ValueError(f"merge_overlapping: group {g} is not contiguous in the strand order")
+        start_of[idx[0]] = len(idx)
+    out: list[Segment] = []
+    k = 0
+    while k < len(segs):
+        n = start_of.get(k, 1)
+        members = segs[k:k + n]
+        if n == 1:
+            out.append(members[0])
+        else:
+            dur = members[0].duration
+            kind_seg = members[0]
+            for m in members[1:]:
+                # fold pairwise: the running unit overlaps the next member by the OEF of
+                # the dominant kinds so far
+                dur = pair_time(kind_seg.kind, dur, m.kind, m.duration, oef)
+                if m.duration > kind_seg.duration:
+                    kind_seg = m
+            out.append(Segment("+".join(m.name for m in members), kind_seg.kind, dur,
+                               sum(m.mem_delta for m in members)))
+        k += n
+    return tuple(out)

@@ -17,7 +17,7 @@ Contract
   "no gain", because Eq. 2 may always run the two units one after the other instead.
 - :func:`save_oef_profile` / :func:`read_oef_profile` store/load the JSON profile (schema
   version, machine, date, world size, backend, comm scope, sizes, entries); every problem
-  raises :class:`~commfuse.errors.ConfigError` naming the path and the field.
+  raises :class:`~commfuse.core.errors.ConfigError` naming the path and the field.
 - :func:`oef_for` returns the measured factor of an op-kind pair (median over sizes, or the
   nearest measured size) when the profile has it, else the fallback. The fallback is
   :func:`~.overlap.default_oef` (the paper's qualitative shape) on the pair's segment kinds —
@@ -45,7 +45,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 from commfuse.dhelix.overlap import OEFTable, default_oef
 from commfuse.dhelix.segments import SEGMENT_KINDS
 
@@ -325,31 +325,3 @@ def oef_table(profile: OEFProfile, fallback: Optional[OEFTable] = None) -> OEFTa
 def load_oef_profile(path: str, fallback: Optional[OEFTable] = None) -> OEFTable:
     """Read ``path`` and build the :class:`OEFTable` every rank plans with."""
     return oef_table(read_oef_profile(path), fallback)
-
-
-# ---------------------------------------------------------------- CLI
-
-def main(argv: Sequence[str]) -> int:
-    """``python -m commfuse profile-overlap -o FILE [--sizes N ...] [--world-size W] [--repeats R]``."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m commfuse profile-overlap",
-                                description="measure DHelix overlap factors (Eq. 1) on gloo ranks here")
-    p.add_argument("-o", "--output", required=True, help="profile JSON file to write")
-    p.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="float32 elements per operand")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
-    a = p.parse_args(list(argv))
-    if a.world_size < 2 or a.repeats < 1 or min(a.sizes) < 1:
-        p.error("--world-size must be >= 2, --repeats >= 1, --sizes >= 1")
-    from commfuse.testing.rank_pool import get_pool  # the ranks `calibrate` uses: one gloo group
-
-    prof = get_pool(a.world_size).run(measure_oef, OP_KINDS, list(a.sizes), a.repeats, timeout=1800)[0]
-    save_oef_profile(a.output, prof)
-    table = oef_table(prof)
-    print(f"wrote {a.output}: {len(prof.entries)} pairs x sizes on {a.world_size} {prof.backend} ranks")
-    for e in prof.entries:
-        print(f"  {e.a:>14} x {e.b:<14} n={e.size:<8} T_a={e.t_a_us:9.1f}us T_b={e.t_b_us:9.1f}us "
-              f"P={e.t_ab_us:9.1f}us OEF={e.oef:+.2f}")
-    print("segment-kind table:", {f"{a}x{b}": v for (a, b), v in table.factors})
-    return 0

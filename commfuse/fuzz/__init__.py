@@ -8,30 +8,16 @@ docs/contributing.md (registering a pass with the fuzzer, adding a regression ca
 """
 
 from commfuse.fuzz.campaign import CampaignReport, FoundBug, program_for, run_campaign, run_parallel, shrink_failure
-from commfuse.fuzz.check import (
-    FAILURE_KINDS,
-    CheckResult,
-    Failure,
-    PipelineSpec,
-    all_pipelines,
-    check_program,
-    default_pipeline,
-    single_pass_pipeline,
-)
+from commfuse.fuzz.check import (FAILURE_KINDS, CheckResult, Failure, PipelineSpec, all_pipelines, check_program,
+                                 default_pipeline, single_pass_pipeline)
 from commfuse.fuzz.corpus import Corpus, CorpusError, load_corpus, make_corpus, save_corpus
 from commfuse.fuzz.generator import FAMILIES, generate_program
 from commfuse.fuzz.program import OPS, Program
-from commfuse.fuzz.regressions import Regression, load_regression, load_regressions, make_regression, replay, save_regression
+from commfuse.fuzz.regressions import (Regression, load_regression, load_regressions, make_regression, replay,
+                                       save_regression)
 from commfuse.fuzz.shrink import shrink
-from commfuse.fuzz.targets import (
-    FUZZ_NOTES,
-    FuzzTarget,
-    fuzz_target,
-    passes_missing_fuzz_entry,
-    register_fuzz_target,
-    registered_targets,
-    unregister_fuzz_target,
-)
+from commfuse.fuzz.targets import (FUZZ_NOTES, FuzzTarget, fuzz_target, passes_missing_fuzz_entry, register_fuzz_target,
+                                   registered_targets, unregister_fuzz_target)
 
 __all__ = [
     "FAILURE_KINDS", "FAMILIES", "FUZZ_NOTES", "OPS", "CampaignReport", "CheckResult", "Corpus", "CorpusError",

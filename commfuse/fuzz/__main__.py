@@ -14,6 +14,12 @@ import sys
 import warnings
 from pathlib import Path
 
+from commfuse.fuzz import campaign, corpus, regressions
+from commfuse.fuzz.check import all_pipelines, check_program, prepare
+from commfuse.fuzz.execute import check_executed, sample
+from commfuse.fuzz.generator import FAMILIES
+from commfuse.testing import get_pool
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m commfuse.fuzz", description=__doc__)
@@ -45,13 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
-    from commfuse.fuzz import campaign, corpus, regressions
-    from commfuse.fuzz.check import all_pipelines, check_program
-
     log = None if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     passes = a.passes.split(",") if a.passes else None
     if a.family is not None:
-        from commfuse.fuzz.generator import FAMILIES
 
         if a.family not in FAMILIES:
             ap.error(f"unknown family {a.family!r}; known: {', '.join(sorted(FAMILIES))}")
@@ -61,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
         pipes = all_pipelines(passes, include_default=not a.no_default)
         prog = campaign.program_for(seed, index, pipes, a.feature, a.family)
         print(json.dumps(prog.to_json(), indent=1, sort_keys=True))
-        from commfuse.fuzz.check import prepare
 
         prep = prepare(prog)
         for r, gm in enumerate(prep.traced.graphs):
@@ -125,11 +126,6 @@ def main(argv: list[str] | None = None) -> int:
 def _execute(a, passes, frozen, log) -> int:
     """The executor sample (``--execute N``): returns how many programs failed."""
     import time
-
-    from commfuse.testing import get_pool
-    from commfuse.fuzz import campaign
-    from commfuse.fuzz.check import all_pipelines
-    from commfuse.fuzz.execute import check_executed, sample
 
     pipelines = all_pipelines(passes, include_default=not a.no_default)
     if frozen is not None:

@@ -22,7 +22,7 @@ from commfuse.fuzz.generator import generate_program
 from commfuse.fuzz.program import Program
 from commfuse.fuzz.regressions import make_regression, save_regression
 from commfuse.fuzz.shrink import shrink
-from commfuse.fuzz.targets import fuzz_target
+from commfuse.fuzz.targets import fuzz_target, program_for
 
 
 @dataclass
@@ -105,44 +105,6 @@ class CampaignReport:
         for a in ("families", "world_sizes", "dtypes", "pipeline_checks", "pipeline_changes", "failures"):
             getattr(self, a).update(getattr(other, a))
         self.bugs.extend(other.bugs)
-
-
-def program_for(seed: int, index: int, pipelines: Sequence[PipelineSpec] = (), features: Sequence[str] = (),
-                family: Optional[str] = None) -> Program:
-    """Program ``index`` of a campaign with ``seed``.
-
-    Every fourth program is generated for a pass registered with constraints (families,
-    world sizes, topology, joint only), round-robin, so such passes are exercised too; every
-    40th for a pass fuzzed on micro-batched joint programs (``FuzzTarget.microbatches``).
-    ``family``: every program from that family (a campaign aimed at one family)."""
-    rng = random.Random(f"{seed}:{index}")
-    if family is not None:
-        return generate_program(rng, family=family, features=features)
-    constrained, batched = [], []
-    for pipe in pipelines:
-        for name in pipe.passes or ():
-            t = fuzz_target(name)
-            if t.microbatches:
-                batched.append(t)
-            elif t.generators or t.needs_joint or t.world_sizes or t.topology:
-                constrained.append(t)
-    # Micro-batched joint programs (fused train-step graphs) in a slot of their own, so adding
-    # such a target leaves every other program of a campaign as it was.
-    if batched and index % 40 == 39:
-        return _program_for_target(rng, batched[(index // 40) % len(batched)], features)
-    if constrained and index % 4 == 3:
-        return _program_for_target(rng, constrained[(index // 4) % len(constrained)], features)
-    return generate_program(rng, features=features)
-
-
-def _program_for_target(rng: random.Random, t, features: Sequence[str]) -> Program:
-    sizes = t.world_sizes or ((t.topology.world_size,) if t.topology else None)
-    prog = generate_program(rng, family=rng.choice(t.generators) if t.generators else None,
-                            world_size=rng.choice(sizes) if sizes else None,
-                            joint=True if t.needs_joint else None, features=features)
-    if t.microbatches:
-        prog.microbatches = 2 + prog.seed % 2  # derived: no extra draw from the stream
-    return prog
 
 
 @contextlib.contextmanager

@@ -30,17 +30,20 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from commfuse import session
+from commfuse.api import optimize
 from commfuse.config import Config
-from commfuse.errors import PassError, VerificationError
-from commfuse.ir.kinds import collective_spec, is_wait
-from commfuse.passes.registry import DEFAULT_PIPELINE, available_passes
-from commfuse.passes.verifier import verify_graph
-from commfuse.reference import ReferenceInterpreter, ReferenceSemanticsError
-from commfuse.reference.groups import GroupTable
-from commfuse.testing.fake_pg import fake_process_group
-from commfuse.testing.numerics import tolerances
+from commfuse.core.errors import PassError, VerificationError
 from commfuse.fuzz.program import Program, Traced, create_groups, make_inputs, trace_rank
 from commfuse.fuzz.targets import fuzz_target
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.ir.kinds import collective_spec, is_wait
+from commfuse.passmgr.verifier import verify_graph
+from commfuse.reference import ReferenceInterpreter, ReferenceSemanticsError
+from commfuse.reference.groups import GroupTable
+from commfuse.reference.numerics import assert_bitwise_equal_tree, assert_close_tree, tolerances
+from commfuse.testing.fake_pg import fake_process_group
+from commfuse.transforms.registry import DEFAULT_PIPELINE, available_passes
 
 FAILURE_KINDS = {
     "input_rejected": "the verifier rejects the traced (unoptimised) graph, so no pass runs on it",
@@ -67,7 +70,6 @@ def ir_problems(program: Program, gm: fx.GraphModule) -> list[str]:
     """Compare the IR of rank 0's traced graph with the program's forward collectives (the
     first collectives in graph order, in program order; backward ones follow in joint graphs).
     Must run inside the fake world the graph was traced in (group ranks resolve there)."""
-    from commfuse.ir.graph_ir import CollectiveIR
 
     cs = CollectiveIR(gm).collectives
     expected: list[tuple[dict, Optional[str]]] = []
@@ -205,12 +207,11 @@ def _optimize(gm: fx.GraphModule, pipe: PipelineSpec, before=None,
               group_roles: Optional[dict[str, str]] = None) -> Optional[Failure]:
     """Run the pipeline on ``gm``; ``before``: the input's verifier report (for order contracts);
     ``group_roles``: what the program's user declares (the TP contract)."""
-    import commfuse
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            commfuse.optimize(gm, pipe.config(group_roles))
+            optimize(gm, pipe.config(group_roles))
     except VerificationError as e:
         return Failure(pipe.name, "verifier", str(e))
     except PassError as e:
@@ -258,7 +259,6 @@ def _subgroups_for(pipe: PipelineSpec, program: Program, traced: Traced) -> Iter
     if topo is None or topo.num_nodes < 2 or topo.world_size != program.world_size:
         yield
         return
-    from commfuse import session
 
     s = session.setup(topology=topo, groups=[part for role, part in sorted(program.groups.items()) if role != "world"])
     traced.groups.update(s.reference_groups())
@@ -628,7 +628,6 @@ def compare_outputs(actual: list, expected: list, *, exact: bool, program: Progr
                     ) -> Optional[str]:
     """None if every rank's outputs agree, else a description of every difference
     (``scaled``: leaves normalised by their magnitude first)."""
-    from commfuse.testing.numerics import assert_bitwise_equal_tree, assert_close_tree
 
     problems = []
     for r, (a, e) in enumerate(zip(actual, expected)):

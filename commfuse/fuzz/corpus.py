@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from commfuse.fuzz.check import PipelineSpec
+from commfuse.fuzz.check import PipelineSpec, all_pipelines
 from commfuse.fuzz.program import Program
+from commfuse.fuzz.targets import program_for
 
 FORMAT = 1
 
@@ -54,8 +55,6 @@ def make_corpus(seed: int, programs: int, *, start: int = 0, features: Sequence[
                 pipelines: Optional[Sequence[PipelineSpec]] = None) -> Corpus:
     """Programs ``start .. start+programs-1`` of ``seed`` as a campaign with ``pipelines``
     (default: every registered pass and the default pipeline) would generate them."""
-    from commfuse.fuzz.campaign import program_for
-    from commfuse.fuzz.check import all_pipelines
 
     pipes = list(pipelines) if pipelines is not None else all_pipelines()
     progs = [(i, program_for(seed, i, pipes, features)) for i in range(start, start + programs)]

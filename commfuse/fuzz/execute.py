@@ -30,8 +30,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from commfuse.api import optimize
+from commfuse.core.torch_private import inductor_compile_fx_inner, inductor_decompositions, process_group_names
 from commfuse.fuzz.check import Failure, _rounding_only, compare_outputs, default_pipeline, prepare
 from commfuse.fuzz.program import Program, make_inputs, trace_rank
+from commfuse.lowering import lower_runtime
 
 # world sizes the rank pools provide (tests/conftest.py: rank_pool_2, rank_pool_4)
 EXECUTOR_WORLD_SIZES = (2, 4)
@@ -46,10 +49,6 @@ def run_program_on_rank(text: str, compile_regions: bool) -> dict[str, Any]:
     """Rank job: trace ``text`` (a ``Program``) as this rank, optimise with the default pipeline,
     lower with the runtime and run it. Returns this rank's outputs, or the error."""
     import torch.distributed as dist
-
-    from commfuse import optimize
-    from commfuse._torch_private import process_group_names
-    from commfuse.lowering import lower_runtime
 
     program = Program.from_json(json.loads(text))
     rank = dist.get_rank()
@@ -90,8 +89,6 @@ def _decomposed(gm):
     from torch.func import functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from commfuse._torch_private import inductor_decompositions
-
     example = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -105,7 +102,6 @@ def _decomposed(gm):
 
 
 def _inductor_region_compiler():
-    from commfuse._torch_private import inductor_compile_fx_inner
 
     def compile_region(sub, inputs):
         return inductor_compile_fx_inner(sub, inputs)

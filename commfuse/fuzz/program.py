@@ -28,7 +28,6 @@ graph is a joint forward+backward graph.
 from __future__ import annotations
 
 import contextlib
-
 import copy
 import json
 import logging
@@ -41,6 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+
+from commfuse.ir.graph_ir import PHASE_META_KEY
+from commfuse.moe import moe_layer
+from commfuse.ops import M2MS, STAGE_TRANSFER, m2ms, stage_transfer
+from commfuse.train_step import MICROBATCH_META_KEY
 
 c10d = torch.ops._c10d_functional
 _W = c10d.wait_tensor.default
@@ -219,7 +223,6 @@ def _moe_layer(ctx, op, x, router_w, w1, w3, w2):
     # experts local). Outputs: out (x's shape) and the router statistics per token (the op's
     # sums divided by the token count, as RouterStats turns them into losses: O(1) values, so
     # the fuzz loss's sin() weighting does not amplify the rounding of large sums).
-    from commfuse.moe import moe_layer
 
     name = ctx.pgs[op["group"]].group_name if op.get("ep", True) else ""
     tokens = x.reshape(-1, x.shape[-1])
@@ -382,7 +385,6 @@ def _m2ms(ctx, op, x):
     # sum) slices of x along dim; what it receives is zero-padded to op["pad"] (the largest
     # column sum), so the value has one shape on every rank. Joint programs call the
     # differentiable wrapper (commfuse::m2ms_autograd when x needs a gradient).
-    from commfuse.ops import M2MS, m2ms
 
     pg, g, n = _pg(ctx, op), ctx.group_rank[op["group"]], ctx.group_size[op["group"]]
     d, S, src, dst = op["dim"], op["splits"], op["src"], op["dst"]
@@ -400,7 +402,6 @@ def _m2ms(ctx, op, x):
 
 def _stage_transfer(ctx, op, x):
     # point-to-point stage transfer src[i] -> dst[i] (group ranks); zeros on non-destinations
-    from commfuse.ops import STAGE_TRANSFER, stage_transfer
 
     pg, n = _pg(ctx, op), ctx.group_size[op["group"]]
     if ctx.joint:
@@ -487,8 +488,6 @@ def build_callable(program: Program, ctx: Ctx) -> Callable[..., list]:
 
     def microbatched(*args):
         from torch.fx.traceback import annotate
-
-        from commfuse.train_step import MICROBATCH_META_KEY
 
         params = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         all_outs: list = []
@@ -601,7 +600,6 @@ def trace_rank(program: Program, rank: int, inputs: list[torch.Tensor]):
 def _tag_phases(gm) -> None:
     """Phase tags of a fused train-step graph: a micro-batch's backward nodes (tagged at trace
     time) and everything computed from them (the accumulation) are "backward", the rest "forward"."""
-    from commfuse.ir.graph_ir import PHASE_META_KEY
 
     for n in gm.graph.nodes:
         if n.op != "call_function":

@@ -9,7 +9,7 @@ with :func:`register_fuzz_target`:
 * ``needs_joint``: only joint (forward + backward) graphs make sense for it;
 * ``topology``: the ``Config.topology`` to fuzz it under (programs then use its world size);
 * ``exact``: the pass never changes a value, so results must be bitwise equal
-  (otherwise the tolerance policy of :func:`commfuse.testing.numerics.tolerances`);
+  (otherwise the tolerance policy of :func:`commfuse.reference.numerics.tolerances`);
 * ``keeps_collective_order``: the pass promises not to add, remove or reorder
   collectives: the verifier's per-group sequence hashes and total-order hash must be
   unchanged;
@@ -25,10 +25,14 @@ neither, so a new pass cannot land without its author deciding.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from commfuse.costmodel.topology import PRESETS, Topology
+from commfuse.fuzz.generator import FAMILIES, generate_program
+from commfuse.fuzz.program import Program
+from commfuse.transforms.registry import available_passes
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,6 @@ def register_fuzz_target(
 ) -> FuzzTarget:
     """Tell the fuzzer how to fuzz ``pass_name`` (call at import of this module; see docs/contributing.md)."""
     if generators is not None:
-        from commfuse.fuzz.generator import FAMILIES
 
         unknown = [g for g in generators if g not in FAMILIES]
         if unknown:
@@ -111,9 +114,46 @@ def registered_targets() -> dict[str, FuzzTarget]:
 
 def passes_missing_fuzz_entry() -> list[str]:
     """Registered passes with neither a fuzz registration nor a note in FUZZ_NOTES."""
-    from commfuse.passes.registry import available_passes
 
     return sorted(p for p in available_passes() if p not in _TARGETS and p not in FUZZ_NOTES)
+
+
+def program_for(seed: int, index: int, pipelines: Sequence = (), features: Sequence[str] = (),
+                family: Optional[str] = None) -> Program:
+    """Program ``index`` of a campaign with ``seed``.
+
+    Every fourth program is generated for a pass registered with constraints (families,
+    world sizes, topology, joint only), round-robin, so such passes are exercised too; every
+    40th for a pass fuzzed on micro-batched joint programs (``FuzzTarget.microbatches``).
+    ``family``: every program from that family (a campaign aimed at one family)."""
+    rng = random.Random(f"{seed}:{index}")
+    if family is not None:
+        return generate_program(rng, family=family, features=features)
+    constrained, batched = [], []
+    for pipe in pipelines:
+        for name in pipe.passes or ():
+            t = fuzz_target(name)
+            if t.microbatches:
+                batched.append(t)
+            elif t.generators or t.needs_joint or t.world_sizes or t.topology:
+                constrained.append(t)
+    # Micro-batched joint programs (fused train-step graphs) in a slot of their own, so adding
+    # such a target leaves every other program of a campaign as it was.
+    if batched and index % 40 == 39:
+        return _program_for_target(rng, batched[(index // 40) % len(batched)], features)
+    if constrained and index % 4 == 3:
+        return _program_for_target(rng, constrained[(index // 4) % len(constrained)], features)
+    return generate_program(rng, features=features)
+
+
+def _program_for_target(rng: random.Random, t, features: Sequence[str]) -> Program:
+    sizes = t.world_sizes or ((t.topology.world_size,) if t.topology else None)
+    prog = generate_program(rng, family=rng.choice(t.generators) if t.generators else None,
+                            world_size=rng.choice(sizes) if sizes else None,
+                            joint=True if t.needs_joint else None, features=features)
+    if t.microbatches:
+        prog.microbatches = 2 + prog.seed % 2  # derived: no extra draw from the stream
+    return prog
 
 
 # ---------------------------------------------------------------------------

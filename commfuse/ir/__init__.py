@@ -5,10 +5,6 @@ from commfuse.ir.dims import DimType, DimTypeAnalysis, NodeDims, OpCategory
 from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
 from commfuse.ir.kinds import CollectiveKind, CollectiveOpSpec, collective_spec, is_wait, register_collective_op
 
-# commfuse's boundary ops (commfuse::m2ms, commfuse::stage_transfer): imported last, it defines the
-# ops (commfuse.ops) and registers them with the table above
-from commfuse.ir import boundary  # noqa: E402,F401
-
 __all__ = [
     "Collective", "CollectiveIR", "CollectiveKind", "CollectiveOpSpec", "DimType", "DimTypeAnalysis",
     "GroupInfo", "IRBuildOptions", "NodeDims", "OpCategory", "ParallelRole", "collective_spec",

@@ -2,7 +2,7 @@
 
 Some graph ops issue collectives from their kernel instead of through functional
 collectives (commfuse's MoE layer exchanges tokens with all_to_alls; see
-:mod:`commfuse.moe.ops`). They have no wait node and the passes never split or
+:mod:`commfuse.ops.moe_layer.op`). They have no wait node and the passes never split or
 reorder their communication, so they are not :class:`~.collective.Collective` s;
 but their bytes must show in ``analyze``, the volume derivations and the cost
 model. An op registers a function that returns its transfers from the node's

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from commfuse._torch_private import c10d_functional, c10d_functional_autograd
+from commfuse.core.torch_private import c10d_functional, c10d_functional_autograd
 
 
 class CollectiveKind(str, enum.Enum):
@@ -27,12 +27,12 @@ class CollectiveKind(str, enum.Enum):
     BATCH_P2P = "batch_p2p"
     # commfuse's own kinds (registered by later passes; listed so reports have a stable vocabulary)
     M2MS = "many_to_many_scatter"
-    # rooted reduce (commfuse::reduce_to_root, commfuse/lowering/rooted.py): Centauri's
+    # rooted reduce (commfuse::reduce_to_root, commfuse/ops/reduce_to_root/op.py): Centauri's
     # "reduces of distinct roots" substitute of reduce_scatter
     REDUCE = "reduce"
     # point-to-point stage transfer (commfuse::stage_transfer, commfuse/ops): pairs src[i] -> dst[i]
     # of one group, Chimera Table 1's "P2P" (a pipeline boundary); M2MS above is commfuse::m2ms.
-    # Both are registered by commfuse/ir/boundary.py.
+    # Both are registered by commfuse/ops/boundary/ir_view.py.
     P2P = "p2p"
 
 

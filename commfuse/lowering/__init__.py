@@ -20,10 +20,10 @@ from typing import Any, Callable, Optional
 
 import torch.fx as fx
 
-from commfuse._torch_private import make_boxed_func, resolve_process_group
-from commfuse.lowering import rooted  # noqa: F401  (registers commfuse::reduce_to_root and its IR kind)
+from commfuse.core.torch_private import make_boxed_func, resolve_process_group
 from commfuse.lowering.plan import LoweringPlan, build_plan
 from commfuse.lowering.recorder import Recorder, record
+from commfuse.lowering.regions import compile_compute_regions, compile_guarded
 from commfuse.lowering.runtime import LoweredGraph, lower_graph
 
 
@@ -67,13 +67,11 @@ def lower_runtime(gm: fx.GraphModule, graph_kind: str, *, dump_dir: Optional[str
             return lower_eager(gm)
         if example_inputs is None:
             example_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        from commfuse.lowering.regions import compile_guarded
 
         return compile_guarded(compile_regions, gm, list(example_inputs),
                                f"the {graph_kind} graph (one compute region, no collective)")
     lowered = lower_graph(gm, plan)
     if compile_regions is not None:
-        from commfuse.lowering.regions import compile_compute_regions
 
         lowered = compile_compute_regions(lowered, compile_regions, graph_kind)
     return make_boxed_func(lowered)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from commfuse._torch_private import c10d_functional as F
+from commfuse.core.torch_private import c10d_functional as F
 
 _F_OPS = {
     "sum": "SUM", "avg": "AVG", "product": "PRODUCT", "min": "MIN", "max": "MAX",

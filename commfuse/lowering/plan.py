@@ -34,12 +34,9 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
+from commfuse.core.meta import BARRIER_META, SETTING_META, STREAM_META, stream_hint
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import collective_spec, is_wait
-
-STREAM_META = "commfuse_stream"
-BARRIER_META = "commfuse_barrier"
-SETTING_META = "commfuse_comm_setting"
 
 
 @dataclass(frozen=True)
@@ -111,10 +108,7 @@ def stream_of(node: fx.Node) -> int:
     """The compute stream a pass assigned to `node` (0: default). Collectives and waits: 0."""
     if node.op != "call_function" or collective_spec(node.target) is not None or is_wait(node.target):
         return 0
-    s = node.meta.get(STREAM_META, 0)
-    if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-        raise ValueError(f"node {node.name}: meta[{STREAM_META!r}] must be a non-negative int, got {s!r}")
-    return s
+    return stream_hint(node)
 
 
 def _concrete(x: Any) -> Optional[int]:

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 
 RECORD_DIR_ENV = "COMMFUSE_RECORD_DIR"
 

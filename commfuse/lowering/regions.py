@@ -38,9 +38,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.split_module import split_module
-
 from torch.fx.experimental.symbolic_shapes import free_symbols
+from torch.fx.passes.split_module import split_module
 
 from commfuse.lowering.runtime import LoweredGraph
 

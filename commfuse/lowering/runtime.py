@@ -40,10 +40,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from commfuse._torch_private import copy_graph, resolve_process_group
+from commfuse.core.torch_private import copy_graph, resolve_process_group
 from commfuse.ir.kinds import collective_spec, is_wait
 from commfuse.lowering import c10d_issue, recorder as rec_mod
 from commfuse.lowering.plan import LoweringPlan, PlannedCollective
+from commfuse.lowering.streams import apply_stream_plan
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
@@ -175,7 +176,6 @@ def lower_graph(gm: fx.GraphModule, plan: LoweringPlan, *, streams: bool = True)
             n.target = wait_fn
     module = fx.GraphModule(gm, graph, class_name="CommfuseLowered")
     if streams and plan.node_streams and torch.cuda.is_available():
-        from commfuse.lowering.streams import apply_stream_plan
 
         apply_stream_plan(module, plan)
     return LoweredGraph(module, plan, state)

@@ -25,6 +25,8 @@ import torch.fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from commfuse.backend import commfuse_backend
+
 __all__ = [
     "Batch",
     "GraphRecorder",
@@ -171,7 +173,7 @@ def default_backend() -> str | Callable:
     so the backend callable itself is returned when it can be imported.
     """
     try:
-        from commfuse.backend import commfuse_backend  # type: ignore[import-not-found]
+        pass
     except Exception:  # noqa: BLE001 - any failure means "not available yet"
         return "aot_eager"
     return commfuse_backend

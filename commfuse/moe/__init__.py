@@ -1,13 +1,13 @@
-"""Expert-parallel mixture-of-experts building blocks with known semantics.
+"""Mixture-of-experts: the layer users put in a model, and MoE regions recognised in graphs.
 
-* :class:`MoELayer` / :class:`RouterStats` -- the module (:mod:`.layer`);
-* ``torch.ops.commfuse.moe_layer`` and its backward -- the graph op (:mod:`.ops`);
-* :mod:`.routing` -- router, top-k, GShard capacity slots, auxiliary statistics;
-* :mod:`.comm_volume` -- the bytes the op sends, for the IR.
+* :class:`MoELayer` / :class:`RouterStats` -- the module (:mod:`.layer`), which calls
+  ``torch.ops.commfuse.moe_layer`` (:mod:`commfuse.ops.moe_layer`: the op, its routing, bytes
+  and semantics);
+* recognition of MoE layers written by others: by template (:mod:`.templates`,
+  :mod:`.regions`, :mod:`.patterns`) and by meaning (:mod:`.by_meaning`).
 """
 
-from commfuse.moe import comm_volume  # noqa: F401  (registers the op's bytes with the IR)
 from commfuse.moe.layer import MoELayer, RouterStats
-from commfuse.moe.ops import MOE_LAYER, MOE_LAYER_BACKWARD, moe_layer
+from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD, moe_layer
 
 __all__ = ["MOE_LAYER", "MOE_LAYER_BACKWARD", "MoELayer", "RouterStats", "moe_layer"]

@@ -16,7 +16,7 @@ Contract
   capacity below the token count drops; tokens drawn from three rows), run for the ``N`` ranks of the region's one process group by the
   reference interpreter (:mod:`commfuse.reference`), every rank's ``y`` equals
   ``commfuse::moe_layer`` 's output (single-process, all ``E`` experts, as
-  :mod:`commfuse.reference.moe_semantics` defines the op) for one assignment of the
+  :mod:`commfuse.ops.moe_layer.semantics` defines the op) for one assignment of the
   expert weights to the SwiGLU roles, one capacity (dropless first, then the sizes
   the region's shapes hold) and one number of token groups. Probe values depend on
   the graph only: every rank decides the same.
@@ -26,7 +26,7 @@ Contract
   are not static, a region larger than a compile-time probe should run, a collective of
   the region still needed outside it (e.g. an intermediate used by other code), and a
   region that computes something else on the probes.
-- Guarantees of the rewrite (:mod:`commfuse.passes.moe_recognition`): the region's
+- Guarantees of the rewrite (:mod:`commfuse.transforms.moe_recognition`): the region's
   uses of ``y`` read the op instead; values of the region that other code reads are kept
   (router statistics, counts); nothing else changes.
 
@@ -52,9 +52,10 @@ import torch.fx as fx
 
 from commfuse.ir.kinds import collective_spec, is_wait
 from commfuse.ir.walk import descendants
-from commfuse.moe.ops import moe_forward
 from commfuse.moe.patterns import Call, op_name, static_shape, value
-from commfuse.moe.routing import capacity_factor_for
+from commfuse.ops.moe_layer.op import moe_forward
+from commfuse.ops.moe_layer.routing import capacity_factor_for
+from commfuse.reference.interpreter import ReferenceInterpreter
 
 # Beyond this many multiply-adds a probe costs more than a compile should spend.
 PROBE_MACS_LIMIT = 2e9
@@ -428,7 +429,6 @@ def _first_use(n: fx.Node, order: dict) -> int:
 
 
 def _prove(gm: fx.GraphModule, r: Router, tokens: fx.Node, out: fx.Node) -> MeaningMatch:
-    from commfuse.reference.interpreter import ReferenceInterpreter
 
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     region = backward_slice(out, tokens)

@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 from torch.distributed import ProcessGroup
 
-from commfuse.moe.ops import moe_layer
-from commfuse.moe.routing import load_balancing_loss
+from commfuse.ops.moe_layer.op import moe_layer
+from commfuse.ops.moe_layer.routing import load_balancing_loss
 
 
 @dataclass

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from commfuse.moe.patterns import op_name
 from commfuse.moe.templates import Fact, Matcher, RegionInfo
 
 
@@ -113,7 +114,6 @@ _FRAGMENT_OPS = {"argsort", "histc", "cumsum", "one_hot", "repeat_interleave", "
 def fragments(m: Matcher, exclude: frozenset[fx.Node] | set[fx.Node] = frozenset()) -> list[str]:
     """A refusal line when the graph holds all_to_all + dispatch operations outside any router's region
     (``exclude``: nodes of routers already reported)."""
-    from commfuse.moe.patterns import op_name
 
     in_regions = {n for n, f in m.facts.items() if f.root is not None} | set(exclude)
     a2a, ops = [], []

@@ -18,7 +18,8 @@ Design and how a ``torch.distributed.pipelining`` user adopts it: docs/pipeline.
 
 from __future__ import annotations
 
-from commfuse.pipeline.collectives import all_gather, all_reduce, all_to_all, copy_to_group, reduce_from_group, reduce_scatter
+from commfuse.pipeline.collectives import (all_gather, all_reduce, all_to_all, copy_to_group, reduce_from_group,
+                                           reduce_scatter)
 from commfuse.pipeline.layout import PipelineLayout, StageGroup, plan_layout, setup_pipeline
 from commfuse.pipeline.partition import PartitionedProgram, PartitionError, StagePart, partition, write_dumps
 from commfuse.pipeline.runner import PipelineRunner

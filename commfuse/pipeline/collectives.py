@@ -58,7 +58,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from commfuse._torch_private import c10d_functional, c10d_functional_autograd
+from commfuse.core.torch_private import c10d_functional, c10d_functional_autograd
 from commfuse.pipeline.layout import StageGroup
 
 aten = torch.ops.aten

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from commfuse._torch_private import register_process_group_alias
+from commfuse.core.torch_private import register_process_group_alias
 
 STAGE_PREFIX = "commfuse.pp.stage"
 BOUNDARY_PREFIX = "commfuse.pp.boundary"

@@ -43,8 +43,8 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from commfuse._torch_private import c10d_functional
-from commfuse.errors import CommfuseError
+from commfuse.core.errors import CommfuseError
+from commfuse.core.torch_private import c10d_functional
 from commfuse.ir.kinds import collective_spec, is_wait
 from commfuse.ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, parse_m2ms, parse_stage_transfer
 from commfuse.pipeline.layout import PipelineLayout

@@ -53,7 +53,8 @@ import torch.nn as nn
 from commfuse.pipeline.layout import PipelineLayout
 from commfuse.pipeline.partition import BW, FW, PartitionedProgram, StagePart, partition, wait_pending, write_dumps
 from commfuse.pipeline.schedule import SCHEDULES, Action, check_schedule, stage_actions
-from commfuse.pipeline.trace import BUFFER, GRAD_SEED, PARAM, TARGET, X, PipelineProgram, trace_forward, trace_joint
+from commfuse.pipeline.trace import (BUFFER, GRAD_SEED, PARAM, TARGET, PipelineProgram, X, collect_inputs,
+                                     trace_forward, trace_joint)
 
 ForwardPass = Callable[[PipelineProgram], None]
 
@@ -102,7 +103,6 @@ class PipelineRunner:
 
     def build(self, x_mb: torch.Tensor, target_mb: torch.Tensor) -> PartitionedProgram:
         """Trace, rewrite, derive the joint graph and partition it for micro-batches like these."""
-        from commfuse.pipeline.trace import collect_inputs
 
         program = trace_forward(self.layout, self.stages, self.loss_fn, x_mb, target_mb)
         for p in self.forward_passes:

@@ -40,7 +40,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from commfuse._torch_private import c10d_functional
+from commfuse.core.torch_private import c10d_functional
 from commfuse.ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, trace_position
 from commfuse.pipeline.collectives import JOINT_DECOMPOSITIONS
 from commfuse.pipeline.layout import PipelineLayout

@@ -10,28 +10,12 @@ communicate inside their kernel), :mod:`.moe_semantics` (``commfuse::moe_layer``
 :mod:`.groups` (group names -> ranks). docs/reliability.md describes how the pass fuzzer uses it.
 """
 
-from commfuse.reference.errors import (
-    CollectiveMismatchError,
-    DeadlockError,
-    GroupResolutionError,
-    InFlightMutationError,
-    ReferenceSemanticsError,
-    UnknownCollectiveError,
-)
+from commfuse.reference.errors import (CollectiveMismatchError, DeadlockError, GroupResolutionError,
+                                       InFlightMutationError, ReferenceSemanticsError, UnknownCollectiveError)
 from commfuse.reference.groups import GroupSpec, GroupTable, groups_from_process_groups
 from commfuse.reference.interpreter import ReferenceInterpreter, run_reference
-from commfuse.reference import boundary as _boundary  # noqa: F401,E402  (semantics of commfuse::m2ms / stage_transfer)
-from commfuse.reference.semantics import (
-    P2PPlan,
-    RankCall,
-    SyncOpSpec,
-    reduce_tensors,
-    register_semantics,
-    register_sync_op,
-    registered_kinds,
-    unregister_semantics,
-    unregister_sync_op,
-)
+from commfuse.reference.semantics import (P2PPlan, RankCall, SyncOpSpec, reduce_tensors, register_semantics,
+                                          register_sync_op, registered_kinds, unregister_semantics, unregister_sync_op)
 
 __all__ = [
     "CollectiveMismatchError", "DeadlockError", "GroupResolutionError", "GroupSpec", "GroupTable",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from commfuse.errors import CommfuseError
+from commfuse.core.errors import CommfuseError
 
 
 class ReferenceSemanticsError(CommfuseError):

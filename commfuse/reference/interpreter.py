@@ -50,13 +50,8 @@ import torch
 import torch.fx as fx
 
 from commfuse.ir.kinds import CollectiveOpSpec, collective_spec, is_wait
-from commfuse.reference.errors import (
-    CollectiveMismatchError,
-    DeadlockError,
-    InFlightMutationError,
-    ReferenceSemanticsError,
-    UnknownCollectiveError,
-)
+from commfuse.reference.errors import (CollectiveMismatchError, DeadlockError, InFlightMutationError,
+                                       ReferenceSemanticsError, UnknownCollectiveError)
 from commfuse.reference.groups import GroupSpec, GroupTable
 from commfuse.reference.semantics import P2PPlan, RankCall, Semantics, SyncOpSpec, _op_name, semantics_for, sync_op_spec
 

@@ -118,7 +118,7 @@ class SyncOpSpec:
     one :class:`RankCall` per member, in group-rank order). A group name in ``local_names``
     means "no group": the op is computed on the calling rank alone (``fn`` with one call).
     ``replicated``: positional argument indices every member must pass equal (e.g. the MoE
-    router weight); :func:`commfuse.reference.equivalence.random_inputs` makes the graph
+    router weight); :func:`commfuse.testing.equivalence.random_inputs` makes the graph
     inputs they come from the same on every rank."""
 
     parse: Callable[[tuple, dict], CollectiveArgs]
@@ -392,7 +392,7 @@ def broadcast(calls: list[RankCall]) -> list[Any]:
 def reduce(calls: list[RankCall]) -> list[Any]:
     """Rooted reduce (``commfuse::reduce_to_root``): the root gets the reduction in canonical
     order; every other member gets ``-0.0`` (the exact additive identity, integers 0), as the
-    op's kernel returns (commfuse/lowering/rooted.py)."""
+    op's kernel returns (commfuse/ops/reduce_to_root/op.py)."""
     _check_group_size(calls)
     op = _check_same(calls, "reduce_op")
     root = _check_same(calls, "src_or_dst")
@@ -473,5 +473,3 @@ def _register_builtin() -> None:
 
 _register_builtin()
 
-# commfuse's own group-synchronous ops (the MoE layer); imported last: it registers with this module.
-from commfuse.reference import moe_semantics as _moe_semantics  # noqa: E402,F401

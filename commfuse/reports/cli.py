@@ -18,6 +18,10 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from commfuse.reports.html import write_html
+from commfuse.reports.validate import validate_dirs
+from commfuse.reports.volume import volume_from_dump_dir
+
 
 def _fail(msg: str) -> int:
     print(f"commfuse: {msg}", file=sys.stderr)
@@ -34,7 +38,6 @@ def report_main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--profile", type=Path, help="cost profile (commfuse calibrate) for predicted times")
     ap.add_argument("--title", help="page title")
     args = ap.parse_args(argv)
-    from commfuse.reports.html import write_html
 
     try:
         path = write_html(args.dump_dir, args.output, rank=args.rank, record_dir=args.record,
@@ -52,7 +55,6 @@ def volume_main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--collectives", action="store_true", help="also list every collective")
     ap.add_argument("--json", type=Path, help="write the report as JSON here")
     args = ap.parse_args(argv)
-    from commfuse.reports.volume import volume_from_dump_dir
 
     try:
         rep = volume_from_dump_dir(args.dump_dir, rank=args.rank)
@@ -73,7 +75,6 @@ def validate_main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", type=Path, help="write the result as JSON here")
     ap.add_argument("--rows", type=int, default=40, help="collectives to list (default 40)")
     args = ap.parse_args(argv)
-    from commfuse.reports.validate import validate_dirs
 
     try:
         rep = validate_dirs(args.record_dir, args.dump_dir, profile=args.profile)

@@ -34,6 +34,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from commfuse._version import __version__
 from commfuse.reports.timeline import PREDICTED_TRACE
 from commfuse.reports.validate import ValidationReport, validate_dirs
 from commfuse.reports.volume import Totals, VolumeReport, graph_dirs, resolve_rank_dir, volume_from_dump_dir
@@ -367,7 +368,6 @@ def _validation(val: ValidationReport) -> str:
 def render_html(dump_dir: str | Path, *, rank: Optional[int] = None, record_dir: str | Path | None = None,
                 profile: Any = None, title: Optional[str] = None) -> str:
     """The report page for one rank's dumps (``rank``: which ``rank<r>/`` when the dir has several)."""
-    from commfuse._version import __version__
 
     d = resolve_rank_dir(dump_dir, rank)
     vol = volume_from_dump_dir(d)

@@ -31,6 +31,12 @@ from typing import Any, Iterator, Optional
 
 import torch.fx as fx
 
+from commfuse.costmodel.analytic import AnalyticCostModel
+from commfuse.costmodel.profile import CostProfile
+from commfuse.costmodel.simulator import Simulator
+from commfuse.costmodel.topology import Topology
+from commfuse.ir.graph_ir import CollectiveIR
+
 PREDICTED_TRACE = "predicted_trace.json"
 
 
@@ -39,16 +45,12 @@ def _world_size(gm: fx.GraphModule) -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    from commfuse.ir.graph_ir import CollectiveIR
 
     return max([c.group.size or 1 for c in CollectiveIR(gm).collectives] or [1])
 
 
 def cost_model(profile: Any = None, topology: Any = None, backend: Optional[str] = None, world_size: int = 2):
     """(AnalyticCostModel, description): the profile's model, or the analytic one of `topology`."""
-    from commfuse.costmodel.analytic import AnalyticCostModel
-    from commfuse.costmodel.profile import CostProfile
-    from commfuse.costmodel.topology import Topology
 
     if profile is not None:
         if not isinstance(profile, CostProfile):
@@ -64,7 +66,6 @@ def cost_model(profile: Any = None, topology: Any = None, backend: Optional[str]
 
 def simulate_trace(gm: fx.GraphModule, *, profile: Any = None, topology: Any = None,
                    backend: Optional[str] = None) -> dict[str, Any]:
-    from commfuse.costmodel.simulator import Simulator
 
     model, describe = cost_model(profile, topology, backend, _world_size(gm))
     trace = Simulator(gm, model).simulate().to_chrome_trace()

@@ -49,7 +49,9 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from commfuse.report import AnalysisReport, PipelineReport
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.passmgr.report import AnalysisReport, PipelineReport
+from commfuse.reports.timeline import cost_model
 from commfuse.reports.volume import graph_dirs, rank_dirs
 
 
@@ -297,12 +299,10 @@ def _message_size(kind: str, sent: Optional[int], received: Optional[int]) -> Op
 class _TimeModel:
     def __init__(self, profile: Any = None, topology: Any = None, backend: Optional[str] = None,
                  world_size: int = 2) -> None:
-        from commfuse.reports.timeline import cost_model
 
         self.model, self.describe = cost_model(profile, topology, backend, world_size)
 
     def time_us(self, kind: str, size: Optional[int], n: Optional[int]) -> Optional[float]:
-        from commfuse.ir.kinds import CollectiveKind
 
         if size is None or n is None:
             return None

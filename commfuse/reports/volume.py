@@ -50,7 +50,13 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from commfuse.report import AnalysisReport, CollectiveReport, PipelineReport
+from commfuse.api import analyze
+from commfuse.config import Config
+from commfuse.costmodel import volume as V
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.passmgr.base import Stage
+from commfuse.passmgr.pipeline import Pipeline
+from commfuse.passmgr.report import AnalysisReport, CollectiveReport, PipelineReport
 
 # graph kinds whose *input* is the program as written, and whose *output* is what runs
 _BEFORE_KINDS = ("joint", "inference", "graph")
@@ -328,7 +334,6 @@ def formula_for(c: CollectiveReport) -> Optional[FormulaCheck]:
     boundary ops (``many_to_many_scatter``, ``p2p``) send rank-dependent piece matrices whose
     per-rank volume the IR computes itself (Table 2's boundary rows in costmodel.volume), and
     batched p2p mixes sends and receives: none of these gets a per-collective formula."""
-    from commfuse.costmodel import volume as V
 
     n, e = c.group_size, _elt(c.dtype)
     if n is None or e is None:
@@ -379,7 +384,6 @@ def formula_for(c: CollectiveReport) -> Optional[FormulaCheck]:
 
 def _embedded_formula(kind: str, group_size: int, logged: int, wire: int) -> Optional[FormulaCheck]:
     """An op-internal all_to_all (MoE dispatch/combine): Table 1's EP row on its buffer."""
-    from commfuse.costmodel import volume as V
 
     if kind != "all_to_all" or group_size is None:
         return None
@@ -437,7 +441,6 @@ def _passes_of(graph: str, rep: Optional[PipelineReport]) -> tuple[list[PassReas
 
 
 def _graph_directions(gm) -> dict[str, str]:
-    from commfuse.ir.graph_ir import CollectiveIR
 
     ir = CollectiveIR(gm)
     out = {}
@@ -466,10 +469,6 @@ def volume_from_graph(gm, config=None, *, graph_kind: str = "graph", optimize: b
     (a joint forward+backward graph) the JOINT-stage passes, "forward" / "backward" the
     SCHEDULE-stage passes, "inference" / "graph" both (as ``commfuse.optimize``). A graph
     with tangent inputs has its collectives split into forward/backward directions."""
-    from commfuse.api import analyze
-    from commfuse.config import Config
-    from commfuse.passes.base import Stage
-    from commfuse.passes.pipeline import Pipeline
 
     cfg = config or Config()
     direction = graph_kind if graph_kind in ("forward", "backward", "inference") else "graph"

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from commfuse._torch_private import aot_autograd, make_boxed_func
+from commfuse.core.torch_private import aot_autograd, make_boxed_func
 
 
 @dataclass

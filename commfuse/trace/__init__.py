@@ -16,10 +16,10 @@ See docs/alignment.md.
 
 from __future__ import annotations
 
-from commfuse.trace.align import (AlignConfig, CommMap, GapRule, Launch, LogicalComm, RankAlignment, RunAlignment, align_rank,
-                    align_run, launches, map_communicators, synchronize_clocks)
-from commfuse.trace.kernel_trace import KernelRecord, KernelTrace, parse_kernel_name, read_kernel_traces, read_nsys_sqlite, \
-    read_torch_trace
+from commfuse.trace.align import (AlignConfig, CommMap, GapRule, Launch, LogicalComm, RankAlignment, RunAlignment,
+                                  align_rank, align_run, launches, map_communicators, synchronize_clocks)
+from commfuse.trace.kernel_trace import (KernelRecord, KernelTrace, parse_kernel_name, read_kernel_traces,
+                                         read_nsys_sqlite, read_torch_trace)
 from commfuse.trace.nccl_log import NcclCall, NcclProcessLog, TraceParseWarning, parse_nccl_log, parse_nccl_logs
 
 __all__ = [

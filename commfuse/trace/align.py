@@ -42,9 +42,10 @@ from typing import Optional
 
 import numpy as np
 
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 from commfuse.trace import nw
-from commfuse.trace.comms import SYNC_POINTS, CommMap, LogicalComm, assign_global_ranks, map_communicators, synchronize_clocks
+from commfuse.trace.comms import (SYNC_POINTS, CommMap, LogicalComm, assign_global_ranks, map_communicators,
+                                  synchronize_clocks)
 from commfuse.trace.kernel_trace import KernelRecord, KernelTrace
 from commfuse.trace.launches import Launch, launches
 from commfuse.trace.nccl_log import NcclProcessLog

@@ -14,8 +14,8 @@ import json
 import sys
 from typing import Optional
 
-from commfuse.errors import ConfigError
-from commfuse.trace.align import SYNC_POINTS, AlignConfig, align_run
+from commfuse.core.errors import ConfigError
+from commfuse.trace.align import SYNC_POINTS, AlignConfig, GapRule, align_run
 from commfuse.trace.enrich import load_topology, write_enriched
 from commfuse.trace.kernel_trace import read_kernel_traces
 from commfuse.trace.nccl_log import find_log_files, parse_nccl_logs
@@ -37,7 +37,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--summary-json", default=None, help="also write the per-rank summary as JSON here")
     args = ap.parse_args(argv)
     try:
-        from commfuse.trace.align import GapRule
 
         overrides = {"gap": GapRule(args.gap_rule), "sequence_bonus": args.sequence_bonus}
         cfg = AlignConfig.thesis(**overrides) if args.thesis else AlignConfig(**overrides)

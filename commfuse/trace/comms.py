@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 from commfuse.trace.kernel_trace import KernelRecord
 from commfuse.trace.launches import Launch, launches
 from commfuse.trace.nccl_log import NcclCall, NcclProcessLog

@@ -41,9 +41,9 @@ import re
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from commfuse.core.errors import ConfigError
 from commfuse.costmodel.collectives import Placement, bus_factor
 from commfuse.costmodel.topology import Topology
-from commfuse.errors import ConfigError
 from commfuse.trace.align import Launch, LogicalComm, RankAlignment, RunAlignment
 from commfuse.trace.kernel_trace import KernelRecord
 from commfuse.trace.nccl_log import NcclTopology

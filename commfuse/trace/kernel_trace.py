@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 from commfuse.trace.nccl_log import TraceParseWarning
 from commfuse.trace.vocab import canonical_op, dtype_token, normalize_algo, normalize_proto
 

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 from commfuse.trace.vocab import NCCL_DATATYPES, NCCL_REDOPS, canonical_op, normalize_algo, normalize_proto
 
 

@@ -33,8 +33,8 @@ from typing import Any, Optional, Union
 from commfuse.trace.align import AlignConfig, RunAlignment, align_run
 from commfuse.trace.kernel_trace import read_kernel_traces
 from commfuse.trace.nccl_log import parse_nccl_logs
-from commfuse.trace.synth import LogItem, SynthCall, SynthKernel, SynthLaunch, SynthRun, render_log, render_torch_trace, \
-    write_nsys_sqlite
+from commfuse.trace.synth import (LogItem, SynthCall, SynthKernel, SynthLaunch, SynthRun, render_log,
+                                  render_torch_trace, write_nsys_sqlite)
 
 THESIS_F1 = {"1:1": 0.988, "kernel_drop_20": 0.912, "log_drop_20": 0.868, "both_drop_20": 0.805}
 

@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from commfuse.core.errors import ConfigError
 from commfuse.costmodel.collectives import CollectiveModel
 from commfuse.costmodel.topology import Topology
-from commfuse.errors import ConfigError
 from commfuse.ir.kinds import CollectiveKind
 
 FIXTURE_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "alignment"

@@ -1,0 +1,211 @@
+"""Every private PyTorch API commfuse touches, in one place.
+
+commfuse supports torch>=2.13,<2.14. Each name below is private (underscored or
+undocumented) and may move between releases; when upgrading PyTorch, this is the
+module to audit. Import these names from here, never directly.
+
+Outside the package, the benchmark runner (a measurement tool, not library code)
+also touches: `torch._inductor.utils.fresh_cache` (cold compile times),
+`torch._inductor.compile_fx._recursive_post_grad_passes` (patched to time
+commfuse's post-grad hook inside Inductor) and the profiler's `kineto_results`
+(peak allocation). Audit `benchmarks/` with this module on upgrades.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Functional collectives: the ops Dynamo/AOTAutograd put in graphs for every
+# c10d collective issued by DTensor or `torch.distributed._functional_collectives`.
+c10d_functional = torch.ops._c10d_functional
+# Autograd-aware variants (e.g. `all_to_all_single_autograd`); they appear in
+# pre-dispatch graphs and are decomposed to `_c10d_functional` before partitioning.
+c10d_functional_autograd = torch.ops._c10d_functional_autograd
+
+
+def resolve_process_group(group_name: str):
+    """Map the string group name stored in a graph to a live ProcessGroup.
+
+    Private: `torch.distributed.distributed_c10d._resolve_process_group`.
+    Returns None when no process group of that name exists in this process
+    (e.g. a graph loaded from disk), so callers degrade to "ranks unknown".
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(group_name)
+    except (ValueError, RuntimeError, KeyError):
+        return None
+
+
+def register_process_group_alias(name: str, pg) -> None:
+    """Make ``name`` resolve to ``pg`` in this process (replacing what it named before).
+
+    Private: the process-group name registry of `torch._C._distributed_c10d`, through which
+    functional collectives resolve a graph's group name."""
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    _unregister_process_group(name)  # a no-op when the name is free
+    _register_process_group(name, pg)
+
+
+def fake_tensor_mode_of(gm: torch.fx.GraphModule):
+    """The FakeTensorMode that produced `node.meta['val']` in this graph, if any.
+
+    Private: `torch._guards.detect_fake_mode` (semi-public, underscored module).
+    """
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+
+def aot_autograd(**kwargs):
+    """Private module path: `torch._dynamo.backends.common.aot_autograd`."""
+    from torch._dynamo.backends.common import aot_autograd as _aot
+
+    return _aot(**kwargs)
+
+
+def default_partition(*args, **kwargs):
+    """Private: `torch._functorch.partitioners.default_partition` (what aot_eager uses)."""
+    from torch._functorch.partitioners import default_partition as _dp
+
+    return _dp(*args, **kwargs)
+
+
+def make_boxed_func(fn):
+    """Private: `torch._functorch.aot_autograd.make_boxed_func` (boxed calling convention)."""
+    from torch._functorch.aot_autograd import make_boxed_func as _mbf
+
+    return _mbf(fn)
+
+
+def inductor_compile_fx(gm, example_inputs, **kwargs):
+    """Private: `torch._inductor.compile_fx.compile_fx` (what backend='inductor' calls)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, **kwargs)
+
+
+def inductor_compile_fx_inner(gm, example_inputs, **kwargs):
+    """Inductor's compiler of one partitioned graph (private: `torch._inductor.compile_fx.compile_fx_inner`);
+    commfuse's lowering compiles compute regions with it. Returns a boxed callable.
+    Also private: `torch._guards.tracing`, `TracingContext`, `detect_fake_mode`."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    # Each region gets its own tracing context: Inductor records one graph's output strides
+    # per context and asserts it records them once.
+    with tracing(TracingContext(detect_fake_mode(example_inputs))):
+        return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def process_group_names() -> dict:
+    """Private: `torch.distributed.distributed_c10d._world.pg_names` (every process group this
+    process created -> its name)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._world.pg_names
+
+
+def inductor_decompositions():
+    """Private: `torch._inductor.decomposition.select_decomp_table()`, the decompositions
+    AOTAutograd applies before Inductor sees a graph."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def dynamo_backend_registry():
+    """Private: `torch._dynamo.backends.registry` (_COMPILER_FNS, register_backend)."""
+    import torch._dynamo.backends.registry as reg
+
+    return reg
+
+
+def inductor_config():
+    """Private: `torch._inductor.config` (pass hooks and comm-reordering switches)."""
+    import torch._inductor.config as cfg
+
+    return cfg
+
+
+def custom_graph_pass_base():
+    """Semi-public: `torch._inductor.custom_graph_pass.CustomGraphPass` (cache-keyed hooks)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def reset_graph_namespace(graph) -> None:
+    """Forget every name a Graph has handed out, so re-inserted nodes keep their names.
+
+    Private: `torch.fx.graph._Namespace` and `Graph._graph_namespace`. Used only when
+    restoring a graph in place after a failed pass.
+    """
+    from torch.fx.graph import _Namespace
+
+    graph._graph_namespace = _Namespace()
+
+
+def default_store():
+    """The c10d Store of the default process group (used for the cross-rank agreement check).
+
+    Private: `torch.distributed.distributed_c10d._get_default_store`.
+    """
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def copy_graph(graph):
+    """A node-for-node copy of an FX Graph (metadata copied shallowly), same codegen.
+
+    Private: `Graph._tracer_cls`, `Graph._codegen` (the copy must generate the same
+    calling convention, e.g. pytree in/out specs of make_fx graphs).
+    """
+    import torch.fx as fx
+
+    copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    out = copy.graph_copy(graph, {})
+    copy.output(out)
+    copy._codegen = graph._codegen
+    return copy
+
+
+def register_work(tensor, work) -> None:
+    """Tie an async c10d Work to a tensor so `_c10d_functional.wait_tensor(tensor)` waits on it
+    (what the functional collectives do with their outputs).
+
+    Private: `torch._C._distributed_c10d._register_work`. Used by commfuse's own async
+    collective ops (`commfuse.ops.reduce_to_root.op`).
+    """
+    torch._C._distributed_c10d._register_work(tensor, work)
+
+
+def extract_fwd_bwd_modules(joint: torch.fx.GraphModule, saved_values: list, saved_opaque: list, *,
+                            num_fwd_outputs: int):
+    """Split a joint graph into the forward that computes its forward outputs plus ``saved_values``
+    and the backward that computes its gradient outputs from them and the tangents.
+
+    Private: `torch._functorch.partitioners._extract_fwd_bwd_modules` (what every AOTAutograd
+    partitioner ends with; commfuse's fused DHelix partition chooses the saved values itself).
+    ``saved_opaque``: script objects (e.g. a DeviceMesh input) the backward passes through."""
+    from torch._functorch.partitioners import _extract_fwd_bwd_modules
+
+    return _extract_fwd_bwd_modules(joint, saved_values, [], saved_opaque, num_fwd_outputs=num_fwd_outputs,
+                                    ignore_must_be_in_fw_bw=True)
+
+
+def is_tangent_placeholder(node: torch.fx.Node) -> bool:
+    """AOTAutograd's naming of a joint graph's tangent inputs.
+
+    Private: `torch._functorch.partitioners._is_tangent`."""
+    from torch._functorch.partitioners import _is_tangent
+
+    return _is_tangent(node)

@@ -1,0 +1,80 @@
+"""The bytes ``commfuse::moe_layer`` and its backward send (registered with the IR).
+
+Per rank, N = EP group size = ``E / local experts``, ``elt`` the token dtype size,
+``T`` the tokens of this call, ``k`` top-k, ``H`` hidden size:
+
+* capacity (``capacity_factor > 0``): static buffers of ``E * G * C`` rows
+  (``G`` token groups, ``C`` slots per expert per group); forward sends ``H`` values
+  per row out (dispatch) and back (combine); backward ``2H + 1`` out (token, output
+  gradient, gate) and ``H + 1`` back (input gradient, gate gradient);
+* dropless: ``T * k`` rows (kept assignments) of the same widths, plus the
+  per-expert counts (``E`` int64) before each exchange. Rows per peer depend on the
+  routing: the numbers assume balanced routing and are marked ``estimated``.
+
+Each all_to_all: logged = buffer bytes, wire = ``(N - 1) / N`` of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.fx as fx
+
+from commfuse.ir.embedded import EmbeddedTransfer, register_embedded_comm
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.ir.shapes import shape_of
+from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
+from commfuse.ops.moe_layer.routing import capacity
+
+
+def transfers(x_shape: tuple[int, ...], elt: int, num_experts: int, n: int, top_k: int, capacity_factor: float,
+              token_groups: int, group_name: str, widths: dict[str, int]) -> list[EmbeddedTransfer]:
+    """The exchanges of one call on tokens ``x_shape``; ``widths``: values per row of each
+    exchange, in issue order."""
+    if not group_name or n < 2:
+        return []
+    tokens, experts = math.prod(x_shape[:-1]), num_experts
+    dropless = capacity_factor <= 0
+    out: list[EmbeddedTransfer] = []
+    if dropless:
+        rows = tokens * top_k
+        counts = experts * 8  # int64 counts per expert, one exchange per call
+        out.append(EmbeddedTransfer(CollectiveKind.ALL_TO_ALL, group_name, n, counts, counts * (n - 1) // n,
+                                    "counts"))
+    else:
+        rows = experts * token_groups * capacity(capacity_factor, top_k, tokens // token_groups, experts)
+    for what, width in widths.items():
+        logged = rows * width * elt
+        out.append(EmbeddedTransfer(CollectiveKind.ALL_TO_ALL, group_name, n, logged, logged * (n - 1) // n, what,
+                                    estimated=dropless))
+    return out
+
+
+def forward_widths(hidden: int) -> dict[str, int]:
+    return {"dispatch": hidden, "combine": hidden}
+
+
+def backward_widths(hidden: int) -> dict[str, int]:
+    return {"dispatch (token, grad, gate)": 2 * hidden + 1, "return (grad, gate grad)": hidden + 1}
+
+
+def node_transfers(node: fx.Node, x_shape: tuple[int, ...] | None = None, token_groups: int | None = None
+                   ) -> list[EmbeddedTransfer]:
+    """Transfers of a moe_layer / moe_layer_backward node; ``x_shape`` and ``token_groups``
+    override the node's (what the same call would send on a token shard)."""
+    backward = node.target is MOE_LAYER_BACKWARD
+    args = node.args[3:12] if backward else node.args[:9]
+    x, router_w, w1, _w3, _w2, top_k, capacity_factor, groups, group_name = args
+    if (x_shape is None and shape_of(x) is None) or shape_of(router_w) is None or shape_of(w1) is None:
+        return []  # no fake-tensor metadata (e.g. the Dynamo graph before AOTAutograd): bytes unknown
+    shape = tuple(x_shape or shape_of(x))
+    widths = (backward_widths if backward else forward_widths)(shape[-1])
+    num_experts = shape_of(router_w)[0]
+    return transfers(shape, x.meta["val"].element_size(), num_experts, num_experts // shape_of(w1)[0], top_k,
+                     capacity_factor, groups if token_groups is None else token_groups, group_name, widths)
+
+
+def register() -> None:
+    """The bytes both MoE ops send, with the IR (called by :func:`commfuse.ops.install`)."""
+    register_embedded_comm(MOE_LAYER, node_transfers)
+    register_embedded_comm(MOE_LAYER_BACKWARD, node_transfers)

@@ -1,0 +1,112 @@
+"""What a pass sees: the graph, the config, the topology, the session state, and analyses.
+
+Analyses are typed keys (:class:`Analysis`): computed on first use, kept until the graph
+changes, and then dropped unless the pass that changed it declares it preserves them
+(``GraphPass.preserves``; MLIR's preserved-analyses discipline). Analyses that are functions
+of the config and topology alone (``graph_independent``) survive every change.
+
+Everything a pass may decide from comes through here, identical on every rank: the graph,
+``config``, ``topology`` (and the :class:`~commfuse.passmgr.cost.CostPolicy` built from it),
+and ``session``, the state ``commfuse.setup`` created before compiling (sub-groups, the
+communicator pool plan). Passes never read global state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, Protocol, Sequence, TypeVar
+
+import torch.fx as fx
+
+from commfuse.costmodel.hierarchy import SubGroups
+from commfuse.costmodel.topology import Topology
+from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
+from commfuse.passmgr.cost import CostPolicy
+
+if TYPE_CHECKING:
+    from commfuse.config import Config
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, eq=False)
+class Analysis(Generic[T]):
+    """A typed analysis key: ``build(ctx)`` computes it; ``graph_independent`` ones never go stale."""
+
+    name: str
+    build: Callable[["PassContext"], T]
+    graph_independent: bool = False
+
+    def __repr__(self) -> str:
+        return f"Analysis({self.name})"
+
+
+COLLECTIVE_IR: Analysis[CollectiveIR] = Analysis("collective_ir", lambda ctx: CollectiveIR(ctx.gm, ctx.ir_options))
+
+
+class SessionState(Protocol):
+    """What a pass may use of the job's session (``commfuse.setup``): the same on every rank."""
+
+    communicator_pool_plan: list[Any]
+
+    def subgroups_of(self, parent: Sequence[int]) -> Optional[SubGroups]: ...
+
+
+@dataclass
+class NoSession:
+    """The session of a job that did not call ``commfuse.setup``: no sub-groups, no pool."""
+
+    communicator_pool_plan: list[Any] = field(default_factory=list)
+
+    def subgroups_of(self, parent: Sequence[int]) -> Optional[SubGroups]:
+        return None
+
+
+class PassContext:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        config: "Config",
+        *,
+        graph_kind: str = "graph",
+        topology: Optional[Topology] = None,
+        group_roles: Optional[dict[str, str]] = None,
+        role_sources: Optional[dict[str, str]] = None,
+        session: Optional[SessionState] = None,
+    ) -> None:
+        self.gm = gm
+        self.config = config
+        self.graph_kind = graph_kind
+        self.topology = topology
+        self.session: SessionState = session if session is not None else NoSession()
+        self.cost = CostPolicy(topology)
+        self._ir_options = IRBuildOptions(group_roles=group_roles or {}, role_sources=role_sources or {})
+        self._analyses: dict[Analysis, Any] = {}
+
+    def get(self, analysis: Analysis[T]) -> T:
+        if analysis not in self._analyses:
+            self._analyses[analysis] = analysis.build(self)
+        return self._analyses[analysis]
+
+    @property
+    def ir(self) -> CollectiveIR:
+        return self.get(COLLECTIVE_IR)
+
+    def invalidate(self, preserved: frozenset = frozenset()) -> None:
+        """The graph changed: drop every analysis of it except ``preserved`` ones."""
+        self._analyses = {a: v for a, v in self._analyses.items() if a.graph_independent or a in preserved}
+
+    def derive(self, gm: fx.GraphModule) -> "PassContext":
+        """A context for another graph (a candidate rewrite on a copy), sharing everything else."""
+        other = PassContext(gm, self.config, graph_kind=self.graph_kind, topology=self.topology,
+                            group_roles=self._ir_options.group_roles, role_sources=self._ir_options.role_sources,
+                            session=self.session)
+        other.cost = self.cost
+        return other
+
+    @property
+    def ir_options(self) -> IRBuildOptions:
+        return self._ir_options
+
+
+__all__ = ["COLLECTIVE_IR", "Analysis", "NoSession", "PassContext", "SessionState"]

@@ -1,0 +1,75 @@
+"""The cost policy: how every pass prices a candidate rewrite, one object per pass context.
+
+Partition, scheduling and lowering passes compare candidates by predicted time. The price
+must be a deterministic function of what every rank shares, never of local timings, so all
+ranks pick the same rewrite. The policy:
+
+* With a topology (``Config.topology``, ``commfuse.setup(topology=...)``, or detected under
+  torchrun): its analytic model (:class:`~commfuse.costmodel.analytic.AnalyticCostModel`),
+  priced as NCCL on GPU topologies and as gloo on CPU ones (``num_sms == 0``). :attr:`model`.
+* Without one, passes that must refuse say "no topology" (``model`` is None); passes that
+  price anyway ask :meth:`CostPolicy.default_model`, the one documented default: the
+  DGX-H100 preset (NCCL) with as many 8-rank nodes as the graph's ranks need, or, for a
+  question about gloo itself, the cpu-gloo preset with every rank on one node.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from commfuse.costmodel.analytic import AnalyticCostModel
+from commfuse.costmodel.topology import PRESETS, Topology
+from commfuse.ir.graph_ir import CollectiveIR
+
+DEFAULT_PRESET = "dgx-h100"
+# gloo questions without a topology: the cpu-gloo preset's figures, every rank on one node
+DEFAULT_GLOO_TOPOLOGY = Topology(**{**PRESETS["cpu-gloo"], "name": "cpu-gloo-one-node", "ranks_per_node": 4096})
+
+
+def graph_world(ir: CollectiveIR) -> int:
+    """The ranks a graph names: the largest group size or rank any of its groups mentions."""
+    world = 1
+    for g in ir.groups.values():
+        world = max(world, g.size or 1, (max(g.ranks) + 1) if g.ranks else 1)
+    return world
+
+
+class CostPolicy:
+    def __init__(self, topology: Optional[Topology]) -> None:
+        self.topology = topology
+        self._model: Optional[AnalyticCostModel] = None
+        self._defaults: dict[tuple[str, int], AnalyticCostModel] = {}
+
+    @property
+    def backend(self) -> str:
+        """The collective library the topology is priced as ("nccl" or "gloo")."""
+        return "nccl" if self.topology is not None and self.topology.is_gpu else "gloo"
+
+    @property
+    def model(self) -> Optional[AnalyticCostModel]:
+        """The topology's model (None without a topology: callers refuse with "no topology")."""
+        if self.topology is None:
+            return None
+        if self._model is None:
+            self._model = AnalyticCostModel(self.topology, backend=self.backend)
+        return self._model
+
+    def default_model(self, ir: CollectiveIR, *, backend: str = "nccl") -> tuple[AnalyticCostModel, str]:
+        """The topology's model, or the documented default for ``backend``; and its label."""
+        if self.model is not None:
+            return self.model, self.topology.name
+        if backend == "gloo":
+            key = ("gloo", 0)
+            if key not in self._defaults:
+                self._defaults[key] = AnalyticCostModel(DEFAULT_GLOO_TOPOLOGY, backend="gloo")
+            return self._defaults[key], f"default:{DEFAULT_GLOO_TOPOLOGY.name}"
+        preset = Topology.preset(DEFAULT_PRESET)
+        nodes = max(1, math.ceil(graph_world(ir) / preset.ranks_per_node))
+        key = ("nccl", nodes)
+        if key not in self._defaults:
+            self._defaults[key] = AnalyticCostModel(Topology.preset(DEFAULT_PRESET, num_nodes=nodes), backend="nccl")
+        return self._defaults[key], f"default {DEFAULT_PRESET} x{nodes}"
+
+
+__all__ = ["DEFAULT_GLOO_TOPOLOGY", "DEFAULT_PRESET", "CostPolicy", "graph_world"]

@@ -1,0 +1,312 @@
+"""Run an ordered list of passes with verification, instrumentation and fallback.
+
+For every pass of the requested stage(s), in order (:meth:`Pipeline.run`):
+1. snapshot the graph;
+2. run the pass as a step (:func:`run_step`): if it changed the graph, recompile, drop the
+   analyses it does not preserve, verify (when ``config.verify``);
+3. if the pass raised or the verifier rejected its output: with ``config.strict``
+   re-raise, otherwise restore the snapshot, warn naming the pass and the reason, and go
+   on with the next pass.
+
+A pipeline of passes is itself a pass (:class:`PassPipeline`): Chimera is one, its steps
+run by the same :func:`run_step`. What happens around the passes -- graph dumps before and
+after each changing pass, per-pass timing, handing the report to whoever compiles -- is
+instrumentation (:class:`Instrumentation`), not code in the passes or in this loop.
+
+Only failures that are deterministic in the graph reach step 3 (passes decide from graph,
+config, topology and session, the same on every rank), so every rank falls back the same
+way. Rank-local failures (dump I/O) are handled inside the dump writer and never change
+the graph. If the *input* graph fails verification, no pass runs: a graph commfuse cannot
+reason about is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Optional, Sequence, Type
+
+import torch.fx as fx
+
+from commfuse.core.errors import PassError, VerificationError
+from commfuse.core.meta import REPORTS_META
+from commfuse.core.torch_private import copy_graph, reset_graph_namespace
+from commfuse.costmodel.topology import Topology
+from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.ir.shapes import size_to_json
+from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.passmgr.context import PassContext, SessionState
+from commfuse.passmgr.dumps import DumpWriter
+from commfuse.passmgr.report import PassRecord, PipelineReport, build_analysis_report
+from commfuse.passmgr.verifier import verify_graph
+
+if TYPE_CHECKING:
+    from commfuse.config import Config
+
+log = logging.getLogger("commfuse")
+
+
+def snapshot_graph(graph: fx.Graph) -> fx.Graph:
+    return copy_graph(graph)
+
+
+def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
+    """Make `graph` (same object: callers such as Inductor hold it) equal to `snapshot` again."""
+    for node in reversed(list(graph.nodes)):
+        node.users.clear()
+        graph.erase_node(node)
+    reset_graph_namespace(graph)
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(snapshot, val_map)
+    graph.output(out)
+
+
+def run_step(p: GraphPass, ctx: PassContext, *, where: Optional[str] = None) -> PassResult:
+    """Run ``p`` as one step of a pipeline: a change is recompiled, the analyses ``p`` does not
+    preserve are dropped, and the graph is verified (``Config.verify``; raises
+    :class:`VerificationError` naming ``where``, default the pass)."""
+    result = p.run(ctx)
+    if result.changed:
+        ctx.gm.recompile()
+        ctx.invalidate(p.preserves)
+        if ctx.config.verify:
+            v = verify_graph(ctx.gm, ir=ctx.ir, deep=ctx.config.debug)
+            if not v.ok:
+                raise VerificationError(v.problems, after_pass=where or p.name)
+    return result
+
+
+class PassPipeline(GraphPass):
+    """A fixed sequence of passes run as one pass (a nested pipeline).
+
+    Each step runs through :func:`run_step` (recompile, invalidate, verify between steps); the
+    result reports every step's counts prefixed with the step's name (``step.count``) and every
+    refusal prefixed with it (``step: why``). Subclasses set ``name``, ``stage`` and ``steps``.
+    """
+
+    steps: ClassVar[tuple[Type[GraphPass], ...]] = ()
+
+    def run_steps(self, ctx: PassContext) -> list[tuple[str, PassResult]]:
+        out = []
+        for cls in self.steps:
+            step = cls()
+            out.append((step.name, run_step(step, ctx, where=f"{self.name}/{step.name}")))
+        return out
+
+    @staticmethod
+    def combine(results: Sequence[tuple[str, PassResult]]) -> PassResult:
+        counts: dict[str, int] = {}
+        refusals: list[str] = []
+        decisions: list[dict] = []
+        for name, r in results:
+            counts.update({f"{name}.{k}": v for k, v in r.counts.items()})
+            refusals.extend(f"{name}: {why}" for why in r.refusals)
+            decisions.extend({"step": name, **d} for d in r.decisions)
+        return PassResult(any(r.changed for _, r in results), counts=counts, refusals=refusals, decisions=decisions)
+
+    def run(self, ctx: PassContext) -> PassResult:
+        return self.combine(self.run_steps(ctx))
+
+
+class Instrumentation:
+    """Hooks the pipeline calls around its passes; each does nothing unless overridden.
+
+    ``before_pipeline`` sees the input graph (before any pass), ``before_pass`` /
+    ``after_pass`` every pass that runs (``after_pass`` also when it failed and the graph was
+    restored: ``record.error`` says so), ``after_pipeline`` the final graph and report."""
+
+    def before_pipeline(self, gm: fx.GraphModule, ctx: PassContext, report: PipelineReport) -> None:
+        pass
+
+    def before_pass(self, p: GraphPass, record: PassRecord) -> None:
+        pass
+
+    def after_pass(self, p: GraphPass, record: PassRecord, gm: fx.GraphModule, ctx: PassContext) -> None:
+        pass
+
+    def after_pipeline(self, gm: fx.GraphModule, ctx: PassContext, report: PipelineReport) -> None:
+        pass
+
+
+class PassTimer(Instrumentation):
+    """Wall time of every pass into its record (``seconds``)."""
+
+    def __init__(self) -> None:
+        self._t0 = 0.0
+
+    def before_pass(self, p: GraphPass, record: PassRecord) -> None:
+        self._t0 = time.perf_counter()
+
+    def after_pass(self, p: GraphPass, record: PassRecord, gm: fx.GraphModule, ctx: PassContext) -> None:
+        record.seconds = time.perf_counter() - self._t0
+
+
+class GraphDumps(Instrumentation):
+    """The graph before the first pass and after every changing pass (code, analysis JSON,
+    picture), and the pipeline report, under ``dump_dir/<graph kind>_<index>/``.
+
+    ``only_if_changed``: write nothing unless a pass changes the graph (the input is then
+    written from a copy taken before the first pass)."""
+
+    def __init__(self, dump_dir: str, graph_kind: str, *, svg_max_nodes: int, only_if_changed: bool = False) -> None:
+        self.writer = DumpWriter(dump_dir, graph_kind, svg_max_nodes=svg_max_nodes)
+        self.only_if_changed = only_if_changed
+        self._deferred_input: Optional[fx.GraphModule] = None
+
+    def before_pipeline(self, gm: fx.GraphModule, ctx: PassContext, report: PipelineReport) -> None:
+        report.dump_dir = str(self.writer.dir)
+        if self.only_if_changed:
+            self._deferred_input = fx.GraphModule(gm, snapshot_graph(gm.graph))
+        else:
+            self.writer.write_graph("input", gm, ctx.ir)
+
+    def after_pass(self, p: GraphPass, record: PassRecord, gm: fx.GraphModule, ctx: PassContext) -> None:
+        if not record.changed:
+            return
+        if self._deferred_input is not None:
+            self.writer.write_graph("input", self._deferred_input, CollectiveIR(self._deferred_input, ctx.ir_options))
+            self._deferred_input = None
+        self.writer.write_graph(f"after_{p.name}", gm, ctx.ir)
+
+    def after_pipeline(self, gm: fx.GraphModule, ctx: PassContext, report: PipelineReport) -> None:
+        if self._deferred_input is not None:
+            report.dump_dir = None  # unchanged: nothing dumped
+        else:
+            self.writer.write_text("pipeline.json", report.model_dump_json(indent=2))
+
+
+class ReportTo(Instrumentation):
+    """Hand every finished report to ``callback`` (the backend collects them per compile)."""
+
+    def __init__(self, callback: Callable[[PipelineReport], None]) -> None:
+        self.callback = callback
+
+    def after_pipeline(self, gm: fx.GraphModule, ctx: PassContext, report: PipelineReport) -> None:
+        self.callback(report)
+
+
+class Pipeline:
+    """The passes ``passes`` (instances, in order) with what they decide from: ``config``,
+    ``topology`` (``topology_source`` says where it came from, for reports), the groups'
+    roles, and the ``session`` (``commfuse.setup``'s sub-groups and communicator pool).
+    ``instruments`` run on every graph, after the pipeline's own (timing, and dumps when
+    the config asks for them)."""
+
+    def __init__(self, passes: Sequence[GraphPass], config: "Config", *, topology: Optional[Topology] = None,
+                 group_roles: Optional[dict[str, str]] = None, role_sources: Optional[dict[str, str]] = None,
+                 session: Optional[SessionState] = None, topology_source: Optional[str] = None,
+                 instruments: Sequence[Instrumentation] = ()) -> None:
+        self.config = config
+        self.topology = topology
+        self.group_roles = group_roles or {}
+        self.role_sources = role_sources or {}
+        self.session = session
+        self.passes = list(passes)
+        self.instruments = list(instruments)
+        # where the topology came from ("config", "setup", "detected"): reports name it
+        self.topology_source: Optional[str] = topology_source or ("given" if topology is not None else None)
+
+    def _instruments(self, graph_kind: str, dump_if_changed: bool) -> list[Instrumentation]:
+        out: list[Instrumentation] = [PassTimer()]
+        dump_dir = self.config.resolved_dump_dir()
+        if dump_dir:
+            out.append(GraphDumps(dump_dir, graph_kind, svg_max_nodes=self.config.svg_max_nodes,
+                                  only_if_changed=dump_if_changed))
+        return out + self.instruments
+
+    def run(self, gm: fx.GraphModule, *, graph_kind: str, stages: Iterable[Stage],
+            dump_if_changed: bool = False) -> PipelineReport:
+        """``dump_if_changed``: dump this graph only when a pass changes it (the Dynamo graph
+        every compile sees before AOTAutograd, which recognition rarely changes)."""
+        stages = set(stages)
+        cfg = self.config
+        ctx = PassContext(gm, cfg, graph_kind=graph_kind, topology=self.topology, group_roles=self.group_roles,
+                          role_sources=self.role_sources, session=self.session)
+        instruments = self._instruments(graph_kind, dump_if_changed)
+        report = PipelineReport(graph=graph_kind, topology=_describe_topology(self.topology, self.topology_source))
+        selected = [p for p in self.passes if p.stage in stages]
+        _describe_input(ctx, report)
+        pre = verify_graph(gm, ir=ctx.ir, check_meta=False) if cfg.verify else None
+        for ins in instruments:
+            ins.before_pipeline(gm, ctx, report)
+        if pre is not None and not pre.ok:
+            report.input_problems = pre.problems
+            if selected:
+                report.skipped_reason = "input graph failed verification; no pass was run"
+                warnings.warn(f"commfuse: {graph_kind} graph left unchanged: input graph failed verification: "
+                              f"{pre.problems[0]}", RuntimeWarning, stacklevel=2)
+            selected = []
+
+        # The graph as it was before the current pass, to restore if the pass fails. A pass that
+        # reports no change left the graph as it was (the pipeline trusts that report: it neither
+        # recompiles nor verifies then), so its snapshot serves the next pass too; copying a large
+        # graph before every pass was a good part of a compile.
+        snapshot: Optional[fx.Graph] = None
+        for p in selected:
+            record = PassRecord(name=p.name, stage=p.stage.value)
+            report.passes.append(record)
+            if snapshot is None:
+                snapshot = snapshot_graph(gm.graph)
+            for ins in instruments:
+                ins.before_pass(p, record)
+            try:
+                result = run_step(p, ctx)
+                record.changed, record.counts, record.refusals = result.changed, result.counts, result.refusals
+                record.decisions = result.decisions
+                if result.changed:
+                    snapshot = None
+            except Exception as e:  # noqa: BLE001 - any pass failure falls back (or re-raises when strict)
+                for ins in instruments:
+                    ins.after_pass(p, record, gm, ctx)
+                if cfg.strict:
+                    if isinstance(e, VerificationError):
+                        raise
+                    raise PassError(p.name, e) from e
+                restore_graph(gm.graph, snapshot)
+                gm.recompile()
+                ctx.invalidate()
+                record.changed, record.error = False, f"{type(e).__name__}: {e}"
+                warnings.warn(f"commfuse: pass '{p.name}' failed on the {graph_kind} graph and was skipped "
+                              f"(graph restored): {record.error}", RuntimeWarning, stacklevel=2)
+                log.debug("pass %s failed", p.name, exc_info=True)
+                continue
+            for ins in instruments:
+                ins.after_pass(p, record, gm, ctx)
+
+        report.analysis = build_analysis_report(ctx.ir, graph=graph_kind)
+        report.sequence_hashes = report.analysis.sequence_hashes
+        report.order_hash = report.analysis.order_hash
+        gm.meta.setdefault(REPORTS_META, []).append(report)
+        for ins in instruments:
+            ins.after_pipeline(gm, ctx, report)
+        return report
+
+
+def _describe_input(ctx: PassContext, report: PipelineReport) -> None:
+    """Collectives per kind and wire bytes of the graph before any pass; what is not analysed."""
+    wire: Any = 0
+    for c in ctx.ir.collectives:
+        report.input_kinds[c.kind.value] = report.input_kinds.get(c.kind.value, 0) + 1
+        wire = wire + (c.wire_bytes or 0)
+    for e in ctx.ir.embedded:  # collectives ops issue from their kernels, as the analysis counts them
+        for t in e.transfers:
+            wire = wire + (t.wire_bytes or 0)
+    report.input_wire_bytes = size_to_json(wire)
+    if ctx.ir.hidden_collectives:
+        hidden = ", ".join(f"{n.name}: {k}" for n, k in ctx.ir.hidden_collectives.items())
+        report.notes.append(f"collectives inside control flow / higher-order ops ({hidden}) are not analysed; "
+                            "passes treat those nodes as opaque")
+
+
+def _describe_topology(topology: Optional[Topology], source: Optional[str]) -> str:
+    if topology is None:
+        return "none (cost-model passes refuse; give Config.topology or setup(topology=), or run under torchrun)"
+    where = {"config": "Config.topology", "setup": "commfuse.setup", "given": "given",
+             "detected": "detected from the torchrun environment"}.get(source or "given", source)
+    return (f"{topology.name}: {topology.num_nodes} node(s) x {topology.ranks_per_node} ranks, "
+            f"device {topology.device} ({where})")
+
+
+__all__ = ["GraphDumps", "Instrumentation", "PassPipeline", "PassTimer", "Pipeline", "ReportTo", "restore_graph",
+           "run_step", "snapshot_graph"]

@@ -1,0 +1,544 @@
+"""workload_partition: chunk a collective together with the compute chained to it.
+
+Contract
+- Matches: every functional all_gather, reduce_scatter and all_reduce (not coalesced,
+  not in place, one wait, static shapes, a group of >= 2 ranks, input never written in
+  place) of a forward / backward / inference graph, and the chain of compute that
+  depends on its result (*consumer* chain) or that produces its input (*producer*
+  chain), found by :mod:`.chains` along a dim every op of the chain can be cut along
+  (dimension types OD / CD / ND of :mod:`commfuse.ir.dims`, Centauri Table 3).
+- Does: cuts the collective into k chunk collectives on the same group along that dim
+  (k = ``Config.workload_chunks``, or Centauri's Algorithm 1 count when that is None —
+  :mod:`.algorithm1`; at most ``Config.max_chunks``), and the chain into k
+  chunk chains:
+  consumer: ``start_0 .. start_{k-1}`` where the collective started, then for each
+  chunk ``wait_i -> chain_i`` where the chain's inputs are ready, so chunk i's compute
+  runs while chunks i+1.. are in flight; producer: ``chain_i -> start_i`` for each
+  chunk where the collective started (chunk i is on the wire while chunk i+1 is
+  computed), then the waits where the collective was waited. Every value of the chain
+  used outside it is reassembled in its original layout: contiguous chunks are
+  concatenated, rank-interleaved chunks (all_gather along its gather dim) permuted
+  back, partial sums (a matmul cut along its contraction dim, a sum/mean over the cut
+  dim) added (addmm's bias in chunk 0 only; mean divided by k). Data layouts: see
+  docs/centauri-workload-partition.md.
+- Choice (Centauri §3.1): for each direction and each dim the maximal chain; prefer the
+  chains whose estimated compute (the topology's cost model, ``passes/cost.py``) is at
+  least the collective's estimated time, among them the longest; if none covers it
+  (or no topology is known), the chain with the most compute. Ties: no partial sum,
+  no interleaving, consumer before producer, lower dim.
+- Guarantees: values equal to the unoptimised program up to floating-point rounding
+  (partial sums are added in another order; a matmul kernel run on a chunk may block its
+  sums differently than on the whole); the chunk collectives move exactly the bytes
+  the collective moved; decisions depend only on the graph, the config and the topology
+  (same on every rank), and every rank issues the chunks in the same order; no process
+  group is created.
+- Leaves alone (reported, one line per collective): all_to_all (not implemented) and
+  other kinds; collectives with no dim whose size the chunk count divides (times the
+  group size along a gather/scatter dim); chains with no compute op (the first op is
+  non-splittable along every dim, e.g. a softmax over the only divisible dim, or
+  nothing but views and graph outputs follow).
+
+Stage: SCHEDULE (partitioned forward and backward graphs). The rewrite changes how the
+communication is cut and ordered against compute, not what is communicated or saved
+for backward (every value the backward reads is reassembled), and overlap is decided
+in these graphs, which run one after the other. In the joint graph the backward reads
+forward values (the gathered weight of a SimpleFSDP layer, the matmul output GeLU's
+backward needs), the partitioner may recompute or reorder chunks, and a chain could
+mix forward and backward ops; the Centauri partition search (``partition_search``) that
+composes this pass with the primitive and group partitions runs at this stage too.
+
+Source: Centauri (ASPLOS '24) §3.1 "workload partition" and Table 3 (dimension types).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from commfuse.analysis import chains
+from commfuse.analysis.chains import CONSUMER, PRODUCER, Chain, ChainStep, GraphFacts, Partial, Split
+from commfuse.analysis.chunking import algorithm1, independent_compute_us
+from commfuse.core.torch_private import c10d_functional
+from commfuse.costmodel.compute import op_cost
+from commfuse.ir import rewrite
+from commfuse.ir.collective import Collective
+from commfuse.ir.kinds import CollectiveKind
+from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.passmgr.context import PassContext
+
+_f = c10d_functional
+aten = torch.ops.aten
+SUPPORTED = (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE)
+_FACTS_KEY = "workload_partition_facts"
+
+
+@dataclass(frozen=True)
+class WorkloadPlan:
+    """How one collective is cut: pure data (apply re-derives the chain and checks it matches)."""
+
+    collective: str
+    kind: str
+    direction: str  # "consumer" (the chain reads the result) or "producer" (the chain computes the input)
+    dim: int  # dim of the collective's logical input/output the chunks are cut along
+    chunks: int
+    chain: tuple[str, ...]  # chain node names, graph order
+    reduction: bool  # the chain ends in a partial sum whose chunks are added
+    interleaved: bool  # chunks are rank-interleaved (cut along the gather/scatter dim)
+    compute_us: Optional[float]  # estimated compute of the chain (None: no topology)
+    comm_us: Optional[float]  # estimated time of the collective (None: no topology)
+
+    def describe(self) -> str:
+        cost = ""
+        if self.compute_us is not None and self.comm_us is not None:
+            cost = f", chain {self.compute_us:.1f} us vs collective {self.comm_us:.1f} us"
+        extra = "".join([", partial sums added" if self.reduction else "",
+                         ", rank-interleaved" if self.interleaved else ""])
+        return (f"{self.collective}: {self.chunks} chunks along dim {self.dim} with a {self.direction} chain "
+                f"of {len(self.chain)} ops{extra}{cost}")
+
+
+# ---------------------------------------------------------------------------- planning
+def _why_not(ctx: PassContext, c: Collective) -> Optional[str]:
+    if c.kind is CollectiveKind.ALL_TO_ALL:
+        return "all_to_all: not implemented (cutting its split and concat dims together is not derived yet)"
+    if c.kind not in SUPPORTED:
+        return f"{c.kind.value} is not partitioned (all_gather, reduce_scatter, all_reduce only)"
+    if c.coalesced or c.inplace:
+        return "coalesced or in-place collective"
+    if len(c.waits) != 1 or c.logical_output is None or c.logical_input is None:
+        return "not exactly one wait / layout not recognised"
+    if c.group.size is None or c.group.size < 2:
+        return "group of fewer than two ranks (or size unknown)"
+    if not isinstance(c.start.meta.get("val"), torch.Tensor):
+        return "graph has no fake tensor metadata (meta['val'])"
+    facts = _facts(ctx)
+    if c.logical_input in facts.mutated or c.inputs[0] in facts.mutated or c.logical_output in facts.mutated:
+        return "its input or result is written in place"
+    return None
+
+
+def _facts(ctx: PassContext) -> GraphFacts:
+    return ctx.analysis(_FACTS_KEY, GraphFacts.of)
+
+
+DEFAULT_CHUNKS = 2  # without a topology Algorithm 1 has no costs to decide with
+
+
+def _chunk_count(ctx: PassContext, chunks: Optional[int]) -> int:
+    k = ctx.config.workload_chunks if chunks is None else int(chunks)
+    return min(DEFAULT_CHUNKS if k is None else k, ctx.config.max_chunks)
+
+
+def algorithm1_chunks(ctx: PassContext, c: Collective) -> tuple[Optional[int], str]:
+    """Centauri's Algorithm 1 count for ``c`` (None: no partition), and why."""
+    
+    est = ctx.cost.model
+    if est is None:
+        return DEFAULT_CHUNKS, f"no topology: {DEFAULT_CHUNKS} chunks"
+    probe = _best_chain(ctx, c, DEFAULT_CHUNKS)
+    comp = probe[0].compute_us if not isinstance(probe, str) and probe[0].compute_us is not None else 0.0
+    comm = est.collective(c).time_us
+    plan = algorithm1(comp, comm, independent_compute_us(ctx, c, est), ctx.config.max_chunks)
+    return (plan.num_chunks if plan.num_chunks > 1 else None), plan.why
+
+
+def candidate_chains(ctx: PassContext, c: Collective, k: int) -> tuple[list[Chain], list[str]]:
+    """Every (direction, dim) chain of ``c`` for ``k`` chunks, and why the others failed."""
+    ir = ctx.ir
+    facts = _facts(ctx)
+    rank = len(chains.static_shape(c.logical_output) or ())
+    found, reasons = [], []
+    for direction in (CONSUMER, PRODUCER):
+        if direction == PRODUCER:
+            why = chains.producer_precheck(c, facts)
+            if why:
+                reasons.append(f"producer: {why}")
+                continue
+        for dim in range(rank):
+            ch = chains.build_chain(c, direction, dim, k, ir.dims, facts, ir.backward_nodes)
+            if isinstance(ch, str):
+                reasons.append(f"{direction} dim {dim}: {ch}")
+            else:
+                found.append(ch)
+    return found, reasons
+
+
+def _summarise(reasons: list[str], k: int, shape) -> str:
+    per_dim = [r for r in reasons if not r.startswith("producer: ")]
+    whole = [r for r in reasons if r.startswith("producer: ")]
+    if per_dim and all("not divisible" in r for r in per_dim):
+        per_dim = [f"no dim of {list(shape)} is divisible by {k} chunks"]
+    return "; ".join(dict.fromkeys(per_dim + whole))
+
+
+def plan_workload_partition(ctx: PassContext, c: Collective, chunks: Optional[int] = None) -> WorkloadPlan | str:
+    """The best workload partition of ``c`` into ``chunks`` (default ``Config.workload_chunks``;
+    when that is None, Centauri's Algorithm 1 count, lowered until a chain divides; at most
+    ``Config.max_chunks``), or why there is none. Pure: the graph is not changed."""
+    best = _planned_chain(ctx, c, chunks)
+    return best if isinstance(best, str) else best[0]
+
+
+def _planned_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tuple[WorkloadPlan, Chain] | str:
+    if chunks is not None or ctx.config.workload_chunks is not None:
+        return _best_chain(ctx, c, chunks)
+    k, why = algorithm1_chunks(ctx, c)
+    if k is None:
+        return f"Algorithm 1: {why}"
+    first = None
+    for kk in range(k, 1, -1):
+        best = _best_chain(ctx, c, kk)
+        if not isinstance(best, str):
+            return best
+        first = first or best
+    return f"Algorithm 1 ({why}): {first}"
+
+
+def _best_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tuple[WorkloadPlan, Chain] | str:
+    k = _chunk_count(ctx, chunks)
+    if k < 2:
+        return "one chunk: nothing to partition"
+    why = _why_not(ctx, c)
+    if why:
+        return why
+    found, reasons = candidate_chains(ctx, c, k)
+    if not found:
+        return _summarise(reasons, k, chains.static_shape(c.logical_output))
+    
+    est = ctx.cost.model
+    comm_us = est.collective(c).time_us if est is not None else None
+
+    def score(ch: Chain) -> tuple:
+        nodes = [s.node for s in ch.steps]
+        compute = sum(est.compute_time_us(n) for n in nodes) if est is not None else None
+        flops = sum(op_cost(n).flops for n in nodes)
+        size = compute if compute is not None else float(flops)
+        covers = compute is not None and comm_us is not None and compute >= comm_us
+        n_ops = len(ch.compute_nodes)
+        main = (1, n_ops, size) if covers else (0, size, n_ops)
+        tie = (not ch.reduction, ch.in_split.blocks == 1 and ch.out_split.blocks == 1,
+               ch.direction == CONSUMER, -ch.dim)
+        return main + tie, compute
+
+    best = max(found, key=lambda ch: score(ch)[0])
+    return WorkloadPlan(
+        collective=c.name, kind=c.kind.value, direction=best.direction, dim=best.dim, chunks=k,
+        chain=best.node_names, reduction=best.reduction,
+        interleaved=best.in_split.blocks > 1 or best.out_split.blocks > 1,
+        compute_us=score(best)[1], comm_us=comm_us), best
+
+
+# ---------------------------------------------------------------------------- rewriting
+# Nodes are emitted one by one with their fake values computed in the graph's fake mode
+# (detected once per rewrite), not spliced from traced templates: templates copied from one
+# cache entry share fake tensor objects, which make_fx would take for a single input when a
+# later template reads several of them, and detecting the mode per splice scans the graph.
+class _Builder:
+    def __init__(self, gm: fx.GraphModule, mode: Any, before: fx.Node) -> None:
+        self.gm, self.mode, self.before = gm, mode, before
+
+    def _fake(self, target: Callable, args: tuple, kwargs: dict) -> Any:
+        def val(a):
+            return a.meta["val"] if isinstance(a, fx.Node) else a
+
+        with self.mode:
+            return target(*fx.node.map_aggregate(args, val), **fx.node.map_aggregate(kwargs, val))
+
+    def call(self, target: Callable, args: tuple, meta_from: fx.Node, kwargs: Optional[dict] = None) -> fx.Node:
+        kwargs = kwargs or {}
+        try:
+            value = self._fake(target, args, kwargs)
+        except RuntimeError:
+            if target is not aten.view.default:
+                raise
+            # A chunk may not be viewable where the whole value was (a slice along an inner
+            # dim): copy it first, as reshape would.
+            args = (self.contiguous(args[0], meta_from, force=True), *args[1:])
+            value = self._fake(target, args, kwargs)
+        with self.gm.graph.inserting_before(self.before):
+            node = self.gm.graph.call_function(target, args, kwargs)
+        node.meta["val"] = value
+        rewrite.inherit_meta(meta_from, node)
+        return node
+
+    def contiguous(self, x: fx.Node, meta_from: fx.Node, force: bool = False) -> fx.Node:
+        if not force and x.meta["val"].is_contiguous():
+            return x
+        return self.call(aten.clone.default, (x,), meta_from, {"memory_format": torch.contiguous_format})
+
+    def pieces(self, x: fx.Node, n: int, dim: int, meta_from: fx.Node) -> list[fx.Node]:
+        """The n equal pieces of x along dim (split + getitems, as DTensor's shuffles)."""
+        parts = self.call(aten.split.Tensor, (x, x.meta["val"].shape[dim] // n, dim), meta_from)
+        out = []
+        for j in range(n):
+            with self.gm.graph.inserting_before(self.before):
+                g = self.gm.graph.call_function(operator.getitem, (parts, j))
+            g.meta["val"] = parts.meta["val"][j]
+            rewrite.inherit_meta(meta_from, g)
+            out.append(g)
+        return out
+
+    def take_chunk(self, x: fx.Node, split: Split, k: int, i: int, meta_from: fx.Node) -> fx.Node:
+        """Chunk i of k of x (layout :class:`chains.Split`)."""
+        shape = list(x.meta["val"].shape)
+        d, size = split.dim, shape[split.dim]
+        if split.blocks == 1:
+            return self.call(aten.slice.Tensor, (x, d, i * (size // k), (i + 1) * (size // k)), meta_from)
+        blocks = split.blocks
+        grid = self.call(aten.view.default, (x, shape[:d] + [blocks, k, size // (blocks * k)] + shape[d + 1:]),
+                         meta_from)
+        piece = self.contiguous(self.call(aten.select.int, (grid, d + 1, i), meta_from), meta_from)
+        return self.call(aten.view.default, (piece, shape[:d] + [size // k] + shape[d + 1:]), meta_from)
+
+    def start(self, x: fx.Node, c: Collective, meta_from: fx.Node) -> fx.Node:
+        """Issue c on one chunk of its logical input (DTensor's shuffle for a reduce_scatter
+        along dim != 0); returns the un-waited result."""
+        n, group, g = c.group.size, c.group.name, c.logical_dim or 0
+        if c.kind is CollectiveKind.REDUCE_SCATTER and g != 0:
+            x = self.call(aten.cat.default, (self.pieces(x, n, g, meta_from), 0), meta_from)
+        x = self.contiguous(x, meta_from)
+        if c.kind is CollectiveKind.ALL_GATHER:
+            return self.call(_f.all_gather_into_tensor.default, (x, n, group), meta_from)
+        if c.kind is CollectiveKind.REDUCE_SCATTER:
+            return self.call(_f.reduce_scatter_tensor.default, (x, c.reduce_op, n, group), meta_from)
+        return self.call(_f.all_reduce.default, (x, c.reduce_op, group), meta_from)
+
+    def finish(self, started: fx.Node, c: Collective, meta_from: fx.Node) -> fx.Node:
+        """Wait for one chunk (and DTensor's shuffle for an all_gather along dim != 0)."""
+        out = self.call(_f.wait_tensor.default, (started,), meta_from)
+        g = c.logical_dim or 0
+        if c.kind is CollectiveKind.ALL_GATHER and g != 0:
+            out = self.call(aten.cat.default, (self.pieces(out, c.group.size, 0, meta_from), g), meta_from)
+        return out
+
+    def reassemble(self, parts: list[fx.Node], layout: Split | Partial, k: int, original: fx.Node) -> fx.Node:
+        """The whole value whose k chunks are ``parts``, laid out in memory as ``original``:
+        concatenated (contiguous chunks), stacked and flattened (rank-interleaved chunks), or
+        added (partial sums; a mean divided by k)."""
+        if isinstance(layout, Partial):
+            whole = parts[0]
+            for p in parts[1:]:
+                whole = self.call(aten.add.Tensor, (whole, p), original)
+            if layout.how == "mean":
+                whole = self.call(aten.div.Tensor, (whole, k), original)
+            return self.with_layout_of(whole, original)
+        # Concatenate in the original's memory order (outermost dim first), so that the
+        # result has its strides without another copy.
+        order = _dim_order(original.meta["val"])
+        permuted = order != sorted(order)
+        if permuted:
+            parts = [self.call(aten.permute.default, (p, order), original) for p in parts]
+        d, blocks = order.index(layout.dim), layout.blocks
+        if blocks == 1:
+            whole = self.call(aten.cat.default, (list(parts), d), original)
+        else:
+            pieces = []
+            for p in parts:
+                shape = list(p.meta["val"].shape)
+                pieces.append(self.call(aten.view.default,
+                                        (p, shape[:d] + [blocks, shape[d] // blocks] + shape[d + 1:]), original))
+            stacked = self.call(aten.stack.default, (pieces, d + 1), original)
+            full = list(stacked.meta["val"].shape)
+            whole = self.call(aten.view.default, (stacked, full[:d] + [full[d] * full[d + 1] * full[d + 2]]
+                                                  + full[d + 3:]), original)
+        if permuted:
+            whole = self.call(aten.permute.default, (whole, [order.index(i) for i in range(len(order))]), original)
+        return self.with_layout_of(whole, original)
+
+    def with_layout_of(self, whole: fx.Node, original: fx.Node) -> fx.Node:
+        """``whole`` with ``original``'s strides. Users outside the chain keep their metadata,
+        and views among them only work on the strides they were traced with (a value computed
+        from a transposed tensor keeps that order; a plain cat of its chunks would not)."""
+        want = original.meta["val"]
+        if _same_strides(whole.meta["val"], want):
+            return whole
+        order = _dim_order(want)
+        p = self.call(aten.permute.default, (whole, order), original)
+        dense = self.contiguous(p, original, force=True)
+        out = self.call(aten.permute.default, (dense, [order.index(d) for d in range(want.dim())]), original)
+        if not _same_strides(out.meta["val"], want):
+            raise RuntimeError(f"workload_partition: cannot give the reassembled {original.name} its strides "
+                               f"{tuple(want.stride())}")
+        return out
+
+
+def _dim_order(val: torch.Tensor) -> list[int]:
+    """Dims from outermost to innermost in memory (ties, i.e. size-1 dims, in dim order)."""
+    return sorted(range(val.dim()), key=lambda d: (-val.stride()[d], d))
+
+
+def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and all(
+        sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
+class _Emitter(_Builder):
+    """Emits chunk copies of chain steps before one anchor node."""
+
+    def __init__(self, gm: fx.GraphModule, mode: Any, k: int, before: fx.Node) -> None:
+        super().__init__(gm, mode, before)
+        self.k = k
+        self._slices: dict[tuple[fx.Node, Split, int], fx.Node] = {}
+
+    def side(self, a: fx.Node, split: Optional[Split], i: int, meta_from: fx.Node) -> fx.Node:
+        if split is None:
+            return a
+        key = (a, split, i)
+        if key not in self._slices:
+            self._slices[key] = self.take_chunk(a, split, self.k, i, meta_from)
+        return self._slices[key]
+
+    def replay(self, step: ChainStep, env: dict[fx.Node, fx.Node], i: int) -> fx.Node:
+        n = step.node
+        args = list(n.args)
+        for pos, a in enumerate(n.args):
+            if isinstance(a, fx.Node):
+                args[pos] = env[a] if a in env else self.side(a, step.args.get(pos), i, n)
+        target = n.target
+        if target in chains.SIZED:
+            args[1] = chains.chunk_shape(n, step.out, self.k)
+        if isinstance(step.out, Partial) and target is aten.addmm.default and i > 0:
+            target, args = aten.mm.default, args[1:3]  # the bias belongs to one chunk only
+        return self.call(target, tuple(args), n, dict(n.kwargs))
+
+
+def _erase(gm: fx.GraphModule, c: Collective, chain: Chain) -> None:
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    roots = [c.start, *c.waits, *c.layout_nodes, c.logical_output, *(s.node for s in chain.steps)]
+    rewrite.erase_dead(gm, sorted(set(roots), key=pos.__getitem__))  # pops from the end: last first
+    if any(not getattr(n, "_erased", False) for n in (c.start, *c.waits)):
+        raise RuntimeError(f"workload_partition: {c.name} still has users after its chain was rewritten")
+
+
+def _emit_consumer(gm: fx.GraphModule, mode: Any, chain: Chain) -> list[fx.Node]:
+    c, k = chain.collective, chain.chunks
+    head = _Builder(gm, mode, c.start)
+    starts = [head.start(head.take_chunk(c.logical_input, chain.in_split, k, i, c.start), c, c.start)
+              for i in range(k)]
+    inside = {chain.root, *(s.node for s in chain.steps)}
+    em = _Emitter(gm, mode, k, chain.anchor.next)
+    envs = []
+    for i in range(k):
+        env = {chain.root: em.finish(starts[i], c, c.waits[0])}
+        for step in chain.steps:
+            env[step.node] = em.replay(step, env, i)
+        envs.append(env)
+    layouts = {chain.root: chain.out_split, **{s.node: s.out for s in chain.steps}}
+    for v in chain.outputs:
+        whole = em.reassemble([env[v] for env in envs], layouts[v], k, v)
+        v.replace_all_uses_with(whole, delete_user_cb=lambda u: u not in inside)
+    _erase(gm, c, chain)
+    return starts
+
+
+def _emit_producer(gm: fx.GraphModule, mode: Any, chain: Chain) -> list[fx.Node]:
+    c, k = chain.collective, chain.chunks
+    em = _Emitter(gm, mode, k, c.start)
+    starts = []
+    for i in range(k):
+        env: dict[fx.Node, fx.Node] = {}
+        for step in chain.steps:
+            env[step.node] = em.replay(step, env, i)
+        starts.append(em.start(env[chain.root], c, c.start))
+    tail = _Builder(gm, mode, c.waits[0])
+    parts = [tail.finish(s, c, c.waits[0]) for s in starts]
+    whole = tail.reassemble(parts, chain.out_split, k, c.logical_output)
+    c.logical_output.replace_all_uses_with(whole)
+    _erase(gm, c, chain)
+    return starts
+
+
+def apply_workload_partition(ctx: PassContext, c: Collective, plan: WorkloadPlan) -> list[fx.Node]:
+    """Rewrite ``ctx.gm`` as ``plan`` says; returns the chunk collectives' start nodes in graph
+    order. No lint/recompile (the caller does it); raises ValueError if the plan does not
+    match the graph (e.g. it was made on another graph version)."""
+    if plan.collective != c.name:
+        raise ValueError(f"plan is for {plan.collective}, not {c.name}")
+    chain = chains.build_chain(c, plan.direction, plan.dim, plan.chunks, ctx.ir.dims, _facts(ctx),
+                               ctx.ir.backward_nodes)
+    if isinstance(chain, str) or chain.node_names != plan.chain:
+        got = chain if isinstance(chain, str) else list(chain.node_names)
+        raise ValueError(f"plan for {c.name} does not match the graph: planned {list(plan.chain)}, found {got}")
+    emit = _emit_consumer if chain.direction == CONSUMER else _emit_producer
+    return emit(ctx.gm, rewrite.fake_mode_of(ctx.gm), chain)
+
+
+class WorkloadPartition(GraphPass):
+    __doc__ = __doc__
+    name = "workload_partition"
+    stage = Stage.SCHEDULE
+
+    def run(self, ctx: PassContext) -> PassResult:
+        counts = {"collectives_partitioned": 0, "chunk_collectives": 0, "chain_ops": 0,
+                  "consumer_chains": 0, "producer_chains": 0, "partial_sums": 0}
+        refusals: list[str] = []
+        pending = [c.name for c in ctx.ir.collectives]
+        # Rounds: plan every pending collective on one IR, apply them in graph order, and
+        # defer (to the next round, re-planned on the rewritten graph) any whose plan reads a
+        # node an earlier rewrite of the round erased, rewired or gave new users. Rebuilding
+        # the IR after every rewrite instead would make the pass quadratic in graph size.
+        while pending:
+            by_name = {c.name: c for c in ctx.ir.collectives}
+            planned = []
+            for name in pending:
+                best = _planned_chain(ctx, by_name[name], None)
+                if isinstance(best, str):
+                    refusals.append(f"{name}: not partitioned: {best}")
+                else:
+                    planned.append((by_name[name], *best))
+            mode = rewrite.fake_mode_of(ctx.gm)
+            erased: set[fx.Node] = set()  # erased by this round's rewrites
+            rewired: set[fx.Node] = set()  # whose inputs this round's rewrites replaced
+            used: set[fx.Node] = set()  # given new users (slices) by this round's rewrites
+            deferred = []
+            for c, plan, chain in planned:
+                fp = _footprint(c, chain)
+                if fp.erased & (erased | rewired | used) or fp.kept & erased:
+                    deferred.append(c.name)
+                    continue
+                erased |= fp.erased
+                rewired |= fp.rewired
+                used |= fp.side | {c.logical_input}
+                emit = _emit_consumer if chain.direction == CONSUMER else _emit_producer
+                starts = emit(ctx.gm, mode, chain)
+                counts["collectives_partitioned"] += 1
+                counts["chunk_collectives"] += len(starts)
+                counts["chain_ops"] += len(plan.chain)
+                counts[f"{plan.direction}_chains"] += 1
+                counts["partial_sums"] += int(plan.reduction)
+            ctx.invalidate()
+            if len(deferred) == len(pending):  # cannot happen (the first plan never conflicts): stop anyway
+                break
+            pending = deferred
+        changed = counts["collectives_partitioned"] > 0
+        if changed:
+            ctx.gm.graph.lint()
+            ctx.gm.recompile()
+        return PassResult(changed=changed, counts=counts, refusals=refusals)
+
+
+@dataclass
+class _Footprint:
+    """What a rewrite changes, and what its plan assumes about nodes other rewrites may change."""
+
+    erased: set[fx.Node]  # erased by the rewrite (must not have been touched at all)
+    rewired: set[fx.Node]  # outside users whose inputs it replaces
+    side: set[fx.Node]  # the chain's side inputs (sliced: new users)
+    kept: set[fx.Node]  # must still exist: side inputs, outside users, the input, the anchor
+
+
+def _footprint(c: Collective, chain: Chain) -> _Footprint:
+    inside = {s.node for s in chain.steps}
+    erased = {c.start, *c.waits, *c.layout_nodes, c.logical_output, *inside}
+    if chain.direction == CONSUMER:
+        inside.add(chain.root)
+        rewired = {u for v in chain.outputs for u in v.users if u not in inside}
+    else:
+        rewired = set(c.logical_output.users)
+    side = {a for s in chain.steps for a in s.node.all_input_nodes if a not in inside}
+    kept = side | rewired | {c.logical_input} | ({chain.anchor} if chain.anchor is not None else set())
+    return _Footprint(erased, rewired, side, kept)
