@@ -1,7 +1,7 @@
-"""commfuse benchmark runner (issue #3): workloads x baselines measured side by side in one run.
+"""commfuse benchmark runner: workloads x baselines measured side by side in one run.
 
 Entry point: ``python benchmarks/run.py --suite quick|full --json out.json [--plot DIR]``.
-See docs/benchmarks.md. The pieces are small registries so that later issues
+See docs/benchmarks.md. The pieces are small registries so that new code can
 add a workload, a baseline or a metric with one registration:
 
 * :mod:`benchmarks.workloads` -- example models at named sizes (``family:size``);

@@ -3,7 +3,7 @@
     python benchmarks/run.py --alignment-f1 --json out.json
     python -m benchmarks.alignment_f1 [--json out.json] [--markdown out.md] [--from-json out.json]
 
-What is measured (issue 12 part 3 acceptance)
+What is measured
     The collective sequences of the example models recorded on 4 gloo ranks
     (tests/fixtures/alignment/sequences.json) are turned into an NCCL run's logs and kernel
     traces in the real formats (`commfuse.trace.synth`), perturbed by the seeded scenario

@@ -49,7 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from commfuse.models.pipeline_models import (DPBlock, PipelineModelConfig, ShardedBlock, SPBlock, TPBlock,  # noqa: E402
                                              _rms_norm, make_full_data, make_loss_fn, position_view)
-from commfuse.passes.boundary_rules import BoundaryFusionOptions  # noqa: E402
+from commfuse.analysis.boundary_rules import BoundaryFusionOptions  # noqa: E402
 from commfuse.pipeline.collectives import all_gather, all_to_all, copy_to_group, reduce_scatter  # noqa: E402
 
 STAGES_2x2 = [[0, 1], [2, 3]]
@@ -293,7 +293,7 @@ def ratio_formula(rule: str, N: int) -> str:
 
 def volume_row(w: Workload, batch: int = 8, seq: int = 16, microbatches: int = 2) -> dict[str, Any]:
     """Trace ``w`` (position 0), fuse, and compare the rewritten pair's bytes with the formula."""
-    from commfuse.passes.boundary_fusion import fuse_boundaries
+    from commfuse.transforms.boundary_fusion import fuse_boundaries
 
     program, _ = trace_workload(w, 0, batch, seq, microbatches)
     rep = fuse_boundaries(program.forward, program.layout, options=w.options,
@@ -374,7 +374,7 @@ def run_boundary_volume(timing: bool = True) -> dict[str, Any]:
                   "slowest rank, median/IQR over 20 timed steps (the first, which traces, excluded); load_1min = "
                   "load average after the run"}}
     if timing:
-        from commfuse.testing.rank_pool import get_pool
+        from commfuse.tools.rank_pool import get_pool
 
         pool = get_pool(4)
         try:

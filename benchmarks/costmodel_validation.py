@@ -1,4 +1,4 @@
-"""Predicted vs measured: the cost model against this machine (issue #6 acceptance).
+"""Predicted vs measured: the cost model against this machine.
 
     python benchmarks/costmodel_validation.py [--profile P.json] [--json out.json]
 
@@ -15,8 +15,8 @@
    model's parameter counts). Prints measured median / IQR, predicted, error.
 
 Median absolute errors (and their IQR over the points) are printed at the end: the
-issue asks <= 20% for collectives and <= 25% for full steps. Nothing here feeds the
-profile: calibration measures synthetic programs only (``commfuse.costmodel.calibrate``). Numbers are only meaningful on a quiet machine: the
+targets are <= 20% for collectives and <= 25% for full steps. Nothing here feeds the
+profile: calibration measures synthetic programs only (``commfuse.tools.calibrate``). Numbers are only meaningful on a quiet machine: the
 script prints the 1-minute load average before and after.
 """
 
@@ -101,9 +101,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
 
-    from commfuse.costmodel.calibrate import COLLECTIVE_KINDS, calibrate, measure_collectives_job, merge_ranks
+    from commfuse.tools.calibrate import COLLECTIVE_KINDS, calibrate, measure_collectives_job, merge_ranks
     from commfuse.costmodel.profile import CostProfile
-    from commfuse.testing.rank_pool import get_pool
+    from commfuse.tools.rank_pool import get_pool
 
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     if a.profile:

@@ -1,4 +1,4 @@
-"""DHelix on a real layer graph: simulated step time with and without strand interleaving (issue #11).
+"""DHelix on a real layer graph: simulated step time with and without strand interleaving.
 
 What it runs
     A Llama-style decoder layer with Megatron TP + SP over TP = 8 ranks (one node), traced
@@ -44,7 +44,8 @@ TP = 8
 FULL = dict(dim=4096, n_heads=32, ffn_dim=11008, batch=1, seq=4096)
 SMALL = dict(dim=64, n_heads=8, ffn_dim=128, batch=1, seq=64)
 
-# /work/shared/reference/dhelix.md "Numbers" (Wang et al., DHelix, Sec. 6): end-to-end throughput gains
+# End-to-end throughput gains published in the DHelix paper (Wang et al., "Hiding Communication
+# Cost in Distributed LLM Training via Micro-batch Co-execution"), Sec. 6 "Evaluation"
 PUBLISHED = {
     "a40-pcie": "64 A40: +12-40% (dense, seq 8192: +27-40% vs Megatron-LM); ~83% of TP comm hidden",
     "dgx-a100": "64 A800 (A100-class, NVLink): +2-29%; smaller gains on fast interconnects",
@@ -164,7 +165,7 @@ def run_dhelix_report(small: bool = False, timing: bool = True, steps: int = 10)
             commfuse.session.reset()
     measured: list[dict[str, Any]] = []
     if timing:
-        from commfuse.testing.rank_pool import get_pool
+        from commfuse.tools.rank_pool import get_pool
 
         pool = get_pool(4)
         try:
@@ -180,7 +181,8 @@ def run_dhelix_report(small: bool = False, timing: bool = True, steps: int = 10)
                      f"ffn {s['ffn_dim']}, batch {s['batch']}, seq {s['seq']}, fp32; fake process group"),
         "model": "AnalyticCostModel (roofline compute, NCCL collective model), backend nccl",
         "oef": "default_oef() -- illustrative factors after the paper's qualitative findings, NOT measured",
-        "source": "DHelix (Wang et al.), Sec. 6; /work/shared/reference/dhelix.md 'Numbers'",
+        "source": "DHelix (Wang et al., 'Hiding Communication Cost in Distributed LLM Training via "
+                  "Micro-batch Co-execution'), Sec. 6 'Evaluation'",
         "capture_s": capture_s,
         "rows": rows,
     }

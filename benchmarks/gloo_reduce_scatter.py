@@ -3,7 +3,7 @@
     python benchmarks/run.py --gloo-reduce-scatter --json out.json
     python -m benchmarks.gloo_reduce_scatter --reps 7 --json out.json --markdown out.md
 
-What is measured (issue 9 part 3 acceptance: "measured speed-up vs gloo's own at several sizes")
+What is measured (the speed-up measured against gloo's own reduce_scatter at several sizes)
     On 2 and 4 gloo ranks of this machine (spawned processes, one intra-op thread each, loopback
     TCP), for fp32 inputs of 64 KiB .. 64 MiB per rank (nccl-tests reduce_scatter size: the
     total input), four variants, each call followed by its wait:
@@ -13,7 +13,7 @@ What is measured (issue 9 part 3 acceptance: "measured speed-up vs gloo's own at
     * ``dist_a2a_sum``: ``dist.all_to_all_single(recv, x)`` + ``torch.sum(recv.view(N, -1), 0)``;
     * ``fn_rs``: the functional ``reduce_scatter_tensor`` + ``wait_tensor``, as a compiled graph
       runs it (allocates its output);
-    * ``fn_lowered``: :func:`commfuse.passes.gloo_reduce_scatter.replacement`, the exact code
+    * ``fn_lowered``: :func:`commfuse.transforms.gloo_reduce_scatter.replacement`, the exact code
       the pass splices, run eagerly (functional ``all_to_all_single`` + wait + split + the
       chain of N-1 adds).
 
@@ -70,7 +70,7 @@ def _calls(size: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from commfuse.passes.gloo_reduce_scatter import replacement
+    from commfuse.transforms.gloo_reduce_scatter import replacement
 
     f = torch.ops._c10d_functional
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -111,7 +111,7 @@ def bench_job(sizes: Sequence[int], warmup: int, reps: int) -> list[dict[str, An
     import torch
     import torch.distributed as dist
 
-    from commfuse.testing.numerics import assert_close_tree
+    from commfuse.reference.numerics import assert_close_tree
 
     torch.set_num_threads(1)
     # dist.reduce_scatter_tensor is what the brief names (ProcessGroupGloo's own path); its deprecation
@@ -152,9 +152,9 @@ def predict(world: int, size: int, topology: Any = None, model: Any = None) -> d
     from torch.fx.experimental.proxy_tensor import make_fx
 
     import commfuse
-    from commfuse.passes import gloo_reduce_scatter as grs
-    from commfuse.passes.context import PassContext
-    from commfuse.passes.cost import ESTIMATOR_KEY
+    from commfuse.transforms import gloo_reduce_scatter as grs
+    from commfuse.passmgr.context import PassContext
+    from commfuse.passmgr.cost import CostPolicy
     from commfuse.testing.fake_pg import fake_process_group
 
     f = torch.ops._c10d_functional
@@ -170,7 +170,7 @@ def predict(world: int, size: int, topology: Any = None, model: Any = None) -> d
             (d,) = rec.decisions
             return dict(d)
         ctx = PassContext(gm, commfuse.Config(), topology=topology)
-        ctx.analysis(ESTIMATOR_KEY, lambda _gm: model)  # the calibrated estimator stands in for the analytic one
+        ctx.cost = CostPolicy(topology, model=model)  # the calibrated estimator stands in for the analytic one
         (c,) = ctx.ir.collectives
         p = grs.predict(ctx, c)
         return {"reduce_scatter_us": p.reduce_scatter_us, "all_to_all_us": p.all_to_all_us,
@@ -186,7 +186,7 @@ def _q(xs: list[float]) -> tuple[float, float]:
 def run_gloo_reduce_scatter(sizes: Sequence[int] = SIZES, worlds: Sequence[int] = WORLDS, warmup: int = 1,
                             reps: int = 7) -> dict[str, Any]:
     from commfuse.costmodel.profile import CostProfile
-    from commfuse.testing.rank_pool import RankPool
+    from commfuse.tools.rank_pool import RankPool
 
     profile = CostProfile.load(PROFILE) if PROFILE.exists() else None
     calibrated = profile.build_model() if profile is not None else None

@@ -77,7 +77,7 @@ def measure_rank(workload: str, executor: str, warmup: int, steps: int, record_s
 
 def run_lowering_overlap(*, workloads=WORKLOADS, executors=EXECUTORS, warmup: int = 3, steps: int = 15,
                          record_steps: int = 5, world: int = 2) -> dict[str, Any]:
-    from commfuse.testing.rank_pool import RankPool, RankPoolError
+    from commfuse.tools.rank_pool import RankPool, RankPoolError
 
     rows = []
     with RankPool(world, timeout_s=1800) as pool:

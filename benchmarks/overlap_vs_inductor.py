@@ -1,6 +1,6 @@
 """commfuse's scheduling next to Inductor's overlap scheduler: same graphs, same estimates, one judge.
 
-What is compared (issue 8 acceptance)
+What is compared
     Three blocks, each as the forward and the backward post-partition ATen graph AOTAutograd
     hands a backend (``commfuse.testing.graphs.capture_aot_graphs``), traced on a ``fake``
     process group of 16 ranks = DGX-H100 x2 (two nodes of eight), fp32:
@@ -76,8 +76,8 @@ Pass/fail rule (computed, printed)
     graphs' peaks) and, separately, per graph: commfuse's exposed communication must be
     lower than Inductor's (by more than 0.1 %, ``LOWER_EPS``) on at least two of the three blocks, never more than 5 %
     higher on any (ratio commfuse / inductor <= 1.05; both zero counts as 1.0), and its peak
-    memory at most 5 % above Inductor's. Judged for the default pipeline (the acceptance
-    row) and, for information, for ``schedule_overlap`` alone. Per-graph verdicts use
+    memory at most 5 % above Inductor's. Judged for the default pipeline (the row that
+    counts) and, for information, for ``schedule_overlap`` alone. Per-graph verdicts use
     ``k / 6`` with the same thresholds.
 
     python benchmarks/run.py --overlap-vs-inductor [--json out.json]

@@ -24,7 +24,7 @@ from benchmarks.scaling import growth_exponent
 __all__ = ["SCHEMA", "environment", "markdown_tables", "scaling_summary", "text_tables", "write_plots"]
 
 SCHEMA = "commfuse-bench/1"
-# Project goal (issue #3), reported, never asserted.
+# Project goal, reported, never asserted.
 GOAL_PIPELINE_S = 5.0
 GOAL_FRACTION_OF_INDUCTOR = 0.10
 

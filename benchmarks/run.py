@@ -126,7 +126,7 @@ def _log(msg: str) -> None:
 def run_matrix(suite: Suite, doc: dict[str, Any], json_path: Path | None) -> None:
     """Every (workload, baseline) of the suite on one pool of gloo ranks."""
     from benchmarks.measure import measure, warm_up
-    from commfuse.testing.rank_pool import RankPool, RankPoolError
+    from commfuse.tools.rank_pool import RankPool, RankPoolError
 
     with RankPool(suite.world_size, timeout_s=suite.job_timeout_s) as pool:
         t = time.perf_counter()
@@ -215,17 +215,17 @@ _REPORTS = {
                         "volume_tables", "volume",
         "only the volume report of every example workload: bytes per rank before/after commfuse "
         "by kind, role and direction, Table 1 formula checks, pass reasons (fake process group)"),
-    # synthesised from recorded sequences, not timed: NCCL log / kernel trace alignment F1 (issue 12)
+    # synthesised from recorded sequences, not timed: NCCL log / kernel trace alignment F1
     "alignment_f1": SingleReport("benchmarks.alignment_f1", "run_alignment_f1",
                         "alignment_f1_tables", "alignment_f1",
         "only the NCCL log / kernel trace alignment F1 per scenario and example model, next to "
         "the NCCL-trace thesis's numbers (synthesised from recorded sequences)"),
-    # counted (bytes, one process) and measured (step time, 4 gloo ranks): pipeline boundary fusion (issue 10)
+    # counted (bytes, one process) and measured (step time, 4 gloo ranks): pipeline boundary fusion
     "boundary_volume": SingleReport("benchmarks.boundary_volume", "run_boundary_volume",
                         "boundary_volume_tables", "boundary_volume",
         "only pipeline boundary fusion: bytes per rank before/after per Table 2 transition vs the "
         "derivation (counted) and step time fused vs unfused on 4 gloo ranks (measured)"),
-    # predicted (assumed overlap factors) for a TP=8 Llama layer, and measured on 4 gloo ranks: DHelix (issue 11)
+    # predicted (assumed overlap factors) for a TP=8 Llama layer, and measured on 4 gloo ranks: DHelix
     "dhelix_report": SingleReport("benchmarks.dhelix_report", "run_dhelix_report",
                         "dhelix_tables", "dhelix",
         "only DHelix strand interleaving: a TP=8 Llama layer, sequential vs Eq. 2 plan time on "

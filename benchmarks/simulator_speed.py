@@ -1,4 +1,4 @@
-"""How fast the timeline simulator judges a schedule (issue 6: < 0.5 s for a 32-layer fwd+bwd graph).
+"""How fast the timeline simulator judges a schedule (target: < 0.5 s for a 32-layer fwd+bwd graph).
 
     python benchmarks/simulator_speed.py [--layers 4 8 16 32] [--world 8] [--repeat 5]
 

@@ -74,8 +74,8 @@ def _single_pass(prefix: str) -> tuple[str, ...]:
 
 def _default_pipeline_passes() -> tuple[str, ...]:
     """The default pipeline's passes and the passes composite ones among them run."""
-    from commfuse.passes.chimera import STEPS as CHIMERA_STEPS
-    from commfuse.passes.registry import DEFAULT_PIPELINE
+    from commfuse.transforms.chimera import STEPS as CHIMERA_STEPS
+    from commfuse.transforms.registry import DEFAULT_PIPELINE
 
     names = [p for p in DEFAULT_PIPELINE]
     if "chimera" in names:
@@ -130,7 +130,7 @@ def get_suite(name: str) -> Suite:
         raise KeyError(f"unknown suite {name!r}; known: {sorted(SUITES)}")
     return SUITES[name]
 # Chimera on MoE layers (docs/chimera-moe.md): the TP+EP and SP+EP+SP workloads with every
-# baseline the issue names, Inductor ones included (2 ranks: cold Inductor compiles dominate).
+# baseline, Inductor ones included (2 ranks: cold Inductor compiles dominate).
 _register(Suite(
     "chimera-moe", "moe_tp_ep and moe_sp_ep_sp at size s: eager, Inductor, Inductor+comm passes, commfuse "
     "(Inductor and eager inner), commfuse with no passes",

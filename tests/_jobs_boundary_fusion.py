@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from benchmarks.boundary_volume import STAGES_2x2, WORKLOADS, build_stages, workload_data
-from commfuse.passes.boundary_fusion import boundary_fusion_pass
+from commfuse.transforms.boundary_fusion import boundary_fusion_pass
 from commfuse.pipeline import PipelineRunner, setup_pipeline
 
 
@@ -192,7 +192,7 @@ def random_case(seed: int) -> dict[str, Any]:
 
 def random_cases(seeds: Sequence[int]) -> list[dict[str, Any]]:
     """Each case on 2 stages x 2 ranks, plain and fused: this rank's loss, gradients and report."""
-    from commfuse.passes.boundary_rules import BoundaryFusionOptions
+    from commfuse.analysis.boundary_rules import BoundaryFusionOptions
 
     layout = setup_pipeline(STAGES_2x2)
     out = []

@@ -7,6 +7,6 @@ from typing import Any
 
 def boundary_cases_on_gloo(seed: int = 0) -> dict[str, Any]:
     """Every case of ``crosscheck.BOUNDARY_CASES`` run eagerly on this gloo rank."""
-    from commfuse.reference import crosscheck as cc
+    from commfuse.testing import crosscheck as cc
 
     return cc.gloo_job(sorted(cc.BOUNDARY_CASES), seed)

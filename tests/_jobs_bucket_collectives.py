@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
-from commfuse.testing.numerics import assert_close_tree, train_step_outputs
+from commfuse.reference.numerics import assert_close_tree, train_step_outputs
 
 
 def simple_fsdp_matches_eager(mode: str) -> dict[str, Any]:

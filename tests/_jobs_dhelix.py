@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
 from commfuse.models import llama, moe_tp
-from commfuse.testing.numerics import assert_close_tree
+from commfuse.reference.numerics import assert_close_tree
 from commfuse.train_step import compile_train_step
 
 from _jobs_train_step import _local, _train  # noqa: E402  (same 2 SGD steps, lr 0.05)
@@ -119,7 +119,7 @@ def step_times(layout: str, microbatches: int, steps: int) -> dict[str, Any]:
     make_model, batch, loss_fn, roles = _setup(layout)
     torch._dynamo.reset()
     runs: dict[str, Any] = {}
-    from commfuse.passes.registry import DHELIX_PIPELINE
+    from commfuse.transforms.registry import DHELIX_PIPELINE
 
     no_interleave = [p for p in DHELIX_PIPELINE if p != "dhelix_interleave"]
     for kind, dhelix, passes in (("plain", False, None), ("fused", True, no_interleave), ("interleaved", True, None)):

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
 from commfuse.costmodel.topology import Topology
-from commfuse.testing.numerics import assert_close_tree, train_step_outputs
+from commfuse.reference.numerics import assert_close_tree, train_step_outputs
 
 PASS = "gloo_reduce_scatter"
 

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
 from commfuse.costmodel import Topology
-from commfuse.testing.numerics import assert_close_tree, train_step_outputs
+from commfuse.reference.numerics import assert_close_tree, train_step_outputs
 
 # CPU topology (priced as gloo): hop latencies dominate these tiny tensors and the launch
 # is cheap, so the hierarchical sequences are predicted faster than the flat collectives

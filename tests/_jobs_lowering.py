@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from commfuse._torch_private import register_process_group_alias
+from commfuse.core.torch_private import register_process_group_alias
 from commfuse.lowering import lower_runtime, record
 from commfuse.lowering.plan import SETTING_META
 
@@ -212,7 +212,7 @@ def coalesced_avg_reduce_scatter_is_divided(compile_regions: bool) -> dict[str, 
     waits = [nd.name for nd in gm.graph.nodes if nd.op == "call_function" and "wait_tensor" in str(nd.target)]
     compile_fn = None
     if compile_regions:
-        from commfuse._torch_private import inductor_compile_fx_inner
+        from commfuse.core.torch_private import inductor_compile_fx_inner
 
         compile_fn = inductor_compile_fx_inner
     fn = lower_runtime(gm, "forward", compile_regions=compile_fn, example_inputs=[x, y])

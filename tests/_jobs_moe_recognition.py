@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
 from commfuse.models import moe_styles as ms
-from commfuse.testing.numerics import assert_close_tree, train_step_outputs
+from commfuse.reference.numerics import assert_close_tree, train_step_outputs
 
 
 def _loss(out):

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import commfuse
 from commfuse.costmodel import Topology
 from commfuse.costmodel.topology import PRESETS
-from commfuse.testing.numerics import assert_close_tree, train_step_outputs
+from commfuse.reference.numerics import assert_close_tree, train_step_outputs
 
 
 def small_gpu_topology(**overrides) -> Topology:

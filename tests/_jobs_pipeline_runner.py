@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from commfuse.models.pipeline_models import (PipelineModelConfig, build_stages, make_full_data, make_loss_fn,
                                              position_view)
-from commfuse.ops import stage_transfer
+from commfuse.ops.boundary import stage_transfer
 from commfuse.pipeline import PipelineLayout, PipelineRunner, setup_pipeline
 
 STAGES_2x2 = [[0, 1], [2, 3]]
@@ -17,7 +17,7 @@ STAGES_2x2 = [[0, 1], [2, 3]]
 
 def eager_pipeline_reference(layout: PipelineLayout, stages: Sequence[nn.Module], loss_fn, x: torch.Tensor,
                              target: torch.Tensor, microbatches: int) -> Optional[torch.Tensor]:
-    """The same stage modules run eagerly with the differentiable commfuse.ops.stage_transfer,
+    """The same stage modules run eagerly with the differentiable commfuse.ops.boundary.stage_transfer,
     one micro-batch at a time (forward, then backward). The receiver's transfer input is a
     zeros tensor that requires grad (its output then does, and its backward sends the
     gradient back); on the sender, ``autograd.backward(out, zeros)`` runs the transfer's
@@ -53,7 +53,7 @@ def pipeline_matches(kind: str, microbatches: Sequence[int] = (2, 4), schedules:
                      stage_ranks: Sequence[Sequence[int]] = STAGES_2x2) -> dict[str, Any]:
     """Run the runner for every (micro-batches, schedule) and the eager reference per micro-batch
     count; return this rank's losses, gradients and checks."""
-    from commfuse._torch_private import resolve_process_group
+    from commfuse.core.torch_private import resolve_process_group
 
     layout = setup_pipeline(stage_ranks)
     cfg = PipelineModelConfig(kind=kind, num_stages=layout.num_stages)

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
-from commfuse.testing.numerics import assert_close_tree, train_step_outputs
+from commfuse.reference.numerics import assert_close_tree, train_step_outputs
 
 FORCED = "primitive_substitution_forced"
 

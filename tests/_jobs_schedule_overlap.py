@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
-from commfuse.testing.numerics import assert_bitwise_equal_tree, train_step_outputs
+from commfuse.reference.numerics import assert_bitwise_equal_tree, train_step_outputs
 
 
 def scheduled_fsdp_matches_eager() -> dict:

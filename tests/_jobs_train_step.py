@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
 from commfuse.models import llama, simple_fsdp
-from commfuse.testing.numerics import assert_close_tree
+from commfuse.reference.numerics import assert_close_tree
 from commfuse.train_step import compile_train_step
 
 CFG = llama.LlamaConfig(n_layers=1, dim=32, n_heads=4, ffn_dim=64)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
-from commfuse.testing.numerics import assert_close_tree, train_step_outputs
+from commfuse.reference.numerics import assert_close_tree, train_step_outputs
 
 
 def example_config(name: str, **overrides: Any) -> commfuse.Config:
@@ -421,7 +421,7 @@ def agreement_on_two_pipeline_stages() -> dict:
     group (the world, for the transfer)."""
     import torch.distributed._functional_collectives as funcol
 
-    from commfuse.ops import stage_transfer
+    from commfuse.ops.boundary import stage_transfer
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     tp = mesh["tp"].get_group()
@@ -469,7 +469,7 @@ def topology_against_the_world() -> dict:
     number of ranks is refused with an error naming it; the torchrun environment's is detected."""
     import os
 
-    from commfuse.errors import ConfigError
+    from commfuse.core.errors import ConfigError
     from commfuse.session import resolved_topology
 
     out = {}

@@ -32,13 +32,13 @@ from commfuse.testing import RankPool, get_pool  # noqa: E402
 
 @pytest.fixture(scope="session")
 def rank_pool_2() -> RankPool:
-    """A session-wide pool of 2 gloo ranks (see commfuse.testing.rank_pool)."""
+    """A session-wide pool of 2 gloo ranks (see commfuse.tools.rank_pool)."""
     return get_pool(2)
 
 
 @pytest.fixture(scope="session")
 def rank_pool_4() -> RankPool:
-    """A session-wide pool of 4 gloo ranks (see commfuse.testing.rank_pool)."""
+    """A session-wide pool of 4 gloo ranks (see commfuse.tools.rank_pool)."""
     return get_pool(4)
 
 

@@ -8,11 +8,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import commfuse
 from commfuse.costmodel import Topology
-from commfuse.passes import rewrite
-from commfuse.passes.algorithm1 import GroupCosts, algorithm1, independent_compute_us
-from commfuse.passes.context import PassContext
-from commfuse.passes.cost import estimator_for
-from commfuse.passes.workload_partition import algorithm1_chunks, plan_workload_partition
+from commfuse.ir import rewrite
+from commfuse.analysis.chunking import GroupCosts, algorithm1, independent_compute_us
+from commfuse.passmgr.context import PassContext
+from commfuse.transforms.workload_partition import algorithm1_chunks, plan_workload_partition
 from commfuse.testing.fake_pg import fake_process_group
 
 
@@ -61,7 +60,7 @@ def test_in_cost_counts_only_independent_compute_before_the_first_use():
     with fake_process_group(4):
         ctx = PassContext(gm, commfuse.Config(), topology=topo)
         (c,) = ctx.ir.collectives
-        est = estimator_for(ctx)
+        est = ctx.cost.model
         mm_indep = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default
                         and n.args[0].op == "placeholder")
         got = independent_compute_us(ctx, c, est)

@@ -1,4 +1,4 @@
-"""NCCL log / kernel trace alignment (commfuse.trace, issue #12 part 3).
+"""NCCL log / kernel trace alignment (commfuse.trace).
 
 Single-process and fast: parsers on the format fixtures (tests/fixtures/alignment, real NCCL
 2.26 / Kineto / Nsight line and schema formats, including malformed and truncated lines),
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 from commfuse.trace import nw
 from commfuse.trace.align import (AlignConfig, GapRule, LogicalComm, RankAlignment, align_rank, align_run,
                                   align_sequences, assign_global_ranks, launches, map_communicators, pair_scores,

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import commfuse
 from commfuse import Config, ConfigError, Topology
-from commfuse.testing.numerics import assert_bitwise_equal_tree
+from commfuse.reference.numerics import assert_bitwise_equal_tree
 
 
 class MLP(nn.Module):
@@ -275,17 +275,17 @@ def test_a_malformed_torchrun_environment_names_the_variable(env, match):
 
 
 def test_the_report_names_the_topology_and_where_it_came_from(monkeypatch):
-    from commfuse.passes.pipeline import Pipeline
+    from commfuse.api import pipeline_for
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    rep = Pipeline.for_config(Config()).run(gm, graph_kind="forward", stages=set())
+    rep = pipeline_for(Config()).run(gm, graph_kind="forward", stages=set())
     assert rep.topology.startswith("none")
-    rep = Pipeline.for_config(Config(topology=Topology.preset("dgx-a100"))).run(gm, graph_kind="forward", stages=set())
+    rep = pipeline_for(Config(topology=Topology.preset("dgx-a100"))).run(gm, graph_kind="forward", stages=set())
     assert rep.topology == "dgx-a100: 1 node(s) x 8 ranks, device A100-SXM (Config.topology)"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    rep = Pipeline.for_config(Config()).run(gm, graph_kind="forward", stages=set())
+    rep = pipeline_for(Config()).run(gm, graph_kind="forward", stages=set())
     assert rep.topology.endswith("(detected from the torchrun environment)") and "2 node(s) x 2 ranks" in rep.topology
 
 

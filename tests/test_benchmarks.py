@@ -53,8 +53,8 @@ def test_every_family_in_quick_suite():
 
 def test_single_pass_baselines_follow_the_pass_registry():
     from commfuse.passes import available_passes
-    from commfuse.passes.chimera import STEPS
-    from commfuse.passes.registry import DEFAULT_PIPELINE
+    from commfuse.transforms.chimera import STEPS
+    from commfuse.transforms.registry import DEFAULT_PIPELINE
 
     names = set(baseline_names())
     for p in available_passes():
@@ -166,7 +166,7 @@ def test_growth_exponent_and_goal_summary():
 
 @pytest.mark.slow(reason="schedules three blocks with Inductor's and commfuse's schedulers")
 def test_overlap_vs_inductor_small_shapes():
-    """The issue-8 comparison on tiny shapes: every row, a valid Inductor schedule, shared estimates."""
+    """The commfuse vs Inductor overlap comparison on tiny shapes: every row, a valid Inductor schedule, shared estimates."""
     from benchmarks.overlap_vs_inductor import KINDS, ROWS, overlap_tables, run_overlap_vs_inductor
 
     doc = run_overlap_vs_inductor(small=True)

@@ -20,9 +20,9 @@ from benchmarks.boundary_volume import TABLE, WORKLOADS, formula, pp_ep_formula,
 from commfuse.models.pipeline_models import PipelineModelConfig, build_stages, make_full_data, make_loss_fn, \
     position_view
 from commfuse.ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, parse_m2ms
-from commfuse.passes import boundary_rules
-from commfuse.passes.boundary_fusion import LAYOUT_META, BoundaryFusion, fuse_boundaries, measured_bytes
-from commfuse.passes.boundary_rules import BoundaryFusionOptions, BoundaryMap, OpBytes, RuleVolume
+from commfuse.analysis import boundary_rules
+from commfuse.transforms.boundary_fusion import LAYOUT_META, BoundaryFusion, fuse_boundaries, measured_bytes
+from commfuse.analysis.boundary_rules import BoundaryFusionOptions, BoundaryMap, OpBytes, RuleVolume
 from commfuse.pipeline import partition, plan_layout, trace_forward, trace_joint
 from commfuse.testing import assert_bitwise_equal_tree, assert_close_tree
 
@@ -237,7 +237,7 @@ def test_registered_pass_reads_the_layout_from_meta_or_the_aliases():
     layout it infers the boundaries from commfuse.pipeline's aliases (no position: rules that
     need it refuse), with gm.meta[LAYOUT_META] it has the position."""
     from commfuse.config import Config
-    from commfuse.passes.context import PassContext
+    from commfuse.passmgr.context import PassContext
 
     gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
     res = BoundaryFusion().run(PassContext(gm, Config()))
@@ -315,7 +315,7 @@ def _check(out: list[dict], rule: str, exact: bool) -> None:
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", list(WORKLOADS))
 def test_fused_pipeline_matches_unfused_on_four_ranks(rank_pool_4, name):
-    """Acceptance: 2 stages x 2 gloo ranks, GPipe and 1F1B, 2 and 3 micro-batches: losses and
+    """2 stages x 2 gloo ranks, GPipe and 1F1B, 2 and 3 micro-batches: losses and
     every gradient of the fused pipeline equal the unfused pipeline's, state_dict keys and shapes
     unchanged, the joint graph's boundary ops are m2ms in both directions (p2p_a2a: plus the
     router weight's and the top-k values' transfers). p2p_a2a runs GPipe only."""

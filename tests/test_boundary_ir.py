@@ -16,16 +16,16 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import commfuse
 from commfuse.costmodel import AnalyticCostModel, CollectiveModel, CollectiveParams, Topology
 from commfuse.costmodel import volume as V
-from commfuse.costmodel.boundary import transfer_time_us
+from commfuse.ops.boundary.cost import transfer_time_us
 from commfuse.costmodel.estimator import CollectiveEstimate
 from commfuse.costmodel.simulator import simulate
 from commfuse.costmodel.volume import B, H, N, N1, N2, S, k
 from commfuse.ir import CollectiveIR, CollectiveKind, ParallelRole
-from commfuse.ir.boundary import boundary_op_names
+from commfuse.ops.boundary.ir_view import boundary_op_names
 from commfuse.ops import M2MS, STAGE_TRANSFER, m2ms, stage_transfer, trace_position
-from commfuse.passes.verifier import verify_graph
+from commfuse.passmgr.verifier import verify_graph
 from commfuse.reference import CollectiveMismatchError, run_reference
-from commfuse.reference import crosscheck as cc
+from commfuse.testing import crosscheck as cc
 from commfuse.testing import assert_bitwise_equal_tree, assert_close_tree
 from commfuse.testing.fake_pg import fake_process_group
 
@@ -173,7 +173,7 @@ def test_default_pipeline_and_every_pass_keep_the_boundary_ops():
     stage_transfer next to the collectives they rewrite: the verifier accepts the result, the
     boundary ops are kept as they were (same args, in the same order; except by the boundary
     fusion passes, whose job is to rewrite them) and the reference values are unchanged."""
-    from commfuse.passes.registry import available_passes
+    from commfuse.transforms.registry import available_passes
 
     rows = {0: 3, 1: 3, 2: 0, 3: 0}
     graphs, inputs = [], []

@@ -1,4 +1,4 @@
-"""commfuse's boundary ops (issue #10): commfuse::m2ms and commfuse::stage_transfer.
+"""commfuse's boundary ops: commfuse::m2ms and commfuse::stage_transfer.
 
 Single process: schemas, fake kernels and tracing (make_fx forward and joint fw+bw, with and
 without trace_position), argument parsing, bad input. Real gloo ranks: values against a
@@ -13,7 +13,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import commfuse
-from commfuse._torch_private import c10d_functional
+from commfuse.core.torch_private import c10d_functional
 from commfuse.ops import (M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, m2ms, parse_m2ms,
                           parse_stage_transfer, stage_transfer, trace_as_rank, trace_position)
 from commfuse.testing.fake_pg import fake_process_group
@@ -43,7 +43,7 @@ def test_ops_are_registered_with_the_spec_schemas():
     assert str(STAGE_TRANSFER._schema) == ("commfuse::stage_transfer(Tensor x, int[] src, int[] dst, "
                                            "int group_size, str group_name) -> Tensor")
     assert str(STAGE_TRANSFER_AUTOGRAD._schema).startswith("commfuse::stage_transfer_autograd(Tensor x, int[] src")
-    assert commfuse.ops.m2ms is m2ms and "ops" in commfuse.__all__
+    assert commfuse.ops.boundary.m2ms is m2ms and "ops" in commfuse.__all__
 
 
 # ---------------------------------------------------------------------------- fake / tracing

@@ -16,8 +16,8 @@ import commfuse
 from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import CollectiveKind
-from commfuse.passes.bucket_collectives import DEFAULT_CAP_BYTES, LATENCY_SHARE, latency_bound_cap
-from commfuse.reference.equivalence import check_equivalent
+from commfuse.transforms.bucket_collectives import DEFAULT_CAP_BYTES, LATENCY_SHARE, latency_bound_cap
+from commfuse.testing.equivalence import check_equivalent
 from commfuse.testing.fake_pg import fake_process_group
 
 AG_OP = "_c10d_functional.all_gather_into_tensor.default"

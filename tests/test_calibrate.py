@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from commfuse.costmodel.calibrate import Sample, calibrate, fit_alpha_beta, fit_collectives, fit_compute
+from commfuse.tools.calibrate import Sample, calibrate, fit_alpha_beta, fit_collectives, fit_compute
 from commfuse.costmodel.profile import CostProfile
 from commfuse.ir.kinds import CollectiveKind
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commfuse.testing.numerics import assert_close_tree
+from commfuse.reference.numerics import assert_close_tree
 
 transformers = pytest.importorskip("transformers", reason="the conformance extra is not installed")
 

@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from commfuse.testing.numerics import assert_close_tree
+from commfuse.reference.numerics import assert_close_tree
 
 pytest.importorskip("torchtitan", reason="the conformance extra is not installed")
 

@@ -32,7 +32,7 @@ from commfuse.costmodel import (
     op_cost,
 )
 from commfuse.costmodel.collectives import concrete
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 from commfuse.ir import CollectiveIR, CollectiveKind
 from commfuse.testing.fake_pg import fake_process_group
 
@@ -359,7 +359,7 @@ def test_profile_round_trip(tmp_path):
     m = q.build_model()
     assert isinstance(m, AnalyticCostModel) and m.backend == "gloo" and m.contention.kappa == 0.25
     assert m.collectives.time(K.ALL_REDUCE, 1000, 2).time_us == 82.0
-    assert AnalyticCostModel.from_profile(path).collectives.time(K.REDUCE_SCATTER, 1000, 2).time_us == 82.0
+    assert CostProfile.load(path).build_model().collectives.time(K.REDUCE_SCATTER, 1000, 2).time_us == 82.0
     spec = CostProfile(topology="measured", topology_spec=Topology(name="measured", ranks_per_node=2),
                        backend="gloo", num_nodes=3)
     assert spec.resolve_topology().world_size == 6
@@ -472,7 +472,7 @@ def test_attention_backward_is_its_own_family_and_falls_back_to_attention():
 
 
 def test_step_runtime_fit_recovers_the_terms():
-    from commfuse.costmodel.calibrate import _nnls3, fit_step_runtime
+    from commfuse.tools.calibrate import _nnls3, fit_step_runtime
 
     fixed, per, per_dt = 350.0, 4.0, 28.0
     rows = [(1.0, float(n), 0.0, fixed + per * n) for n in (2, 8, 24)] + \
@@ -489,7 +489,7 @@ def test_step_runtime_fit_recovers_the_terms():
 
 
 def test_in_graph_latency_fit_is_the_median_excess_over_the_sweep_fit():
-    from commfuse.costmodel.calibrate import fit_in_graph_latency, merge_in_graph
+    from commfuse.tools.calibrate import fit_in_graph_latency, merge_in_graph
 
     params = CollectiveParams(fits=[AlphaBeta(kind=k, group_size=2, alpha_us=100.0, beta_us_per_byte=0.0)
                                     for k in (K.ALL_REDUCE, K.ALL_GATHER)])
@@ -507,7 +507,7 @@ def test_in_graph_latency_fit_is_the_median_excess_over_the_sweep_fit():
 def test_calibration_graphs_are_synthetic_and_priced():
     from collections import Counter
 
-    from commfuse.costmodel.calibrate import _synthetic_graph, _view_graph, fit_graph_overhead, fit_view_us
+    from commfuse.tools.calibrate import _synthetic_graph, _view_graph, fit_graph_overhead, fit_view_us
 
     gm, args = _synthetic_graph()
     fams = Counter(op_cost(n).family for n in gm.graph.nodes if n.op == "call_function")

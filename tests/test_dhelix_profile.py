@@ -1,4 +1,4 @@
-"""DHelix overlap profiling (issue #11 part 2): Eq. 1 measured on gloo ranks, file format, fallback."""
+"""DHelix overlap profiling: Eq. 1 measured on gloo ranks, file format, fallback."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from commfuse.dhelix.overlap import OEFTable, default_oef, pair_time
 from commfuse.dhelix.profile import (COMM_KINDS, COMPUTE_KINDS, SCHEMA_VERSION, OEFEntry, OEFProfile, eq1,
                                      load_oef_profile, oef_for, oef_table, read_oef_profile, save_oef_profile)
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 
 import _jobs_dhelix_profile as jobs
 

@@ -1,4 +1,4 @@
-"""DHelix strand interleaving in the training step (issue #11): the fused train-step partition and
+"""DHelix strand interleaving in the training step: the fused train-step partition and
 the ``dhelix_interleave`` pass, checked numerically against the plain accumulation loop on real
 gloo ranks, plus graph-level checks of the plan on one process."""
 
@@ -189,7 +189,7 @@ def test_dhelix_config_errors_name_the_field(tmp_path):
 
 @pytest.mark.slow(reason="compiles a 4-layer fused train step (every micro-batch in one graph)")
 def test_over_the_memory_budget_the_non_interleaved_order_is_kept(monkeypatch):
-    import commfuse.passes.dhelix_interleave as mod
+    import commfuse.transforms.dhelix_interleave as mod
 
     real = mod.plan_interleaving
 

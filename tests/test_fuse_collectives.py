@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import commfuse
 from commfuse.ir.graph_ir import CollectiveIR
-from commfuse.reference.equivalence import check_equivalent
+from commfuse.testing.equivalence import check_equivalent
 from commfuse.testing.fake_pg import fake_process_group
 from commfuse.testing.graphs import _copy
 

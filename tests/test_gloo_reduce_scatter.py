@@ -24,10 +24,10 @@ from commfuse.costmodel.topology import Topology
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import CollectiveKind as K
 from commfuse.ir.kinds import collective_spec, is_wait
-from commfuse.passes import gloo_reduce_scatter as grs
-from commfuse.passes import rewrite
-from commfuse.passes.registry import DEFAULT_PIPELINE
-from commfuse.reference.equivalence import check_equivalent
+from commfuse.transforms import gloo_reduce_scatter as grs
+from commfuse.ir import rewrite
+from commfuse.transforms.registry import DEFAULT_PIPELINE
+from commfuse.testing.equivalence import check_equivalent
 from commfuse.testing.fake_pg import fake_process_group
 
 import _jobs_gloo_reduce_scatter as jobs

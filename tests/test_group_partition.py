@@ -22,10 +22,10 @@ from torch.testing import FileCheck
 import commfuse
 from commfuse.costmodel import Topology
 from commfuse.ir.graph_ir import CollectiveIR
-from commfuse.passes.context import PassContext
-from commfuse.passes.group_partition import GroupPlan, apply_group_partition, plan_group_partition
-from commfuse.passes.verifier import verify_graph
-from commfuse.reference.equivalence import check_equivalent
+from commfuse.passmgr.context import PassContext
+from commfuse.transforms.group_partition import GroupPlan, apply_group_partition, plan_group_partition
+from commfuse.passmgr.verifier import verify_graph
+from commfuse.testing.equivalence import check_equivalent
 from commfuse.session import hierarchy_layout, mesh_blocks, reset, subgroup_names
 from commfuse.testing.fake_pg import fake_process_group
 from commfuse.testing.graphs import _copy

@@ -22,10 +22,10 @@ from commfuse.costmodel.lagom import (
     CommunicatorPool, PoolGroupPlan, SettingTimeModel, brute_force, communicator_memory_bytes, default_setting,
     evaluate_settings, ladder_for, lagom_search, plan_communicator_pool, pool_alias, validate_communicator_ctas)
 from commfuse.costmodel.topology import PRESETS
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 from commfuse.ir import CollectiveIR
-from commfuse.passes.lagom_tune import SETTING_META
-from commfuse.passes.registry import DEFAULT_PIPELINE
+from commfuse.transforms.lagom_tune import SETTING_META
+from commfuse.transforms.registry import DEFAULT_PIPELINE
 from commfuse.testing.fake_pg import fake_mesh, fake_process_group
 
 from _graphs import prefetch_graph
@@ -446,7 +446,7 @@ def test_nccl_pool_group_created_with_cta_bounds(tmp_path):
         alias = pool_alias(1, 2, (0,))
         S._create_communicator_pool(sess, [PoolGroupPlan((0,), 1, 2, alias)])
         pg = sess.communicator_pool[alias]
-        from commfuse._torch_private import resolve_process_group
+        from commfuse.core.torch_private import resolve_process_group
 
         assert resolve_process_group(alias) is pg
         t = torch.ones(4, device="cuda")

@@ -14,9 +14,9 @@ import commfuse
 from commfuse.costmodel import AnalyticCostModel, Topology
 from commfuse.costmodel.simulator import Simulator
 from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
-from commfuse.passes.layer_level import LayerCosts, backward_layers, chain_of, layer_name, preferred_order
-from commfuse.passes.schedule_list import build_problem
-from commfuse.reference.equivalence import check_equivalent
+from commfuse.schedule.layer_level import LayerCosts, backward_layers, chain_of, layer_name, preferred_order
+from commfuse.schedule.list_scheduler import build_problem
+from commfuse.testing.equivalence import check_equivalent
 from commfuse.testing.fake_pg import fake_mesh
 from commfuse.testing.graphs import capture_aot_graphs
 

@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing import FileCheck
 
 import commfuse
-from commfuse.errors import ConfigError
+from commfuse.core.errors import ConfigError
 from commfuse.lowering import build_plan, lower_graph
 from commfuse.lowering.plan import SETTING_META, STREAM_META
 from commfuse.lowering.recorder import CollectiveRecord, Recorder, RegionRecord, record

@@ -16,9 +16,9 @@ import commfuse
 from commfuse.costmodel import AnalyticCostModel, Topology
 from commfuse.costmodel.simulator import Simulator
 from commfuse.ir.graph_ir import CollectiveIR
-from commfuse.passes.model_level import (Eq2Inputs, eq2_feasible, eq2_objective, grouped_order, microbatch_graph,
+from commfuse.schedule.model_level import (Eq2Inputs, eq2_feasible, eq2_objective, grouped_order, microbatch_graph,
                                          solve_eq2)
-from commfuse.passes.schedule_list import build_problem
+from commfuse.schedule.list_scheduler import build_problem
 from commfuse.testing.fake_pg import fake_mesh
 from commfuse.testing.graphs import capture_aot_graphs
 from commfuse.train_step import MICROBATCH_META_KEY

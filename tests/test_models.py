@@ -36,7 +36,7 @@ from commfuse.models.common import (
     global_loss,
 )
 from commfuse.testing.fake_pg import fake_mesh
-from commfuse.testing.rank_pool import get_pool
+from commfuse.tools.rank_pool import get_pool
 
 WORLD = 4
 FAKE_WORLD = 8

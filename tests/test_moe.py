@@ -14,8 +14,8 @@ import torch
 import commfuse
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.moe import MoELayer
-from commfuse.moe.ops import swiglu
-from commfuse.moe.routing import assign, capacity, capacity_can_bind, router_probs, top_k_gates
+from commfuse.ops.moe_layer.op import swiglu
+from commfuse.ops.moe_layer.routing import assign, capacity, capacity_can_bind, router_probs, top_k_gates
 from commfuse.testing.fake_pg import fake_mesh
 from commfuse.testing.graphs import capture_aot_graphs
 
@@ -250,7 +250,7 @@ def test_other_expert_parallel_group_is_refused():
     import torch.distributed._functional_collectives as funcol
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from commfuse.moe.ops import moe_layer
+    from commfuse.ops.moe_layer.op import moe_layer
     from commfuse.testing.fake_pg import fake_process_group
 
     with fake_process_group(4):

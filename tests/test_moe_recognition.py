@@ -23,10 +23,10 @@ from torch.testing import FileCheck
 import commfuse
 from commfuse.models import moe as moe_model
 from commfuse.models import moe_styles as ms
-from commfuse.moe.routing import capacity
-from commfuse.passes.moe_recognition import capacity_factor_for
+from commfuse.ops.moe_layer.routing import capacity
+from commfuse.transforms.moe_recognition import capacity_factor_for
 from commfuse.testing.fake_pg import fake_mesh
-from commfuse.testing.numerics import assert_close_tree, train_step_outputs
+from commfuse.reference.numerics import assert_close_tree, train_step_outputs
 
 from _jobs_moe_recognition import style_matches_eager, user_style_matches_eager
 

@@ -12,16 +12,16 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from commfuse.moe import MOE_LAYER, MOE_LAYER_BACKWARD
-from commfuse.moe.ops import moe_backward, moe_forward
-from commfuse.moe.routing import assign, capacity_can_bind, router_probs, top_k_gates
+from commfuse.ops.moe_layer.op import moe_backward, moe_forward
+from commfuse.ops.moe_layer.routing import assign, capacity_can_bind, router_probs, top_k_gates
 from commfuse.reference import (
     CollectiveMismatchError,
     DeadlockError,
     ReferenceSemanticsError,
     run_reference,
 )
-from commfuse.reference import crosscheck as cc
-from commfuse.reference.equivalence import check_equivalent, random_inputs
+from commfuse.testing import crosscheck as cc
+from commfuse.testing.equivalence import check_equivalent, random_inputs
 from commfuse.testing import assert_close_tree
 from commfuse.testing.fake_pg import fake_process_group
 

@@ -11,8 +11,8 @@ import torch.fx as fx
 import commfuse
 from commfuse.costmodel import Topology
 from commfuse.costmodel.topology import PRESETS
-from commfuse.passes.partition_search import Scheme, chunk_candidates, leaves_for, predicted
-from commfuse.passes.context import PassContext
+from commfuse.transforms.partition_search import Scheme, chunk_candidates, leaves_for, predicted
+from commfuse.passmgr.context import PassContext
 from commfuse.testing.fake_pg import fake_mesh
 from commfuse.testing.graphs import capture_aot_graphs
 
@@ -53,7 +53,7 @@ def _fsdp_graphs(mesh, dim: int = 256, seq: int = 64, ffn: int | None = None):
     return capture_aot_graphs(model, batch.inputs, loss=lambda out: simple_fsdp.loss_fn(out, batch))
 
 
-def _search(gm: fx.GraphModule, topo: Topology, **cfg) -> commfuse.report.PassRecord:
+def _search(gm: fx.GraphModule, topo: Topology, **cfg) -> commfuse.passmgr.report.PassRecord:
     commfuse.optimize(gm, commfuse.Config(passes=["centauri_partition"], topology=topo, strict=True, **cfg),
                       graph_kind="forward")
     return commfuse.last_report(gm).passes[0]

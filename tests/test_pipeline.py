@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch.testing import FileCheck
 
 import commfuse
-from commfuse.errors import ConfigError, PassError, VerificationError
+from commfuse.core.errors import ConfigError, PassError, VerificationError
 from commfuse.passes import GraphPass, PassResult, Stage, register_pass, unregister_pass, verify_graph
 from commfuse.testing.fake_pg import fake_process_group
 
@@ -144,7 +144,7 @@ def test_a_failing_pass_after_unchanged_and_changed_passes_restores_the_graph_be
         all_kinds_gm, test_passes, monkeypatch):
     """One snapshot serves a run of passes that change nothing; after a pass that changed the
     graph, a failing pass restores the changed graph, not the input."""
-    import commfuse.passes.pipeline as pipeline_mod
+    import commfuse.passmgr.pipeline as pipeline_mod
 
     register_pass(_NoChange)
     copies = []
@@ -292,7 +292,7 @@ def test_unwritable_dump_dir_warns_and_does_not_change_result(tmp_path):
 
 def test_dump_escapes_markup_in_names(tmp_path):
     from commfuse.ir import CollectiveIR
-    from commfuse.render import graph_to_dot
+    from commfuse.passmgr.render import graph_to_dot
 
     def f(x):
         return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "<b>&grp"))
@@ -310,7 +310,7 @@ def test_condensed_picture_of_a_run_without_ops_renders():
     import shutil
 
     from commfuse.ir import CollectiveIR
-    from commfuse.render import condensed_dot, dot_to_svg
+    from commfuse.passmgr.render import condensed_dot, dot_to_svg
 
     def f(x, y):
         return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0")) + y

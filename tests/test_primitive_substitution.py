@@ -22,9 +22,10 @@ from commfuse.costmodel.collectives import AlphaBeta, CollectiveModel, Collectiv
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import CollectiveKind as K
-from commfuse.passes import primitive_substitution as ps
-from commfuse.passes.context import PassContext
-from commfuse.reference.equivalence import check_equivalent
+from commfuse.transforms import primitive_substitution as ps
+from commfuse.passmgr.context import PassContext
+from commfuse.passmgr.cost import CostPolicy
+from commfuse.testing.equivalence import check_equivalent
 from commfuse.testing.fake_pg import fake_process_group
 from commfuse.testing.graphs import _copy
 
@@ -257,7 +258,7 @@ def test_cost_model_applies_where_the_substitute_is_predicted_faster(monkeypatch
     broadcasts cheaper: the pass applies them and records both predictions."""
     topo = Topology.preset("dgx-h100")
     params = CollectiveParams(fits=[AlphaBeta(kind=K.ALL_GATHER, group_size=N, alpha_us=1000.0, beta_us_per_byte=0.0)])
-    monkeypatch.setattr(ps, "estimator_for", lambda ctx: AnalyticCostModel(topo, "nccl", params))
+    monkeypatch.setattr(CostPolicy, "model", property(lambda self: AnalyticCostModel(topo, "nccl", params)))
     with fake_process_group(N):
         gm = _trace(lambda x, y: (_ag_dim0(x), _rs_dim0_sum(y)), (2, 3), (8, 3))
         before = _copy(gm)

@@ -23,7 +23,7 @@ from commfuse.reference import (
     run_reference,
     unregister_semantics,
 )
-from commfuse.reference import crosscheck as cc
+from commfuse.testing import crosscheck as cc
 from commfuse.testing import assert_bitwise_equal_tree, assert_close_tree
 from commfuse.testing.fake_pg import fake_process_group
 

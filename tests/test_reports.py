@@ -1,4 +1,4 @@
-"""Volume report, validator and HTML page in one process (fake process groups; issue #12).
+"""Volume report, validator and HTML page in one process (fake process groups).
 
 The volume report must reproduce the byte numbers derived in docs/chimera.md and
 docs/chimera-moe.md for the example models; formula checks, pass reasons, CLI exit codes,
@@ -16,7 +16,7 @@ import torch
 
 import commfuse
 from commfuse.__main__ import main as cli
-from commfuse.report import AnalysisReport
+from commfuse.passmgr.report import AnalysisReport
 from commfuse.reports import (predict_timelines, validate, volume_from_dump_dir, volume_from_graph,
                               volume_from_reports)
 from commfuse.reports.html import render_html

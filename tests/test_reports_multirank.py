@@ -1,4 +1,4 @@
-"""Measured vs predicted on 4 gloo ranks, for every example model (issue #12 part 2).
+"""Measured vs predicted on 4 gloo ranks, for every example model.
 
 Each example is compiled with commfuse (eager inner compiler), dumped per rank and run with the
 runtime recorder; the validator matches every recorded c10d call to the lowering plan of its

@@ -13,8 +13,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from commfuse.costmodel import AnalyticCostModel, Topology
 from commfuse.costmodel.simulator import Simulator
 from commfuse.ir.graph_ir import CollectiveIR
-from commfuse.passes.schedule_cpsat import liveness, refine_windows, window_memory
-from commfuse.passes.schedule_list import Priority, build_problem, list_schedule, live_profile
+from commfuse.schedule.cpsat import liveness, refine_windows, window_memory
+from commfuse.schedule.list_scheduler import Priority, build_problem, list_schedule, live_profile
 from commfuse.testing.fake_pg import fake_mesh, fake_process_group
 from commfuse.testing.graphs import capture_aot_graphs
 

@@ -16,8 +16,8 @@ import commfuse
 from commfuse.costmodel import AnalyticCostModel, Topology
 from commfuse.costmodel.simulator import Simulator
 from commfuse.ir.graph_ir import CollectiveIR
-from commfuse.passes.schedule_list import build_problem, max_inflight
-from commfuse.reference.equivalence import check_equivalent
+from commfuse.schedule.list_scheduler import build_problem, max_inflight
+from commfuse.testing.equivalence import check_equivalent
 from commfuse.testing.fake_pg import fake_mesh, fake_process_group
 from commfuse.testing.graphs import capture_aot_graphs
 
@@ -237,7 +237,7 @@ def test_simple_fsdp_on_four_gloo_ranks_is_bitwise_equal_to_eager(rank_pool_4):
 def test_default_pipeline_with_the_scheduler_matches_eager(rank_pool_4, example):
     from _multirank_jobs import compiled_matches_eager
 
-    from commfuse.passes.registry import DEFAULT_PIPELINE
+    from commfuse.transforms.registry import DEFAULT_PIPELINE
 
     passes = [*DEFAULT_PIPELINE, "schedule_overlap"]
     results = rank_pool_4.run(compiled_matches_eager, example, "float32", "eager", 2, passes, timeout=240)

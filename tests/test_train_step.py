@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import commfuse
 from commfuse.passes import GraphPass, PassResult, Stage, register_pass, unregister_pass
-from commfuse.testing.numerics import assert_close_tree
+from commfuse.reference.numerics import assert_close_tree
 from commfuse.train_step import compile_train_step, microbatch_of
 
 EAGER = commfuse.Config(inner_compiler="eager", strict=True)

@@ -18,10 +18,10 @@ from torch.testing import FileCheck
 
 import commfuse
 from commfuse.ir.graph_ir import CollectiveIR
-from commfuse.passes.context import PassContext
-from commfuse.passes.workload_partition import (WorkloadPlan, apply_workload_partition,
+from commfuse.passmgr.context import PassContext
+from commfuse.transforms.workload_partition import (WorkloadPlan, apply_workload_partition,
                                                 plan_workload_partition)
-from commfuse.reference.equivalence import check_equivalent
+from commfuse.testing.equivalence import check_equivalent
 from commfuse.testing.fake_pg import fake_mesh, fake_process_group
 from commfuse.testing.graphs import _copy, capture_aot_graphs
 
@@ -44,7 +44,7 @@ def _kinds(gm) -> list[str]:
     return [c.kind.value for c in CollectiveIR(gm).collectives]
 
 
-# ---------------------------------------------------------------- the three acceptance patterns
+# ---------------------------------------------------------------- the three target patterns
 def _fsdp_linear(w_shard, x):
     """SimpleFSDP: the weight's dim-0 shard all_gathered right before its matmul."""
     w = funcol.all_gather_tensor(w_shard, 0, dist.group.WORLD)
@@ -337,12 +337,12 @@ def test_chain_choice_follows_the_centauri_rule(monkeypatch):
             from commfuse.costmodel.estimator import CollectiveEstimate
             return CollectiveEstimate(self.comm_us, 0, "test")
 
-    import commfuse.passes.cost as cost
+    from commfuse.passmgr.cost import CostPolicy
 
     with fake_process_group(4):
         gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 8))
         for comm_us, dim in ((10.0, 1), (50.0, 0), (1000.0, 0)):
-            monkeypatch.setattr(cost, "estimator_for", lambda ctx, e=Est(comm_us): e)
+            monkeypatch.setattr(CostPolicy, "model", property(lambda self, e=Est(comm_us): e))
             plan = _plan(gm)
             assert plan.dim == dim and plan.comm_us == comm_us, (comm_us, plan)
             assert plan.compute_us == (61.0 if dim == 0 else 22.0)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass, field
-from typing import ClassVar, FrozenSet
+from typing import ClassVar, FrozenSet, Optional
+
+from commfuse.costmodel.topology import Topology
 
 from commfuse.passmgr.context import PassContext
 
@@ -41,6 +43,37 @@ class PassResult:
     decisions: list[dict] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class FuzzSpec:
+    """How the pass fuzzer (:mod:`commfuse.fuzz`) checks a pass, declared with the pass.
+
+    * ``generators``: the program families that exercise it (``commfuse.fuzz.generator.FAMILIES``;
+      None: all);
+    * ``needs_joint``: only joint (forward + backward) graphs make sense for it;
+    * ``topology``: the ``Config.topology`` to fuzz it under (programs then use its world size);
+    * ``exact``: it never changes a value, so results must be bitwise equal (else the tolerance
+      policy of :func:`commfuse.reference.numerics.tolerances`);
+    * ``world_sizes``: the world sizes to generate (default 2, 4, 8);
+    * ``keeps_collective_order``: it adds, removes and reorders no collective (per-group sequence
+      hashes and the total-order hash unchanged);
+    * ``scaled_tolerance``: compare outputs normalised by their magnitude (for passes that regroup
+      sums over many ranks, whose rounding grows with the summands' magnitude);
+    * ``microbatches``: fuzz on joint programs run as 2-3 tagged micro-batches (fused train steps);
+    * ``not_fuzzed``: why the fuzzer cannot check the pass meaningfully, and what covers it instead
+      (then the other fields are unused).
+    """
+
+    generators: Optional[tuple[str, ...]] = None
+    needs_joint: bool = False
+    topology: Optional[Topology] = None
+    exact: bool = False
+    world_sizes: Optional[tuple[int, ...]] = None
+    keeps_collective_order: bool = False
+    scaled_tolerance: bool = False
+    microbatches: bool = False
+    not_fuzzed: Optional[str] = None
+
+
 class GraphPass(abc.ABC):
     """Subclasses set `name` and `stage` and implement `run`; the class docstring is the contract."""
 
@@ -49,6 +82,9 @@ class GraphPass(abc.ABC):
     # Analyses (commfuse.passmgr.context.Analysis keys) still valid after this pass changed the
     # graph; every other analysis of the graph is dropped then.
     preserves: ClassVar[FrozenSet] = frozenset()
+    # How the fuzzer checks this pass (None: the defaults, every family, tolerance compare; a pass
+    # in the registry table without one fails tests/test_fuzz.py until its author decides).
+    fuzz: ClassVar[Optional[FuzzSpec]] = None
 
     @abc.abstractmethod
     def run(self, ctx: PassContext) -> PassResult:

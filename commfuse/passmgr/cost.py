@@ -36,9 +36,11 @@ def graph_world(ir: CollectiveIR) -> int:
 
 
 class CostPolicy:
-    def __init__(self, topology: Optional[Topology]) -> None:
+    def __init__(self, topology: Optional[Topology], *, model: Optional[AnalyticCostModel] = None) -> None:
+        """``model``: price with this estimator (e.g. one built from a calibrated profile) instead of
+        the topology's analytic model."""
         self.topology = topology
-        self._model: Optional[AnalyticCostModel] = None
+        self._model: Optional[AnalyticCostModel] = model
         self._defaults: dict[tuple[str, int], AnalyticCostModel] = {}
 
     @property
@@ -49,7 +51,7 @@ class CostPolicy:
     @property
     def model(self) -> Optional[AnalyticCostModel]:
         """The topology's model (None without a topology: callers refuse with "no topology")."""
-        if self.topology is None:
+        if self._model is None and self.topology is None:
             return None
         if self._model is None:
             self._model = AnalyticCostModel(self.topology, backend=self.backend)

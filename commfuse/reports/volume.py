@@ -50,12 +50,11 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-from commfuse.api import analyze
+from commfuse.api import analyze, pipeline_for
 from commfuse.config import Config
 from commfuse.costmodel import volume as V
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.passmgr.base import Stage
-from commfuse.passmgr.pipeline import Pipeline
 from commfuse.passmgr.report import AnalysisReport, CollectiveReport, PipelineReport
 
 # graph kinds whose *input* is the program as written, and whose *output* is what runs
@@ -482,7 +481,7 @@ def volume_from_graph(gm, config=None, *, graph_kind: str = "graph", optimize: b
         # The stages the backend runs on such a graph (joint: JOINT; partitioned: SCHEDULE).
         stages = {"joint": {Stage.JOINT}, "forward": {Stage.SCHEDULE},
                   "backward": {Stage.SCHEDULE}}.get(graph_kind, {Stage.JOINT, Stage.SCHEDULE})
-        rep = Pipeline.for_config(cfg.model_copy(update={"dump_dir": None})).run(
+        rep = pipeline_for(cfg.model_copy(update={"dump_dir": None})).run(
             after_gm, graph_kind=graph_kind, stages=stages)
         passes, notes = _passes_of(graph_kind, rep)
         dirs_after = _graph_directions(after_gm) if dirs is not None else None

@@ -25,7 +25,7 @@ Source: Chimera (ISCA '25) §3: split, reorder, fuse (Table 3), applied repeated
 
 from __future__ import annotations
 
-from commfuse.passmgr.base import PassResult, Stage
+from commfuse.passmgr.base import FuzzSpec, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.passmgr.pipeline import PassPipeline, restore_graph, snapshot_graph
 from commfuse.transforms.collective_motion import CollectiveMotion
@@ -37,6 +37,8 @@ class Chimera(PassPipeline):
     __doc__ = __doc__
     name = "chimera"
     stage = Stage.JOINT
+    # Chimera composes the three steps above: the families where they meet (MoE layer included).
+    fuzz = FuzzSpec(generators=("tp", "sp", "moe", "mixed", "moe_layer"))
     steps = (SplitAllReduce, CollectiveMotion, FuseCollectives)
 
     def run(self, ctx: PassContext) -> PassResult:

@@ -44,7 +44,7 @@ from commfuse.analysis.shard_rules import Complete, Layout, LocalOp, Partial, Ru
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective, ParallelRole
 from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
-from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 
 PARTIAL_BUDGET = 0.25  # partial-sum all_reduces may cost at most this share of the gathers removed
@@ -375,6 +375,12 @@ class CollectiveMotion(GraphPass):
     __doc__ = __doc__
     name = "collective_motion"
     stage = Stage.JOINT
+    # Motion changes where sums happen (partial sums reduced across ranks): tolerance compare.
+    # Fuzzed programs carry no user-given TP role, so only provably replicated operands move
+    # (the TP-contract path is covered by tests/test_chimera.py on reference and gloo runs).
+    # moe_layer: gathers in front of commfuse's MoE layer op, which motion moves onto token shards
+    # (passes/moe_rules.py).
+    fuzz = FuzzSpec(generators=("tp", "sp", "fsdp", "mixed", "moe_layer"))
 
     def run(self, ctx: PassContext) -> PassResult:
         refusals: list[str] = []

@@ -49,7 +49,7 @@ from commfuse.dhelix.interleave import InterleavePlan, plan_interleaving, segmen
 from commfuse.dhelix.overlap import OEFTable, default_oef
 from commfuse.dhelix.profile import load_oef_profile
 from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
-from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.schedule.list_scheduler import apply_order, build_problem
 from commfuse.schedule.model_level import Eq2Inputs, microbatch_graph, solve_eq2
@@ -107,6 +107,11 @@ class DHelixInterleave(GraphPass):
     __doc__ = __doc__
     name = "dhelix_interleave"
     stage = Stage.SCHEDULE
+    # DHelix interleaving reorders a fused train-step graph (micro-batch and phase tags; the fuzzer's
+    # micro-batched joint programs): only the order changes, so values are bitwise equal; the two
+    # strands' collectives interleave, so the issue order changes. tp/sp/fsdp/moe: the families of
+    # the models it targets.
+    fuzz = FuzzSpec(generators=("tp", "sp", "fsdp", "moe"), exact=True, microbatches=True)
 
     def run(self, ctx: PassContext) -> PassResult:
         if not is_fused_graph(ctx.gm):

@@ -74,7 +74,7 @@ from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind, collective_spec
 from commfuse.ir.shapes import shape_of
-from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 
 aten = torch.ops.aten
@@ -427,6 +427,10 @@ class FuseCollectives(GraphPass):
     __doc__ = __doc__
     name = "fuse_collectives"
     stage = Stage.JOINT
+    # Fusion changes where and in which order sums happen (an all_reduce for a reduce_scatter,
+    # N·x for the sum of N equal copies): tolerance compare. The families that place
+    # gathers, scatters and all_to_alls next to each other on one group.
+    fuzz = FuzzSpec(generators=("sp", "moe", "mixed"))
 
     def run(self, ctx: PassContext) -> PassResult:
         counts = {k: 0 for k in FUSION_KEYS}

@@ -65,7 +65,7 @@ from commfuse.costmodel.topology import Topology
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
-from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.passmgr.cost import DEFAULT_GLOO_TOPOLOGY
 
@@ -216,6 +216,11 @@ class GlooReduceScatter(GraphPass):
     __doc__ = __doc__
     name = "gloo_reduce_scatter"
     stage = Stage.SCHEDULE
+    # gloo reduce_scatter lowering (all_to_all + local sum): no topology, so CPU inputs are priced
+    # with the cpu-gloo preset and every sum/avg reduce_scatter is lowered, in every family and world
+    # size. The local sum adds the chunks in group-rank order in the input dtype, the interpreter's
+    # canonical order: bitwise equal. The all_to_all replaces the reduce_scatter (hashes change).
+    fuzz = FuzzSpec(exact=True)
 
     def run(self, ctx: PassContext) -> PassResult:
         candidates = [c for c in ctx.ir.collectives if c.kind is K.REDUCE_SCATTER]

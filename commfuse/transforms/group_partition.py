@@ -56,10 +56,11 @@ import torch.fx as fx
 
 from commfuse.costmodel.collectives import message_bytes
 from commfuse.costmodel.hierarchy import hierarchy_layout, mesh_blocks
+from commfuse.costmodel.topology import Topology
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind, collective_spec
-from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms.split_all_reduce import SPLITTABLE_OPS, split_dim
 
@@ -308,6 +309,19 @@ class GroupPartition(GraphPass):
     __doc__ = __doc__
     name = "group_partition"
     stage = Stage.JOINT
+    # Centauri group partition: 2 nodes x 4 ranks, the world and the strided groups of 4 (2 ranks
+    # on each node) get sub-groups (check.py sets them up as `commfuse.setup` does); latency-bound
+    # links with a cheap launch so the hierarchical sequences pay on the fuzzer's small tensors.
+    # Sums are regrouped (intra-node first, then across nodes): tolerance compare, scaled by each
+    # output's magnitude, since the generated programs reach values of 10^2-10^3 where the plain
+    # policy (O(1) values) flags rounding (seed 20240: 7 of 116 rewritten programs; each one equal
+    # to the flat program to 1e-14 when run in float64, its own error against that no larger).
+    # Families with top-k routers are left out: a regrouped bf16 sum before a router flips routing
+    # decisions (outputs differ by O(1) although equal in float64); the families kept exercise every
+    # kind the pass rewrites, on the world and on strided groups.
+    fuzz = FuzzSpec(generators=("tp", "sp", "fsdp", "pp", "coalesced"), world_sizes=(8,), scaled_tolerance=True, topology=Topology(
+        name="fuzz-2x4", num_nodes=2, ranks_per_node=4, intra_node_bandwidth_GBps=100.0, inter_node_bandwidth_GBps=1.0,
+        intra_node_latency_us=1.0, inter_node_latency_us=5.0, collective_launch_us=0.1))
 
     def run(self, ctx: PassContext) -> PassResult:
         counts = {"partitioned": 0, "inter_first": 0, "intra_first": 0, "predicted_flat_us": 0,

@@ -39,7 +39,8 @@ from dataclasses import asdict
 
 from commfuse.core.meta import SETTING_META  # noqa: E402  (read by the lowering plan)
 from commfuse.costmodel.lagom import MEMORY_FORMULA, CommunicatorPool, lagom_search
-from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.costmodel.topology import PRESETS, Topology
+from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 
 
@@ -52,6 +53,12 @@ class LagomTune(GraphPass):
     __doc__ = __doc__
     name = "lagom_tune"
     stage = Stage.SCHEDULE
+    # Lagom communicator settings: the pass only writes node.meta (no node added, moved or changed), so
+    # values must be bitwise equal and the collective sequence untouched. Fuzzed under a GPU topology
+    # (DGX-H100 figures, 2 nodes x 2 ranks: intra- and inter-node groups) so the search really runs on
+    # every family's collectives (a CPU topology makes it a no-op).
+    fuzz = FuzzSpec(exact=True, keeps_collective_order=True, world_sizes=(4,), topology=Topology(
+        **{**PRESETS["dgx-h100"], "name": "fuzz-gpu-2x2", "num_nodes": 2, "ranks_per_node": 2}))
 
     def run(self, ctx: PassContext) -> PassResult:
         topo = ctx.topology

@@ -62,9 +62,10 @@ from commfuse.core.torch_private import copy_graph
 from commfuse.costmodel.simulator import SimResult, Simulator
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind
-from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms import group_partition, primitive_substitution, workload_partition
+from commfuse.transforms.group_partition import GroupPartition
 from commfuse.transforms.sink_waits import SinkWaits
 
 log = logging.getLogger("commfuse")
@@ -265,6 +266,10 @@ class CentauriPartition(GraphPass):
     __doc__ = __doc__
     name = "centauri_partition"
     stage = Stage.SCHEDULE
+    # The partition search composes the three above (workload -> primitive -> group per leaf) and keeps
+    # the leaf the simulator prices cheapest, on the group-partition fuzz topology (sub-groups set up
+    # by check.py): tolerance compare scaled like its building blocks.
+    fuzz = FuzzSpec(generators=("tp", "sp", "fsdp", "mixed"), world_sizes=(8,), scaled_tolerance=True, topology=GroupPartition.fuzz.topology)
 
     def run(self, ctx: PassContext) -> PassResult:
         if ctx.cost.model is None:

@@ -61,7 +61,7 @@ from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind, collective_spec
 from commfuse.ir.layout import match_gather_shuffle, match_scatter_shuffle
 from commfuse.ops.reduce_to_root.op import REDUCE_TO_ROOT
-from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms.split_all_reduce import split_dim, split_one, why_not_splittable
 
@@ -362,6 +362,13 @@ class PrimitiveSubstitution(GraphPass):
     __doc__ = __doc__
     name = "primitive_substitution"
     stage = Stage.JOINT
+    # Centauri primitive substitution (Table 2). Under the standalone cost model the substitutes
+    # are predicted slower (same bytes, more launches), so `primitive_substitution` fuzzes its
+    # refusal path on the 2 nodes x 2 ranks CPU topology; `primitive_substitution_forced` (same
+    # code, cost model not asked) applies every feasible form (rs_ag, rooted broadcasts, rooted
+    # reduces) on every family and world size. The reference reduces in canonical order and the
+    # rooted reduces' -0.0 adds are exact, so both must be bitwise equal.
+    fuzz = FuzzSpec(topology=Topology.preset("cpu-gloo", num_nodes=2), exact=True)
 
     def run(self, ctx: PassContext) -> PassResult:
         return substitute_all(ctx, force=False)

@@ -21,7 +21,7 @@ Source: Centauri (ASPLOS '24) §3.1, Table 2.
 
 from __future__ import annotations
 
-from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms.primitive_substitution import substitute_all
 
@@ -30,6 +30,7 @@ class PrimitiveSubstitutionForced(GraphPass):
     __doc__ = __doc__
     name = "primitive_substitution_forced"
     stage = Stage.JOINT
+    fuzz = FuzzSpec(exact=True)
 
     def run(self, ctx: PassContext) -> PassResult:
         return substitute_all(ctx, force=True)

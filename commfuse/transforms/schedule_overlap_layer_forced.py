@@ -19,10 +19,13 @@ Source: Centauri §3.2.2 (Eq. 1).
 
 from __future__ import annotations
 
+from commfuse.passmgr.base import FuzzSpec
 from commfuse.transforms.schedule_overlap import ScheduleOverlap
 
 
 class ScheduleOverlapLayerForced(ScheduleOverlap):
     __doc__ = __doc__
     name = "schedule_overlap_layer_forced"
+    # Re-chains collectives inside a layer (Eq. 1), so the issue order may change; values may not.
+    fuzz = FuzzSpec(exact=True)
     force_layer_level = True

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from commfuse.ir.kinds import is_wait
 from commfuse.ir.rewrite import mutates
-from commfuse.passmgr.base import GraphPass, PassResult, Stage
+from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 
 
@@ -36,6 +36,9 @@ class SinkWaits(GraphPass):
     __doc__ = __doc__
     name = "sink_waits"
     stage = Stage.SCHEDULE
+    # sink_waits only moves waits: every value bitwise identical and the collective sequence
+    # untouched (its contract), on every family.
+    fuzz = FuzzSpec(exact=True, keeps_collective_order=True)
 
     def run(self, ctx: PassContext) -> PassResult:
         graph = ctx.gm.graph
