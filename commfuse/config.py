@@ -66,7 +66,7 @@ class Config(BaseModel):
         per routed token instead of 2H). "always": every proven region. "off": none.
     workload_chunks: how many chunks the Centauri workload partition cuts a collective and
         the compute chained to it into. None (default): Centauri's Algorithm 1 picks per
-        collective from the cost model (``passes/algorithm1.py``; 2 without a topology).
+        collective from the cost model (``analysis/chunking.py``; 2 without a topology).
     max_chunks: upper bound on any chunk count commfuse chooses (MAX_CHUNKS of Centauri's
         Algorithm 1); ``workload_chunks`` must not exceed it.
     partition_search_budget: compile-time budget of the Centauri partition search per graph,

@@ -148,7 +148,7 @@ def _as_topology(topology: Union[Topology, str, Path, dict, None]) -> Optional[T
 
 
 # Registering this rank's sub-group under an alias is what makes one graph valid on every
-# rank (module docstring); the registry is private c10d API, wrapped in _torch_private.
+# rank (module docstring); the registry is private c10d API, wrapped in core/torch_private.py.
 def _register_alias(name: str, pg: Any) -> None:
     register_process_group_alias(name, pg)
 

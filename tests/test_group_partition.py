@@ -171,7 +171,7 @@ def _ar(op="sum"):
 
 
 def _apply(gm, topo, order):
-    ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo)
+    ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo, session=commfuse.session.current_session())
     (c,) = ctx.ir.collectives
     code = gm.code
     plan = plan_group_partition(ctx, c, order=order)

@@ -113,7 +113,7 @@ def test_budget_bounds_the_search_and_is_reported(dgx2_fsdp):
 
 def test_leaves_include_every_level_for_a_spanning_all_gather(dgx2_fsdp):
     gm = dgx2_fsdp["forward"]
-    ctx = PassContext(gm, commfuse.Config(), topology=DGX2)
+    ctx = PassContext(gm, commfuse.Config(), topology=DGX2, session=commfuse.session.current_session())
     ag = next(c for c in ctx.ir.collectives if c.kind.value == "all_gather")
     leaves = leaves_for(ctx, ag)
     assert Scheme() in leaves

@@ -19,11 +19,12 @@ Choices the paper leaves open, and what commfuse does
 * Group-partitioned collectives: ``cost_inter`` / ``cost_intra`` are the estimated times of
   the inter- and intra-node steps of the hierarchical sequence; ``inter_size`` and
   ``intra_size`` the sub-group sizes. The granularity is returned as fractions of the
-  workload; the workload partition cuts even chunks today, so an uneven granularity is
+  workload; the workload partition cuts even chunks only, so an uneven granularity is
   reported in the decision but applied as that many even chunks (not implemented: uneven
   chunk sizes).
 
-Source: Centauri (ASPLOS '24) §3.2, Algorithm 1 (``../shared/reference/centauri.md``).
+Source: "Centauri: Enabling Efficient Scheduling for Communication-Computation Overlap in Large Model
+Training via Communication Partitioning" (Chen et al., ASPLOS '24), §3.2, Algorithm 1.
 """
 
 from __future__ import annotations

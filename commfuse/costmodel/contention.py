@@ -1,8 +1,9 @@
 """How much slower a compute kernel runs while a collective runs next to it.
 
 What it models
-    *GPUs / NCCL* — Lagom's Eqs. 4-6 (`shared/reference/lagom.md`). A collective
-    j running with ``NC`` channels (one CTA, i.e. one SM, each) and chunk size
+    *GPUs / NCCL* — Lagom's Eqs. 4-6 (§3.2 of "Lagom: Unleashing the Power of
+    Communication and Computation Overlapping for Distributed LLM Training", Xu et al.).
+    A collective j running with ``NC`` channels (one CTA, i.e. one SM, each) and chunk size
     ``C`` leaves ``λ - NC`` SMs to compute kernel i and takes ``V(NC, C)`` of the
     memory bandwidth ``B̄``:
 

@@ -101,7 +101,8 @@ Determinism
     Only the graph, the estimator (topology, profile) and the pool from ``commfuse.setup``
     enter; ties break by graph order and rung. Same answer on every rank.
 
-Source: Lagom (seed 003, ``shared/reference/lagom.md``): Eqs. 1, 4-7, Algorithms 1-2, §3.3-3.4.
+Source: "Lagom: Unleashing the Power of Communication and Computation Overlapping for
+Distributed LLM Training" (Xu et al.): Eqs. 1, 4-7 (§3.1-3.3), Algorithms 1-2 (§3.4).
 """
 
 from __future__ import annotations

@@ -65,7 +65,9 @@ Incremental re-estimation
     the collective IR is rebuilt only when a collective start changed.
 
 Sources
-    Centauri (overlap bound, ``shared/reference/centauri.md``); Inductor's
+    "Centauri: Enabling Efficient Scheduling for Communication-Computation Overlap in
+    Large Model Training via Communication Partitioning" (Chen et al., ASPLOS '24), §5.4
+    (the overlap speedup bound min(1/α, 1/(1-α))); Inductor's
     ``estimate_peak_memory`` and ``comms.sink_waits`` for the memory and
     stream conventions; Chrome trace event format (``ph: "X"``, ``"M"``).
 """

@@ -8,8 +8,9 @@ Contract
     :data:`N2`, :data:`k` are provided for symbolic use. ``elt`` is the element
     size in bytes (default 1: the formulas then count elements).
 
-    Two conventions are kept apart, never mixed (the NCCL-trace thesis's
-    lesson, ``shared/reference/nccl-trace-thesis.md``):
+    Two conventions are kept apart, never mixed (the lesson of the volume validation
+    in the NCCL-trace thesis: L. Borzyk, "Understanding LLM Communication", Heidelberg
+    University, 2026, §5.3.5):
 
     * ``*_logged``: NCCL count semantics, what ``NCCL_DEBUG=INFO`` logs as
       ``count x dtype size``: all_gather logs the per-rank *send* count,
@@ -22,9 +23,10 @@ Contract
 
 Sources
     * Chimera Table 1 (per-rank overhead of each collective of hybrid
-      parallelism) and Table 2 (redundancy at transitions between patterns):
-      ``shared/reference/chimera.md``. Chimera's overheads are wire volumes.
-    * The thesis's DP/TP/PP/EP models (``shared/reference/nccl-trace-thesis.md``),
+      parallelism) and Table 2 (redundancy at transitions between patterns), §3.2 of
+      "Chimera: Communication Fusion for Hybrid Parallelism in Large Language Models"
+      (Qin et al., ISCA '25). Chimera's overheads are wire volumes.
+    * The thesis's DP/TP/PP/EP models (§2.4.1-2.4.5),
       with every count its "validation" got wrong made an explicit input:
       micro-batches ``m``, layers per stage, MoE layers, top-k, collectives per
       layer. No correction factors.
@@ -408,7 +410,7 @@ def llama_param_count(layers: Num, dim: Num, ffn_dim: Num, vocab: Num | None = N
     return sympy.expand(total)
 
 
-# --------------------------------------------------------------------------- boundary transitions (issue #10)
+# --------------------------------------------------------------------------- boundary transitions
 # Table 2's boundary rows (SP+PP, TP+PP, PP+EP) written out with commfuse's boundary ops: the P2P
 # and M2MS of each row become a `commfuse::stage_transfer` / `commfuse::m2ms` piece matrix over the
 # ranks of both stages, and their per-rank volume is computed by the IR's own rule

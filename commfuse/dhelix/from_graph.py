@@ -33,7 +33,7 @@ Contract
   gives :func:`~.plan_dp.search_plans`; its memory deltas come from re-cutting that graph.
 
 Source: DHelix (Wang et al., "Hiding Communication Cost in Distributed LLM Training via
-Micro-batch Co-execution"), Sec. 4.2 ("Operator Sequencing and Partitioning"); issue #11.
+Micro-batch Co-execution"), Sec. 4.2 ("Operator Sequencing and Partitioning").
 """
 
 from __future__ import annotations

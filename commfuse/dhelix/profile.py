@@ -30,7 +30,7 @@ Contract
   ``comm_cross`` after the profile's ``comm_scope``); pairs with no measurement (always
   compute x compute, and the other comm scope) take the fallback table's factor.
 
-Source: DHelix (Wang et al.), Sec. 3.2 Eq. 1 and Fig. 4 (pairwise overlap profiling); issue #11 part 2.
+Source: DHelix (Wang et al.), Sec. 3.2 Eq. 1 and Fig. 4 (pairwise overlap profiling).
 """
 
 from __future__ import annotations

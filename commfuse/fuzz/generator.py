@@ -70,7 +70,7 @@ class Val:
 
 # Optional program features, off by default (see generate_program):
 #   inplace_buffer_reads: ops after an in-place collective read its buffer directly (after the
-#   wait) instead of the wait's result. The verifier currently rejects such graphs
+#   wait) instead of the wait's result. The verifier rejects such graphs
 #   (docs/reliability.md, finding 1), so CI campaigns leave it off.
 FEATURES = ("inplace_buffer_reads",)
 

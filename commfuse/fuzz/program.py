@@ -378,7 +378,7 @@ def _p2p(ctx, op, x):
     return [_W(r)]
 
 
-# -- commfuse's boundary ops (commfuse.ops, issue #10) ----------------------------------
+# -- commfuse's boundary ops (commfuse.ops.boundary) ------------------------------------
 def _m2ms(ctx, op, x):
     # many-to-many scatter from op["src"] to op["dst"] (group ranks of the op's group) along
     # op["dim"] with the piece matrix op["splits"]: this rank's input is the first (its row

@@ -79,7 +79,7 @@ class Collective:
     def signature(self) -> tuple:
         """What must match across ranks for the collective sequences to agree."""
         # Ops whose input shapes legitimately differ between ranks (commfuse::m2ms: a rank's
-        # input is its row of the piece matrix) give a rank-independent stand-in (ir/boundary.py).
+        # input is its row of the piece matrix) give a rank-independent stand-in (ops/boundary/ir_view.py).
         shapes = self.extra.get("signature_shapes")
         return (
             self.kind.value,

@@ -58,7 +58,7 @@ class CollectiveOpSpec:
     coalesced: bool = False  # returns a list of tensors, each waited separately
     inplace: bool = False  # mutates its input (all_reduce_, broadcast_)
     # Op-specific completion of the IR record after the generic builder (rank-dependent shapes
-    # and bytes, logical dims, the hashed signature): commfuse's boundary ops (ir/boundary.py).
+    # and bytes, logical dims, the hashed signature): commfuse's boundary ops (ops/boundary/ir_view.py).
     refine: Optional[Callable[[Any], None]] = None
     # Completes inside its kernel (issues and waits): no wait_tensor follows; the op's value is
     # the result (autograd variants of commfuse's boundary ops, like moe_layer's exchanges).

@@ -4,7 +4,7 @@ Inference is a best effort from graph structure alone (every rank sees the same
 graph, so every rank infers the same role). Rules, first match wins:
 
 * all_to_all -> EP; send/recv/batch_p2p -> PP
-* commfuse's boundary ops (ir/boundary.py): stage_transfer (p2p) -> PP; m2ms between disjoint
+* commfuse's boundary ops (ops/boundary/ir_view.py): stage_transfer (p2p) -> PP; m2ms between disjoint
   rank sets (a stage boundary) -> PP, m2ms with src == dst (an uneven all-to-all) -> EP
 * all_gather / reduce_scatter along a non-zero logical dim (sequence) -> SP
 * all_gather whose input is a graph input (a parameter shard) -> FSDP

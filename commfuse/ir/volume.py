@@ -9,9 +9,9 @@
   send S, recv 0, reduce (rooted, commfuse's own) S: a pipelined chain to the root, every
   rank but the root forwards the whole buffer once (the mirror image of broadcast).
 
-Keeping them apart is the lesson of the NCCL-trace thesis
-(`shared/reference/nccl-trace-thesis.md`): mixing them looks like a 2-4x model
-error. Values are exact (sympy Rational for fractions, sympy expressions for
+Keeping them apart is the lesson of the volume validation in the NCCL-trace thesis
+(L. Borzyk, "Understanding LLM Communication", Heidelberg University, 2026, §5.3.5):
+mixing them looks like a 2-4x model error. Values are exact (sympy Rational for fractions, sympy expressions for
 symbolic shapes).
 """
 

@@ -60,7 +60,7 @@ class CostPolicy:
     def default_model(self, ir: CollectiveIR, *, backend: str = "nccl") -> tuple[AnalyticCostModel, str]:
         """The topology's model, or the documented default for ``backend``; and its label."""
         if self.model is not None:
-            return self.model, self.topology.name
+            return self.model, self.topology.name if self.topology is not None else "given model"
         if backend == "gloo":
             key = ("gloo", 0)
             if key not in self._defaults:

@@ -33,7 +33,7 @@ class CollectiveReport(BaseModel):
     waits: list[str]
     role: str
     role_source: str
-    # commfuse's boundary ops (m2ms, stage_transfer; ir/boundary.py): bytes this rank receives
+    # commfuse's boundary ops (m2ms, stage_transfer; ops/boundary/ir_view.py): bytes this rank receives
     # (logged/wire bytes are what it sends) and the transfers in words
     received_bytes: JsonSize = None
     transfers: Optional[str] = None

@@ -48,7 +48,7 @@ Gathers/scatters along a dim other than 0 are written the way DTensor writes the
 dim-0 collective plus split/cat shuffles), which :mod:`commfuse.ir.layout` recognises as
 the logical dim.
 
-Source: Megatron-LM (Shoeybi et al. 2019, §3, the f/g operators); commfuse issue #10.
+Source: Megatron-LM (Shoeybi et al. 2019, §3, the f/g operators).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Transfers across boundary ``b`` pair positions: the rank at position ``p`` of st
 sends to the rank at position ``p`` of stage ``b+1`` (``boundary_pairs``), in group ranks
 of the boundary group.
 
-Source: commfuse issue #10 part 2 (pipeline runner); session.py (aliases for sub-groups).
+Source: session.py (aliases for sub-groups).
 """
 
 from __future__ import annotations

@@ -29,8 +29,6 @@ Contract
 - Guarantees: every node of the joint graph lands in exactly one part (transfers and
   their waits in two, constants in each reader); the parts' op calls, taken together per
   stage and phase, are the joint graph's; each part's code is readable (``write_dumps``).
-
-Source: commfuse issue #10 part 2 (pipeline runner).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ Contract
   Boundary transfers are point-to-point (``commfuse::stage_transfer``), matched per pair
   of ranks in posting order; both sides of a boundary post them in micro-batch order.
 
-Source: commfuse issue #10 part 2.
+Source: GPipe (Huang et al. 2019) and 1F1B (Narayanan et al. 2021), as in :mod:`.schedule`.
 """
 
 from __future__ import annotations

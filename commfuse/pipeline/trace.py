@@ -26,7 +26,7 @@ Contract
   micro-batch loss); outputs ``(loss, *grads)`` for the parameters that require grad.
 - Nothing here creates or resolves a process group; everything runs on fake tensors.
 
-Source: commfuse issue #10 part 2; torchtitan graph_pp (prior art: per-stage graphs
+Source: torchtitan graph_pp (prior art: per-stage graphs
 driven by torch.distributed.pipelining's runtime, transfers outside the graphs).
 """
 

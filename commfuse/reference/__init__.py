@@ -5,8 +5,8 @@
 
 See :mod:`.interpreter` (execution model), :mod:`.semantics` (what each collective
 computes; :func:`register_semantics` for new kinds, :func:`register_sync_op` for ops that
-communicate inside their kernel), :mod:`.moe_semantics` (``commfuse::moe_layer``),
-:mod:`.boundary` (commfuse's boundary ops ``m2ms`` / ``stage_transfer``) and
+communicate inside their kernel), :mod:`commfuse.ops.moe_layer.semantics` (``commfuse::moe_layer``),
+:mod:`commfuse.ops.boundary.semantics` (commfuse's boundary ops ``m2ms`` / ``stage_transfer``) and
 :mod:`.groups` (group names -> ranks). docs/reliability.md describes how the pass fuzzer uses it.
 """
 

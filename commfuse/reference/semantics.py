@@ -10,7 +10,7 @@ Two styles of semantics:
   coalesced op.
 * **group-synchronous ops** (:func:`register_sync_op`): compute ops that communicate inside
   their kernel, synchronously, on the group their arguments name (``commfuse::moe_layer``
-  and its backward, :mod:`.moe_semantics`): group semantics like a collective's, but the
+  and its backward, :mod:`commfuse.ops.moe_layer.semantics`): group semantics like a collective's, but the
   results are the op's return value (no wait).
 * **p2p** semantics (isend, irecv, batch_p2p_ops): a function ``fn(call) -> P2PPlan``
   saying what one rank sends (peer, tag, tensor) and receives (peer, tag, buffer),

@@ -1,4 +1,4 @@
-"""Reports over a compiled program (issue #12): communication volume before/after commfuse,
+"""Reports over a compiled program: communication volume before/after commfuse,
 the runtime's measured collectives against the plan, and one static HTML page.
 
 * :mod:`.volume` -- :class:`VolumeReport` from a graph, a compiled model's reports or a dump dir;

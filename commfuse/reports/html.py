@@ -21,8 +21,6 @@ Guarantees
     ``data:`` URIs (an SVG shown through ``<img>`` never runs scripts), timelines are inline
     SVG written here, and there is no JavaScript. Every name taken from a dump or trace (node,
     group, pass, refusal, file and track names) is HTML-escaped.
-
-Source: issue #12 part 4.
 """
 
 from __future__ import annotations

@@ -16,8 +16,6 @@ Guarantees
     Never changes compilation: the simulation runs after the pipeline decided, on the final
     graph, and any failure (a graph the simulator cannot price, an unwritable directory)
     warns and is skipped, like a dump. Nothing is communicated.
-
-Source: issue #12 part 4 (predicted timeline of the HTML report).
 """
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ Guarantees
     Reads only. Every rank is judged against its own plans (the plans are the same on every
     rank by construction; the per-rank dumps are not assumed to be).
 
-Source: issue #12 part 2; the NCCL-trace thesis's measured-vs-predicted validation
-(``shared/reference/nccl-trace-thesis.md``), with its lesson: logged and wire bytes kept apart.
+Source: the measured-vs-predicted validation of the NCCL-trace thesis (L. Borzyk, "Understanding
+LLM Communication", Heidelberg University, 2026, §5.3.5), with its lesson: logged and wire bytes
+kept apart.
 """
 
 from __future__ import annotations

@@ -34,8 +34,9 @@ Guarantees
     Pure reading: nothing is compiled or communicated and no graph given is modified.
     Byte counts are exact integers; a symbolic size makes the affected totals ``None``.
 
-Source: issue #12 part 1; formulas Chimera Table 1 (``shared/reference/chimera.md``) and the
-NCCL-trace thesis's DP model (``shared/reference/nccl-trace-thesis.md``).
+Source: formulas of "Chimera: Communication Fusion for Hybrid Parallelism in Large Language Models"
+(Qin et al., ISCA '25), §3.2, Table 1, and the DP model of the NCCL-trace thesis (L. Borzyk,
+"Understanding LLM Communication", Heidelberg University, 2026, §2.4.1).
 """
 
 from __future__ import annotations

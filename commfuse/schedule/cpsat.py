@@ -25,7 +25,7 @@ Model (integer nanoseconds)
 - objective: the window's compute-stream end, then the sum of its collectives' ends.
 
 Memory follows the simulator's accounting (``costmodel.simulator._peak_memory``, the same
-``owner`` / ``touches`` as ``schedule_list.live_profile``): a node allocates its buffer when it
+``owner`` / ``touches`` as ``list_scheduler.live_profile``): a node allocates its buffer when it
 runs (a collective when it is issued), views, waits and getitems extend their owner's life,
 a buffer is freed after its last toucher in order; placeholders persist with
 ``Simulator.inputs_persist``. Order events are mapped to model time on a doubled clock, so that

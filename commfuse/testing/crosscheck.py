@@ -347,7 +347,7 @@ MOE_CASES: dict[str, Case] = {
 
 
 # --------------------------------------------------------------------------- boundary ops
-# commfuse's boundary ops (commfuse.ops; reference semantics in reference/boundary.py): m2ms with
+# commfuse's boundary ops (commfuse.ops; reference semantics in ops/boundary/semantics.py): m2ms with
 # overlapping / disjoint / equal rank sets, zero pieces, negative and non-zero dims, on the world
 # and on sub-groups; stage_transfer with chains (a rank that sends and receives), self pairs and
 # sub-groups; the async ops (+ wait_tensor) and the differentiable wrappers (autograd variants,

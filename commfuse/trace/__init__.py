@@ -1,4 +1,4 @@
-"""NCCL log and kernel-trace alignment (issue #12, part 3).
+"""NCCL log and kernel-trace alignment.
 
 Parse NCCL ``NCCL_DEBUG=INFO`` logs (`nccl_log`) and GPU kernel traces (`kernel_trace`:
 torch.profiler Chrome traces, Nsight Systems SQLite), merge calls into launches by

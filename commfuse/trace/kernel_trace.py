@@ -25,8 +25,8 @@ Contract
   always named ``..._RING_LL`` and AllReduce/Reduce/ReduceScatter ``..._Sum_<type>_{RING|
   TREE}_LL`` whatever the reduce op, protocol and (non-tree) algorithm; every Send/Recv (and
   PyTorch's all_to_all) runs in ``ncclDevKernel_SendRecv``; an op without a specialised
-  kernel runs in ``ncclDevKernel_Generic`` (op unknown). NCCL issue #2196 confirms the
-  misleading ``RING_LL`` suffix; NCCL 2.13 named kernels after unrelated ops (issue #714),
+  kernel runs in ``ncclDevKernel_Generic`` (op unknown). NVIDIA/nccl#2196 confirms the
+  misleading ``RING_LL`` suffix; NCCL 2.13 named kernels after unrelated ops (NVIDIA/nccl#714),
   so names from 2.13 are not trustworthy at all.
 - Guarantees: events that are not well-formed (missing or non-numeric ``ts``/``dur``, a
   non-dict event) are skipped and counted in ``KernelTrace.skipped`` with one
@@ -36,7 +36,7 @@ Contract
 Sources: the NCCL-trace thesis §4.2.1 (Listing 4.4, the kernel-name regex); Nsight Systems'
 SQLite schema (CUPTI_ACTIVITY_KIND_KERNEL, StringIds, TARGET_INFO_SESSION_START_TIME);
 Kineto's Chrome trace format (``baseTimeNanoseconds``, ``distributedInfo``) and
-pytorch/pytorch #184637 (NCCL metadata on GPU kernels). See docs/alignment.md, "Formats".
+pytorch/pytorch#184637 (NCCL metadata on GPU kernels). See docs/alignment.md, "Formats".
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ Contract
   Unreadable files raise `ConfigError` naming the path.
 
 Sources: the NCCL-trace thesis §4.2.1 (Listings 4.1-4.3) and real NCCL 2.1x-2.2x lines
-quoted in NVIDIA/nccl issues #584, #1193, #1591, #1814, NVIDIA/nccl-tests #256 and
-pytorch/torchtitan #1369 (see docs/alignment.md, "Formats").
+quoted in NVIDIA/nccl#584, NVIDIA/nccl#1193, NVIDIA/nccl#1591, NVIDIA/nccl#1814,
+NVIDIA/nccl-tests#256 and pytorch/torchtitan#1369 (see docs/alignment.md, "Formats").
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ Requires a ``commfuse::m2ms`` that traces across stages (input of the sending po
 output of the receiving one: ``trace_position(..., pairwise=True)``); without it every
 rule refuses with that reason.
 
-Source: Chimera (ISCA '25) §3.3, Tables 1-3; commfuse issue #10 part 3.
+Source: Chimera (ISCA '25) §3.3, Tables 1-3.
 """
 
 from __future__ import annotations

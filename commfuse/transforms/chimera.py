@@ -16,9 +16,10 @@ Contract
   the graph, config and roles only; no process group created); the verifier runs
   between steps when ``Config.verify``.
 
-Not yet part of it (issue #5 follow-ups): the MoE dispatch region and router
-reordering (Chimera §3.2's gating move), so all_gather + all_to_all fusion across an
-MoE router does not happen on real models yet.
+The MoE dispatch region (Chimera §3.2's gating move) needs no step of its own:
+``moe_recognition`` makes it one ``commfuse::moe_layer`` op, whose shard rules
+(:mod:`commfuse.analysis.moe_rules`) let ``collective_motion`` run it on token shards and
+move the all_gather past it (docs/chimera-moe.md).
 
 Source: Chimera (ISCA '25) §3: split, reorder, fuse (Table 3), applied repeatedly.
 """
@@ -41,6 +42,7 @@ class Chimera(PassPipeline):
     fuzz = FuzzSpec(generators=("tp", "sp", "moe", "mixed", "moe_layer"))
     steps = (SplitAllReduce, CollectiveMotion, FuseCollectives)
 
+
     def run(self, ctx: PassContext) -> PassResult:
         start_hash = ctx.ir.order_hash()
         snapshot = snapshot_graph(ctx.gm.graph)
@@ -55,3 +57,6 @@ class Chimera(PassPipeline):
                             "back); graph restored")
             return PassResult(False, counts={}, refusals=refusals)
         return self.combine(results)
+
+
+STEPS = tuple(step.name for step in Chimera.steps)

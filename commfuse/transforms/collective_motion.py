@@ -379,7 +379,7 @@ class CollectiveMotion(GraphPass):
     # Fuzzed programs carry no user-given TP role, so only provably replicated operands move
     # (the TP-contract path is covered by tests/test_chimera.py on reference and gloo runs).
     # moe_layer: gathers in front of commfuse's MoE layer op, which motion moves onto token shards
-    # (passes/moe_rules.py).
+    # (analysis/moe_rules.py).
     fuzz = FuzzSpec(generators=("tp", "sp", "fsdp", "mixed", "moe_layer"))
 
     def run(self, ctx: PassContext) -> PassResult:

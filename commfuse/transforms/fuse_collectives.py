@@ -55,7 +55,7 @@ concatenates along d; op is the reduce op; every rank r ends with z_r):
 
 Left alone (reported): every other pair of kinds (all_reduce, broadcast, p2p and
 RS + RS, which Chimera lists as not fusible), pairs on different groups, and the
-Table 3 rows that need P2P or many-to-many scatter (issue #10).
+Table 3 rows that need P2P or many-to-many scatter (pipeline boundaries: ``boundary_fusion``).
 
 Source: Chimera §3.3, Table 3 (fused operator for every adjacent pair). The paper
 gives only the table; the data-layout semantics above are derived here and proven

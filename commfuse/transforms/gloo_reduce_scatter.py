@@ -38,13 +38,13 @@ Contract
   a full-size buffer too, inside the collective).
 - Leaves alone (one refusal line each): NCCL (GPU) topologies, CUDA inputs, reduce ops
   other than sum/avg (max/min would take the same form with a local maximum/minimum, but
-  only the gradient reductions are lowered today; premul_sum carries a scale), avg on integers,
+  only the gradient reductions are lowered; premul_sum carries a scale), avg on integers,
   bool/complex dtypes, coalesced / in-place / autograd-variant reduce_scatters, several
   waits, unknown or one-rank groups, symbolic or 0-d shapes, dim 0 not divisible by the
   group size, and every candidate the cost model predicts no faster.
 
-Source: issue #9 part 3 (lowering); gloo's emulation is recorded in
-``shared/reference/pytorch-landscape.md`` ("Runtime facts"). The all_to_all + reduce
+Source: ProcessGroupGloo (its reduce_scatter shows in the profiler as one ``gloo:all_reduce``
+over the whole buffer). The all_to_all + reduce
 form is the "pairwise exchange" reduce-scatter of MPI implementations (Thakur,
 Rabenseifner, Gropp, "Optimization of Collective Communication Operations in MPICH",
 IJHPCA 2005, §4.4).

@@ -22,7 +22,7 @@ Contract
     the intra-node group; ``inter_first``: the same with the two levels swapped.
   Layouts slice by slice: docs/centauri-group-partition.md. Sub-collectives along
   d != 0 use DTensor's split/cat shuffle, so the IR sees their logical dim.
-- Decides: with the cost model of ``ctx.topology`` (``passes/cost.py``): the flat
+- Decides: with the cost model of ``ctx.topology`` (``passmgr/cost.py``): the flat
   collective is priced with the best non-hierarchical algorithm (ring/tree; the
   model's "hierarchical" candidate *is* this rewrite), the sequence as the sum of its
   collectives over their sub-groups (intra- or inter-node links by placement) plus the

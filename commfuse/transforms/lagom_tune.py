@@ -29,7 +29,7 @@ Contract
   note), graphs without a topology or without collectives; collectives whose group has no
   pool communicator (kept on their own group); collectives with nothing to send.
 
-Source: Lagom (seed 003, §3.3-3.4: priority metric H, Algorithms 1-2); the per-communicator
+Source: Lagom (Xu et al., §3.3-3.4: priority metric H, Algorithms 1-2); the per-communicator
 CTA bounds of NCCL (``ncclConfig_t.minCTAs/maxCTAs``) as PyTorch exposes them.
 """
 

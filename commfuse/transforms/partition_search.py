@@ -10,7 +10,7 @@ Contract
   Table 2 from ``primitive_substitution``), a group scheme (flat, or the
   inter-first / intra-first hierarchical sequence of ``group_partition``) and a
   workload chunk count (1, a count from {2, 4, 8, ...} up to ``Config.max_chunks``,
-  or the count of Centauri's Algorithm 1 (``algorithm1.py``), those
+  or the count of Centauri's Algorithm 1 (``analysis/chunking.py``), those
   ``workload_partition`` can cut the collective and its compute chain into). Each leaf is applied to a copy of the graph, its waits are
   sunk as the ``sink_waits`` pass would, and the copy is simulated with the
   topology's cost estimator (``costmodel.simulator``: makespan, exposed

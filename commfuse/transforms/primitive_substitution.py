@@ -40,8 +40,9 @@ Contract
   complex or bool reduce_scatters, dims the group size does not divide, and every
   collective whose substitute the cost model predicts no faster.
 
-Source: Centauri (ASPLOS '24) §3.1, primitive substitution, Table 2
-(``shared/reference/centauri.md``).
+Source: "Centauri: Enabling Efficient Scheduling for Communication-Computation Overlap in Large Model
+Training via Communication Partitioning" (Chen et al., ASPLOS '24), §3.1.1
+(primitive substitution), Table 2.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ BUILTIN_PASSES: tuple[Type[GraphPass], ...] = (
 # The Centauri partition search is opt-in (compile time; see docs/centauri.md).
 # The scheduler runs before the bucketer: bucket_collectives never issues a bucket earlier than
 # its first member, so it keeps the prefetch the scheduler chose (overlap-preserving bucketing);
-# bucketing first made bigger messages the memory budget then kept from being prefetched.
+# bucketing first would make bigger messages that the memory budget then keeps from being prefetched.
 # gloo_reduce_scatter runs last: it lowers each (bucketed) gloo reduce_scatter where the schedule
 # issued and waited it, so it must see the final order (a no-op on NCCL topologies).
 DEFAULT_PIPELINE: tuple[str, ...] = ("moe_recognition", "chimera", "schedule_overlap", "bucket_collectives",

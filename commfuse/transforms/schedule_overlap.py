@@ -4,7 +4,7 @@ Contract
 - Matches: every scheduled graph (forward, backward, inference, or a whole ``make_fx``
   training step): its collectives, their waits and the compute between them.
 - Does: builds a new order of the graph's nodes with a greedy list scheduler
-  (``schedule_list``) that simulates the machine while it orders: each collective is
+  (``schedule.list_scheduler``) that simulates the machine while it orders: each collective is
   issued as soon as its inputs are computed, unless the bytes in flight on its process
   group's stream would pass ``Config.schedule_max_inflight_bytes`` or the live memory plus
   its output buffer would pass ``Config.schedule_memory_budget`` x the input order's peak;
@@ -15,9 +15,9 @@ Contract
   preferred orders of Centauri's layer level (backward graphs, Eq. 1: ``layer_level``) and
   model level (``compile_train_step`` graphs, Eq. 2: ``model_level``); windows of the best order with
   the most exposed communication (at most ``Config.schedule_cpsat_max_nodes`` nodes) are then
-  re-solved exactly with OR-Tools CP-SAT (``schedule_cpsat``). Every candidate is judged by
+  re-solved exactly with OR-Tools CP-SAT (``schedule.cpsat``). Every candidate is judged by
   the timeline simulator (``costmodel.simulator``) under the graph's estimator
-  (``passes/cost.py``; without a topology, the DGX-H100 preset with enough nodes for the
+  (``passmgr/cost.py``; without a topology, the DGX-H100 preset with enough nodes for the
   graph's ranks: the choice only ranks orders, it never changes values). The new order is
   kept only if its simulated makespan is not worse than the input order's and its peak
   memory is within the budget.

@@ -9,7 +9,7 @@ Contract
   (dimension types OD / CD / ND of :mod:`commfuse.ir.dims`, Centauri Table 3).
 - Does: cuts the collective into k chunk collectives on the same group along that dim
   (k = ``Config.workload_chunks``, or Centauri's Algorithm 1 count when that is None —
-  :mod:`.algorithm1`; at most ``Config.max_chunks``), and the chain into k
+  :mod:`commfuse.analysis.chunking`; at most ``Config.max_chunks``), and the chain into k
   chunk chains:
   consumer: ``start_0 .. start_{k-1}`` where the collective started, then for each
   chunk ``wait_i -> chain_i`` where the chain's inputs are ready, so chunk i's compute
@@ -22,7 +22,7 @@ Contract
   dim) added (addmm's bias in chunk 0 only; mean divided by k). Data layouts: see
   docs/centauri-workload-partition.md.
 - Choice (Centauri §3.1): for each direction and each dim the maximal chain; prefer the
-  chains whose estimated compute (the topology's cost model, ``passes/cost.py``) is at
+  chains whose estimated compute (the topology's cost model, ``passmgr/cost.py``) is at
   least the collective's estimated time, among them the longest; if none covers it
   (or no topology is known), the chain with the most compute. Ties: no partial sum,
   no interleaving, consumer before producer, lower dim.

@@ -32,7 +32,7 @@ Calibration
     ``many_to_many_scatter`` / ``p2p`` apply. A fitted ``alpha + beta x size`` for the kind
     (exact group size, else any size) replaces the analytic time, with ``size`` = the
     bottleneck rank's ``max(sent, received)``; a ``p2p`` without its own fit uses the
-    ``send`` fit. ``commfuse calibrate`` measures neither yet.
+    ``send`` fit. ``commfuse calibrate`` measures neither.
 
 Assumptions
     As for every collective model (collectives.py): homogeneous nodes, one device per rank,
@@ -40,7 +40,7 @@ Assumptions
     unknown is assumed to be ranks ``0..n-1``. Unknown (symbolic) sizes are evaluated with
     every symbol set to ``symbol_hint``.
 
-Source: Chimera §3 (M2MS as ordered asynchronous P2P) and Table 1; commfuse issue #10.
+Source: Chimera §3 (M2MS as ordered asynchronous P2P) and Table 1.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ Roles (:mod:`.roles`): stage_transfer is a pipeline transfer (``pp``); an m2ms b
 disjoint rank sets is a stage boundary (``pp``), one with ``src == dst`` is an uneven
 all-to-all (``ep``).
 
-Source: Chimera §3 and Tables 1-2 (shared/reference/chimera.md); commfuse issue #10.
+Source: "Chimera: Communication Fusion for Hybrid Parallelism in Large Language Models"
+(Qin et al., ISCA '25), §3.2, Tables 1-2.
 """
 
 from __future__ import annotations

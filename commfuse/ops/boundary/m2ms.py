@@ -37,7 +37,7 @@ scatter of the gradient (``src``/``dst`` swapped, matrix transposed), itself an
 ``m2ms_autograd``, so make_fx / AOTAutograd traces forward and backward as that op.
 :func:`m2ms` (the wrapper) uses it when ``x`` needs a gradient, else the async op + wait.
 
-Source: Chimera (§3, Table 1), commfuse issue #10.
+Source: Chimera (§3, Table 1).
 """
 
 from __future__ import annotations

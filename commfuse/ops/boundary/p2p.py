@@ -28,7 +28,7 @@ and a rank's piece to itself is a local copy (gloo has no self-pair).
 
 NCCL caveat (``dist.batch_isend_irecv``): if the first operation ever issued on a
 process group is a batched p2p, every member of the group must take part in it.
-Source: Chimera §3 (M2MS, destination order i%N, (i+1)%N, ...), commfuse issue #10.
+Source: Chimera §3 (M2MS, destination order i%N, (i+1)%N, ...).
 """
 
 from __future__ import annotations

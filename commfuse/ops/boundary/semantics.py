@@ -32,7 +32,7 @@ rank and node; a receiver whose expected piece differs in shape from what its se
 Checked against real gloo ranks by tests/test_boundary_ir.py (cases in
 :data:`commfuse.testing.crosscheck.BOUNDARY_CASES`).
 
-Source: Chimera §3 / Table 1 (M2MS, P2P); commfuse issue #10.
+Source: Chimera §3 / Table 1 (M2MS, P2P).
 """
 
 from __future__ import annotations

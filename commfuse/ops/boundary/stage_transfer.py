@@ -29,7 +29,7 @@ Autograd: ``commfuse::stage_transfer_autograd`` (issues and waits inside) has
 ``dst`` back to ``src``. :func:`stage_transfer` (the wrapper) uses it when ``x`` needs a
 gradient, else the async op + wait.
 
-Source: Chimera Table 1 (P2P), commfuse issue #10.
+Source: Chimera Table 1 (P2P).
 """
 
 from __future__ import annotations

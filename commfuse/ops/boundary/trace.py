@@ -18,8 +18,6 @@ neither can change what is sent):
 ``group_name=None`` applies to every group. Contexts nest (the innermost matching one
 wins) and are per thread. A differentiable m2ms records the context its forward was
 traced under and re-enters it for its backward (:mod:`commfuse.ops.boundary.m2ms`).
-
-Source: commfuse issue #10 (boundary ops; the pipeline runner is the consumer).
 """
 
 from __future__ import annotations
