@@ -181,8 +181,7 @@ def apply_scheme(ctx: PassContext, c: Collective, scheme: Scheme) -> None:
 
 def _copy_context(ctx: PassContext) -> PassContext:
     gm = fx.GraphModule(ctx.gm, copy_graph(ctx.gm.graph))
-    return PassContext(gm, ctx.config, graph_kind=ctx.graph_kind, topology=ctx.topology,
-                       group_roles=ctx.ir_options.group_roles, role_sources=ctx.ir_options.role_sources)
+    return ctx.derive(gm)
 
 
 def _sig(a) -> object:
