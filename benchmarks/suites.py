@@ -73,13 +73,15 @@ def _single_pass(prefix: str) -> tuple[str, ...]:
 
 
 def _default_pipeline_passes() -> tuple[str, ...]:
-    """The default pipeline's passes and the passes composite ones among them run."""
-    from commfuse.transforms.chimera import STEPS as CHIMERA_STEPS
-    from commfuse.transforms.registry import DEFAULT_PIPELINE
+    """The default pipeline's passes and the steps of the nested pipelines among them (chimera's)."""
+    from commfuse.passmgr.pipeline import PassPipeline
+    from commfuse.transforms.registry import DEFAULT_PIPELINE, available_passes
 
-    names = [p for p in DEFAULT_PIPELINE]
-    if "chimera" in names:
-        names += [s for s in CHIMERA_STEPS if s not in names]
+    names = list(DEFAULT_PIPELINE)
+    for name in DEFAULT_PIPELINE:
+        cls = available_passes()[name]
+        if issubclass(cls, PassPipeline):
+            names += [step.name for step in cls.steps if step.name not in names]
     return tuple(names)
 
 

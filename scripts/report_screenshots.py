@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from _jobs_reports import record_example
     from commfuse.reports.html import write_html
-    from commfuse.testing.rank_pool import RankPool
+    from commfuse.tools.rank_pool import RankPool
 
     work = Path(tempfile.mkdtemp(prefix="commfuse-report-"))
     with RankPool(args.ranks, timeout_s=600) as pool:

@@ -27,8 +27,6 @@ SETTING_META = "commfuse_comm_setting"
 DHELIX_COMM_META = "commfuse_dhelix_comm"
 # gm.meta: the PipelineLayout of a pipeline-parallel forward graph, for boundary fusion.
 LAYOUT_META_KEY = "commfuse.pipeline_layout"
-# gm.meta: BoundaryFusionOptions for the boundary_fusion pass.
-BOUNDARY_FUSION_OPTIONS_META = "commfuse.boundary_fusion_options"
 # gm.meta: the PipelineReports of every pipeline run on the graph, oldest first.
 REPORTS_META = "commfuse_reports"
 
@@ -51,6 +49,6 @@ def stream_hint(node: fx.Node) -> int:
     return s
 
 
-__all__ = ["BARRIER_META", "BOUNDARY_FUSION_OPTIONS_META", "DHELIX_COMM_META", "FUSED_GRAPH_META_KEY",
+__all__ = ["BARRIER_META", "DHELIX_COMM_META", "FUSED_GRAPH_META_KEY",
            "LAYOUT_META_KEY", "MICROBATCH_META_KEY", "PHASE_META_KEY", "REPORTS_META", "SETTING_META", "STREAM_META",
            "microbatch_of", "stream_hint"]

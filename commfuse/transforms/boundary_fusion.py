@@ -49,7 +49,6 @@ import torch.fx as fx
 
 from commfuse.analysis.boundary_rules import (LAYOUT_META_KEY, MATCHERS, BoundaryFusionOptions, BoundaryMap, Env,
                                               RuleVolume, m2ms_traceable_across_stages, ring_bytes, sites)
-from commfuse.core.meta import BOUNDARY_FUSION_OPTIONS_META
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import CollectiveKind
 from commfuse.ir.shapes import nbytes
@@ -60,7 +59,6 @@ from commfuse.passmgr.context import PassContext
 from commfuse.pipeline.collectives import REDUCE_FROM_GROUP
 
 LAYOUT_META = LAYOUT_META_KEY
-OPTIONS_META = BOUNDARY_FUSION_OPTIONS_META
 _KIND_NAMES = {CollectiveKind.ALL_GATHER: "all_gather", CollectiveKind.REDUCE_SCATTER: "reduce_scatter",
                CollectiveKind.ALL_TO_ALL: "all_to_all", CollectiveKind.ALL_REDUCE: "all_reduce"}
 
@@ -232,8 +230,7 @@ class BoundaryFusion(GraphPass):
     def run(self, ctx: PassContext) -> PassResult:
         gm = ctx.gm
         layout = gm.meta.get(LAYOUT_META) if hasattr(gm, "meta") else None
-        options = gm.meta.get(OPTIONS_META) if hasattr(gm, "meta") else None
-        rep = fuse_boundaries(gm, layout, options=options)
+        rep = fuse_boundaries(gm, layout)
         if rep.changed:
             ctx.invalidate()
         decisions = [d.to_json() for d in rep.decisions if d.applied]
@@ -241,4 +238,4 @@ class BoundaryFusion(GraphPass):
 
 
 __all__ = ["BoundaryDecision", "BoundaryFusion", "BoundaryFusionOptions", "BoundaryFusionReport", "LAYOUT_META",
-           "OPTIONS_META", "boundary_fusion_pass", "fuse_boundaries", "measured_bytes"]
+           "boundary_fusion_pass", "fuse_boundaries", "measured_bytes"]
