@@ -78,6 +78,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from commfuse.core.meta import LAYOUT_META_KEY
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.graph_ir import CollectiveIR
@@ -92,7 +93,6 @@ aten = torch.ops.aten
 K = CollectiveKind
 
 RULES = ("ag_p2p", "p2p_ag", "a2a_p2p", "ar_p2p", "p2p_a2a")
-from commfuse.core.meta import LAYOUT_META_KEY  # noqa: E402  (where the registered pass finds a PipelineLayout)
 
 # ops that only re-view a value (replayed on the receiving side after a fused transfer)
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,

@@ -17,6 +17,7 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 
+from commfuse.core.meta import PHASE_META_KEY
 from commfuse.core.torch_private import resolve_process_group
 from commfuse.ir import volume
 from commfuse.ir.collective import Collective, GroupInfo, ParallelRole
@@ -251,7 +252,6 @@ def _count_nested_collectives(gm: fx.GraphModule, node: fx.Node) -> int:
 
 # Set by the fused train-step partition (commfuse.dhelix.fused_partition) on the nodes of a graph
 # that holds forward and backward together: its tangent is a constant there, the tag says which is which.
-from commfuse.core.meta import PHASE_META_KEY  # noqa: E402  (re-exported)
 
 
 def _tangent_dependents(gm: fx.GraphModule) -> set[fx.Node]:

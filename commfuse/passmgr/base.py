@@ -2,8 +2,9 @@
 
 Modelled on XLA's HloPassInterface: a pass reports whether it changed the graph;
 the pipeline owns verification, dumps, invalidation and fallback, so a pass only
-rewrites. A pass must decide only from the graph, the config and the topology
-(identical on every rank), never from rank-local state.
+rewrites. A pass must decide only from what its context holds -- the graph, the config, the
+topology (and the cost policy built from it) and the session state -- which is identical on
+every rank, never from rank-local state or globals.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar, FrozenSet, Optional
 
 from commfuse.costmodel.topology import Topology
-
 from commfuse.passmgr.context import PassContext
 
 

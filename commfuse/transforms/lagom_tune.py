@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from commfuse.core.meta import SETTING_META  # noqa: E402  (read by the lowering plan)
+from commfuse.core.meta import SETTING_META
 from commfuse.costmodel.lagom import MEMORY_FORMULA, CommunicatorPool, lagom_search
 from commfuse.costmodel.topology import PRESETS, Topology
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
