@@ -9,34 +9,34 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import commfuse
 from commfuse.costmodel import Topology
 from commfuse.ir import rewrite
-from commfuse.analysis.chunking import GroupCosts, algorithm1, independent_compute_us
+from commfuse.analysis.chunking import GroupCosts, operation_level_plan, independent_compute_us
 from commfuse.passmgr.context import PassContext
-from commfuse.transforms.workload_partition import algorithm1_chunks, plan_workload_partition
+from commfuse.transforms.workload_partition import operation_level_chunks, plan_workload_partition
 from commfuse.testing.fake_pg import fake_process_group
 
 
 def test_hidden_collective_is_not_partitioned():
-    p = algorithm1(comp_cost=10, comm_cost=5, in_cost=5, max_chunks=8)
+    p = operation_level_plan(comp_cost=10, comm_cost=5, in_cost=5, max_chunks=8)
     assert (p.num_chunks, p.granularity, p.first) == (1, (1.0,), None)
 
 
 @pytest.mark.parametrize("comm,inn,want", [(10, 5, 2), (10, 4, 3), (10, 1, 8), (100, 1, 8), (10, 0, 8), (10, 9.9, 2)])
 def test_chunk_count_is_comm_over_independent_compute_rounded_up(comm, inn, want):
-    p = algorithm1(comp_cost=50, comm_cost=comm, in_cost=inn, max_chunks=8)
+    p = operation_level_plan(comp_cost=50, comm_cost=comm, in_cost=inn, max_chunks=8)
     assert p.num_chunks == want and p.granularity == tuple([1 / want] * want)
 
 
 def test_max_chunks_one_never_partitions():
-    assert algorithm1(comp_cost=1, comm_cost=10, in_cost=1, max_chunks=1).num_chunks == 1
+    assert operation_level_plan(comp_cost=1, comm_cost=10, in_cost=1, max_chunks=1).num_chunks == 1
 
 
 def test_group_partitioned_granularities_follow_the_three_branches():
     g = GroupCosts(cost_inter=4.0, cost_intra=1.0, inter_size=2, intra_size=8)  # world 16
-    inter_first = algorithm1(comp_cost=10, comm_cost=20, in_cost=5, max_chunks=8, group=g)
+    inter_first = operation_level_plan(comp_cost=10, comm_cost=20, in_cost=5, max_chunks=8, group=g)
     assert inter_first.first == "inter" and inter_first.granularity == (2 / 16, 1 - 2 / 16)
-    intra_first = algorithm1(comp_cost=1000, comm_cost=20, in_cost=3, max_chunks=8, group=g)
+    intra_first = operation_level_plan(comp_cost=1000, comm_cost=20, in_cost=3, max_chunks=8, group=g)
     assert intra_first.first == "intra" and intra_first.granularity == (8 / 16, 1 - 8 / 16)
-    finer = algorithm1(comp_cost=10, comm_cost=20, in_cost=3, max_chunks=8, group=g)
+    finer = operation_level_plan(comp_cost=10, comm_cost=20, in_cost=3, max_chunks=8, group=g)
     assert finer.first == "intra" and finer.granularity == (8 / 16, 1 / 16, 1 - 9 / 16)
     assert sum(finer.granularity) == pytest.approx(1.0)
 
@@ -73,7 +73,7 @@ def test_workload_partition_takes_its_chunk_count_from_algorithm1():
     with fake_process_group(4):
         ctx = PassContext(gm, commfuse.Config(), topology=topo)
         (c,) = ctx.ir.collectives
-        k, why = algorithm1_chunks(ctx, c)
+        k, why = operation_level_chunks(ctx, c)
         plan = plan_workload_partition(ctx, c)
         fixed = plan_workload_partition(PassContext(gm, commfuse.Config(workload_chunks=2), topology=topo), c)
     assert k is not None and "chunks" in why

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from commfuse.dhelix.overlap import OEFTable, default_oef, pair_time
-from commfuse.dhelix.profile import (COMM_KINDS, COMPUTE_KINDS, SCHEMA_VERSION, OEFEntry, OEFProfile, eq1,
+from commfuse.dhelix.profile import (COMM_KINDS, COMPUTE_KINDS, SCHEMA_VERSION, OEFEntry, OEFProfile, overlap_effectiveness,
                                      load_oef_profile, oef_for, oef_table, read_oef_profile, save_oef_profile)
 from commfuse.core.errors import ConfigError
 
@@ -34,7 +34,7 @@ def test_measured_table_identical_on_every_rank_and_sane(rank_pool_2):
     assert len(pairs) == len(COMPUTE_KINDS) * len(COMM_KINDS) + len(COMM_KINDS) * (len(COMM_KINDS) + 1) // 2
     for e in p.entries:
         assert e.t_a_us > 0 and e.t_b_us > 0 and e.t_ab_us > 0
-        assert e.oef == pytest.approx(eq1(e.t_a_us, e.t_b_us, e.t_ab_us))
+        assert e.oef == pytest.approx(overlap_effectiveness(e.t_a_us, e.t_b_us, e.t_ab_us))
         # no bounds on the times themselves: on a shared machine load comes and goes between the
         # solo and co-run timings (timing numbers are the profile's output, not test assertions)
     table = oef_table(p)
@@ -46,7 +46,7 @@ def test_eq1_inverts_pair_time():
     t = OEFTable.from_mapping({(a, b): 0.6 for a in ("compute", "comm_local", "comm_cross")
                                for b in ("compute", "comm_local", "comm_cross")})
     p = pair_time("compute", 80.0, "comm_local", 30.0, t)
-    assert eq1(80.0, 30.0, p) == pytest.approx(0.6)
+    assert overlap_effectiveness(80.0, 30.0, p) == pytest.approx(0.6)
 
 
 def test_save_load_round_trip(tmp_path):

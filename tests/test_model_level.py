@@ -16,8 +16,8 @@ import commfuse
 from commfuse.costmodel import AnalyticCostModel, Topology
 from commfuse.costmodel.simulator import Simulator
 from commfuse.ir.graph_ir import CollectiveIR
-from commfuse.schedule.model_level import (Eq2Inputs, eq2_feasible, eq2_objective, grouped_order, microbatch_graph,
-                                         solve_eq2)
+from commfuse.schedule.model_level import (GroupingCosts, grouping_fits, exposed_comm_us, grouped_order, microbatch_graph,
+                                         best_grouping)
 from commfuse.schedule.list_scheduler import build_problem
 from commfuse.testing.fake_pg import fake_mesh
 from commfuse.testing.graphs import capture_aot_graphs
@@ -27,10 +27,10 @@ TOPO = Topology.preset("dgx-h100", num_nodes=1)
 MB = 3
 
 
-def _random_inputs(rng: random.Random) -> Eq2Inputs:
+def _random_inputs(rng: random.Random) -> GroupingCosts:
     mb = rng.randint(1, 8)
     m = rng.choice([0.0, rng.uniform(1, 10)])
-    return Eq2Inputs(c_ag=rng.uniform(0, 100), c_rs=rng.uniform(0, 100), c_fw=rng.uniform(0, 60),
+    return GroupingCosts(c_ag=rng.uniform(0, 100), c_rs=rng.uniform(0, 100), c_fw=rng.uniform(0, 60),
                      c_bw=rng.uniform(0, 60), m=m, memory=rng.choice([None, rng.uniform(0, 50)]),
                      microbatches=mb, concurrent=rng.random() < 0.5)
 
@@ -39,21 +39,21 @@ def test_eq2_solver_equals_brute_force():
     rng = random.Random(0)
     for _ in range(500):
         x = _random_inputs(rng)
-        sol = solve_eq2(x)
-        pairs = [(a, b) for a, b in itertools.product(range(1, x.microbatches + 1), repeat=2) if eq2_feasible(x, a, b)]
+        sol = best_grouping(x)
+        pairs = [(a, b) for a, b in itertools.product(range(1, x.microbatches + 1), repeat=2) if grouping_fits(x, a, b)]
         if not pairs:
             assert (sol.l1, sol.l2) == (1, 1)  # nothing fits: depth-first
             continue
-        best = min(eq2_objective(x, a, b) for a, b in pairs)
-        assert sol.t == pytest.approx(best) and eq2_feasible(x, sol.l1, sol.l2)
-        assert (sol.l1, sol.l2) == min(p for p in pairs if eq2_objective(x, *p) <= best + 1e-9)  # ties: smallest
+        best = min(exposed_comm_us(x, a, b) for a, b in pairs)
+        assert sol.t == pytest.approx(best) and grouping_fits(x, sol.l1, sol.l2)
+        assert (sol.l1, sol.l2) == min(p for p in pairs if exposed_comm_us(x, *p) <= best + 1e-9)  # ties: smallest
 
 
 def test_eq2_memory_and_pipeline_constraints():
-    x = Eq2Inputs(c_ag=100, c_rs=0, c_fw=10, c_bw=10, m=4, memory=None, microbatches=8)
-    assert solve_eq2(x).l1 == 8  # breadth-first hides the most
-    assert solve_eq2(Eq2Inputs(**{**x.__dict__, "memory": 12})).l1 == 3  # 3 micro-batches fit
-    assert solve_eq2(Eq2Inputs(**{**x.__dict__, "concurrent": True})).l1 == 7  # L1 + L2 <= mb
+    x = GroupingCosts(c_ag=100, c_rs=0, c_fw=10, c_bw=10, m=4, memory=None, microbatches=8)
+    assert best_grouping(x).l1 == 8  # breadth-first hides the most
+    assert best_grouping(GroupingCosts(**{**x.__dict__, "memory": 12})).l1 == 3  # 3 micro-batches fit
+    assert best_grouping(GroupingCosts(**{**x.__dict__, "concurrent": True})).l1 == 7  # L1 + L2 <= mb
 
 
 @pytest.fixture(scope="module")

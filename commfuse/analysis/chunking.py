@@ -1,6 +1,6 @@
 """Centauri's operation-level rule (Algorithm 1): how many chunks, and in which granularity.
 
-``algorithm1`` is the paper's logic on numbers; ``operation_costs`` measures those numbers
+``operation_level_plan`` is the paper's logic on numbers; ``operation_costs`` measures those numbers
 on a graph. The workload partition asks it for a chunk count when ``Config.workload_chunks``
 is None (the default), and the partition search adds its count to the counts it scores.
 
@@ -64,7 +64,7 @@ class OperationPlan:
     why: str
 
 
-def algorithm1(comp_cost: float, comm_cost: float, in_cost: float, max_chunks: int,
+def operation_level_plan(comp_cost: float, comm_cost: float, in_cost: float, max_chunks: int,
                group: Optional[GroupCosts] = None) -> OperationPlan:
     """Algorithm 1 of Centauri with the rounding above (costs in any one unit)."""
     if in_cost >= comm_cost:

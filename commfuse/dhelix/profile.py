@@ -93,7 +93,7 @@ class OEFProfile:
         return statistics.median(e.oef for e in hits)
 
 
-def eq1(t_a: float, t_b: float, t_ab: float) -> float:
+def overlap_effectiveness(t_a: float, t_b: float, t_ab: float) -> float:
     """DHelix Eq. 1, unclamped."""
     m = min(t_a, t_b)
     if m <= 0:
@@ -215,7 +215,7 @@ def measure_oef(kinds: Sequence[str] = OP_KINDS, sizes: Sequence[int] = DEFAULT_
         for a, b in pairs:
             t_a, t_b, t_ab = vals[i:i + 3]
             i += 3
-            entries.append(OEFEntry(a, b, int(size), t_a, t_b, t_ab, eq1(t_a, t_b, t_ab)))
+            entries.append(OEFEntry(a, b, int(size), t_a, t_b, t_ab, overlap_effectiveness(t_a, t_b, t_ab)))
     return OEFProfile(SCHEMA_VERSION, _machine(), _today(), world, dist.get_backend(group), comm_scope,
                       repeats, tuple(int(s) for s in sizes), tuple(entries))
 

@@ -42,7 +42,7 @@ from commfuse.schedule.list_scheduler import ScheduleProblem, keyed_topological_
 
 
 @dataclass(frozen=True)
-class Eq2Inputs:
+class GroupingCosts:
     """Per-layer costs (us) and memory (bytes) of Eq. 2."""
 
     c_ag: float
@@ -56,34 +56,34 @@ class Eq2Inputs:
 
 
 @dataclass(frozen=True)
-class Eq2Solution:
+class Grouping:
     l1: int
     l2: int
     t: float
 
 
-def eq2_objective(x: Eq2Inputs, l1: int, l2: int) -> float:
+def exposed_comm_us(x: GroupingCosts, l1: int, l2: int) -> float:
     return max(x.c_ag - l1 * x.c_fw, 0.0) + max(l2 * x.c_rs - l2 * x.c_bw, 0.0)
 
 
-def eq2_feasible(x: Eq2Inputs, l1: int, l2: int) -> bool:
+def grouping_fits(x: GroupingCosts, l1: int, l2: int) -> bool:
     if x.memory is not None and (l1 * x.m > x.memory or l2 * x.m > x.memory):
         return False
     return not x.concurrent or l1 + l2 <= x.microbatches
 
 
-def solve_eq2(x: Eq2Inputs) -> Eq2Solution:
+def best_grouping(x: GroupingCosts) -> Grouping:
     """Exact enumeration (two small integers); smallest (L1, L2) among equal objectives. When no
     pair fits the memory, depth-first (1, 1)."""
-    best: Optional[Eq2Solution] = None
+    best: Optional[Grouping] = None
     for l1 in range(1, x.microbatches + 1):
         for l2 in range(1, x.microbatches + 1):
-            if not eq2_feasible(x, l1, l2):
+            if not grouping_fits(x, l1, l2):
                 continue
-            t = eq2_objective(x, l1, l2)
+            t = exposed_comm_us(x, l1, l2)
             if best is None or t < best.t - 1e-9:
-                best = Eq2Solution(l1, l2, t)
-    return best if best is not None else Eq2Solution(1, 1, eq2_objective(x, 1, 1))
+                best = Grouping(l1, l2, t)
+    return best if best is not None else Grouping(1, 1, exposed_comm_us(x, 1, 1))
 
 
 @dataclass
@@ -132,7 +132,7 @@ def microbatch_graph(p: ScheduleProblem) -> Optional[MicrobatchGraph]:
     return MicrobatchGraph(mb_order, layers, mb, layer)
 
 
-def eq2_inputs(p: ScheduleProblem, ir: CollectiveIR, g: MicrobatchGraph, memory: Optional[float]) -> Eq2Inputs:
+def grouping_costs(p: ScheduleProblem, ir: CollectiveIR, g: MicrobatchGraph, memory: Optional[float]) -> GroupingCosts:
     idx = {n: i for i, n in enumerate(p.nodes)}
     n_layers, n_mb = len(g.layers), len(g.mb_order)
     ag = rs = 0.0
@@ -153,7 +153,7 @@ def eq2_inputs(p: ScheduleProblem, ir: CollectiveIR, g: MicrobatchGraph, memory:
         for a in out.all_input_nodes:
             if idx.get(a) in g.mb:
                 saved += tensor_bytes(a.meta.get("val"))
-    return Eq2Inputs(c_ag=ag / n_layers, c_rs=rs / (n_layers * n_mb), c_fw=0.0 if backward else per,
+    return GroupingCosts(c_ag=ag / n_layers, c_rs=rs / (n_layers * n_mb), c_fw=0.0 if backward else per,
                      c_bw=per if backward else 0.0, m=saved / n_mb, memory=memory, microbatches=n_mb)
 
 

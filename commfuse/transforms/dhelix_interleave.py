@@ -52,7 +52,7 @@ from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.schedule.list_scheduler import apply_order, build_problem
-from commfuse.schedule.model_level import Eq2Inputs, microbatch_graph, solve_eq2
+from commfuse.schedule.model_level import GroupingCosts, microbatch_graph, best_grouping
 from commfuse.transforms.schedule_overlap import _summary, default_estimator
 
 COMM_META_KEY = DHELIX_COMM_META
@@ -96,10 +96,10 @@ def unit_size(ctx: PassContext, sim: Simulator) -> tuple[int, dict]:
             # a forward value a backward node reads is an activation kept for backward
             if any(u in bwd for u in n.users):
                 saved += tensor_bytes(n.meta.get("val"))
-    x = Eq2Inputs(c_ag=ag / n_layers, c_rs=rs / (n_layers * n_mb), c_fw=fw / (n_layers * n_mb),
+    x = GroupingCosts(c_ag=ag / n_layers, c_rs=rs / (n_layers * n_mb), c_fw=fw / (n_layers * n_mb),
                   c_bw=bw / (n_layers * n_mb), m=saved / n_mb, memory=ctx.config.model_level_memory_bytes,
                   microbatches=n_mb, concurrent=True)
-    sol = solve_eq2(x)
+    sol = best_grouping(x)
     return max(1, min(sol.l1, sol.l2)), {"L1": sol.l1, "L2": sol.l2, "T_us": round(sol.t, 3)}
 
 

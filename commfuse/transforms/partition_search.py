@@ -134,7 +134,7 @@ def leaves_for(ctx: PassContext, c: Collective) -> list[Scheme]:
     forms = ["keep"] + list(prim.substitute_forms(c))
     groups = ["flat"] + [g for g in GROUP_SCHEMES[1:] if not isinstance(group.plan_group_partition(ctx, c, order=g), str)]
     counts = chunk_candidates(ctx.config.max_chunks)
-    suggested, _ = work.algorithm1_chunks(ctx, c)  # Centauri Algorithm 1's count joins the candidates
+    suggested, _ = work.operation_level_chunks(ctx, c)  # Centauri Algorithm 1's count joins the candidates
     if suggested is not None and suggested not in counts:
         counts = sorted(counts + [suggested])
     chunks = [k for k in counts

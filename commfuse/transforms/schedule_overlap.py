@@ -64,7 +64,7 @@ from commfuse.schedule.cpsat import refine_windows
 from commfuse.schedule.layer_level import backward_layers, chain_of, preferred_order
 from commfuse.schedule.list_scheduler import (Priority, ScheduleProblem, apply_order, build_problem, list_schedule,
                                               max_inflight)
-from commfuse.schedule.model_level import eq2_inputs, grouped_order, microbatch_graph, solve_eq2
+from commfuse.schedule.model_level import grouping_costs, grouped_order, microbatch_graph, best_grouping
 
 # Picker settings tried, in this order (the first of equal makespans wins).
 PRIORITIES = (Priority(True, True), Priority(False, True), Priority(False, False))
@@ -243,8 +243,8 @@ def _model_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleP
     g = microbatch_graph(free)
     if g is None:
         return None, None
-    x = eq2_inputs(free, ir, g, memory)
-    sol = solve_eq2(x)
+    x = grouping_costs(free, ir, g, memory)
+    sol = best_grouping(x)
     group = sol.l2 if ir.backward_nodes else sol.l1
     info: dict = {"phase": "backward" if ir.backward_nodes else "forward", "microbatches": x.microbatches,
                   "layers": len(g.layers), "inputs_us_bytes": {k: round(float(v), 3) for k, v in

@@ -61,7 +61,7 @@ import torch.fx as fx
 
 from commfuse.analysis import chains
 from commfuse.analysis.chains import CONSUMER, PRODUCER, Chain, ChainStep, GraphFacts, Partial, Split
-from commfuse.analysis.chunking import algorithm1, independent_compute_us
+from commfuse.analysis.chunking import operation_level_plan, independent_compute_us
 from commfuse.core.torch_private import c10d_functional
 from commfuse.costmodel.compute import op_cost
 from commfuse.ir import rewrite
@@ -133,7 +133,7 @@ def _chunk_count(ctx: PassContext, chunks: Optional[int]) -> int:
     return min(DEFAULT_CHUNKS if k is None else k, ctx.config.max_chunks)
 
 
-def algorithm1_chunks(ctx: PassContext, c: Collective) -> tuple[Optional[int], str]:
+def operation_level_chunks(ctx: PassContext, c: Collective) -> tuple[Optional[int], str]:
     """Centauri's Algorithm 1 count for ``c`` (None: no partition), and why."""
     
     est = ctx.cost.model
@@ -142,7 +142,7 @@ def algorithm1_chunks(ctx: PassContext, c: Collective) -> tuple[Optional[int], s
     probe = _best_chain(ctx, c, DEFAULT_CHUNKS)
     comp = probe[0].compute_us if not isinstance(probe, str) and probe[0].compute_us is not None else 0.0
     comm = est.collective(c).time_us
-    plan = algorithm1(comp, comm, independent_compute_us(ctx, c, est), ctx.config.max_chunks)
+    plan = operation_level_plan(comp, comm, independent_compute_us(ctx, c, est), ctx.config.max_chunks)
     return (plan.num_chunks if plan.num_chunks > 1 else None), plan.why
 
 
@@ -186,7 +186,7 @@ def plan_workload_partition(ctx: PassContext, c: Collective, chunks: Optional[in
 def _planned_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tuple[WorkloadPlan, Chain] | str:
     if chunks is not None or ctx.config.workload_chunks is not None:
         return _best_chain(ctx, c, chunks)
-    k, why = algorithm1_chunks(ctx, c)
+    k, why = operation_level_chunks(ctx, c)
     if k is None:
         return f"Algorithm 1: {why}"
     first = None
