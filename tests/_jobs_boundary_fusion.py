@@ -192,7 +192,7 @@ def random_case(seed: int) -> dict[str, Any]:
 
 def random_cases(seeds: Sequence[int]) -> list[dict[str, Any]]:
     """Each case on 2 stages x 2 ranks, plain and fused: this rank's loss, gradients and report."""
-    from commfuse.analysis.boundary_rules import BoundaryFusionOptions
+    from commfuse.analysis.boundary import BoundaryFusionOptions
 
     layout = setup_pipeline(STAGES_2x2)
     out = []

@@ -20,9 +20,9 @@ from benchmarks.boundary_volume import TABLE, WORKLOADS, formula, pp_ep_formula,
 from commfuse.models.pipeline_models import PipelineModelConfig, build_stages, make_full_data, make_loss_fn, \
     position_view
 from commfuse.ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, parse_m2ms
-from commfuse.analysis import boundary_rules
+from commfuse.analysis import boundary
 from commfuse.transforms.boundary_fusion import LAYOUT_META, BoundaryFusion, fuse_boundaries, measured_bytes
-from commfuse.analysis.boundary_rules import BoundaryFusionOptions, BoundaryMap, OpBytes, RuleVolume
+from commfuse.analysis.boundary import BoundaryFusionOptions, BoundaryMap, OpBytes, RuleVolume
 from commfuse.pipeline import partition, plan_layout, trace_forward, trace_joint
 from commfuse.testing import assert_bitwise_equal_tree, assert_close_tree
 
@@ -219,14 +219,14 @@ def test_refuses_when_the_gathered_value_has_other_users():
 
 def test_keeps_a_rewrite_only_if_bytes_do_not_grow(monkeypatch):
     program, _ = trace_workload(WORKLOADS["a2a_pp"], 0)
-    real = boundary_rules.MATCHERS["a2a_p2p"]
+    real = boundary.MATCHERS["a2a_p2p"]
 
     def growing(site, env):
         m = real(site, env)
         m.volume = RuleVolume((OpBytes("stage_transfer", 0, 10),), (OpBytes("m2ms", 0, 11),))
         return m
 
-    monkeypatch.setitem(boundary_rules.MATCHERS, "a2a_p2p", growing)
+    monkeypatch.setitem(boundary.MATCHERS, "a2a_p2p", growing)
     rep = fuse_boundaries(program.forward, program.layout, options=BoundaryFusionOptions(rules=("a2a_p2p",)))
     assert not rep.changed and "would grow 10 -> 11" in rep.decisions[0].reasons["a2a_p2p"]
     assert _calls(program.forward, STAGE_TRANSFER_AUTOGRAD)
@@ -286,7 +286,7 @@ def test_options_are_checked():
 
 
 def test_m2ms_traces_across_stages():
-    assert boundary_rules.m2ms_traceable_across_stages() is None
+    assert boundary.m2ms_traceable_across_stages() is None
 
 
 # ------------------------------------------------------------------ 4 gloo ranks
@@ -353,4 +353,4 @@ def test_random_boundary_cases_match_unfused(rank_pool_4):
             if r >= 2:
                 expected["loss"], actual["loss"] = plain["loss"], fused["loss"]
             assert_close_tree(actual, expected, msg=f"rank {r}, case {case}")
-    assert set(applied) == set(boundary_rules.RULES)  # every rule was exercised
+    assert set(applied) == set(boundary.RULES)  # every rule was exercised

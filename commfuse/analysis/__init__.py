@@ -4,6 +4,6 @@
 * :mod:`.chunking` -- Centauri's operation-level rule (Algorithm 1): how many chunks, which granularity;
 * :mod:`.shard_layouts`, :mod:`.shard_rules`, :mod:`.moe_rules` -- how an op runs on shards (the
   rules collective motion propagates with);
-* :mod:`.boundary_rules` -- Chimera's fusions of a pipeline stage transfer with its neighbours;
+* :mod:`.boundary` -- Chimera's fusions of a pipeline stage transfer with its neighbours (one module per rule);
 * :mod:`.rank_local` -- whether the ranks of a program may hold different graphs or sizes.
 """

@@ -3,7 +3,7 @@
 Contract
 - Matches: ``commfuse::stage_transfer_autograd`` nodes of a pipeline FORWARD graph
   (:func:`commfuse.pipeline.trace_forward`) that pair the positions of two adjacent stages,
-  together with, per rule (:mod:`.boundary_rules`): an all_gather on the sending stage
+  together with, per rule (:mod:`commfuse.analysis.boundary`): an all_gather on the sending stage
   (``ag_p2p``), an all_gather on the receiving stage (``p2p_ag``), an all_to_all on the
   sending stage (``a2a_p2p``), Megatron's g (all_reduce) plus replicated residual adds on
   the sending stage (``ar_p2p``, TP+PP), or a router + dispatch + all_to_all on the receiving
@@ -47,8 +47,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.fx as fx
 
-from commfuse.analysis.boundary_rules import (LAYOUT_META_KEY, MATCHERS, BoundaryFusionOptions, BoundaryMap, Env,
-                                              RuleVolume, m2ms_traceable_across_stages, ring_bytes, sites)
+from commfuse.analysis.boundary import (LAYOUT_META_KEY, MATCHERS, BoundaryFusionOptions, BoundaryMap, Env, RuleVolume,
+                                        m2ms_traceable_across_stages, ring_bytes, sites)
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import CollectiveKind
 from commfuse.ir.shapes import nbytes
