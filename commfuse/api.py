@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from commfuse.config import Config, default_config
 from commfuse.core.meta import REPORTS_META
+from commfuse.costmodel.profile import CostProfile
 from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
 from commfuse.passmgr.base import Stage
 from commfuse.passmgr.pipeline import Pipeline
@@ -22,8 +23,17 @@ def pipeline_for(config: Config, dtensor_roles: Optional[dict[str, str]] = None)
     `commfuse.setup` (and the roles of the graph's DTensor meshes, ``dtensor_roles``) filled in."""
     roles, sources = resolved_roles(config, dtensor_roles)
     topology, source = resolved_topology(config)
+    cost_model = cost_label = None
+    if config.cost_profile is not None:
+        # every rank reads the same file (Config checked it), so every rank prices the same
+        profile = CostProfile.load(config.cost_profile)
+        if topology is None:
+            topology, source = profile.resolve_topology(), "cost_profile"
+        cost_model = profile.build_model(topology)
+        cost_label = f"cost profile {config.cost_profile} ({profile.backend}, fingerprint {profile.fingerprint()})"
     return Pipeline([get_pass(name) for name in config.pass_names()], config, topology=topology,
-                    group_roles=roles, role_sources=sources, session=current_session(), topology_source=source)
+                    group_roles=roles, role_sources=sources, session=current_session(), topology_source=source,
+                    cost_model=cost_model, cost_label=cost_label)
 
 
 def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind: str = "graph") -> fx.GraphModule:

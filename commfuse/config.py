@@ -13,6 +13,7 @@ from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloa
 
 from commfuse._version import __version__
 from commfuse.core.errors import ConfigError
+from commfuse.costmodel.profile import CostProfile
 from commfuse.costmodel.topology import Topology
 from commfuse.dhelix.profile import read_oef_profile
 from commfuse.ir.collective import ParallelRole
@@ -111,6 +112,11 @@ class Config(BaseModel):
         ``inner_compiler="eager"`` (Inductor partitions the joint graph itself).
     dhelix_oef_profile: path of an overlap profile (``python -m commfuse profile-overlap``) every rank
         reads for the pairing DP; None: the illustrative default factors. Read and checked here.
+    cost_profile: path of a cost profile (``python -m commfuse calibrate``) every rank reads: the
+        passes price their candidates with the profile's fitted collective and compute models
+        instead of the topology's nominal figures (on the topology in use, or the profile's own
+        when there is none). Read and checked here; the compile cache keys on its content.
+        ``COMMFUSE_CONFIG='{"cost_profile": "profile.json"}'`` sets it without code.
     lagom_max_evaluations: budget of the ``lagom_tune`` pass's search per graph, in simulator
         evaluations (>= 2); when it runs out, collectives the search has not reached stay on NCCL's
         defaults. A count, not seconds, so every rank stops at the same point (docs/lagom.md).
@@ -150,6 +156,7 @@ class Config(BaseModel):
     lagom_max_evaluations: int = Field(default=1000, ge=2)
     dhelix: bool = False
     dhelix_oef_profile: Optional[str] = None
+    cost_profile: Optional[str] = None
 
     @model_validator(mode="after")
     def _dhelix_needs_eager(self) -> "Config":
@@ -167,6 +174,16 @@ class Config(BaseModel):
                 read_oef_profile(v)
             except ValueError as e:
                 raise ValueError(f"dhelix_oef_profile: {e}") from None
+        return v
+
+    @field_validator("cost_profile")
+    @classmethod
+    def _readable_cost_profile(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            try:
+                CostProfile.load(v)
+            except ValueError as e:
+                raise ValueError(f"cost_profile: {e}") from None
         return v
 
     @model_validator(mode="after")
@@ -236,6 +253,7 @@ class Config(BaseModel):
             "lagom_max_evaluations": self.lagom_max_evaluations,
             "dhelix": self.dhelix,
             "dhelix_oef_profile": _file_digest(self.dhelix_oef_profile),
+            "cost_profile": _file_digest(self.cost_profile),
             "topology": topo.model_dump() if topo else None,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -23,6 +23,7 @@ from commfuse.costmodel.topology import Topology
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import CollectiveKind as K
 from commfuse.transforms import primitive_substitution as ps
+from commfuse.costmodel.profile import CostProfile
 from commfuse.passmgr.context import PassContext
 from commfuse.passmgr.cost import CostPolicy
 from commfuse.testing.equivalence import check_equivalent
@@ -269,6 +270,40 @@ def test_cost_model_applies_where_the_substitute_is_predicted_faster(monkeypatch
         assert len(rec.refusals) == 1 and "reduce_scatter kept: cost model" in rec.refusals[0]
         assert _kinds(gm) == ["broadcast"] * N + ["reduce_scatter"]
         check_equivalent(before, gm, N, exact=True)
+
+
+def test_a_cost_profile_prices_the_decisions(tmp_path):
+    """``Config.cost_profile``: the same calibrated numbers from a profile file (what
+    ``python -m commfuse calibrate`` writes) reach the pass through the cost policy, and the
+    report names the profile; without it the nominal DGX-H100 model keeps the all_gather."""
+    fits = CollectiveParams(fits=[AlphaBeta(kind=K.ALL_GATHER, group_size=N, alpha_us=1000.0, beta_us_per_byte=0.0)])
+    path = tmp_path / "slow_all_gather.json"
+    CostProfile(topology="dgx-h100", backend="nccl", collective=fits).save(path)
+    topo = Topology.preset("dgx-h100")
+    with fake_process_group(N):
+        gm = _trace(lambda x: _ag_dim0(x), (2, 3))
+        rec = _run(gm, ["primitive_substitution"], topology=topo)
+        assert rec.counts[ps.ROOTED_BROADCASTS] == 0
+        gm = _trace(lambda x: _ag_dim0(x), (2, 3))
+        before = _copy(gm)
+        rec = _run(gm, ["primitive_substitution"], topology=topo, cost_profile=str(path))
+        assert rec.counts[ps.ROOTED_BROADCASTS] == 1 and rec.decisions[0]["original_us"] == 1000.0
+        assert "slow_all_gather.json" in commfuse.last_report(gm).topology
+        check_equivalent(before, gm, N, exact=True)
+
+
+def test_a_cost_profile_that_cannot_be_read_names_the_field(tmp_path):
+    bad = tmp_path / "profile.json"
+    bad.write_text('{"topology": "dgx-h100"}')  # no backend
+    with pytest.raises(ValueError, match="cost_profile: cost profile: invalid profile file"):
+        commfuse.Config(cost_profile=str(bad))
+    with pytest.raises(ValueError, match="cost_profile: cost profile: cannot read"):
+        commfuse.Config(cost_profile=str(tmp_path / "missing.json"))
+    good = tmp_path / "good.json"
+    CostProfile(topology="dgx-h100", backend="nccl").save(good)
+    key = commfuse.Config(cost_profile=str(good)).cache_key()
+    CostProfile(topology="dgx-h100", backend="nccl", contention_kappa=0.5).save(good)
+    assert commfuse.Config(cost_profile=str(good)).cache_key() != key  # the cache keys on the content
 
 
 # ---------------------------------------------------------------- the reduce's cost model

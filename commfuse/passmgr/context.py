@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, Protocol, Se
 
 import torch.fx as fx
 
+from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.hierarchy import SubGroups
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
@@ -73,13 +74,14 @@ class PassContext:
         group_roles: Optional[dict[str, str]] = None,
         role_sources: Optional[dict[str, str]] = None,
         session: Optional[SessionState] = None,
+        cost_model: Optional[AnalyticCostModel] = None,
     ) -> None:
         self.gm = gm
         self.config = config
         self.graph_kind = graph_kind
         self.topology = topology
         self.session: SessionState = session if session is not None else NoSession()
-        self.cost = CostPolicy(topology)
+        self.cost = CostPolicy(topology, model=cost_model)
         self._ir_options = IRBuildOptions(group_roles=group_roles or {}, role_sources=role_sources or {})
         self._analyses: dict[Analysis, Any] = {}
 

@@ -4,6 +4,8 @@ Partition, scheduling and lowering passes compare candidates by predicted time. 
 must be a deterministic function of what every rank shares, never of local timings, so all
 ranks pick the same rewrite. The policy:
 
+* With a cost profile (``Config.cost_profile``, written by ``python -m commfuse calibrate``):
+  the profile's fitted model on the topology in use. :attr:`model`.
 * With a topology (``Config.topology``, ``commfuse.setup(topology=...)``, or detected under
   torchrun): its analytic model (:class:`~commfuse.costmodel.analytic.AnalyticCostModel`),
   priced as NCCL on GPU topologies and as gloo on CPU ones (``num_sms == 0``). :attr:`model`.
@@ -45,7 +47,10 @@ class CostPolicy:
 
     @property
     def backend(self) -> str:
-        """The collective library the topology is priced as ("nccl" or "gloo")."""
+        """The collective library candidates are priced as ("nccl" or "gloo"): a given model's, else
+        NCCL on GPU topologies and gloo on CPU ones."""
+        if self._model is not None:
+            return self._model.backend
         return "nccl" if self.topology is not None and self.topology.is_gpu else "gloo"
 
     @property

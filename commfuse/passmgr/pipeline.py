@@ -32,6 +32,7 @@ import torch.fx as fx
 from commfuse.core.errors import PassError, VerificationError
 from commfuse.core.meta import REPORTS_META
 from commfuse.core.torch_private import copy_graph, reset_graph_namespace
+from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.shapes import size_to_json
@@ -189,19 +190,24 @@ class ReportTo(Instrumentation):
 class Pipeline:
     """The passes ``passes`` (instances, in order) with what they decide from: ``config``,
     ``topology`` (``topology_source`` says where it came from, for reports), the groups'
-    roles, and the ``session`` (``commfuse.setup``'s sub-groups and communicator pool).
+    roles, the ``session`` (``commfuse.setup``'s sub-groups and communicator pool), and
+    ``cost_model``, a calibrated model to price with instead of the topology's nominal one
+    (``cost_label`` names it in reports).
     ``instruments`` run on every graph, after the pipeline's own (timing, and dumps when
     the config asks for them)."""
 
     def __init__(self, passes: Sequence[GraphPass], config: "Config", *, topology: Optional[Topology] = None,
                  group_roles: Optional[dict[str, str]] = None, role_sources: Optional[dict[str, str]] = None,
                  session: Optional[SessionState] = None, topology_source: Optional[str] = None,
+                 cost_model: Optional[AnalyticCostModel] = None, cost_label: Optional[str] = None,
                  instruments: Sequence[Instrumentation] = ()) -> None:
         self.config = config
         self.topology = topology
         self.group_roles = group_roles or {}
         self.role_sources = role_sources or {}
         self.session = session
+        self.cost_model = cost_model
+        self.cost_label = cost_label
         self.passes = list(passes)
         self.instruments = list(instruments)
         # where the topology came from ("config", "setup", "detected"): reports name it
@@ -222,9 +228,10 @@ class Pipeline:
         stages = set(stages)
         cfg = self.config
         ctx = PassContext(gm, cfg, graph_kind=graph_kind, topology=self.topology, group_roles=self.group_roles,
-                          role_sources=self.role_sources, session=self.session)
+                          role_sources=self.role_sources, session=self.session, cost_model=self.cost_model)
         instruments = self._instruments(graph_kind, dump_if_changed)
-        report = PipelineReport(graph=graph_kind, topology=_describe_topology(self.topology, self.topology_source))
+        report = PipelineReport(graph=graph_kind, topology=_describe_topology(self.topology, self.topology_source,
+                                                                              self.cost_label))
         selected = [p for p in self.passes if p.stage in stages]
         _describe_input(ctx, report)
         pre = verify_graph(gm, ir=ctx.ir, check_meta=False) if cfg.verify else None
@@ -299,11 +306,13 @@ def _describe_input(ctx: PassContext, report: PipelineReport) -> None:
                             "passes treat those nodes as opaque")
 
 
-def _describe_topology(topology: Optional[Topology], source: Optional[str]) -> str:
+def _describe_topology(topology: Optional[Topology], source: Optional[str], cost_label: Optional[str] = None) -> str:
+    if cost_label is not None:
+        return f"{_describe_topology(topology, source)}; priced with {cost_label}"
     if topology is None:
         return "none (cost-model passes refuse; give Config.topology or setup(topology=), or run under torchrun)"
     where = {"config": "Config.topology", "setup": "commfuse.setup", "given": "given",
-             "detected": "detected from the torchrun environment"}.get(source or "given", source)
+             "detected": "detected from the torchrun environment", "cost_profile": "Config.cost_profile"}.get(source or "given", source)
     return (f"{topology.name}: {topology.num_nodes} node(s) x {topology.ranks_per_node} ranks, "
             f"device {topology.device} ({where})")
 
