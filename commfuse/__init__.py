@@ -17,7 +17,7 @@ from commfuse.api import analyze, last_report, optimize
 from commfuse.backend import CommfuseBackend, backend, commfuse_backend, recent_reports
 from commfuse.config import CONFIG_ENV, DUMP_DIR_ENV, Config, default_config, set_default_config
 from commfuse.core.errors import CommfuseError, ConfigError, PassError, VerificationError
-from commfuse.core.torch_private import dynamo_backend_registry
+from commfuse.core import torch_private as _torch_private
 from commfuse.costmodel.topology import Topology
 from commfuse.lowering.recorder import Recorder, record
 from commfuse.passmgr.report import AnalysisReport, PipelineReport
@@ -36,7 +36,7 @@ def _register_dynamo_backend() -> None:
 
     if any(e.name == "commfuse" for e in entry_points(group="torch_dynamo_backends")):
         return
-    reg = dynamo_backend_registry()
+    reg = _torch_private.dynamo_backend_registry()
     if "commfuse" not in reg._COMPILER_FNS:
         reg.register_backend(name="commfuse", compiler_fn=commfuse_backend)
 

@@ -26,19 +26,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<17}{text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     if argv[0] == "demo":
-
         return demo(argv[1:])
     if argv[0] == "calibrate":
-
         return calibrate_main(argv[1:])
     if argv[0] in ("report", "volume", "validate"):
-
         return getattr(cli, f"{argv[0]}_main")(argv[1:])
     if argv[0] == "align":
-
         return align_main(argv[1:])
     if argv[0] == "profile-overlap":
-
         return profile_overlap_main(argv[1:])
     return 2
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch.distributed as dist
 import torch.fx as fx
 
 from commfuse.config import Config, default_config
@@ -33,7 +34,8 @@ def pipeline_for(config: Config, dtensor_roles: Optional[dict[str, str]] = None)
         cost_label = f"cost profile {config.cost_profile} ({profile.backend}, fingerprint {profile.fingerprint()})"
     return Pipeline([get_pass(name) for name in config.pass_names()], config, topology=topology,
                     group_roles=roles, role_sources=sources, session=current_session(), topology_source=source,
-                    cost_model=cost_model, cost_label=cost_label)
+                    cost_model=cost_model, cost_label=cost_label,
+                    rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else None)
 
 
 def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind: str = "graph") -> fx.GraphModule:

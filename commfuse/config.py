@@ -169,7 +169,6 @@ class Config(BaseModel):
     @classmethod
     def _readable_profile(cls, v: Optional[str]) -> Optional[str]:
         if v is not None:
-
             try:
                 read_oef_profile(v)
             except ValueError as e:
@@ -215,7 +214,6 @@ class Config(BaseModel):
         return v
 
     def pass_names(self) -> list[str]:
-
         if self.passes is not None:
             return list(self.passes)
         return list(DHELIX_PIPELINE if self.dhelix else DEFAULT_PIPELINE)
@@ -253,9 +251,10 @@ class Config(BaseModel):
             "lagom_max_evaluations": self.lagom_max_evaluations,
             "dhelix": self.dhelix,
             "dhelix_oef_profile": _file_digest(self.dhelix_oef_profile),
-            "cost_profile": _file_digest(self.cost_profile),
             "topology": topo.model_dump() if topo else None,
         }
+        if self.cost_profile is not None:  # keys of configs without a profile stay as they were
+            payload["cost_profile"] = _file_digest(self.cost_profile)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

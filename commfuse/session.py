@@ -39,7 +39,6 @@ Calling setup again
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +46,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 from commfuse.core.errors import ConfigError
 from commfuse.core.torch_private import register_process_group_alias, resolve_process_group
-from commfuse.costmodel.hierarchy import (INTER_PREFIX, INTRA_PREFIX, Ranks, SubGroups, hierarchy_layout, mesh_blocks,
-                                          ranks_label, subgroup_names)
+from commfuse.costmodel.hierarchy import Ranks, SubGroups, hierarchy_layout, mesh_blocks, subgroup_names
 from commfuse.costmodel.lagom import plan_communicator_pool, validate_communicator_ctas
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.collective import ParallelRole

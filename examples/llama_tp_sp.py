@@ -5,7 +5,7 @@ with DTensor (``commfuse.models.llama.parallelize_llama``), and trains a few
 SGD steps twice from the same weights: eagerly, then under
 ``torch.compile(model, backend=BACKEND)``. Prints both loss curves.
 
-BACKEND is ``commfuse`` when the package provides it, else ``aot_eager``;
+BACKEND is ``commfuse``;
 override it with ``--backend``. Usage::
 
     python examples/llama_tp_sp.py [--steps 4] [--no-sp] [--backend aot_eager]
@@ -63,7 +63,7 @@ def worker(backend_name: str | None, steps: int, sp: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default=None, help="torch.compile backend (default: commfuse or aot_eager)")
+    parser.add_argument("--backend", default=None, help="torch.compile backend (default: commfuse)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--no-sp", dest="sp", action="store_false", help="TP only (all_reduce) instead of TP+SP")
     args = parser.parse_args()

@@ -6,7 +6,7 @@ forward (``commfuse.models.moe``). Trains a few SGD steps eagerly and then
 under ``torch.compile(model, backend=BACKEND)`` from the same weights and
 prints both loss curves (MSE + load-balancing auxiliary loss).
 
-BACKEND is ``commfuse`` when the package provides it, else ``aot_eager``;
+BACKEND is ``commfuse``;
 override it with ``--backend``. Usage::
 
     python examples/moe_ep.py [--steps 4] [--top-k 2] [--backend aot_eager]
@@ -64,7 +64,7 @@ def worker(backend_name: str | None, steps: int, top_k: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default=None, help="torch.compile backend (default: commfuse or aot_eager)")
+    parser.add_argument("--backend", default=None, help="torch.compile backend (default: commfuse)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top-k", type=int, default=2, choices=(1, 2))
     args = parser.parse_args()

@@ -8,7 +8,7 @@ the all_gathers and the gradient reduce_scatters are part of the graphs
 SGD steps eagerly and then under ``torch.compile(model, backend=BACKEND)``
 from the same weights and prints both loss curves.
 
-BACKEND is ``commfuse`` when the package provides it, else ``aot_eager``;
+BACKEND is ``commfuse``;
 override it with ``--backend``. Usage::
 
     python examples/simple_fsdp.py [--steps 4] [--mode replicate] [--backend aot_eager]
@@ -66,7 +66,7 @@ def worker(backend_name: str | None, steps: int, mode: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default=None, help="torch.compile backend (default: commfuse or aot_eager)")
+    parser.add_argument("--backend", default=None, help="torch.compile backend (default: commfuse)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--mode", default="fully_shard", choices=("fully_shard", "replicate"))
     args = parser.parse_args()

@@ -6,7 +6,7 @@ boundary bytes equal docs/boundary-fusion.md's formulas and the IR's totals, eve
 (commfuse.models.pipeline_models' boundaries included) says why. 4 gloo ranks (2 stages x 2):
 every workload, GPipe and 1F1B, several micro-batches: losses and gradients equal to the
 unfused pipeline, state_dict unchanged; random cases per rule (the fuzzer's programs never hold a
-pipeline forward graph: see FUZZ_NOTES["boundary_fusion"])."""
+pipeline forward graph: see BoundaryFusion.fuzz = FuzzSpec(not_fuzzed=...))."""
 
 from __future__ import annotations
 

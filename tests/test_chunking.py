@@ -1,4 +1,5 @@
-"""Centauri Algorithm 1 (operation level): the rule on numbers, in_cost on a graph, and its use."""
+"""Centauri's operation-level rule (Algorithm 1, ``operation_level_plan``): the rule on numbers,
+in_cost on a graph, and its use by workload_partition."""
 
 from __future__ import annotations
 
@@ -63,11 +64,11 @@ def test_in_cost_counts_only_independent_compute_before_the_first_use():
         est = ctx.cost.model
         mm_indep = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default
                         and n.args[0].op == "placeholder")
-        got = independent_compute_us(ctx, c, est)
+        got = independent_compute_us(ctx.gm, ctx.ir, c, est)
     assert got == pytest.approx(est.compute_time_us(mm_indep))
 
 
-def test_workload_partition_takes_its_chunk_count_from_algorithm1():
+def test_workload_partition_takes_its_chunk_count_from_the_operation_level_plan():
     gm = _graph()
     topo = Topology.preset("dgx-h100", num_nodes=1)
     with fake_process_group(4):

@@ -1,5 +1,5 @@
 """Lagom per-collective communicator settings: the search (costmodel/lagom.py), the pass
-(passes/lagom_tune.py) and the communicator pool of ``commfuse.setup``.
+(transforms/lagom_tune.py) and the communicator pool of ``commfuse.setup``.
 
 Graphs are traced with ``make_fx`` on the ``fake`` process group and judged on GPU topology
 presets; the search is checked against brute force over the same ladders."""

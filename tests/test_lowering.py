@@ -12,7 +12,7 @@ from torch.testing import FileCheck
 import commfuse
 from commfuse.core.errors import ConfigError
 from commfuse.lowering import build_plan, lower_graph
-from commfuse.lowering.plan import SETTING_META, STREAM_META
+from commfuse.core.meta import SETTING_META, STREAM_META
 from commfuse.lowering.recorder import CollectiveRecord, Recorder, RegionRecord, record
 from commfuse.lowering.regions import is_runtime_call, region_ids
 from commfuse.lowering.streams import stream_program

@@ -31,15 +31,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch.fx as fx
 
 from commfuse.ir.collective import Collective
+from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import is_wait
-
-if TYPE_CHECKING:
-    from commfuse.passmgr.context import PassContext
 
 
 @dataclass(frozen=True)
@@ -88,15 +86,15 @@ def operation_level_plan(comp_cost: float, comm_cost: float, in_cost: float, max
     return OperationPlan(len(granularity) if group is not None else num, granularity, first, why)
 
 
-def independent_compute_us(ctx: PassContext, c: Collective, estimator) -> float:
+def independent_compute_us(gm: fx.GraphModule, ir: CollectiveIR, c: Collective, estimator) -> float:
     """``in_cost``: compute independent of ``c`` between its start and its result's first use."""
-    nodes = list(ctx.gm.graph.nodes)
+    nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     users = [u for w in c.waits for u in w.users]
     end = min((pos[u] for u in users), default=len(nodes))
     ancestors = _closure(c.start, lambda n: n.all_input_nodes)
     descendants = _closure(c.start, lambda n: n.users)
-    starts = {x.start for x in ctx.ir.collectives}
+    starts = {x.start for x in ir.collectives}
     total = 0.0
     for n in nodes[pos[c.start] + 1:end]:
         if n.op != "call_function" or is_wait(n.target) or n in starts or n in ancestors or n in descendants:

@@ -9,7 +9,7 @@ the local node's arguments and its outputs' layouts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch.fx as fx
 

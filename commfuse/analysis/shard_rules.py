@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.fx as fx
 
 from commfuse.analysis.moe_rules import MOE_RULES
-from commfuse.analysis.shard_layouts import Complete, Layout, LocalOp, Partial, Replicated, RuleEnv, Sharded, StateOf
+from commfuse.analysis.shard_layouts import Complete, LocalOp, Partial, Replicated, RuleEnv, Sharded, StateOf
 from commfuse.ir.rewrite import mutates
 from commfuse.ir.shapes import shape_of
 

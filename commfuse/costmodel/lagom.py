@@ -215,7 +215,7 @@ def validate_communicator_ctas(value: Any, field_name: str = "communicator_ctas"
 
 
 def pool_alias(min_ctas: int, max_ctas: int, ranks: Sequence[int]) -> str:
-    """``commfuse.cta<min>-<max>.<ranks label>`` (the label of ``session.ranks_label``)."""
+    """``commfuse.cta<min>-<max>.<ranks label>`` (the label of :func:`commfuse.costmodel.hierarchy.ranks_label`)."""
     return f"{POOL_PREFIX}{min_ctas}-{max_ctas}.{ranks_label(ranks)}"
 
 

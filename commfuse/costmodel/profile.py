@@ -83,7 +83,6 @@ class CostProfile(BaseModel):
         return Topology.preset(self.topology, num_nodes=nodes)
 
     def build_model(self, topology: Optional[Topology] = None):
-
         return AnalyticCostModel(topology or self.resolve_topology(), self.backend, self.collective, self.compute,
                                  contention_kappa=self.contention_kappa, runtime=self.runtime)
 

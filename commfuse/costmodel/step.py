@@ -27,7 +27,7 @@ What it models
 
     All four numbers come from :class:`RuntimeParams` in the cost profile, which
     ``commfuse calibrate`` measures on synthetic programs (see
-    :mod:`.calibrate`); for GPU presets they default to 0 (not measured: NCCL
+    :mod:`commfuse.tools.calibrate`); for GPU presets they default to 0 (not measured: NCCL
     runtimes overlap the host work with the device).
 
 Parameters counted

@@ -414,7 +414,7 @@ def llama_param_count(layers: Num, dim: Num, ffn_dim: Num, vocab: Num | None = N
 # Table 2's boundary rows (SP+PP, TP+PP, PP+EP) written out with commfuse's boundary ops: the P2P
 # and M2MS of each row become a `commfuse::stage_transfer` / `commfuse::m2ms` piece matrix over the
 # ranks of both stages, and their per-rank volume is computed by the IR's own rule
-# (`commfuse.ops.boundary.ir_view.BoundaryTransfers`: bytes a rank sends, its piece to itself excluded),
+# (`commfuse.ir.transfers.BoundaryTransfers`: bytes a rank sends, its piece to itself excluded),
 # not copied from the paper. Stage 1 = group ranks 0..n1-1, stage 2 = n1..n1+n2-1 of one group.
 @dataclass(frozen=True)
 class BoundaryPlan:

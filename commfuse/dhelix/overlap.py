@@ -81,7 +81,7 @@ def default_oef() -> OEFTable:
 
 
 def pair_time(kind_a: str, t_a: float, kind_b: str, t_b: float, oef: OEFTable) -> float:
-    """Predicted co-run time of two units (Eq. 1 inverted, module docstring)."""
+    """Predicted co-run time of two units (Eq. 1 inverted, see the module docstring)."""
     return t_a + t_b - oef(kind_a, kind_b) * min(t_a, t_b)
 
 
@@ -96,7 +96,7 @@ def overlap_table(fwd: Sequence[Segment], bwd: Sequence[Segment], oef: OEFTable)
 
 
 def merge_overlapping(segments: Sequence[Segment], groups: Iterable[Sequence[str]], oef) -> tuple[Segment, ...]:
-    """Merge each group (names of adjacent segments) into one segment (module docstring).
+    """Merge each group (names of adjacent segments) into one segment (see :mod:`commfuse.dhelix.segments`).
 
     ``oef`` is an :class:`~commfuse.dhelix.overlap.OEFTable`."""
 

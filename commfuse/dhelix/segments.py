@@ -11,7 +11,7 @@ Contract
   deterministic order (lexicographic in the input's op order), stopping with a
   ``ValueError`` beyond ``limit`` orders (DHelix only moves the weight-gradient GEMM and the
   MoE router, so real layers have few orders; a blow-up means a wrong DAG).
-- :func:`merge_overlapping` merges groups of *adjacent* segments of one strand that overlap
+- :func:`commfuse.dhelix.overlap.merge_overlapping` merges groups of *adjacent* segments of one strand that overlap
   each other into one segment (DHelix Fig. 10: "self-overlapping operators within a strand
   are treated as a single operator in the pairing search"). The merged duration folds the
   members pairwise with the Eq. 1 model of :mod:`.overlap`; the merged ``mem_delta`` is

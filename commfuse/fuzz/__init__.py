@@ -16,8 +16,8 @@ from commfuse.fuzz.program import OPS, Program
 from commfuse.fuzz.regressions import (Regression, load_regression, load_regressions, make_regression, replay,
                                        save_regression)
 from commfuse.fuzz.shrink import shrink
-from commfuse.fuzz.targets import (FUZZ_NOTES, FuzzTarget, fuzz_notes, fuzz_target, passes_missing_fuzz_entry, register_fuzz_target,
-                                   registered_targets, unregister_fuzz_target)
+from commfuse.fuzz.targets import (FUZZ_NOTES, FuzzTarget, fuzz_notes, fuzz_target, passes_missing_fuzz_entry,
+                                   register_fuzz_target, registered_targets, unregister_fuzz_target)
 
 __all__ = [
     "FAILURE_KINDS", "FAMILIES", "FUZZ_NOTES", "fuzz_notes", "OPS", "CampaignReport", "CheckResult", "Corpus", "CorpusError",

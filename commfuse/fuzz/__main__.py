@@ -54,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     log = None if a.quiet else (lambda s: print(s, file=sys.stderr, flush=True))
     passes = a.passes.split(",") if a.passes else None
     if a.family is not None:
-
         if a.family not in FAMILIES:
             ap.error(f"unknown family {a.family!r}; known: {', '.join(sorted(FAMILIES))}")
 

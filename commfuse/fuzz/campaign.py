@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,11 +17,10 @@ import torch
 
 from commfuse.fuzz.check import Failure, PipelineSpec, all_pipelines, check_program
 from commfuse.fuzz.corpus import Corpus
-from commfuse.fuzz.generator import generate_program
 from commfuse.fuzz.program import Program
 from commfuse.fuzz.regressions import make_regression, save_regression
 from commfuse.fuzz.shrink import shrink
-from commfuse.fuzz.targets import fuzz_target, program_for
+from commfuse.fuzz.targets import program_for
 
 
 @dataclass

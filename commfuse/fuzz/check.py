@@ -34,6 +34,7 @@ from commfuse import session
 from commfuse.api import optimize
 from commfuse.config import Config
 from commfuse.core.errors import PassError, VerificationError
+from commfuse.core.meta import REPORTS_META
 from commfuse.fuzz.program import Program, Traced, create_groups, make_inputs, trace_rank
 from commfuse.fuzz.targets import fuzz_target
 from commfuse.ir.graph_ir import CollectiveIR
@@ -199,7 +200,7 @@ def _copy_gm(gm: fx.GraphModule) -> fx.GraphModule:
     g.output(out)
     g._codegen = gm.graph._codegen
     new = fx.GraphModule(gm, g)
-    new.meta = {k: v for k, v in gm.meta.items() if k != "commfuse_reports"}
+    new.meta = {k: v for k, v in gm.meta.items() if k != REPORTS_META}
     return new
 
 
@@ -317,7 +318,7 @@ def prepare(program: Program, pipelines: Sequence[PipelineSpec] = (), *, check_i
                     failed.add(p.name)
                     continue
                 optimised.setdefault(p.name, []).append(opt)
-                reports = opt.meta.get("commfuse_reports", [])
+                reports = opt.meta.get(REPORTS_META, [])
                 if any(rec.changed for rep in reports for rec in rep.passes):
                     changed.add(p.name)
     return Prepared(traced, reference, {k: v for k, v in optimised.items() if k not in failed}, failures, nodes,

@@ -102,7 +102,6 @@ def _decomposed(gm):
 
 
 def _inductor_region_compiler():
-
     def compile_region(sub, inputs):
         return inductor_compile_fx_inner(sub, inputs)
 

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from commfuse.costmodel.topology import PRESETS, Topology
+from commfuse.costmodel.topology import Topology
 from commfuse.fuzz.generator import FAMILIES, generate_program
 from commfuse.fuzz.program import Program
 from commfuse.passmgr.base import FuzzSpec

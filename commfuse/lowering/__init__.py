@@ -72,7 +72,6 @@ def lower_runtime(gm: fx.GraphModule, graph_kind: str, *, dump_dir: Optional[str
                                f"the {graph_kind} graph (one compute region, no collective)")
     lowered = lower_graph(gm, plan)
     if compile_regions is not None:
-
         lowered = compile_compute_regions(lowered, compile_regions, graph_kind)
     return make_boxed_func(lowered)
 

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
-from commfuse.core.meta import BARRIER_META, SETTING_META, STREAM_META, stream_hint
+from commfuse.core.meta import BARRIER_META, SETTING_META, stream_hint
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import collective_spec, is_wait
 

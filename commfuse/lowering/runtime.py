@@ -176,6 +176,5 @@ def lower_graph(gm: fx.GraphModule, plan: LoweringPlan, *, streams: bool = True)
             n.target = wait_fn
     module = fx.GraphModule(gm, graph, class_name="CommfuseLowered")
     if streams and plan.node_streams and torch.cuda.is_available():
-
         apply_stream_plan(module, plan)
     return LoweredGraph(module, plan, state)

@@ -166,16 +166,9 @@ class GraphRecorder:
 # ---------------------------------------------------------------- examples
 
 
-def default_backend() -> str | Callable:
-    """``"commfuse"`` when the commfuse backend is importable, else ``"aot_eager"``.
-
-    The entry point in pyproject registers the name only for installed packages,
-    so the backend callable itself is returned when it can be imported.
-    """
-    try:
-        pass
-    except Exception:  # noqa: BLE001 - any failure means "not available yet"
-        return "aot_eager"
+def default_backend() -> Callable:
+    """The commfuse backend callable: the entry point in pyproject registers the name
+    ``"commfuse"`` only for installed packages, so the examples pass the callable itself."""
     return commfuse_backend
 
 

@@ -429,7 +429,6 @@ def _first_use(n: fx.Node, order: dict) -> int:
 
 
 def _prove(gm: fx.GraphModule, r: Router, tokens: fx.Node, out: fx.Node) -> MeaningMatch:
-
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     region = backward_slice(out, tokens)
     leaves = [n for n in region if n.op in ("placeholder", "get_attr") and n is not tokens]

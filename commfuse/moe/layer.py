@@ -3,7 +3,7 @@
 ``MoELayer(dim, num_experts, ffn_dim, top_k, capacity_factor, token_groups)``
 maps tokens ``[..., dim]`` to ``(out [..., dim], stats)`` through one
 ``commfuse::moe_layer`` op (router, dispatch, SwiGLU experts, combine; see
-:mod:`.ops`). :meth:`MoELayer.expert_parallel` keeps this rank's ``E/N``
+:mod:`commfuse.ops.moe_layer.op`). :meth:`MoELayer.expert_parallel` keeps this rank's ``E/N``
 experts and names the process group the op exchanges tokens over.
 
 ``stats`` (:class:`RouterStats`) are sums over the layer's tokens; turn them into

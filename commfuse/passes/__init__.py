@@ -1,4 +1,6 @@
-"""commfuse passes: the pass interface, registry, pipeline, verifier and the passes."""
+"""What a pass author needs, in one place: the pass interface and pipeline (:mod:`commfuse.passmgr`),
+the verifier, and the pass table (:mod:`commfuse.transforms.registry`). The passes themselves live
+in :mod:`commfuse.transforms`."""
 
 from commfuse.passmgr.base import GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext

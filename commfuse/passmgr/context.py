@@ -8,7 +8,8 @@ of the config and topology alone (``graph_independent``) survive every change.
 Everything a pass may decide from comes through here, identical on every rank: the graph,
 ``config``, ``topology`` (and the :class:`~commfuse.passmgr.cost.CostPolicy` built from it),
 and ``session``, the state ``commfuse.setup`` created before compiling (sub-groups, the
-communicator pool plan). Passes never read global state.
+communicator pool plan). ``rank`` (this process's rank) may only shape a rewrite's local
+form -- a rank's own chunk -- never whether to rewrite. Passes never read global state.
 """
 
 from __future__ import annotations
@@ -75,15 +76,20 @@ class PassContext:
         role_sources: Optional[dict[str, str]] = None,
         session: Optional[SessionState] = None,
         cost_model: Optional[AnalyticCostModel] = None,
+        rank: Optional[int] = None,
     ) -> None:
         self.gm = gm
         self.config = config
         self.graph_kind = graph_kind
         self.topology = topology
         self.session: SessionState = session if session is not None else NoSession()
+        # this process's global rank, for rewrites that differ per rank (a rank's own chunk) while
+        # the decision to rewrite stays the same on every rank; None: unknown (such rules are off)
+        self.rank = rank
         self.cost = CostPolicy(topology, model=cost_model)
         self._ir_options = IRBuildOptions(group_roles=group_roles or {}, role_sources=role_sources or {})
         self._analyses: dict[Analysis, Any] = {}
+        self._named: dict[str, Analysis] = {}
 
     def get(self, analysis: Analysis[T]) -> T:
         if analysis not in self._analyses:
@@ -94,6 +100,12 @@ class PassContext:
     def ir(self) -> CollectiveIR:
         return self.get(COLLECTIVE_IR)
 
+    def analysis(self, name: str, build: Callable[[fx.GraphModule], T]) -> T:
+        """``build(gm)`` cached under ``name`` until the graph changes: the untyped form, for passes
+        written outside commfuse (built-in passes declare :class:`Analysis` keys)."""
+        key = self._named.setdefault(name, Analysis(name, lambda ctx: build(ctx.gm)))
+        return self.get(key)
+
     def invalidate(self, preserved: frozenset = frozenset()) -> None:
         """The graph changed: drop every analysis of it except ``preserved`` ones."""
         self._analyses = {a: v for a, v in self._analyses.items() if a.graph_independent or a in preserved}
@@ -102,7 +114,7 @@ class PassContext:
         """A context for another graph (a candidate rewrite on a copy), sharing everything else."""
         other = PassContext(gm, self.config, graph_kind=self.graph_kind, topology=self.topology,
                             group_roles=self._ir_options.group_roles, role_sources=self._ir_options.role_sources,
-                            session=self.session)
+                            session=self.session, rank=self.rank)
         other.cost = self.cost
         return other
 

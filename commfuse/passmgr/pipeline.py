@@ -192,7 +192,7 @@ class Pipeline:
     ``topology`` (``topology_source`` says where it came from, for reports), the groups'
     roles, the ``session`` (``commfuse.setup``'s sub-groups and communicator pool), and
     ``cost_model``, a calibrated model to price with instead of the topology's nominal one
-    (``cost_label`` names it in reports).
+    (``cost_label`` names it in reports), and this process's ``rank``.
     ``instruments`` run on every graph, after the pipeline's own (timing, and dumps when
     the config asks for them)."""
 
@@ -200,7 +200,7 @@ class Pipeline:
                  group_roles: Optional[dict[str, str]] = None, role_sources: Optional[dict[str, str]] = None,
                  session: Optional[SessionState] = None, topology_source: Optional[str] = None,
                  cost_model: Optional[AnalyticCostModel] = None, cost_label: Optional[str] = None,
-                 instruments: Sequence[Instrumentation] = ()) -> None:
+                 rank: Optional[int] = None, instruments: Sequence[Instrumentation] = ()) -> None:
         self.config = config
         self.topology = topology
         self.group_roles = group_roles or {}
@@ -208,6 +208,7 @@ class Pipeline:
         self.session = session
         self.cost_model = cost_model
         self.cost_label = cost_label
+        self.rank = rank
         self.passes = list(passes)
         self.instruments = list(instruments)
         # where the topology came from ("config", "setup", "detected"): reports name it
@@ -228,7 +229,8 @@ class Pipeline:
         stages = set(stages)
         cfg = self.config
         ctx = PassContext(gm, cfg, graph_kind=graph_kind, topology=self.topology, group_roles=self.group_roles,
-                          role_sources=self.role_sources, session=self.session, cost_model=self.cost_model)
+                          role_sources=self.role_sources, session=self.session, cost_model=self.cost_model,
+                          rank=self.rank)
         instruments = self._instruments(graph_kind, dump_if_changed)
         report = PipelineReport(graph=graph_kind, topology=_describe_topology(self.topology, self.topology_source,
                                                                               self.cost_label))
@@ -264,16 +266,17 @@ class Pipeline:
                 if result.changed:
                     snapshot = None
             except Exception as e:  # noqa: BLE001 - any pass failure falls back (or re-raises when strict)
+                record.changed, record.error = False, f"{type(e).__name__}: {e}"
+                if not cfg.strict:
+                    restore_graph(gm.graph, snapshot)
+                    gm.recompile()
+                    ctx.invalidate()
                 for ins in instruments:
                     ins.after_pass(p, record, gm, ctx)
                 if cfg.strict:
                     if isinstance(e, VerificationError):
                         raise
                     raise PassError(p.name, e) from e
-                restore_graph(gm.graph, snapshot)
-                gm.recompile()
-                ctx.invalidate()
-                record.changed, record.error = False, f"{type(e).__name__}: {e}"
                 warnings.warn(f"commfuse: pass '{p.name}' failed on the {graph_kind} graph and was skipped "
                               f"(graph restored): {record.error}", RuntimeWarning, stacklevel=2)
                 log.debug("pass %s failed", p.name, exc_info=True)

@@ -304,7 +304,6 @@ class _TimeModel:
         self.model, self.describe = cost_model(profile, topology, backend, world_size)
 
     def time_us(self, kind: str, size: Optional[int], n: Optional[int]) -> Optional[float]:
-
         if size is None or n is None:
             return None
         try:

@@ -53,6 +53,7 @@ import torch
 
 from commfuse.api import analyze, pipeline_for
 from commfuse.config import Config
+from commfuse.core.meta import REPORTS_META
 from commfuse.costmodel import volume as V
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.passmgr.base import Stage
@@ -441,7 +442,6 @@ def _passes_of(graph: str, rep: Optional[PipelineReport]) -> tuple[list[PassReas
 
 
 def _graph_directions(gm) -> dict[str, str]:
-
     ir = CollectiveIR(gm)
     out = {}
     for c in ir.collectives:
@@ -458,7 +458,7 @@ def copy_graph_module(gm):
     import torch.fx as fx
 
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    new.meta = {k: v for k, v in gm.meta.items() if k != "commfuse_reports"}
+    new.meta = {k: v for k, v in gm.meta.items() if k != REPORTS_META}
     return new
 
 

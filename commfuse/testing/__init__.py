@@ -1,7 +1,8 @@
 """Test harness for commfuse: gloo rank pools, fake process groups, numerics.
 
-See docs/testing.md. Nothing here imports other commfuse modules, so the
-harness works while the rest of the package is broken.
+See docs/testing.md. The rank pool (:mod:`commfuse.tools.rank_pool`) and the tolerance policy
+(:mod:`commfuse.reference.numerics`) live in the library and are re-exported here; nothing in
+the library imports this package.
 """
 
 from commfuse.reference.numerics import assert_bitwise_equal_tree, assert_close_tree, tolerances, train_step_outputs

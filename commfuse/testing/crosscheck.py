@@ -316,7 +316,6 @@ def _moe_case(role: str, top_k: int, cf: float, tg: int, local: int, tokens, *, 
                                            scale))
     else:  # joint: autograd through the op (its registered backward)
         def fn(ctx, rank, x, rw, w1, w3, w2, up):
-
             params = [t.detach().requires_grad_() for t in (x, rw, w1, w3, w2)]
             out, ps, t1, z = moe_layer(*params, top_k, cf, tg, _moe_group(ctx, role))
             loss = (out * up).sum() + 0.1 * (ps * ps).sum() + 0.01 * z
@@ -377,25 +376,21 @@ def _flat(splits: list[list[int]]) -> list[int]:
 
 
 def m2ms_overlap_dim1(ctx, rank, x):
-
     src, dst, splits = M2MS_OVERLAP
     return W(M2MS(x, 1, _flat(splits), src, dst, WORLD_SIZE, _name(ctx["world"]))) + 0
 
 
 def m2ms_disjoint_dim0(ctx, rank, x):
-
     src, dst, splits = M2MS_DISJOINT
     return W(M2MS(x, 0, _flat(splits), src, dst, WORLD_SIZE, _name(ctx["world"]))) * 1
 
 
 def m2ms_equal_negdim(ctx, rank, x):
-
     src, dst, splits = M2MS_EQUAL
     return m2ms(x, -1, splits, src, dst, ctx["world"]) * 1
 
 
 def m2ms_subgroup(ctx, rank, x):
-
     src, dst, splits = M2MS_SUB
     return m2ms(x, 0, splits, src, dst, ctx["strided"]) + 0
 
@@ -417,12 +412,10 @@ def stage_transfer_chain(ctx, rank, x):
 
 
 def stage_transfer_subgroup(ctx, rank, x):
-
     return stage_transfer(x * 2, [0], [1], ctx["blocked"]) + 0
 
 
 def stage_transfer_joint(ctx, rank, x):
-
     xx = x.detach().requires_grad_()
     y = stage_transfer(xx, [0, 1], [2, 3], ctx["world"])
     return [y, *torch.autograd.grad((y * y).sum(), [xx])]

@@ -8,7 +8,7 @@ Every target is synthetic: nothing here runs the example models the validation
 
 * every collective kind the gloo model distinguishes (all_reduce, all_gather,
   reduce_scatter, all_to_all, broadcast) over a size sweep (nccl-tests size
-  conventions, see :mod:`.collectives`), back to back as a functional op + wait;
+  conventions, see :mod:`commfuse.costmodel.collectives`), back to back as a functional op + wait;
 * compute, per op family, on representative ATen ops called through the dispatcher
   exactly as an eager FX graph calls them: ``mm`` sweeps (matmul), ``bmm``
   (matmul too), add/mul/silu (pointwise), sum (reduction), softmax, layer norm,
@@ -28,11 +28,11 @@ What it fits: per collective kind ``time = alpha + beta x size`` by least square
 on relative error (so small and large messages count alike); per compute family
 ``time = a + b x flops`` (matmul, attention, attention_bw) or ``a + b x bytes``
 (the memory-bound families), with the unit and FLOP/byte counts of
-:func:`.compute.op_cost` so the fit and the model agree on what a unit is; the
+:func:`commfuse.costmodel.compute.op_cost` so the fit and the model agree on what a unit is; the
 step runtime ``fixed + param_us x plain + dtensor_param_us x DTensor`` by
 non-negative least squares.
 
-The profile it writes (:class:`.profile.CostProfile`) is the one file every rank then
+The profile it writes (:class:`commfuse.costmodel.profile.CostProfile`) is the one file every rank then
 loads: same file, same decisions.
 """
 

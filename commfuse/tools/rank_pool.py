@@ -3,7 +3,6 @@
 Starting a rank costs seconds (process spawn + ``import torch`` +
 rendezvous), so the pool starts ``world_size`` workers once and reuses them
 for every job of the pytest session::
-
     pool = get_pool(2)
     results = pool.run(my_module_level_fn, x, y)   # one value per rank, rank order
 

@@ -37,7 +37,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--summary-json", default=None, help="also write the per-rank summary as JSON here")
     args = ap.parse_args(argv)
     try:
-
         overrides = {"gap": GapRule(args.gap_rule), "sequence_bonus": args.sequence_bonus}
         cfg = AlignConfig.thesis(**overrides) if args.thesis else AlignConfig(**overrides)
         topology = load_topology(args.topology)

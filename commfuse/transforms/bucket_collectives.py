@@ -26,7 +26,7 @@ Contract
   graph if either got worse than allowed.
 - Guarantees: the same values (all_gather bitwise; reductions reduce each element over the
   same ranks, only the ring chunk it travels in changes); the decisions depend only on the
-  graph, the config and the topology (or, without one, a fixed nominal topology), so every
+  graph, the config and the topology (or, without one, the cost policy's documented default), so every
   rank buckets identically and the new total issue order is the same on every rank. Graphs
   whose ranks may differ (point-to-point ops, unequal all_to_all splits, symbolic shapes
   whose size hints are rank-local) are left unchanged.
@@ -59,7 +59,6 @@ from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.collectives import message_bytes
 from commfuse.costmodel.compute import OpCost
 from commfuse.costmodel.simulator import Simulator, alias_source, buffer_lifetimes, tensor_bytes
-from commfuse.costmodel.topology import Topology
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind, is_wait

@@ -3,7 +3,7 @@
 Contract
 - Matches: every functional all_gather ``G = all_gather_d(x)`` (not coalesced or in
   place, static shapes, its input never mutated) on a group of N ranks, and the
-  compute downstream of ``G`` that :mod:`.shard_rules` can run on shards:
+  compute downstream of ``G`` that :mod:`commfuse.analysis.shard_rules` can run on shards:
   element-wise ops (residual adds included), norms and softmax over dims other than
   ``d``, reductions (a ``sum`` over ``d`` leaves a partial sum), and views that keep
   ``d`` contiguous. Inputs without a sharded form must broadcast along the sharded
@@ -40,7 +40,8 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
-from commfuse.analysis.shard_rules import Complete, Layout, LocalOp, Partial, RuleEnv, Sharded, local_rule, value_bytes
+from commfuse.analysis.shard_layouts import Complete, Layout, LocalOp, RuleEnv, Sharded
+from commfuse.analysis.shard_rules import local_rule, value_bytes
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective, ParallelRole
 from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
@@ -140,21 +141,19 @@ def replicated_values(gm: fx.GraphModule, group: str, collectives: list[Collecti
     return rep
 
 
-def _group_rank(c: Collective) -> Optional[int]:
-    """This process's index in ``c``'s group (rank-specific rules need it; a compile
-    reads it, every rank its own, and the decision it feeds is the same on every rank)."""
-    import torch.distributed as dist
-
+def _group_rank(c: Collective, rank: Optional[int]) -> Optional[int]:
+    """Global ``rank``'s index in ``c``'s group (rank-specific rules need it; every rank passes its
+    own, and the decision it feeds is the same on every rank). None: unknown."""
     ranks = c.group.ranks
-    if ranks is None or not dist.is_available() or not dist.is_initialized():
+    if ranks is None or rank is None:
         return None
-    me = dist.get_rank()
-    return ranks.index(me) if me in ranks else None
+    return ranks.index(rank) if rank in ranks else None
 
 
 def plan_regions(gm: fx.GraphModule, collectives: list[Collective], refusals: list[str],
                  trust_inputs: Callable[[str], bool] = lambda group: False,
-                 only_group: Optional[str] = None, moe_capacity_regroup: bool = False) -> list[RegionPlan]:
+                 only_group: Optional[str] = None, moe_capacity_regroup: bool = False,
+                 rank: Optional[int] = None) -> list[RegionPlan]:
     mutated = _mutated_roots(gm)
     by_group: dict[str, RegionPlan] = {}
     for c in collectives:
@@ -164,7 +163,7 @@ def plan_regions(gm: fx.GraphModule, collectives: list[Collective], refusals: li
         if why:
             refusals.append(f"{c.name}: not moved: {why}")
             continue
-        plan = by_group.setdefault(c.group.name, RegionPlan(c.group.name, c.group.size, _group_rank(c)))
+        plan = by_group.setdefault(c.group.name, RegionPlan(c.group.name, c.group.size, _group_rank(c, rank)))
         plan.seeds[c.logical_output] = Seed(c, c.logical_output, c.inputs[0], c.logical_dim)
     plans = [by_group[g] for g in sorted(by_group)]
     for plan in plans:
@@ -402,7 +401,8 @@ class CollectiveMotion(GraphPass):
                 round_refusals: list[str] = []
                 applied = False
                 for plan in plan_regions(ctx.gm, colls, round_refusals, lambda g: _tp_contract(ctx, colls, g),
-                                         only_group=group, moe_capacity_regroup=ctx.config.moe_capacity_regroup):
+                                         only_group=group, moe_capacity_regroup=ctx.config.moe_capacity_regroup,
+                                         rank=ctx.rank):
                     for members in _components(plan).values():
                         if self._apply_component(ctx, plan, members, totals, round_refusals):
                             applied = True

@@ -52,7 +52,7 @@ from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.schedule.list_scheduler import apply_order, build_problem
-from commfuse.schedule.model_level import GroupingCosts, microbatch_graph, best_grouping
+from commfuse.schedule.model_level import GroupingCosts, best_grouping, microbatch_graph
 from commfuse.transforms.schedule_overlap import _summary, default_estimator
 
 COMM_META_KEY = DHELIX_COMM_META

@@ -12,12 +12,12 @@ Contract
   chunk it owns ((N-1)/N of the input) and a local sum over the N received chunks
   finishes the reduction. The group is treated as gloo when
   ``Config.topology`` / ``commfuse.setup`` gives a CPU topology
-  (:func:`.cost.backend_of`); a GPU topology means NCCL, which has a native ring
+  (``ctx.cost.backend``, :class:`commfuse.passmgr.cost.CostPolicy`); a GPU topology means NCCL, which has a native ring
   reduce_scatter at (N-1)/N already, so the collective is left alone. Without a
   topology the pass still decides (CPU users who never call ``commfuse.setup`` are
   the ones gloo's emulation costs most): a CPU input can only run on a CPU backend
   (gloo in stock PyTorch), priced with the ``cpu-gloo`` preset's figures, every rank on
-  one node (:data:`DEFAULT_TOPOLOGY`); a CUDA input is refused (a mixed ``cpu:gloo,cuda:nccl``
+  one node (the cost policy's default for gloo, :data:`commfuse.passmgr.cost.DEFAULT_GLOO_TOPOLOGY`); a CUDA input is refused (a mixed ``cpu:gloo,cuda:nccl``
   group sends it to NCCL), with a topology or without.
 - Does: when the cost model predicts ``all_to_all + local sum`` strictly faster than
   gloo's emulated reduce_scatter (collectives priced by the topology's estimator, the
@@ -61,7 +61,6 @@ import torch.fx as fx
 from commfuse.core.torch_private import c10d_functional as _f
 from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.collectives import concrete
-from commfuse.costmodel.topology import Topology
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
@@ -76,7 +75,6 @@ REDUCE_OPS = ("sum", "avg")
 # preset's 2 ranks per node is a placeholder for this machine (it would price a 4-rank group's
 # all_to_all over a 1 GB/s "NIC" that a single-machine job does not have). A constant every rank
 # shares, so the decision stays rank-independent.
-DEFAULT_TOPOLOGY = DEFAULT_GLOO_TOPOLOGY  # no topology: the cost policy's default for gloo questions
 
 
 @dataclass(frozen=True)
@@ -239,7 +237,7 @@ class GlooReduceScatter(GraphPass):
             decisions.append({
                 "collective": c.name, "group": c.group.name, "group_size": c.group.size, "reduce_op": c.reduce_op,
                 "dtype": str(c.dtype), "input_bytes": concrete(c.input_bytes),
-                "topology": ctx.topology.name if ctx.topology is not None else f"default:{DEFAULT_TOPOLOGY.name}",
+                "topology": ctx.topology.name if ctx.topology is not None else f"default:{DEFAULT_GLOO_TOPOLOGY.name}",
                 "reduce_scatter_us": round(p.reduce_scatter_us, 3), "reduce_scatter_algorithm": p.algorithm,
                 "all_to_all_us": round(p.all_to_all_us, 3), "local_sum_us": round(p.local_sum_us, 3),
                 "replacement_us": round(p.replacement_us, 3), "lowered": p.faster,

@@ -34,7 +34,7 @@ Contract
   in the same order on every rank, because the decision depends only on the graph, the
   topology and the sub-groups every rank created at set-up; no process group is
   created and nothing is communicated while compiling. Sub-groups are named by aliases
-  identical on every rank that shares the parent (``session.subgroup_names``).
+  identical on every rank that shares the parent (:func:`commfuse.costmodel.hierarchy.subgroup_names`).
 - Leaves alone (one refusal line each, with the reason): no topology; group ranks
   unknown; group inside one node, one rank per node, uneven ranks per node, ranks not
   ascending; sub-groups not set up (or set up for another layout); all_to_all ("not

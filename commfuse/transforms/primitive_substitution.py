@@ -54,7 +54,6 @@ import torch
 import torch.fx as fx
 
 from commfuse.core.torch_private import c10d_functional as _f
-from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.collectives import concrete
 from commfuse.costmodel.topology import Topology
 from commfuse.ir import rewrite

@@ -49,7 +49,6 @@ wait-late with in-flight and memory limits. Choices the paper leaves open: docs/
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch.fx as fx
@@ -57,14 +56,13 @@ import torch.fx as fx
 from commfuse.core.meta import microbatch_of
 from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT, SimResult, Simulator
-from commfuse.costmodel.topology import Topology
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.schedule.cpsat import refine_windows
 from commfuse.schedule.layer_level import backward_layers, chain_of, preferred_order
 from commfuse.schedule.list_scheduler import (Priority, ScheduleProblem, apply_order, build_problem, list_schedule,
                                               max_inflight)
-from commfuse.schedule.model_level import grouping_costs, grouped_order, microbatch_graph, best_grouping
+from commfuse.schedule.model_level import best_grouping, grouped_order, grouping_costs, microbatch_graph
 
 # Picker settings tried, in this order (the first of equal makespans wins).
 PRIORITIES = (Priority(True, True), Priority(False, True), Priority(False, False))
@@ -192,7 +190,6 @@ class ScheduleOverlap(GraphPass):
             decision["model_level"] = model_info
         cpsat_info: dict = {"enabled": cfg.schedule_cpsat_max_nodes > 0}
         if best is not None and cfg.schedule_cpsat_max_nodes > 0:
-
             order, r, cpsat_info = refine_windows(
                 best.problem, sim, best.order, best.result, max_nodes=cfg.schedule_cpsat_max_nodes,
                 det_time_s=cfg.schedule_cpsat_time_limit_s, acceptable=acceptable, memory_limit=mem_limit)

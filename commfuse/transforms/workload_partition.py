@@ -5,7 +5,7 @@ Contract
   not in place, one wait, static shapes, a group of >= 2 ranks, input never written in
   place) of a forward / backward / inference graph, and the chain of compute that
   depends on its result (*consumer* chain) or that produces its input (*producer*
-  chain), found by :mod:`.chains` along a dim every op of the chain can be cut along
+  chain), found by :mod:`commfuse.analysis.chains` along a dim every op of the chain can be cut along
   (dimension types OD / CD / ND of :mod:`commfuse.ir.dims`, Centauri Table 3).
 - Does: cuts the collective into k chunk collectives on the same group along that dim
   (k = ``Config.workload_chunks``, or Centauri's Algorithm 1 count when that is None —
@@ -61,7 +61,7 @@ import torch.fx as fx
 
 from commfuse.analysis import chains
 from commfuse.analysis.chains import CONSUMER, PRODUCER, Chain, ChainStep, GraphFacts, Partial, Split
-from commfuse.analysis.chunking import operation_level_plan, independent_compute_us
+from commfuse.analysis.chunking import independent_compute_us, operation_level_plan
 from commfuse.core.torch_private import c10d_functional
 from commfuse.costmodel.compute import op_cost
 from commfuse.ir import rewrite
@@ -142,7 +142,7 @@ def operation_level_chunks(ctx: PassContext, c: Collective) -> tuple[Optional[in
     probe = _best_chain(ctx, c, DEFAULT_CHUNKS)
     comp = probe[0].compute_us if not isinstance(probe, str) and probe[0].compute_us is not None else 0.0
     comm = est.collective(c).time_us
-    plan = operation_level_plan(comp, comm, independent_compute_us(ctx, c, est), ctx.config.max_chunks)
+    plan = operation_level_plan(comp, comm, independent_compute_us(ctx.gm, ctx.ir, c, est), ctx.config.max_chunks)
     return (plan.num_chunks if plan.num_chunks > 1 else None), plan.why
 
 

@@ -70,7 +70,6 @@ from commfuse.analysis.boundary.splicing import m2ms_traceable_across_stages, pi
 from commfuse.analysis.boundary.templates import fused_a2a_transfer, fused_allreduce_transfer, fused_gather_transfer
 from commfuse.analysis.boundary.volume import OpBytes, RuleVolume, ring_bytes
 
-
 MATCHERS: dict[str, Callable[[Site, Env], "Match | str"]] = {
     "ag_p2p": match_ag_p2p, "p2p_ag": match_p2p_ag, "a2a_p2p": match_a2a_p2p, "ar_p2p": match_ar_p2p,
     "p2p_a2a": match_p2p_a2a,

@@ -20,7 +20,6 @@ from commfuse.core.meta import LAYOUT_META_KEY  # where the registered pass find
 from commfuse.ops import STAGE_TRANSFER_AUTOGRAD, parse_stage_transfer
 from commfuse.pipeline.layout import BOUNDARY_PREFIX, STAGE_PREFIX
 
-
 RULES = ("ag_p2p", "p2p_ag", "a2a_p2p", "ar_p2p", "p2p_a2a")
 
 

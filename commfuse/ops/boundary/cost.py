@@ -108,7 +108,7 @@ def traffic(pieces: Sequence[tuple[int, int, int]], node_of) -> dict[int, RankTr
 def transfer_time_us(model, kind: CollectiveKind, pieces: Sequence[tuple[int, int, int]]
                      ) -> tuple[float, int, dict[int, RankTraffic]]:
     """(time, largest bytes one rank sends, per-rank traffic) of concurrent point-to-point
-    messages ``pieces`` (global ranks) under ``model`` (a :class:`~.collectives.CollectiveModel`)."""
+    messages ``pieces`` (global ranks) under ``model`` (a :class:`~commfuse.costmodel.collectives.CollectiveModel`)."""
     t = model.topology
     per = traffic(pieces, t.node_of)
     if not per:

@@ -29,7 +29,7 @@ table (:func:`~commfuse.ir.kinds.register_collective_op`) as kinds
   includes ``dim``, ``src``, ``dst`` and ``splits`` instead, so the per-group sequence
   hashes of ranks that run the same program agree.
 
-Roles (:mod:`.roles`): stage_transfer is a pipeline transfer (``pp``); an m2ms between
+Roles (:mod:`commfuse.ir.roles`): stage_transfer is a pipeline transfer (``pp``); an m2ms between
 disjoint rank sets is a stage boundary (``pp``), one with ``src == dst`` is an uneven
 all-to-all (``ep``).
 
@@ -39,7 +39,7 @@ Source: "Chimera: Communication Fusion for Hybrid Parallelism in Large Language 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch.fx as fx
@@ -47,7 +47,7 @@ import torch.fx as fx
 from commfuse.core.torch_private import resolve_process_group
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveArgs, CollectiveKind, CollectiveOpSpec, register_collective_op
-from commfuse.ir.shapes import Size, is_concrete, shape_of, tensor_meta
+from commfuse.ir.shapes import is_concrete, shape_of, tensor_meta
 from commfuse.ir.transfers import M2MS_OP, STAGE_TRANSFER_OP, BoundaryTransfers
 from commfuse.ops.boundary.m2ms import M2MS, M2MS_AUTOGRAD, parse_m2ms
 from commfuse.ops.boundary.stage_transfer import STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, parse_stage_transfer

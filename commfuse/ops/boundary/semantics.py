@@ -65,7 +65,6 @@ def _parsed(call: RankCall, parse):
 
 
 def m2ms(call: RankCall) -> P2PPlan:
-
     p = _parsed(call, parse_m2ms)
     x: torch.Tensor = p.x
     g, d = call.group_rank, p.dim
@@ -107,7 +106,6 @@ def m2ms(call: RankCall) -> P2PPlan:
 
 
 def stage_transfer(call: RankCall) -> P2PPlan:
-
     p = _parsed(call, parse_stage_transfer)
     x: torch.Tensor = p.x
     g = call.group_rank

@@ -1,6 +1,6 @@
 """Token routing of commfuse's MoE layer: router, top-k gates, capacity slots.
 
-Pure tensor functions shared by the layer op (:mod:`.ops`), its unsharded
+Pure tensor functions shared by the layer op (:mod:`.op`), its unsharded
 reference and the tests, so that "the same routing" is one piece of code.
 
 Semantics (GShard, Lepikhin et al. 2020, §2.2; Switch Transformer for the

@@ -65,7 +65,6 @@ def _scatter_dim(shape: Sequence[int], n: int) -> Optional[int]:
 
 
 def match_ar_p2p(site: Site, env: Env) -> Match | str:
-
     t, bd = site.node, site.boundary
     y = t.args[0]
     # walk back through residual adds to g (reduce_from_group): y = (g + r1) + r2 ... in any operand order
