@@ -13,6 +13,9 @@ from torch.testing import FileCheck
 import commfuse
 from commfuse.core.errors import ConfigError, PassError, VerificationError
 from commfuse.passes import GraphPass, PassResult, Stage, register_pass, unregister_pass, verify_graph
+from commfuse.passmgr.context import Analysis, PassContext
+from commfuse.passmgr.pipeline import Instrumentation, PassPipeline, Pipeline, run_step
+from commfuse.transforms.sink_waits import SinkWaits
 from commfuse.testing.fake_pg import fake_process_group
 
 from _graphs import trace_all_kinds
@@ -178,6 +181,100 @@ def test_strict_reraises(test_passes):
         commfuse.optimize(gm2, commfuse.Config(passes=["test_raises"], strict=True))
     with pytest.raises(VerificationError, match="after pass 'test_breaks_waits'"):
         commfuse.optimize(gm, commfuse.Config(passes=["test_breaks_waits"], strict=True))
+
+
+# -- pass manager: nested pipelines, preserved analyses, instrumentation --------------
+class _Sink(GraphPass):
+    """Test step: the sink_waits pass under another name (changes the graph)."""
+
+    name = "test_sink"
+    stage = Stage.JOINT
+
+    def run(self, ctx):
+        r = SinkWaits().run(ctx)
+        return PassResult(r.changed, counts={"moved": int(r.changed)}, refusals=["looked"])
+
+
+class _Nested(PassPipeline):
+    """Test pipeline: a pass made of two steps."""
+
+    name = "test_nested"
+    stage = Stage.JOINT
+    steps = (_NoChange, _Sink)
+
+
+class _NestedBreaks(PassPipeline):
+    name = "test_nested_breaks"
+    stage = Stage.JOINT
+    steps = (_NoChange, _BreaksWaits)
+
+
+def test_a_pipeline_is_a_pass_and_reports_its_steps(all_kinds_gm):
+    """A PassPipeline runs as one pass: its steps' counts and refusals come prefixed with the
+    step, and the verifier runs between steps, naming the step that broke the graph."""
+    gm = all_kinds_gm
+    res = _Nested().run(PassContext(gm, commfuse.Config()))
+    assert res.changed and res.counts == {"test_sink.moved": 1}
+    assert res.refusals == ["test_no_change: nothing to do", "test_sink: looked"]
+    assert verify_graph(gm).ok
+    broken = trace_all_kinds()  # the fixture's fake world is still up
+    with pytest.raises(VerificationError, match="after pass 'test_nested_breaks/test_breaks_waits'"):
+        run_step(_NestedBreaks(), PassContext(broken, commfuse.Config()))
+
+
+_COUNTED = []
+_PRESERVED = Analysis("test_preserved", lambda ctx: _COUNTED.append("p") or len(ctx.gm.graph.nodes))
+_DROPPED = Analysis("test_dropped", lambda ctx: _COUNTED.append("d") or len(ctx.gm.graph.nodes))
+
+
+class _SinkPreserving(_Sink):
+    name = "test_sink_preserving"
+    preserves = frozenset({_PRESERVED})
+
+
+def test_a_change_drops_the_analyses_its_pass_does_not_preserve(all_kinds_gm):
+    ctx = PassContext(all_kinds_gm, commfuse.Config())
+    _COUNTED.clear()
+    ir = ctx.ir
+    assert ctx.get(_PRESERVED) == ctx.get(_PRESERVED) and ctx.get(_DROPPED) is not None
+    assert _COUNTED == ["p", "d"]  # computed once each
+    assert run_step(_SinkPreserving(), ctx).changed
+    ctx.get(_PRESERVED), ctx.get(_DROPPED)
+    assert _COUNTED == ["p", "d", "d"]  # the declared one survived the change, the other was rebuilt
+    assert ctx.ir is not ir  # the IR is not declared preserved: rebuilt for the changed graph
+    cost = ctx.cost
+    ctx.invalidate()
+    assert ctx.cost is cost  # the cost policy is no analysis of the graph
+
+
+class _Watch(Instrumentation):
+    def __init__(self):
+        self.seen = []
+
+    def before_pipeline(self, gm, ctx, report):
+        self.seen.append(("start", len(gm.graph.nodes)))
+
+    def before_pass(self, p, record):
+        self.seen.append(("before", p.name))
+
+    def after_pass(self, p, record, gm, ctx):
+        self.seen.append(("after", p.name, record.changed, record.error is not None, len(gm.graph.nodes)))
+
+    def after_pipeline(self, gm, ctx, report):
+        self.seen.append(("end", [r.name for r in report.passes]))
+
+
+def test_instruments_see_every_pass_and_a_failure_after_the_restore(all_kinds_gm, test_passes):
+    gm = all_kinds_gm
+    n = len(gm.graph.nodes)
+    watch = _Watch()
+    pipe = Pipeline([SinkWaits(), _Raises()], commfuse.Config(), instruments=[watch])
+    with pytest.warns(RuntimeWarning, match="pass 'test_raises' failed"):
+        report = pipe.run(gm, graph_kind="joint", stages={Stage.JOINT, Stage.SCHEDULE})
+    assert watch.seen == [("start", n), ("before", "sink_waits"), ("after", "sink_waits", True, False, n),
+                          ("before", "test_raises"), ("after", "test_raises", False, True, n),
+                          ("end", ["sink_waits", "test_raises"])]
+    assert all(r.seconds >= 0 for r in report.passes)
 
 
 def test_invalid_input_graph_is_left_alone(all_kinds_gm):
