@@ -37,7 +37,7 @@ from commfuse.lowering import LoweringPlan, lower_eager, lower_runtime
 from commfuse.passmgr.base import Stage
 from commfuse.passmgr.pipeline import Pipeline, ReportTo
 from commfuse.passmgr.report import PipelineReport
-from commfuse.session import roles_from_meshes
+from commfuse.session import current_session, roles_from_meshes
 
 log = logging.getLogger("commfuse")
 
@@ -155,7 +155,8 @@ class CommfuseBackend:
     # -- inductor -----------------------------------------------------------
     def _compile_inductor(self, gm, example_inputs, pipeline: Pipeline):
         cfg = priv.inductor_config()
-        key = self.config.cache_key(pipeline.topology)
+        # the session's sub-groups, roles and communicator pool change what the passes decide
+        key = f"{self.config.cache_key(pipeline.topology)}:{current_session().fingerprint()}"
         # Inductor runs joint passes on the inference graph too (no partition there),
         # so the joint hook must also apply JOINT passes to it; post-grad passes then
         # see it as "inference".

@@ -39,6 +39,8 @@ Calling setup again
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +115,15 @@ class Session:
 
     def subgroups_of(self, parent: Sequence[int]) -> Optional[SubGroups]:
         return self.subgroups.get(tuple(parent))
+
+    def fingerprint(self) -> str:
+        """What compiled graphs depend on in this session, the same on every rank: the roles it
+        declared, the sub-group aliases and the blocks they stand for, the communicator pool plan
+        (not this rank's own sub-groups, which differ per rank under one alias)."""
+        payload = {"roles": sorted(self.group_roles.items()),
+                   "aliases": sorted((name, [list(b) for b in blocks]) for name, blocks in self.alias_blocks.items()),
+                   "pool": [repr(p) for p in self.communicator_pool_plan]}
+        return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
     def reference_groups(self) -> dict[str, list[list[int]]]:
         """Alias -> partition, for :class:`commfuse.reference.GroupTable` (add the graph's own names)."""

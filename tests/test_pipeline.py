@@ -484,6 +484,25 @@ def test_setup_creates_subgroups_and_mesh_roles():
         reset()
 
 
+def test_the_session_fingerprint_follows_what_the_passes_decide_from():
+    """The compile cache keys on the session too: the sub-group aliases (and the blocks they stand
+    for), the declared roles and the communicator pool change what the passes decide; the same
+    setup on another rank gives the same fingerprint (a rank's own sub-groups are left out)."""
+    from commfuse.session import current_session, reset
+
+    prints = {}
+    for rank in (0, 3):
+        for groups in (None, [[[0, 1, 2, 3]]]):
+            with fake_process_group(4, rank=rank):
+                commfuse.setup(topology=dict(num_nodes=2, ranks_per_node=2), groups=groups)
+                prints[rank, groups is None] = current_session().fingerprint()
+                reset()
+    assert prints[0, True] == prints[3, True] and prints[0, False] == prints[3, False]
+    with fake_process_group(4):
+        empty = current_session().fingerprint()
+    assert len({prints[0, True], empty}) == 2
+
+
 # -- optimize on a make_fx-traced training step ---------------------------------------------
 def test_optimize_on_make_fx_training_step():
     import torch.distributed as dist
