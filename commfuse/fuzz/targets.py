@@ -104,7 +104,7 @@ def unregister_fuzz_target(pass_name: str) -> None:
     _TARGETS.pop(pass_name, None)
 
 
-_FROM_SPEC: dict[type, FuzzTarget] = {}
+_FROM_SPEC: dict[tuple[str, FuzzSpec], FuzzTarget] = {}
 
 
 def fuzz_target(pass_name: str) -> FuzzTarget:
@@ -112,28 +112,27 @@ def fuzz_target(pass_name: str) -> FuzzTarget:
     defaults (every family, tolerance compare)."""
     if pass_name in _TARGETS:
         return _TARGETS[pass_name]
-    cls = available_passes().get(pass_name)
-    spec = getattr(cls, "fuzz", None)
+    spec = _declared(pass_name)
     if spec is None or spec.not_fuzzed is not None:
         return FuzzTarget(pass_name, registered=False)
-    if cls not in _FROM_SPEC:
-        _FROM_SPEC[cls] = _target(pass_name, generators=spec.generators, needs_joint=spec.needs_joint, topology=spec.topology,
+    if (pass_name, spec) not in _FROM_SPEC:
+        _FROM_SPEC[pass_name, spec] = _target(pass_name, generators=spec.generators, needs_joint=spec.needs_joint, topology=spec.topology,
                    exact=spec.exact, world_sizes=spec.world_sizes, keeps_collective_order=spec.keeps_collective_order,
                    scaled_tolerance=spec.scaled_tolerance, microbatches=spec.microbatches)
-    return _FROM_SPEC[cls]
+    return _FROM_SPEC[pass_name, spec]
 
 
 def fuzz_notes() -> dict[str, str]:
     """Pass name -> why the fuzzer does not cover it (declared ``not_fuzzed``, or noted here)."""
-    notes = {name: cls.fuzz.not_fuzzed for name, cls in available_passes().items()
-             if getattr(cls, "fuzz", None) is not None and cls.fuzz.not_fuzzed is not None}
+    specs = {name: _declared(name) for name in available_passes()}
+    notes = {name: spec.not_fuzzed for name, spec in specs.items() if spec is not None and spec.not_fuzzed is not None}
     return {**notes, **FUZZ_NOTES}
 
 
 def registered_targets() -> dict[str, FuzzTarget]:
     """Every pass the fuzzer checks with a declared or registered target."""
-    declared = {name: fuzz_target(name) for name, cls in available_passes().items()
-                if getattr(cls, "fuzz", None) is not None and cls.fuzz.not_fuzzed is None}
+    declared = {name: fuzz_target(name) for name in available_passes()
+                if (spec := _declared(name)) is not None and spec.not_fuzzed is None}
     return {**declared, **_TARGETS}
 
 
