@@ -117,6 +117,12 @@ class Config(BaseModel):
         instead of the topology's nominal figures (on the topology in use, or the profile's own
         when there is none). Read and checked here; the compile cache keys on its content.
         ``COMMFUSE_CONFIG='{"cost_profile": "profile.json"}'`` sets it without code.
+    step_time_gate: keep a pass's rewrite only when the cost model predicts the graph is not slower
+        with it (per pass, and per step of Chimera); the verdict and both predictions are in the
+        pass's reported decisions, a reverted rewrite also in its refusals (docs/costmodel.md,
+        "The step-time gate"). None (default): on for the default pipeline, off when ``passes``
+        lists the passes to run (a list states the rewrites wanted, e.g. to inspect one pass).
+        False: every rewrite a pass makes by its own criteria is kept.
     lagom_max_evaluations: budget of the ``lagom_tune`` pass's search per graph, in simulator
         evaluations (>= 2); when it runs out, collectives the search has not reached stay on NCCL's
         defaults. A count, not seconds, so every rank stops at the same point (docs/lagom.md).
@@ -138,6 +144,7 @@ class Config(BaseModel):
     moe_recognition: Literal["auto", "always", "off"] = "auto"
     svg_max_nodes: PositiveInt = 250
     check_agreement: Optional[bool] = None
+    step_time_gate: Optional[bool] = None
     agreement_timeout_s: PositiveFloat = 120.0
     workload_chunks: Optional[PositiveInt] = None
     max_chunks: PositiveInt = 8
@@ -218,6 +225,11 @@ class Config(BaseModel):
             return list(self.passes)
         return list(DHELIX_PIPELINE if self.dhelix else DEFAULT_PIPELINE)
 
+    @property
+    def gates_by_step_time(self) -> bool:
+        """Whether the pipeline judges rewrites by predicted step time (see ``step_time_gate``)."""
+        return self.passes is None if self.step_time_gate is None else self.step_time_gate
+
     def resolved_dump_dir(self) -> Optional[str]:
         return self.dump_dir or os.environ.get(DUMP_DIR_ENV) or None
 
@@ -253,6 +265,8 @@ class Config(BaseModel):
             "dhelix_oef_profile": _file_digest(self.dhelix_oef_profile),
             "topology": topo.model_dump() if topo else None,
         }
+        if self.step_time_gate is not None:
+            payload["step_time_gate"] = self.step_time_gate
         if self.cost_profile is not None:  # keys of configs without a profile stay as they were
             payload["cost_profile"] = _file_digest(self.cost_profile)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -278,14 +278,15 @@ def test_validator_rules_on_synthetic_records(dumped):
 
 
 def test_benchmark_volume_report_matches_the_stored_benchmark_run():
-    """`benchmarks/run.py --volume-report` on plain-TP Llama at world size 2: the README's
-    224.0 KiB -> 200.0 KiB wire bytes per rank, equal to the stored eager / commfuse-eager rows."""
+    """`benchmarks/run.py --volume-report` on plain-TP Llama at world size 2: 224.0 KiB wire bytes
+    per rank, equal to the stored eager row. The default pipeline leaves them: TP->SP motion would
+    move 200.0 KiB in more, smaller collectives, which the step-time gate predicts slower."""
     from benchmarks.volume_report import run_volume_report, volume_tables
 
     doc = run_volume_report(("llama_tp:s",))
     (row,) = doc["workloads"]
-    assert (row["before_wire"], row["after_wire"]) == (229376, 204800)
-    assert row["formula_differ"] == 0 and row["formula_checked"] > 0
+    assert (row["before_wire"], row["after_wire"]) == (229376, 229376)
+    assert row["formula_differ"] == 0
     if row["stored_before_wire"] is not None:  # a stored world-size-2 run is in benchmarks/results
-        assert (row["stored_before_wire"], row["stored_after_wire"]) == (229376, 204800)
+        assert row["stored_before_wire"] == 229376
     assert "llama_tp:s" in volume_tables(doc)

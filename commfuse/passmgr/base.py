@@ -85,6 +85,10 @@ class GraphPass(abc.ABC):
     # How the fuzzer checks this pass (None: the defaults, every family, tolerance compare; a pass
     # in the registry table without one fails tests/test_fuzz.py until its author decides).
     fuzz: ClassVar[Optional[FuzzSpec]] = None
+    # Whether the pipeline keeps this pass's change only when the cost model predicts the graph
+    # is not slower with it (commfuse.passmgr.gate). Off for passes whose change is not a trade
+    # the step time judges: forced variants, which exist to apply a rewrite regardless.
+    gated: ClassVar[bool] = True
 
     @abc.abstractmethod
     def run(self, ctx: PassContext) -> PassResult:

@@ -39,6 +39,7 @@ from commfuse.ir.shapes import size_to_json
 from commfuse.passmgr.base import GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext, SessionState
 from commfuse.passmgr.dumps import DumpWriter
+from commfuse.passmgr.gate import judge
 from commfuse.passmgr.report import PassRecord, PipelineReport, build_analysis_report
 from commfuse.passmgr.verifier import verify_graph
 
@@ -63,10 +64,18 @@ def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
     graph.output(out)
 
 
-def run_step(p: GraphPass, ctx: PassContext, *, where: Optional[str] = None) -> PassResult:
+def run_step(p: GraphPass, ctx: PassContext, *, where: Optional[str] = None,
+             snapshot: Optional[fx.Graph] = None, judged: bool = True) -> PassResult:
     """Run ``p`` as one step of a pipeline: a change is recompiled, the analyses ``p`` does not
     preserve are dropped, and the graph is verified (``Config.verify``; raises
-    :class:`VerificationError` naming ``where``, default the pass)."""
+    :class:`VerificationError` naming ``where``, default the pass). Then the step-time gate
+    (:mod:`commfuse.passmgr.gate`) judges a gated pass's change and restores the graph as it was
+    when the change is predicted slower. ``snapshot``: a copy of the graph as it was before ``p``
+    when the caller already holds one (otherwise one is taken when the gate needs it).
+    ``judged=False``: the caller judges the change (a nested pipeline judges its sequence)."""
+    gated = judged and p.gated and ctx.config.gates_by_step_time
+    if gated and snapshot is None:
+        snapshot = snapshot_graph(ctx.gm.graph)
     result = p.run(ctx)
     if result.changed:
         ctx.gm.recompile()
@@ -75,6 +84,16 @@ def run_step(p: GraphPass, ctx: PassContext, *, where: Optional[str] = None) -> 
             v = verify_graph(ctx.gm, ir=ctx.ir, deep=ctx.config.debug)
             if not v.ok:
                 raise VerificationError(v.problems, after_pass=where or p.name)
+        if gated:
+            before = fx.GraphModule(ctx.gm, snapshot)
+            verdict = judge(ctx, before, CollectiveIR(before, ctx.ir_options))
+            result.decisions = [*result.decisions, verdict.decision()]
+            if not verdict.kept:
+                restore_graph(ctx.gm.graph, snapshot)
+                ctx.gm.recompile()
+                ctx.invalidate()
+                return PassResult(False, counts={**result.counts, "reverted_by_gate": 1},
+                                  refusals=[*result.refusals, verdict.refusal()], decisions=result.decisions)
     return result
 
 
@@ -86,13 +105,15 @@ class PassPipeline(GraphPass):
     refusal prefixed with it (``step: why``). Subclasses set ``name``, ``stage`` and ``steps``.
     """
 
+    # The step-time gate judges the sequence, not each step: a step may only prepare the next
+    # (Chimera's all_reduce split costs a latency that motion and fusion then pay back).
     steps: ClassVar[tuple[Type[GraphPass], ...]] = ()
 
     def run_steps(self, ctx: PassContext) -> list[tuple[str, PassResult]]:
         out = []
         for cls in self.steps:
             step = cls()
-            out.append((step.name, run_step(step, ctx, where=f"{self.name}/{step.name}")))
+            out.append((step.name, run_step(step, ctx, where=f"{self.name}/{step.name}", judged=False)))
         return out
 
     @staticmethod
@@ -260,7 +281,7 @@ class Pipeline:
             for ins in instruments:
                 ins.before_pass(p, record)
             try:
-                result = run_step(p, ctx)
+                result = run_step(p, ctx, snapshot=snapshot)
                 record.changed, record.counts, record.refusals = result.changed, result.counts, result.refusals
                 record.decisions = result.decisions
                 if result.changed:

@@ -29,6 +29,7 @@ from commfuse.transforms.primitive_substitution import substitute_all
 class PrimitiveSubstitutionForced(GraphPass):
     __doc__ = __doc__
     name = "primitive_substitution_forced"
+    gated = False  # forced: applies its rewrite whatever the prediction (what it exists for)
     stage = Stage.JOINT
     fuzz = FuzzSpec(exact=True)
 

@@ -26,6 +26,7 @@ from commfuse.transforms.schedule_overlap import ScheduleOverlap
 class ScheduleOverlapLayerForced(ScheduleOverlap):
     __doc__ = __doc__
     name = "schedule_overlap_layer_forced"
+    gated = False  # forced: applies its rewrite whatever the prediction (what it exists for)
     # Re-chains collectives inside a layer (Eq. 1), so the issue order may change; values may not.
     fuzz = FuzzSpec(exact=True)
     force_layer_level = True
