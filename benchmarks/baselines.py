@@ -43,6 +43,7 @@ __all__ = [
     "CommfuseBaseline",
     "CompiledGraph",
     "EagerBaseline",
+    "GradAccumBaseline",
     "InductorBaseline",
     "Session",
     "baseline_names",
@@ -78,13 +79,17 @@ class Session:
     columns; ``pipeline_reports`` holds commfuse's per-graph ``PipelineReport``
     dumps (empty for non-commfuse), which stand in for ``graphs()`` there;
     ``executed_graphs()`` returns the executed graphs for the simulated step time
-    (``None``: the same as ``graphs()``).
+    (``None``: the same as ``graphs()``). ``step``, when set, IS the whole training
+    step (forward + loss + backward of every micro-batch, then ``zero_grad``) and is
+    called instead of the default step built from ``run`` (``benchmarks.measure.step_of``);
+    ``None``: the default step, one ``run(*inputs)`` + loss + backward.
     """
 
     run: Callable[..., Any]
     graphs: Callable[[], list[CompiledGraph]]
     pipeline_reports: Callable[[], list[dict[str, Any]]] = lambda: []
     executed_graphs: Callable[[], list[CompiledGraph]] | None = None
+    step: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -307,3 +312,195 @@ def baseline_names() -> list[str]:
 
 
 _register_builtin()
+
+
+# ----------------------------------------------------------------- gradient accumulation
+# Baselines of a training step of ``Built.microbatches`` micro-batches (the ``simple_fsdp_ga`` family).
+# They are baselines of their own rather than a mode of the ones above: the others keep their
+# one-forward-one-backward step on every workload, and these set ``Session.step`` to the whole
+# accumulation step (every micro-batch's forward, loss and backward, then zero_grad). Each
+# micro-batch's loss is the module's output (the GA family's model returns it, already normalised
+# for summing), so the step is ``sum_i model(*inputs_i)`` back-propagated, whichever compiler runs it.
+
+
+def _microbatch_inputs(built: Built) -> list[tuple[Any, ...]]:
+    from commfuse.train_step_split import split_microbatches
+
+    return split_microbatches(built.inputs, built.microbatches)
+
+
+def _loop_step(run: Callable[..., Any], built: Built, parts: list[tuple[Any, ...]]) -> Callable[[], None]:
+    """The plain accumulation loop a user writes: forward + backward per micro-batch, gradients add up."""
+
+    def step() -> None:
+        for xs in parts:
+            built.loss(run(*xs)).backward()
+        built.model.zero_grad(set_to_none=True)
+
+    return step
+
+
+@contextlib.contextmanager
+def _sync_on_last_microbatch(model: torch.nn.Module, last: bool, acc: dict[Any, torch.Tensor]) -> Iterator[None]:
+    """Gradient sync on the last micro-batch only, by hand, for a ``commfuse.models.simple_fsdp`` model.
+
+    SimpleFSDP reduces a gradient in the backward of its parametrization (``ReplicateComputation``:
+    the all-gathered weight is handed out as ``to_local(grad_placements=[Partial])``, whose backward
+    reduce-scatters). A user who wants DDP's ``no_sync`` / FSDP2's ``set_requires_gradient_sync(False)``
+    swaps that forward, per micro-batch:
+
+    * not the last micro-batch (``last=False``): the gathered weight is detached into a leaf that
+      requires grad, so the backward reduces nothing; its unsharded gradient is added into ``acc``
+      (one buffer per parameter, held from the first micro-batch to the last);
+    * the last: the ordinary forward, with a hook adding ``acc`` to the weight's gradient before the
+      reduce-scatter, so ONE reduce-scatter per parameter reduces the whole step's gradient.
+
+    Every micro-batch still gathers the weights (as the plain loop does); only the gradient sync moves.
+    """
+    from torch.distributed.tensor import Replicate
+
+    from commfuse.models.simple_fsdp import ReplicateComputation
+
+    leaves: list[tuple[Any, torch.Tensor]] = []
+    patched = [m for m in model.modules() if isinstance(m, ReplicateComputation)]
+
+    def make(rc: ReplicateComputation):
+        original = type(rc).forward
+
+        def no_sync(param):
+            full = param.redistribute(rc.mesh, [Replicate()]).to_local().detach().requires_grad_()
+            leaves.append((rc, full))
+            return full
+
+        def sync_with_acc(param):
+            full = original(rc, param)
+            pending = acc.pop(rc, None)  # added once, at the parameter's first use in the micro-batch
+            if pending is not None and full.requires_grad:
+                full.register_hook(lambda g, a=pending: g + a)
+            return full
+
+        return sync_with_acc if last else no_sync
+
+    for rc in patched:
+        rc.forward = make(rc)
+    try:
+        yield
+    finally:
+        for rc in patched:
+            del rc.forward
+        for rc, full in leaves:
+            if full.grad is not None:
+                acc[rc] = full.grad if rc not in acc else acc[rc] + full.grad
+
+
+def by_hand_accumulate(built: Built) -> torch.Tensor:
+    """Forward + backward of every micro-batch of ``built`` with the gradient sync on the last one
+    only (:func:`_sync_on_last_microbatch`); returns the step's loss. Gradients are added into
+    ``param.grad`` as the plain loop adds them."""
+    acc: dict[Any, torch.Tensor] = {}
+    parts = _microbatch_inputs(built)
+    total = None
+    for i, xs in enumerate(parts):
+        with _sync_on_last_microbatch(built.model, i == len(parts) - 1, acc):
+            loss = built.loss(built.model(*xs))
+            loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+def _by_hand_step(built: Built) -> Callable[[], None]:
+    def step() -> None:
+        by_hand_accumulate(built)
+        built.model.zero_grad(set_to_none=True)
+
+    return step
+
+
+@dataclass(frozen=True)
+class GradAccumBaseline(Baseline):
+    """A gradient-accumulation step of ``Built.microbatches`` micro-batches; ``mode``:
+
+    * ``loop``: the plain accumulation loop, the model run eagerly (``inner="-"``) or compiled by
+      Inductor (``inner="inductor"``, under ``config_patches``): one forward + backward graph,
+      executed once per micro-batch;
+    * ``by-hand``: the eager loop with the gradient sync on the last micro-batch only
+      (:func:`_sync_on_last_microbatch`);
+    * ``commfuse``: ``commfuse.compile_train_step`` (default pipeline): one joint graph for the step.
+    """
+
+    mode: str = "loop"
+    config_patches: Mapping[str, Any] = field(default_factory=dict)
+
+    @contextlib.contextmanager
+    def session(self, built):
+        import torch._inductor.config as inductor_config
+
+        import commfuse
+        from commfuse.testing.graphs import capture_aot_graphs
+
+        m = built.microbatches
+        parts = _microbatch_inputs(built)
+        recorded: list[CompiledGraph] = []
+
+        def eager_graphs(syncs: int):
+            def graphs() -> list[CompiledGraph]:
+                got = capture_aot_graphs(built.model, *parts[0], loss=built.loss)
+                fw = [CompiledGraph("forward", got.forward)] if got.forward is not None else []
+                bw = [CompiledGraph("backward", got.backward)] if got.backward is not None else []
+                # per step: every micro-batch's forward; the backward (and its gradient sync) `syncs` times
+                return fw * m + bw * syncs
+
+            return graphs
+
+        with contextlib.ExitStack() as stack:
+            if self.uses_inductor:
+                stack.enter_context(_fresh_inductor_cache())
+                stack.enter_context(inductor_config.patch(dict(self.config_patches)))
+            if self.mode == "commfuse":
+                stack.enter_context(_record_commfuse_lowering(recorded))
+                train = commfuse.compile_train_step(
+                    built.model, lambda loss: loss, microbatches=m, reduction="sum",
+                    config=commfuse.Config(inner_compiler=self.inner, group_roles=dict(built.roles)))
+
+                def step() -> None:
+                    train(*built.inputs)
+                    built.model.zero_grad(set_to_none=True)
+
+                yield Session(run=built.model, graphs=lambda: [],
+                              pipeline_reports=lambda: [r.model_dump(mode="json") for r in train.reports],
+                              executed_graphs=lambda: list(recorded), step=step)
+            elif self.mode == "by-hand":
+                # The collective columns count M forwards and one synced backward; the simulated step
+                # would miss the M - 1 backwards without a sync, so it is left out.
+                yield Session(run=built.model, graphs=eager_graphs(1), executed_graphs=lambda: [],
+                              step=_by_hand_step(built))
+            elif self.inner == "inductor":
+                stack.enter_context(_record_inductor_post_grad(recorded))
+                compiled = torch.compile(built.model, backend="inductor")
+                # one forward and one backward graph, each executed once per micro-batch
+                yield Session(run=compiled, graphs=lambda: [g for g in recorded for _ in range(m)],
+                              step=_loop_step(compiled, built, parts))
+            else:
+                yield Session(run=built.model, graphs=eager_graphs(m), step=_loop_step(built.model, built, parts))
+
+
+def _register_grad_accum() -> None:
+    register_baseline(GradAccumBaseline("ga:eager", "gradient accumulation: the plain loop, eager",
+                                        inner="-"))
+    register_baseline(GradAccumBaseline("ga:inductor", "gradient accumulation: the plain loop over the "
+                                        "Inductor-compiled model", inner="inductor", uses_inductor=True))
+    register_baseline(GradAccumBaseline("ga:inductor+comm", "gradient accumulation: the plain loop over the "
+                                        "Inductor-compiled model with its comm passes", inner="inductor",
+                                        uses_inductor=True, config_patches=INDUCTOR_COMM_PATCHES))
+    register_baseline(GradAccumBaseline("ga:by-hand", "gradient accumulation, eager, gradient sync on the last "
+                                        "micro-batch only (by hand: DDP no_sync style)", inner="-",
+                                        mode="by-hand"))
+    register_baseline(GradAccumBaseline("ga:commfuse", "gradient accumulation: commfuse.compile_train_step, "
+                                        "default pipeline, Inductor inner compiler", inner="inductor",
+                                        uses_inductor=True, mode="commfuse"))
+    register_baseline(GradAccumBaseline("ga:commfuse-eager", "gradient accumulation: "
+                                        "commfuse.compile_train_step, default pipeline, eager inner compiler",
+                                        inner="eager", mode="commfuse"))
+
+
+_register_grad_accum()

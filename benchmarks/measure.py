@@ -37,10 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.baselines import CompiledGraph, get_baseline
+from benchmarks.baselines import CompiledGraph, Session, get_baseline
 from benchmarks.workloads import Built, get_workload
 
-__all__ = ["GraphCollectives", "KindTotals", "RankMeasurement", "measure", "warm_up"]
+__all__ = ["GraphCollectives", "KindTotals", "RankMeasurement", "measure", "step_of", "warm_up"]
 
 # Graph kinds that are executed; the joint graph is only an intermediate.
 EXECUTED_GRAPHS = ("forward", "backward", "inference")
@@ -189,6 +189,12 @@ def _step_fn(run: Callable[..., Any], built: Built) -> Callable[[], None]:
     return step
 
 
+def step_of(session: Session, built: Built) -> Callable[[], None]:
+    """The training step of ``session`` on ``built``: the baseline's own ``session.step``
+    where it has one (e.g. several micro-batches per step), else one ``run`` + loss + backward."""
+    return session.step if session.step is not None else _step_fn(session.run, built)
+
+
 def measure(workload: str, baseline: str, warmup: int, steps: int) -> RankMeasurement:
     """Measure ``baseline`` on ``workload`` on this rank (see the module docstring)."""
     # Deep-copying graphs for capture trips a pytree deprecation warning in
@@ -198,7 +204,7 @@ def measure(workload: str, baseline: str, warmup: int, steps: int) -> RankMeasur
     torch.manual_seed(0)
     built = get_workload(workload).build(world, rank)
     with get_baseline(baseline).session(built) as session:
-        step = _step_fn(session.run, built)
+        step = step_of(session, built)
         first = _timed(step)
         for _ in range(warmup):
             _timed(step)
@@ -249,7 +255,7 @@ def warm_up(with_inductor: bool) -> None:
     names = ["commfuse-eager:none"] + (["inductor"] if with_inductor else [])
     for name in names:
         torch._dynamo.reset()
-        built = _build_llama_tp_sp(dist.get_world_size(), dist.get_rank(), n_layers=1, dim=16, n_heads=2,
+        built = _build_llama_tp_sp(dist.get_world_size(), dist.get_rank(), n_layers=1, dim=16, n_heads=4,
                                    ffn_dim=32, batch=1, seq=4)
         with get_baseline(name).session(built) as session:
             _step_fn(session.run, built)()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from benchmarks.baselines import baseline_names, get_baseline
+from benchmarks.declared import DECLARED_FAMILIES
 from benchmarks.workloads import workload_names
 
 __all__ = ["SUITES", "Suite", "get_suite"]
@@ -64,7 +65,10 @@ class Suite:
 
 
 def _families(size: str) -> tuple[str, ...]:
-    return tuple(n for n in workload_names() if n.endswith(f":{size}"))
+    """Every example-model family at ``size``; the declared third-party families only run in the
+    ``declared`` suite (they need the conformance extra, and their size is not CI sized)."""
+    declared = {f.name for f in DECLARED_FAMILIES}
+    return tuple(n for n in workload_names() if n.endswith(f":{size}") and n.partition(":")[0] not in declared)
 
 
 def _single_pass(prefix: str) -> tuple[str, ...]:
@@ -147,3 +151,11 @@ _register(Suite(
     workloads=("moe_style_sp_ep_sp:s",),
     baselines=("eager", "inductor", "inductor+comm", "commfuse", "commfuse-eager:none", "commfuse-eager"),
     warmup=3, steps=20, scaling=()))
+# The declared workloads (docs/benchmarks.md, "Declared workloads"): third-party models parallelised by
+# their libraries, at the declared size d; each at its family's world size (simple_fsdp_tp: 4 ranks).
+_register(Suite(
+    "declared", "the declared third-party workloads at size d (torchtitan llama3 TP+SP, deepseek_v3 TP+EP, "
+    "transformers Llama TP, SimpleFSDP x TP on 2x2): eager, Inductor, commfuse (Inductor and eager inner)",
+    workloads=tuple(f"{f.name}:d" for f in DECLARED_FAMILIES),
+    baselines=("eager", "inductor", "commfuse", "commfuse-eager"),
+    warmup=3, steps=20, scaling=(), job_timeout_s=1800.0))

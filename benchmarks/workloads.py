@@ -49,6 +49,9 @@ class Built:
     loss: Callable[[Any], torch.Tensor]
     # process-group name -> parallel role, as a user declares it (commfuse.Config.group_roles)
     roles: dict[str, str] = field(default_factory=dict)
+    # micro-batches per training step: the ga:* baselines split every input along dim 0 into this
+    # many and accumulate their gradients (benchmarks/baselines.py); the others run one step on all
+    microbatches: int = 1
 
 
 Builder = Callable[..., Built]
@@ -62,6 +65,8 @@ class Family:
     description: str
     builder: Builder
     sizes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    # ranks the family needs (e.g. 4 for a 2x2 mesh); None: the suite's world size
+    world: int | None = None
 
 
 @dataclass(frozen=True)
@@ -269,3 +274,50 @@ register_family(Family(
     "moe_style_sp_ep_sp", "SP attention + hand-written GShard MoE (recognised into commfuse's MoE op), "
     "back to sequence shards", _build_moe_style_sp_ep_sp,
     {k: {kk: vv for kk, vv in v.items() if kk != "n_layers"} for k, v in _MOE_TP_SIZES.items()}))
+
+# The declared third-party workloads register themselves (docs/benchmarks.md, "Declared workloads").
+import benchmarks.declared  # noqa: E402,F401
+
+
+# ----------------------------------------------------------------- gradient accumulation
+class _RegressionLoss(nn.Module):
+    """A model and its MSE loss as one module: ``forward(x, target)`` is the scalar loss of that
+    slice of the rank's batch, normalised by the WHOLE local batch's element count, so the losses
+    of the micro-batches of a step add up to the step's loss (no 1/M scaling anywhere: the GA
+    baselines sum them, ``compile_train_step(reduction="sum")``). Inputs and targets travel together,
+    so every baseline splits them into micro-batches the same way (dim 0)."""
+
+    def __init__(self, model: nn.Module, denominator: int) -> None:
+        super().__init__()
+        self.model = model
+        self.denominator = denominator
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (self.model(x).float() - target).pow(2).sum() / self.denominator
+
+
+def _build_simple_fsdp_ga(world: int, rank: int, *, n_layers: int, dim: int, n_heads: int, ffn_dim: int,
+                          microbatch_size: int, seq: int, microbatches: int) -> Built:
+    """SimpleFSDP (fully_shard) Llama trained with gradient accumulation: each rank's step is
+    ``microbatches`` micro-batches of ``microbatch_size`` x ``seq`` tokens."""
+    from commfuse.models import llama, simple_fsdp
+
+    cfg = llama.LlamaConfig(n_layers=n_layers, dim=dim, n_heads=n_heads, ffn_dim=ffn_dim)
+    model = simple_fsdp.data_parallel(llama.build_llama(cfg, seed=0), _mesh(world), "fully_shard")
+    local = microbatch_size * microbatches
+    data = simple_fsdp.make_inputs(cfg, local * world, seq, rank=rank, world_size=world, seed=1)
+    return Built(_RegressionLoss(model, data.loss_denominator), (data.inputs, data.target), lambda loss: loss,
+                 microbatches=microbatches)
+
+
+# "s": test sized. "d": the declared size (docs/train-step.md, "Gradient sync once per step"): dim 512,
+# 2 layers, micro-batches of 2 x 1024 tokens per rank, M = 4, fp32.
+_GA_SIZES: dict[str, dict[str, int]] = {
+    "s": {"n_layers": 1, "dim": 32, "n_heads": 4, "ffn_dim": 64, "microbatch_size": 2, "seq": 8, "microbatches": 4},
+    "d": {"n_layers": 2, "dim": 512, "n_heads": 8, "ffn_dim": 1536, "microbatch_size": 2, "seq": 1024,
+          "microbatches": 4},
+}
+
+register_family(Family(
+    "simple_fsdp_ga", "Llama-style decoder, SimpleFSDP fully_shard, gradient accumulation over M micro-batches "
+    "(the model returns the loss; run it with the ga:* baselines)", _build_simple_fsdp_ga, _GA_SIZES))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ def test_every_suite_resolves():
 def test_every_family_in_quick_suite():
     families = {get_workload(w).family.name for w in get_suite("quick").workloads}
     assert families == {"llama_tp_sp", "llama_tp", "moe_ep", "simple_fsdp", "dp", "moe_tp_ep", "moe_sp_ep_sp",
-                        "moe_style_sp_ep_sp"}
+                        "moe_style_sp_ep_sp", "simple_fsdp_ga"}
 
 
 def test_single_pass_baselines_follow_the_pass_registry():
@@ -254,3 +255,170 @@ def test_workloads_flag_restricts_the_suite_and_names_unknown_ones():
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--suite", "smoke", "--workloads",
                            "nope:s"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--workloads" in proc.stderr and "nope:s" in proc.stderr
+
+
+# ------------------------------------------------------------- A/B in one run
+
+
+def test_ab_percentile_and_speedup_direction():
+    from benchmarks.ab import percentile, speedup_ratios
+
+    assert [percentile([5, 1, 4, 2, 3], q) for q in (0.0, 0.1, 0.5, 1.0)] == pytest.approx([1.0, 1.4, 3.0, 5.0])
+    # time(baseline) / time(candidate): the candidate taking half the time is a speed-up of 2
+    assert speedup_ratios([2.0, 3.0, 1.0], [1.0, 3.0, 2.0]) == [2.0, 1.0, 0.5]
+    with pytest.raises(ValueError):
+        speedup_ratios([1.0, 2.0], [1.0])
+
+
+def test_ab_bootstrap_interval_of_the_median():
+    from benchmarks.ab import bootstrap_median_ci
+
+    # Resampling {1, 2}: medians 1, 1.5, 2 with p = 1/4, 1/2, 1/4, so the 2.5% / 97.5% quantiles of
+    # 2000 resampled medians are 1 and 2.
+    assert bootstrap_median_ci([1.0, 2.0]) == (1.0, 2.0)
+    assert bootstrap_median_ci([1.3]) == (1.3, 1.3)
+    assert bootstrap_median_ci([1.2] * 25) == (1.2, 1.2)  # a constant ratio: zero width
+    ratios = [1.0 + 0.01 * ((7 * i) % 23) for i in range(23)]  # 1.00 .. 1.22, scrambled; median 1.11
+    lo, hi = bootstrap_median_ci(ratios)
+    assert min(ratios) <= lo < statistics.median(ratios) < hi <= max(ratios)
+    assert bootstrap_median_ci(ratios) == (lo, hi)  # fixed seed: reproducible
+    lo99, hi99 = bootstrap_median_ci(ratios, confidence=0.99)
+    assert lo99 <= lo and hi <= hi99
+
+
+def test_ab_verdict_and_comparison():
+    from benchmarks.ab import compare, verdict
+
+    assert verdict(1.01, 1.3) == "faster"
+    assert verdict(0.7, 0.99) == "slower"
+    assert verdict(0.9, 1.1) == verdict(1.0, 1.2) == verdict(0.8, 1.0) == "no difference resolved"
+    c = compare([2.0] * 20, [1.0] * 20)  # the baseline takes twice as long
+    assert (c["median"], c["ci_low"], c["ci_high"], c["pairs"], c["verdict"]) == (2.0, 2.0, 2.0, 20, "faster")
+    assert compare([1.0] * 20, [1.25] * 20)["verdict"] == "slower"
+
+
+def test_ab_round_and_compile_order():
+    from benchmarks.ab import compile_order, round_order
+
+    assert [round_order(["a", "b"], r) for r in range(4)] == [["a", "b"], ["b", "a"], ["a", "b"], ["b", "a"]]
+    assert {round_order(["a", "b", "c"], r)[0] for r in range(2)} == {"a", "c"}
+    # inductor+comm's config patch is process-wide while its session is open: compiled last
+    assert compile_order(["inductor+comm", "commfuse", "eager"]) == ["commfuse", "eager", "inductor+comm"]
+    with pytest.raises(KeyError, match="nope"):
+        compile_order(["eager", "nope"])
+
+
+def test_ab_summary_and_tables_from_raw_numbers():
+    from benchmarks.ab import ABRank, ab_tables, settings, summarize
+
+    def rank(r: int, cand: list[float], base: list[float]) -> ABRank:
+        runs = {"cand": RankMeasurement(r, 2, 0.5, cand, None), "base": RankMeasurement(r, 2, 0.2, base, None)}
+        return ABRank(r, 2, runs, {"cand": [1.0 + r], "base": [1.0 + r + 1e-6]}, [["cand", "base"], ["base", "cand"]])
+
+    ranks = [rank(0, [0.010, 0.012], [0.020, 0.018]), rank(1, [0.011, 0.010], [0.019, 0.024])]
+    result = summarize("llama_tp_sp:s", ["cand", "base"], ranks)
+    ex = result["executors"]
+    assert ex["cand"]["round_s"] == [0.011, 0.012] and ex["base"]["round_s"] == [0.020, 0.024]  # slowest rank
+    assert ex["cand"]["step_ms_median"] == pytest.approx(11.5) and ex["cand"]["first_step_s"] == 0.5
+    (c,) = result["comparisons"]
+    assert (c["candidate"], c["baseline"]) == ("cand", "base")
+    assert c["ratios"] == pytest.approx([0.020 / 0.011, 0.024 / 0.012]) and c["verdict"] == "faster"
+    assert result["first_loss_max_abs_diff"] == pytest.approx(1e-6)
+    doc = {"environment": {"date": "d", "machine": {"platform": "p", "logical_cores": 2},
+                           "versions": {"torch": "t"}},
+           "settings": settings([2], 1, 2), "executors": ["cand", "base"], "warnings": [],
+           "results": [json.loads(json.dumps(result)), {"workload": "moe_ep:s", "error": "boom"}]}
+    text, md = ab_tables(doc), ab_tables(doc, markdown=True)
+    assert "cand is 1.909x faster than base" in text and "FAILED: boom" in text
+    assert "| llama_tp_sp:s | cand | base | 11.5 | 22.0 | 1.909 |" in md
+
+
+def test_ab_options_are_checked_before_any_rank_starts(capsys):
+    from benchmarks.run import main
+
+    for argv, msg in [(["--ab", "eager"], "two or more"), (["--ab", "eager,eager"], "two or more"),
+                      (["--ab", "eager,nope"], "nope"), (["--pairs", "5"], "only with --ab"),
+                      (["--ab", "eager,commfuse-eager", "--workloads", "nope:s"], "nope:s"),
+                      (["--ab", "eager,commfuse-eager", "--pairs", "0"], ">= 1")]:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and msg in capsys.readouterr().err, argv
+
+
+@pytest.mark.slow(reason="runs benchmarks/run.py --ab in a subprocess: rank start-up, warm-up compile, one compile")
+@pytest.mark.multirank
+def test_ab_runs_end_to_end(tmp_path):
+    """``--ab commfuse-eager,eager`` on llama_tp_sp:s, 2 gloo ranks, 3 pairs: JSON and tables complete."""
+    out, md = tmp_path / "ab.json", tmp_path / "ab.md"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--ab", "commfuse-eager,eager",
+                           "--workloads", "llama_tp_sp:s", "--pairs", "3", "--warmup", "1", "--json", str(out),
+                           "--markdown", str(md)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "3 pairs (< 20)" in proc.stderr  # the smoke-sized run is flagged
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "ab" and "--ab commfuse-eager,eager" in doc["command"]
+    assert doc["environment"]["versions"]["torch"] and doc["environment"]["machine"]["platform"]
+    assert doc["load_avg_1m_before"] is not None and doc["load_avg_1m_after"] is not None
+    (r,) = doc["results"]
+    assert r["error"] is None and r["world_size"] == 2
+    assert r["first_loss_max_abs_diff"] is not None and r["first_loss_max_abs_diff"] < 1e-4  # same start
+    assert r["orders"] == [["commfuse-eager", "eager"], ["eager", "commfuse-eager"], ["commfuse-eager", "eager"]]
+    for e in ("commfuse-eager", "eager"):
+        assert len(r["executors"][e]["round_s"]) == 3 and r["executors"][e]["first_step_s"] > 0
+        assert all(len(rk["runs"][e]["step_s"]) == 3 for rk in r["raw"]["ranks"])
+    (c,) = r["comparisons"]
+    assert c["ci_low"] <= c["median"] <= c["ci_high"] and len(c["ratios"]) == 3
+    assert "| llama_tp_sp:s | commfuse-eager | eager |" in md.read_text()
+    assert "speed-up" in proc.stdout and c["verdict"] in proc.stdout
+
+
+def _job_declared_step(workload: str) -> tuple[float, dict[str, int]]:
+    """``workload`` built on this rank, one forward + loss + backward traced by a recording AOT
+    backend and run op by op (as the eager baseline captures its graphs): the loss and the
+    collectives of the forward and backward graphs by kind (``commfuse.analyze``)."""
+    import torch.distributed as dist
+
+    import commfuse
+    from commfuse.testing.graphs import capture_aot_graphs
+
+    built = get_workload(workload).build(dist.get_world_size(), dist.get_rank())
+    losses: list[torch.Tensor] = []
+
+    def loss(out):
+        losses.append(built.loss(out))
+        return losses[-1]
+
+    got = capture_aot_graphs(built.model, *built.inputs, loss=loss)
+    kinds: dict[str, int] = {}
+    for kind in ("forward", "backward"):
+        for k, totals in commfuse.analyze(got[kind], graph=kind).by_kind.items():
+            kinds[k] = kinds.get(k, 0) + totals.count
+    return float(losses[0]), kinds
+
+
+@pytest.mark.slow(reason="imports torchtitan and transformers in every rank and builds four third-party models")
+@pytest.mark.multirank
+def test_declared_workloads_step_on_real_ranks_with_their_collectives(rank_pool_2, rank_pool_4):
+    """Every declared family at size s, built by its library on real gloo ranks (its own world
+    size): one step with a finite loss whose graphs issue the collectives its parallelism implies."""
+    pytest.importorskip("torchtitan", reason="the conformance extra is not installed")
+    pytest.importorskip("transformers", reason="the conformance extra is not installed")
+    from benchmarks.declared import DECLARED_FAMILIES
+
+    # family -> (kinds its graphs must issue, kinds they must not)
+    expected = {
+        "titan_llama3_tp_sp": ({"all_gather", "reduce_scatter"}, {"all_reduce", "all_to_all"}),  # SP
+        "titan_deepseek_v3_tp_ep": ({"all_gather", "reduce_scatter", "all_to_all"}, set()),  # SP + EP dispatch
+        "hf_llama_tp": ({"all_reduce"}, {"reduce_scatter", "all_to_all"}),  # plain TP
+        # SimpleFSDP's parameter all_gather / gradient reduce_scatter, SP's, the norms' gradient all_reduce
+        "simple_fsdp_tp": ({"all_gather", "reduce_scatter", "all_reduce"}, {"all_to_all"}),
+    }
+    assert set(expected) == {f.name for f in DECLARED_FAMILIES}
+    pools = {2: rank_pool_2, 4: rank_pool_4}
+    for family in DECLARED_FAMILIES:
+        results = pools[family.world or 2].run(_job_declared_step, f"{family.name}:s", timeout=600)
+        must, must_not = expected[family.name]
+        for rank, (loss, kinds) in enumerate(results):
+            assert torch.isfinite(torch.tensor(loss)), (family.name, rank, loss)
+            assert must <= set(kinds) and not must_not & set(kinds), (family.name, rank, kinds)
+        assert all(kinds == results[0][1] for _, kinds in results), family.name  # SPMD: the same on every rank

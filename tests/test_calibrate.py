@@ -40,3 +40,17 @@ def test_calibrate_smoke_writes_loadable_profile(tmp_path, rank_pool_2):
     assert {f.kind.value for f in loaded.collective.fits} >= {"all_reduce", "all_gather", "reduce_scatter"}
     model = loaded.build_model()
     assert model.collectives.time("all_reduce", 4096, 2).time_us > 0
+
+
+@pytest.mark.slow(reason="compiles a TP Llama twice on 2 gloo ranks")
+@pytest.mark.multirank
+def test_the_committed_profile_changes_decisions_and_every_rank_makes_the_same(rank_pool_2):
+    """A compile priced with this machine's calibrated profile orders the TP Llama's collectives
+    differently from the nominal model's, and both ranks decide the same."""
+    from benchmarks.calibrated_decisions import PROFILE, decisions_job
+
+    per_rank = rank_pool_2.run(decisions_job, ["llama_tp:s"], str(PROFILE), timeout=300)
+    assert per_rank[0] == per_rank[1]
+    runs = per_rank[0]["llama_tp:s"]
+    differ = [(a["graph"], a["pass"]) for a, b in zip(runs["nominal"], runs["calibrated"]) if a != b]
+    assert ("backward", "schedule_overlap") in differ, differ

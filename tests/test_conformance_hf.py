@@ -41,21 +41,25 @@ def llama_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def test_hf_llama_tp_plan_without_setup_trains_like_eager_and_moves_the_all_reduces(rank_pool_2, llama_checkpoint):
+def test_hf_llama_tp_plan_without_setup_trains_like_eager_and_prices_tp_to_sp_motion(rank_pool_2, llama_checkpoint):
     """Zero configuration: no commfuse.setup(); the TP role comes from the mesh dim name ("tp") of
-    the DTensor parameters transformers created."""
+    the DTensor parameters transformers created. Chimera's TP -> SP motion rewrites the all_reduces
+    into reduce_scatters and all_gathers; on this tiny model the step-time gate predicts that
+    slower (more, smaller collectives) and keeps the all_reduces, and every rank decides the same."""
     results = rank_pool_2.run(hf_trains_like_eager, llama_checkpoint, {"tp_size": 2}, SHAPES, timeout=600)
     for rank, r in enumerate(results):
         assert len(r["loss"]) == 2
         assert_close_tree(r["loss"], r["ref_loss"], rtol=1e-4, atol=1e-5, msg=f"loss on rank {rank}")
         assert_close_tree(r["grads"], r["ref_grads"], rtol=1e-4, atol=1e-5, msg=f"gradients on rank {rank}")
-        # TP -> SP motion (roles from the DTensors' mesh): the all_reduces became reduce_scatters and all_gathers
-        kinds = r["collectives"]
-        assert kinds.get("reduce_scatter", 0) > 0 and kinds.get("all_gather", 0) > 0, kinds
+        chimera = [v for k, vs in r["gate"].items() if k.endswith("/chimera") for v in vs]
+        assert chimera and all(v["gate"] == "reverted" for v in chimera), r["gate"]
+        assert all(v["predicted_after_us"] > v["predicted_before_us"] for v in chimera), chimera
+        assert r["collectives"].get("reduce_scatter", 0) == 0 and r["collectives"].get("all_reduce", 0) > 0, r
         assert "forward" in r["graphs"] and "backward" in r["graphs"], r["graphs"]
         # every compute region compiled: none fell back to eager (the region compiled for other
         # strides than its producer gave it used to, in the backward graph)
         assert r["warnings"] == [], r["warnings"]
+    assert results[0]["gate"] == results[1]["gate"]
 
 
 @pytest.fixture(scope="module")

@@ -523,10 +523,12 @@ def test_optimize_on_make_fx_training_step():
         commfuse.optimize(gm)
     assert [(c.kind, c.role) for c in report.collectives] == [("all_gather", "fsdp"), ("reduce_scatter", "unknown")]
     assert verify_graph(gm).ok
-    # the default pipeline: chimera (nothing to fuse here: the gathered weight feeds a
-    # matmul, the scattered gradient the output), schedule_overlap, bucket_collectives, sink_waits,
-    # gloo_reduce_scatter (no topology, CPU tensors: the reduce_scatter becomes an all_to_all)
-    assert [p.name for p in commfuse.last_report(gm).passes] == ["chimera", "schedule_overlap", "bucket_collectives",
+    # the default pipeline: accumulate_gradient_sync (one micro-batch: no sum of gradient syncs),
+    # chimera (nothing to fuse here: the gathered weight feeds a matmul, the scattered gradient the
+    # output), schedule_overlap, bucket_collectives, sink_waits, gloo_reduce_scatter (no topology,
+    # CPU tensors: the reduce_scatter becomes an all_to_all)
+    assert [p.name for p in commfuse.last_report(gm).passes] == ["accumulate_gradient_sync", "chimera",
+                                                                 "schedule_overlap", "bucket_collectives",
                                                                  "sink_waits", "gloo_reduce_scatter"]
     assert [c.kind for c in commfuse.analyze(gm).collectives] == ["all_gather", "all_to_all"]
 

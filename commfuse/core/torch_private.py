@@ -195,11 +195,25 @@ def extract_fwd_bwd_modules(joint: torch.fx.GraphModule, saved_values: list, sav
 
     Private: `torch._functorch.partitioners._extract_fwd_bwd_modules` (what every AOTAutograd
     partitioner ends with; commfuse's fused DHelix partition chooses the saved values itself).
-    ``saved_opaque``: script objects (e.g. a DeviceMesh input) the backward passes through."""
+    ``saved_opaque``: script objects (e.g. a DeviceMesh input) the backward passes through.
+
+    Older releases (2.11, the GPU machine's) may lack the opaque-values argument and the switch that
+    turns off the forward/backward placement check: each is passed only where this torch has it, and
+    opaque values without the argument are an error naming the torch version."""
+    import inspect
+
     from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
-    return _extract_fwd_bwd_modules(joint, saved_values, [], saved_opaque, num_fwd_outputs=num_fwd_outputs,
-                                    ignore_must_be_in_fw_bw=True)
+    params = inspect.signature(_extract_fwd_bwd_modules).parameters
+    kwargs = {"num_fwd_outputs": num_fwd_outputs}
+    if "ignore_must_be_in_fw_bw" in params:
+        kwargs["ignore_must_be_in_fw_bw"] = True
+    if "saved_opaque_nodes" in params:
+        return _extract_fwd_bwd_modules(joint, saved_values, [], saved_opaque, **kwargs)
+    if saved_opaque:
+        raise NotImplementedError(f"torch {torch.__version__}: _extract_fwd_bwd_modules cannot pass opaque values "
+                                  f"({len(saved_opaque)}) from forward to backward")
+    return _extract_fwd_bwd_modules(joint, saved_values, [], **kwargs)
 
 
 def is_tangent_placeholder(node: torch.fx.Node) -> bool:
@@ -209,3 +223,18 @@ def is_tangent_placeholder(node: torch.fx.Node) -> bool:
     from torch._functorch.partitioners import _is_tangent
 
     return _is_tangent(node)
+
+
+def funcol_autograd(name: str):
+    """The differentiable functional collective ``name`` ("all_gather" or "reduce_scatter") of
+    `torch.distributed._functional_collectives`, under the name this torch gives it.
+
+    torch 2.13 names them ``*_single_autograd`` and deprecates the ``*_tensor_autograd`` names
+    (same signature), which are the only ones older releases (2.11, the GPU machine's) have."""
+    import torch.distributed._functional_collectives as funcol
+
+    new, old = f"{name}_single_autograd", f"{name}_tensor_autograd"
+    fn = getattr(funcol, new, None) or getattr(funcol, old, None)
+    if fn is None:
+        raise AttributeError(f"torch {torch.__version__} has neither {new} nor {old} in _functional_collectives")
+    return fn

@@ -11,6 +11,7 @@ from typing import Type
 
 from commfuse.core.errors import ConfigError
 from commfuse.passmgr.base import GraphPass
+from commfuse.transforms.accumulate_gradient_sync import AccumulateGradientSync
 from commfuse.transforms.boundary_fusion import BoundaryFusion
 from commfuse.transforms.bucket_collectives import BucketCollectives
 from commfuse.transforms.chimera import Chimera
@@ -30,11 +31,12 @@ from commfuse.transforms.sink_waits import SinkWaits
 from commfuse.transforms.split_all_reduce import SplitAllReduce
 from commfuse.transforms.workload_partition import WorkloadPartition
 
-# Every built-in pass, in the order they appear in the default pipelines (MoE recognition, Chimera's
-# steps and Chimera, boundary fusion, Centauri's partitions and their search, the schedulers,
-# bucketing and wait sinking, Lagom, the gloo lowering).
+# Every built-in pass, in the order they appear in the default pipelines (MoE recognition, the gradient
+# sync once per step, Chimera's steps and Chimera, boundary fusion, Centauri's partitions and their
+# search, the schedulers, bucketing and wait sinking, Lagom, the gloo lowering).
 BUILTIN_PASSES: tuple[Type[GraphPass], ...] = (
     MoERecognition,
+    AccumulateGradientSync,
     SplitAllReduce,
     CollectiveMotion,
     FuseCollectives,
@@ -54,7 +56,8 @@ BUILTIN_PASSES: tuple[Type[GraphPass], ...] = (
     GlooReduceScatter,
 )
 
-# The pipeline `backend="commfuse"` runs: MoE recognition on Dynamo's graph, Chimera fusion on
+# The pipeline `backend="commfuse"` runs: MoE recognition on Dynamo's graph, the gradient sync once
+# per step (before Chimera, which would otherwise split each micro-batch's all_reduce), Chimera fusion on
 # the joint graph, then the schedule passes (bucketing, the overlap scheduler, waits sunk).
 # The Centauri partition search is opt-in (compile time; see docs/centauri.md).
 # The scheduler runs before the bucketer: bucket_collectives never issues a bucket earlier than
@@ -62,13 +65,14 @@ BUILTIN_PASSES: tuple[Type[GraphPass], ...] = (
 # bucketing first would make bigger messages that the memory budget then keeps from being prefetched.
 # gloo_reduce_scatter runs last: it lowers each (bucketed) gloo reduce_scatter where the schedule
 # issued and waited it, so it must see the final order (a no-op on NCCL topologies).
-DEFAULT_PIPELINE: tuple[str, ...] = ("moe_recognition", "chimera", "schedule_overlap", "bucket_collectives",
-                                     "sink_waits", "gloo_reduce_scatter")
+DEFAULT_PIPELINE: tuple[str, ...] = ("moe_recognition", "accumulate_gradient_sync", "chimera", "schedule_overlap",
+                                     "bucket_collectives", "sink_waits", "gloo_reduce_scatter")
 
 # Config(dhelix=True): the fused train-step graph is ordered by the strand interleaving alone; bucketing
 # (it would merge the two strands' collectives) and wait sinking (the plan's barriers place the waits)
 # stay out.
-DHELIX_PIPELINE: tuple[str, ...] = ("moe_recognition", "chimera", "dhelix_interleave", "gloo_reduce_scatter")
+DHELIX_PIPELINE: tuple[str, ...] = ("moe_recognition", "accumulate_gradient_sync", "chimera", "dhelix_interleave",
+                                    "gloo_reduce_scatter")
 
 
 _BUILTIN: dict[str, Type[GraphPass]] = {p.name: p for p in BUILTIN_PASSES}
