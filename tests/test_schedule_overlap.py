@@ -16,7 +16,7 @@ import commfuse
 from commfuse.costmodel import AnalyticCostModel, Topology
 from commfuse.costmodel.simulator import Simulator
 from commfuse.ir.graph_ir import CollectiveIR
-from commfuse.schedule.list_scheduler import build_problem, max_inflight
+from commfuse.schedule.list_scheduler import Priority, build_problem, list_schedule, max_inflight
 from commfuse.testing.equivalence import check_equivalent
 from commfuse.testing.fake_pg import fake_mesh, fake_process_group
 from commfuse.testing.graphs import capture_aot_graphs
@@ -185,6 +185,73 @@ def test_knobs_are_in_the_cache_key():
     assert commfuse.Config().cache_key() != commfuse.Config(schedule_cpsat_max_nodes=0).cache_key()
 
 
+# ------------------------------------------------------------- memory-aware picker
+def _memory_trap_fn(x, y, w, v):
+    """A chain whose temporaries set the input order's peak, a cheap all_reduce issued (as traced) right
+    before its use, and a second all_reduce fed by a large buffer read again at the end: feeding that
+    one early keeps the large buffer live across the chain's peak."""
+    g = dist.group.WORLD
+    h = torch.tanh(x @ w)
+    h = torch.tanh(h @ w)
+    h = torch.tanh(h @ w)
+    h = h + funcol.all_reduce(y.sum(0), "sum", g)
+    big = y @ v
+    return h, torch.mv(big, funcol.all_reduce(big.sum(0), "sum", g)) * v[:, 0]
+
+
+def _memory_trap(n: int = 256) -> fx.GraphModule:
+    return make_fx(_memory_trap_fn, tracing_mode="fake")(torch.randn(8 * n, n), torch.randn(n, n), torch.randn(n, n),
+                                                         torch.randn(n, 6 * n))
+
+
+@pytest.fixture
+def memory_trap_gm():
+    with fake_process_group(8):
+        yield _memory_trap()
+
+
+def test_memory_repaired_order_stays_within_the_budget_and_still_overlaps(memory_trap_gm):
+    gm, before = memory_trap_gm, _copy(memory_trap_gm)
+    rec = _schedule(gm, schedule_cpsat_max_nodes=0)
+    d = rec.decisions[0]
+    limit = 1.10 * d["input"]["peak_memory_bytes"]  # Config.schedule_memory_budget's default
+    plain = [v for v in d["greedy"] if v["priority"] == "feed=1,avoid_stalls=1"]
+    # un-repaired, feeding the second all_reduce early goes over the budget, halving the in-flight cap or not
+    assert plain and all(v["peak_memory_bytes"] > limit and not v["within_limits"] for v in plain), plain
+    repaired = [v for v in d["greedy"] if v["priority"] == "memory-repaired"]
+    assert len(repaired) == 1 and repaired[0]["within_limits"], repaired
+    assert repaired[0]["peak_memory_bytes"] <= limit
+    assert repaired[0]["makespan_us"] < d["input"]["makespan_us"]
+    assert repaired[0]["exposed_comm_us"] < d["input"]["exposed_comm_us"]  # the first all_reduce is hidden
+    assert rec.changed and d["kept"] == "memory-repaired" and d["winner"] == "greedy memory-repaired"
+    # the graph as applied, re-simulated
+    out = Simulator(gm, AnalyticCostModel(DGX)).simulate(record=False)
+    assert out.peak_memory_bytes <= limit and out.makespan_us < d["input"]["makespan_us"]
+    check_equivalent(before, gm, 8, exact=True)
+
+
+def test_memory_repaired_order_is_deterministic(memory_trap_gm):
+    sim = Simulator(memory_trap_gm, AnalyticCostModel(DGX))
+    p = build_problem(memory_trap_gm, sim, CollectiveIR(memory_trap_gm))
+    limit = 1.10 * sim.simulate(record=False).peak_memory_bytes
+    orders = [list_schedule(p, Priority(True, True, True), max_inflight_bytes=None, memory_limit=limit).order
+              for _ in range(2)]
+    assert orders[0] == orders[1] and sorted(orders[0]) == list(range(p.size))  # a pure reorder
+    assert [i for i in orders[0] if i in p.coll_bytes] == p.collectives  # issue order kept
+    a, b = _copy(memory_trap_gm), _copy(memory_trap_gm)
+    _schedule(a), _schedule(b)
+    assert a.code == b.code
+
+
+def test_decisions_name_the_winner_and_report_the_own_picker(memory_trap_gm):
+    rec = _schedule(memory_trap_gm)  # CP-SAT on: its windows refine the repaired order
+    d = rec.decisions[0]
+    assert d["kept"] == "memory-repaired+cpsat" and d["winner"] == "cpsat (greedy memory-repaired)", d["kept"]
+    own = d["own_picker"]
+    assert own["candidate"] == "greedy memory-repaired"
+    assert own["makespan_us"] >= d["output"]["makespan_us"] and own["makespan_us"] < d["input"]["makespan_us"]
+
+
 # Module scope: one capture for the tests below; its fake world stays up until the module ends,
 # so tests that start their own world come before these.
 @pytest.fixture(scope="module")
@@ -243,3 +310,4 @@ def test_default_pipeline_with_the_scheduler_matches_eager(rank_pool_4, example)
     results = rank_pool_4.run(compiled_matches_eager, example, "float32", "eager", 2, passes, timeout=240)
     recs = [p for p in results[0]["passes"] if p["name"] == "schedule_overlap"]
     assert recs and any(p["changed"] for p in recs), recs
+

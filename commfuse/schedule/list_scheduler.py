@@ -25,6 +25,14 @@ it builds the order:
 3. waits are never scheduled on their own: a wait is placed right before the first node that
    needs its result, or at the end of its segment.
 
+With ``Priority.memory_aware`` the compute pick repairs the order as it builds it instead of
+leaving the budget to the final simulation: a ready node is deferred when the live memory plus
+its output would pass the budget, or, for a node moved ahead of the first unscheduled node of
+the input order, when the input order's live memory over the stretch it is moved across plus
+the buffers already moved ahead (compute and collectives, while still live) plus its output
+would. Among ready nodes that are all deferred, the one that grows the live memory least (frees
+the most: last readers of large buffers) runs, ties by position.
+
 Everything is keyed by original node index, so the order is a deterministic function of the
 graph, the estimator and the limits.
 """
@@ -55,9 +63,15 @@ class Priority:
 
     feed_next_collective: bool = True  # prefer compute the next collective's inputs need
     avoid_stalls: bool = True  # prefer compute that does not block on an unfinished collective
+    # Defer compute that would take the live memory past the budget (now, or over the stretch of the
+    # input order it is moved across) and prefer ready nodes that free memory (see ``list_schedule``).
+    memory_aware: bool = False
 
     def describe(self) -> str:
-        return f"feed={int(self.feed_next_collective)},avoid_stalls={int(self.avoid_stalls)}"
+        knobs = f"feed={int(self.feed_next_collective)},avoid_stalls={int(self.avoid_stalls)}"
+        if not self.memory_aware:
+            return knobs
+        return "memory-repaired" if self.feed_next_collective and self.avoid_stalls else f"memory-repaired({knobs})"
 
 
 @dataclass
@@ -262,7 +276,7 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
     # The input order's live memory per node: a collective issued before its original position
     # keeps its buffer live over every node in between, on top of what the input order holds there.
     peak_ahead = _RangeMax(live_profile(p, range(n))) if memory_limit is not None else None
-    raised: list[int] = []  # collectives issued ahead of their original position
+    raised: list[int] = []  # collectives issued (memory-aware: nodes placed) ahead of their original position
     seg_nodes: list[int] = []
     seg_ptr = 0
 
@@ -273,6 +287,34 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
     ready_coll: list[int] = []
     next_coll_pos = 0
     deferred: set[int] = set()
+
+    def front() -> int:
+        """The first unscheduled node of the segment in the input order (where the input order is)."""
+        nonlocal seg_ptr
+        while seg_ptr < len(seg_nodes) and scheduled[seg_nodes[seg_ptr]]:
+            seg_ptr += 1
+        return seg_nodes[seg_ptr] if seg_ptr < len(seg_nodes) else n
+
+    def held(now: int) -> int:
+        """Bytes moved ahead of ``now`` that the input order's profile does not count there."""
+        if priority.memory_aware:  # a moved node's buffer freed early is no longer held
+            raised[:] = [r for r in raised if r > now and pending[r] > 0]
+        return sum(p.alloc[r] for r in raised if r > now)
+
+    def growth(x: int) -> int:
+        """Live bytes after ``x`` minus before: its output, less the buffers it reads last."""
+        g = p.alloc[x] if p.owner[x] == x else 0
+        return g - sum(p.alloc[o] for o in p.touches[x] if pending[o] == 1)
+
+    def over_memory(x: int, now: int, ahead: int) -> bool:
+        """Whether ``x`` would pass the budget, with ``ahead`` = ``held(now)``."""
+        if memory_limit is None:
+            return False
+        grow = p.alloc[x] if p.owner[x] == x else 0
+        if live + grow > memory_limit:
+            return True
+        assert peak_ahead is not None
+        return grow > 0 and x > now and peak_ahead.query(now, x) + ahead + grow > memory_limit
 
     def wait_stall(i: int) -> float:
         s = 0.0
@@ -351,28 +393,42 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
                 heapq.heappush(urgent, key[x])
             stack.extend(q for q in p.preds[x] if not scheduled[q])
 
-    def pick(heap: list[int]) -> tuple[Optional[int], bool]:
-        """First live entry by key; with avoid_stalls, the first of the window that does not block."""
+    def pick(heap: list[int]) -> tuple[Optional[int], int]:
+        """First live entry by key; with avoid_stalls, the first of the window that does not block;
+        memory-aware, the first that also stays within the budget. The second value ranks the pick:
+        0 fine, 1 blocks on a collective, 2 over the memory budget (the least growing of the window)."""
         while heap and scheduled[at_key[heap[0]]]:
             heapq.heappop(heap)
         if not heap:
-            return None, False
-        if not priority.avoid_stalls:
-            return at_key[heap[0]], False
+            return None, 0
+        if not priority.avoid_stalls and not priority.memory_aware:
+            return at_key[heap[0]], 0
+        now = front() if priority.memory_aware else -1
+        ahead = held(now) if priority.memory_aware and memory_limit is not None else 0
         seen: list[int] = []
-        found = None
+        found, rank = None, 3
         while heap and len(seen) < STALL_WINDOW:
             k = heapq.heappop(heap)
             x = at_key[k]
             if scheduled[x] or k in seen:
                 continue
             seen.append(k)
-            if wait_stall(x) <= 0:
-                found = x
+            r = 2 if priority.memory_aware and over_memory(x, now, ahead) else int(
+                priority.avoid_stalls and wait_stall(x) > 0)
+            if r < rank:
+                found, rank = x, r
+            if r == 0:
                 break
         for k in seen:
             heapq.heappush(heap, k)
-        return (found, False) if found is not None else (at_key[seen[0]] if seen else None, True)
+        if rank == 2:  # every node of the window over the budget: the one that frees most goes
+            found = min((at_key[k] for k in seen), key=lambda x: (growth(x), key[x]))
+        return found, rank if found is not None else 0
+
+    def place_compute(x: int) -> None:
+        if priority.memory_aware and x > front():
+            raised.append(x)
+        place(x)
 
     for i in p.head:
         place(i)
@@ -401,13 +457,10 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
             ready_coll[:] = [c for c in ready_coll if not scheduled[c]]
             if ready_coll:
                 c = ready_coll[0]
-                while seg_ptr < len(seg_nodes) and scheduled[seg_nodes[seg_ptr]]:
-                    seg_ptr += 1
-                now = seg_nodes[seg_ptr] if seg_ptr < len(seg_nodes) else c
+                now = min(front(), c)
                 why = _blocked(p, c, inflight, live, max_inflight_bytes, memory_limit)
                 if why is None and peak_ahead is not None and now < c:
-                    held = sum(p.alloc[r] for r in raised if r > now)
-                    if peak_ahead.query(now, c) + held + p.alloc[c] > memory_limit:
+                    if peak_ahead.query(now, c) + held(now) + p.alloc[c] > memory_limit:
                         why = "memory"
                 if why is None and now < c:
                     raised.append(c)
@@ -415,9 +468,9 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
                     # a collective whose input is still in flight would block the compute
                     # stream at its wait: run compute that does not block first
                     if priority.avoid_stalls and wait_stall(c) > 0:
-                        y, ystalls = pick(ready)
-                        if y is not None and not ystalls:
-                            place(y)
+                        y, yrank = pick(ready)
+                        if y is not None and yrank == 0:
+                            place_compute(y)
                             continue
                     place(c)
                     continue
@@ -427,15 +480,15 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
                         res.deferred_inflight += 1
                     else:
                         res.deferred_memory += 1
-            x, stalls = (None, True)
+            x, xrank = (None, 1)
             if priority.feed_next_collective:
-                x, stalls = pick(urgent)
-            if x is None or stalls:
-                y, ystalls = pick(ready)
-                if y is not None and (x is None or not ystalls):
+                x, xrank = pick(urgent)
+            if x is None or xrank:
+                y, yrank = pick(ready)
+                if y is not None and (x is None or yrank < xrank):
                     x = y
             if x is not None:
-                place(x)
+                place_compute(x)
                 continue
             if ready_coll:  # nothing else can run: issue over the limit
                 res.forced += 1

@@ -11,7 +11,12 @@ Contract
   each wait goes right before the first node that needs its result; compute runs in
   program order except that compute which would block on an unfinished collective is
   postponed behind compute that would not, and compute the next collective needs goes
-  first (Inductor-style). Several picker settings are tried, on the input order and on the
+  first (Inductor-style). One picker setting is memory-aware: it repairs the order while
+  building it, deferring compute that would take the live memory past the budget (now, or
+  over the stretch of the input order it is moved across) and running ready nodes that free
+  memory first, so that an order is not built over the budget only to be discarded (the
+  other settings' over-budget orders are retried with the in-flight cap halved, then
+  dropped). Several picker settings are tried, on the input order and on the
   preferred orders of Centauri's layer level (backward graphs, Eq. 1: ``layer_level``) and
   model level (``compile_train_step`` graphs, Eq. 2: ``model_level``); windows of the best order with
   the most exposed communication (at most ``Config.schedule_cpsat_max_nodes`` nodes) are then
@@ -32,8 +37,12 @@ Contract
   Every decision is a deterministic function of the graph, the config and the topology: ties
   break by original node index; CP-SAT runs with one worker, a fixed seed and a
   deterministic-time limit (never wall-clock). One ``decisions`` entry records the predicted
-  makespan, exposed communication and peak memory of the input, the greedy and the CP-SAT
-  order, and which was kept.
+  makespan, exposed communication and peak memory of the input, every greedy candidate and
+  the CP-SAT order; which was kept (``kept``: its label; ``winner``: ``greedy <knobs>``,
+  ``greedy memory-repaired``, ``layer-level <knobs>``, ``model-level L=k <knobs>``, or
+  ``cpsat (<the candidate it refined>)``); and, whichever wins, commfuse's own picker on its
+  own (``own_picker``: the best list-scheduler order on the input order, before CP-SAT and
+  without a level's preferred order).
 - Never moves a node past a barrier: an op that mutates memory (``copy_``, in-place ops,
   input mutations), an in-place collective or its wait, an op called for its side effect.
   The graph is cut into segments at them; nodes stay in their segment. Ops that draw from
@@ -64,8 +73,9 @@ from commfuse.schedule.list_scheduler import (Priority, ScheduleProblem, apply_o
                                               max_inflight)
 from commfuse.schedule.model_level import best_grouping, grouped_order, grouping_costs, microbatch_graph
 
-# Picker settings tried, in this order (the first of equal makespans wins).
-PRIORITIES = (Priority(True, True), Priority(False, True), Priority(False, False))
+# Picker settings tried, in this order (the first of equal makespans wins). The memory-aware one
+# repairs orders the others would take over the memory budget (see ``list_schedule``).
+PRIORITIES = (Priority(True, True), Priority(False, True), Priority(False, False), Priority(True, True, True))
 # Schedules over the memory budget are retried with the in-flight cap halved, at most this often.
 MEMORY_RETRIES = 6
 
@@ -82,6 +92,20 @@ class Candidate(NamedTuple):
     order: list[int]
     result: SimResult
     label: str
+
+
+def candidate_name(label: str) -> str:
+    """The candidate family of a greedy label, as the decisions name the winner: ``greedy <knobs>``,
+    ``greedy memory-repaired``, ``layer-level <knobs>``, ``model-level L=k <knobs>``, ``cpsat (<base>)``."""
+    base, refined, _ = label.partition("+cpsat")
+    level, _, knobs = base.rpartition(":")
+    if level == "layer":
+        name = f"layer-level {knobs}"
+    elif level.startswith("model"):
+        name = f"model-level {level.partition(':')[2]} {knobs}"
+    else:
+        name = f"greedy {knobs}"
+    return f"cpsat ({name})" if refined else name
 
 
 def _summary(r: SimResult) -> dict:
@@ -130,6 +154,10 @@ class ScheduleOverlap(GraphPass):
             """Every picker setting on ``problem`` (with memory retries); the best within limits."""
             best = None
             for pr in PRIORITIES:
+                if pr.memory_aware and pname != "input":
+                    # a level's preferred order is judged as Eq. 1 / Eq. 2 chose it: one that keeps more
+                    # live is rejected by the budget, not reshaped into another order
+                    continue
                 cap = inflight_limit
                 for attempt in range(MEMORY_RETRIES + 1):
                     res = list_schedule(problem, pr, max_inflight_bytes=cap, memory_limit=mem_limit)
@@ -176,9 +204,12 @@ class ScheduleOverlap(GraphPass):
             if mprob is not None:
                 problems.append((f"model:L={model_info['eq2']['L']}", mprob))
         best: Optional[Candidate] = None
+        own: Optional[Candidate] = None
         tried: list = []
         for pname, problem in problems:
             found = greedy(problem, pname, tried)
+            if pname == "input":
+                own = found
             if found is not None and (best is None or found.result.makespan_us < best.result.makespan_us):
                 best = found
         decision: dict = {"graph": ctx.graph_kind, "estimator": est_name, "nodes": prob.size,
@@ -208,6 +239,11 @@ class ScheduleOverlap(GraphPass):
             best = None
         changed = best is not None and best.order != original
         decision["kept"] = best.label if changed else "input"
+        decision["winner"] = candidate_name(best.label) if changed else "input"
+        # commfuse's own picker (the list scheduler on the input order, no CP-SAT, no level's order),
+        # reported on its own whichever candidate wins
+        decision["own_picker"] = ({"candidate": candidate_name(own.label), **_summary(own.result)} if own is not None
+                                  else {"candidate": None, "within_limits": False})
         decision["output"] = _summary(best.result) if changed else decision["input"]
         counts = {"collectives": len(prob.collectives)}
         if changed:
