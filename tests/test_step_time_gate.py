@@ -110,6 +110,7 @@ def test_gate_config_is_part_of_the_compile_cache_key():
 def _chimera_verdict(family: str, sizes: dict, topology) -> tuple[dict, object]:
     from benchmarks.workloads import get_workload
 
+    torch._dynamo.reset()  # earlier tests in this worker compiled the same model code
     with fake_process_group(2, rank=0):
         torch.manual_seed(0)
         w = get_workload(f"{family}:s")
