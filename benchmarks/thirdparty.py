@@ -4,8 +4,8 @@ Shared by the declared benchmark workloads (``benchmarks/declared.py``) and the 
 conformance tests (``tests/_jobs_conformance.py``): torchtitan's llama3 / deepseek_v3 built the
 way its Trainer builds them and parallelised by its own ``parallelize_*`` functions, and Hugging
 Face transformers models loaded with its ``DistributedConfig`` (the model's own ``tp_plan``).
-What it takes to run them on this CPU machine (device type, attention, FSDP2 vs gloo) is in
-/work/shared/reference/third-party-models.md.
+What it takes to run them on CPU gloo ranks (device type, attention, FSDP2 vs gloo) is handled
+by the functions below, each saying why.
 
 Every function here runs inside a rank of a live gloo process group; the libraries are imported
 lazily, so importing this module needs neither of them.
