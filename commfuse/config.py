@@ -118,7 +118,7 @@ class Config(BaseModel):
         when there is none). Read and checked here; the compile cache keys on its content.
         ``COMMFUSE_CONFIG='{"cost_profile": "profile.json"}'`` sets it without code.
     step_time_gate: keep a pass's rewrite only when the cost model predicts the graph is not slower
-        with it (per pass, and per step of Chimera); the verdict and both predictions are in the
+        with it (per pass; Chimera's steps as one decision); the verdict and both predictions are in the
         pass's reported decisions, a reverted rewrite also in its refusals (docs/costmodel.md,
         "The step-time gate"). None (default): on for the default pipeline, off when ``passes``
         lists the passes to run (a list states the rewrites wanted, e.g. to inspect one pass).

@@ -4,8 +4,8 @@ not slower with it.
 Passes decide by their own criteria -- fewer bytes on the wire, fewer collectives, a chosen
 order -- and those criteria can disagree with the step time: replacing one all_reduce by a
 reduce_scatter and an all_gather moves fewer bytes but pays two latencies, which on a
-latency-bound graph makes the step slower. So after every changing pass (and every changing
-step of a nested pipeline such as Chimera) the pipeline prices the graph before and after
+latency-bound graph makes the step slower. So after every changing pass (a nested pipeline such
+as Chimera is one decision: its steps only pay together) the pipeline prices the graph before and after
 with one estimator on the simulator's timeline (``Simulator(...).simulate().makespan_us``)
 and restores the graph when the prediction got worse. The verdict is recorded with the
 pass's decisions (``{"gate": "kept" | "reverted", "predicted_before_us", ...}``), so a
@@ -18,8 +18,8 @@ DGX-H100 preset otherwise. Every rank prices the same graph with the same model,
 rank keeps or reverts the same rewrite.
 
 A pass opts out with ``gated = False`` when its change is not a trade the step time judges
-(forced variants that exist to apply a rewrite regardless, recognition a later pass builds
-on); ``Config.step_time_gate=False`` turns the gate off.
+(the forced variants, which exist to apply a rewrite regardless); ``Config.step_time_gate=False``
+turns the gate off.
 """
 
 from __future__ import annotations
