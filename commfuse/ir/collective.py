@@ -76,6 +76,18 @@ class Collective:
     def name(self) -> str:
         return self.start.name
 
+    @property
+    def input_value(self) -> torch.Tensor | None:
+        """The (fake) tensor of the first input as traced, or None where it is not recorded."""
+        v = self.inputs[0].meta.get("val") if self.inputs and isinstance(self.inputs[0], fx.Node) else None
+        return v if isinstance(v, torch.Tensor) else None
+
+    @property
+    def device_type(self) -> str | None:
+        """``"cpu"``, ``"cuda"``, ... of the first input (which backend runs it: gloo, NCCL); None: unknown."""
+        v = self.input_value
+        return v.device.type if v is not None else None
+
     def signature(self) -> tuple:
         """What must match across ranks for the collective sequences to agree."""
         # Ops whose input shapes legitimately differ between ranks (commfuse::m2ms: a rank's

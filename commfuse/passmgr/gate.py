@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 import torch.fx as fx
 
 from commfuse.costmodel.analytic import AnalyticCostModel
@@ -66,12 +65,8 @@ class GateVerdict:
 
 
 def _runs_on_cpu(ir: CollectiveIR) -> bool:
-    for c in ir.collectives:
-        for a in c.start.args:
-            val = a.meta.get("val") if isinstance(a, fx.Node) else None
-            if isinstance(val, torch.Tensor):
-                return val.device.type == "cpu"
-    return False
+    """The graph's collectives run on CPU tensors (gloo): the first one with a known device says."""
+    return next((c.device_type for c in ir.collectives if c.device_type is not None), None) == "cpu"
 
 
 def gate_model(ctx: PassContext) -> tuple[AnalyticCostModel, str]:

@@ -115,11 +115,6 @@ def replacement(x: torch.Tensor, op: str, n: int, group: str) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- feasibility
-def _input_val(c: Collective) -> Optional[torch.Tensor]:
-    v = c.inputs[0].meta.get("val") if c.inputs and isinstance(c.inputs[0], fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def why_not(c: Collective) -> Optional[str]:
     """Why ``c`` cannot be lowered as all_to_all + sum, whatever the cost (None: it can)."""
     if c.start.target is not _f.reduce_scatter_tensor.default:
@@ -148,7 +143,7 @@ def why_not(c: Collective) -> Optional[str]:
         return "0-d input"
     if shape[0] % n:
         return f"dim 0 of input shape {list(shape)} is not divisible by the group size {n}"
-    val = _input_val(c)
+    val = c.input_value
     if val is None:
         return "input has no tensor metadata"
     if val.device.type != "cpu":
