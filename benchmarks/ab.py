@@ -6,10 +6,12 @@ two separately measured medians cannot resolve a 10-20% difference. Here every
 executor (a registered baseline) runs in one job on the same rank processes:
 
 * :func:`ab_job` (module level: the rank pool pickles it by reference) builds the
-  workload once per executor, each build after ``torch.manual_seed(0)``, and checks
-  that the copies start equal (every state-dict tensor and input, on every rank).
-  It opens every executor's session at once (one ``ExitStack``), runs each one's
-  first step (compilation) and ``warmup`` rounds, then ``pairs`` timed rounds: in
+  workload once per executor, each build after ``torch.manual_seed(0)`` (torchtitan
+  copies on one shared DeviceMesh: ``benchmarks.thirdparty.shared_titan_meshes``), and
+  checks that the copies start equal (every state-dict tensor and input, on every rank).
+  It opens every executor's session at once (one ``ExitStack``; Dynamo's recompile limits
+  scaled by the number of copies, each copy's budget that of a run alone), runs each
+  one's first step (compilation) and ``warmup`` rounds, then ``pairs`` timed rounds: in
   each round every executor takes one step, the order reversed every other round
   (A B, B A, A B, ...; with three, A B C, C B A, ...) so that no executor always
   goes first. Every step starts after a ``dist.barrier()``
@@ -42,6 +44,7 @@ from benchmarks.baselines import get_baseline
 from benchmarks.measure import RankMeasurement, _timed, step_of
 from benchmarks.metrics import METRICS, RunRecord, step_times
 from benchmarks.report import _fixed, _markdown
+from benchmarks.thirdparty import shared_titan_meshes
 from benchmarks.workloads import Built, get_workload
 
 __all__ = [
@@ -156,9 +159,12 @@ def ab_job(workload: str, executors: Sequence[str], warmup: int, pairs: int) -> 
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     world, rank = dist.get_world_size(), dist.get_rank()
     builts: dict[str, Built] = {}
-    for name in executors:
-        torch.manual_seed(0)
-        builts[name] = get_workload(workload).build(world, rank)
+    # One DeviceMesh for all copies: with a mesh each, DTensor's caches hand one copy's mesh to
+    # the other's outputs and the second compile fails (benchmarks.thirdparty.shared_titan_meshes).
+    with shared_titan_meshes():
+        for name in executors:
+            torch.manual_seed(0)
+            builts[name] = get_workload(workload).build(world, rank)
     _check_same_start(builts, workload)
     steps: dict[str, Callable[[], None]] = {}
     first: dict[str, float] = {}
@@ -166,6 +172,14 @@ def ab_job(workload: str, executors: Sequence[str], warmup: int, pairs: int) -> 
     times: dict[str, list[float]] = {name: [] for name in executors}
     orders: list[list[str]] = []
     with contextlib.ExitStack() as stack:
+        # Dynamo keeps at most recompile_limit (8) compiled entries per code object, and every copy
+        # compiles the same code objects under guards of its own: without a budget per copy, a
+        # model that needs a few entries alone (torchtitan deepseek_v3's forward_with_redistribution:
+        # 5) hits the limit in the copy compiled last, which then runs those frames eagerly.
+        limits = torch._dynamo.config
+        copies = len(executors)
+        stack.enter_context(limits.patch(recompile_limit=copies * limits.recompile_limit,
+                                         accumulated_recompile_limit=copies * limits.accumulated_recompile_limit))
         # Each session is opened right before its compile, so its fresh caches and recorders
         # are in place when it compiles; all stay open until every timed round is done.
         for name in compile_order(executors):

@@ -29,6 +29,7 @@ __all__ = [
     "TitanParallel",
     "hf_from_pretrained",
     "hf_llama",
+    "shared_titan_meshes",
     "titan_loss",
     "titan_model",
     "titan_on_cpu",
@@ -198,9 +199,49 @@ def _forget_earlier_meshes() -> None:
     redistribute.clear_redistribute_planner_cache()
 
 
+# Set by shared_titan_meshes for its block: (world size, degrees) -> the TitanParallel built for them.
+_shared_parallels: dict[tuple[int, tuple[tuple[str, int], ...]], TitanParallel] | None = None
+
+
+@contextlib.contextmanager
+def shared_titan_meshes() -> Iterator[None]:
+    """In the block, :func:`titan_parallel` builds one :class:`TitanParallel` (one DeviceMesh) per
+    degrees and hands it to every later call: several copies of a model built in one process (the
+    A/B mode's one per executor) share their mesh, as one trainer's models would.
+
+    With a mesh each, the copies cannot be compiled side by side. DTensor's sharding-propagation
+    and redistribution caches are keyed by specs whose DeviceMesh compares equal to any mesh of the
+    same ranks, shape and dim names (the process groups are not compared; see
+    :func:`_forget_earlier_meshes`), so once one copy has run, the other copy's ops hit its entries
+    and produce DTensors on the first copy's mesh object (the second copy's logits are on the
+    first copy's mesh). torch.compile tracks a DeviceMesh by identity (an opaque graph input of
+    AOTAutograd): a forward output on a mesh that is no input of the graph gets its mesh from the
+    tangent AOTAutograd builds for it, and the partitioner rejects the joint graph ("Node
+    tangents_2 was invalid, but is output")."""
+    global _shared_parallels
+    if _shared_parallels is not None:
+        raise RuntimeError("shared_titan_meshes blocks do not nest")
+    _shared_parallels = {}
+    try:
+        yield
+    finally:
+        _shared_parallels = None
+
+
 def titan_parallel(degrees: dict[str, int]) -> TitanParallel:
     """torchtitan's parallel dims for ``degrees`` (``tp``, ``ep``, ``dp_shard``) over the whole world,
-    mesh built; ``spmd_backend="partial_dtensor"`` so that the collectives land in compiled graphs."""
+    mesh built; ``spmd_backend="partial_dtensor"`` so that the collectives land in compiled graphs.
+    Inside :func:`shared_titan_meshes` the one built for the same degrees earlier in the block."""
+    key = (dist.get_world_size(), tuple(sorted(degrees.items())))
+    if _shared_parallels is not None and key in _shared_parallels:
+        return _shared_parallels[key]
+    par = _build_titan_parallel(degrees)
+    if _shared_parallels is not None:
+        _shared_parallels[key] = par
+    return par
+
+
+def _build_titan_parallel(degrees: dict[str, int]) -> TitanParallel:
     from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.utils import set_spmd_backend

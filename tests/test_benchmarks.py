@@ -372,6 +372,24 @@ def test_ab_runs_end_to_end(tmp_path):
     assert "speed-up" in proc.stdout and c["verdict"] in proc.stdout
 
 
+@pytest.mark.slow(reason="imports torchtitan in every rank, builds its llama3 twice and compiles both copies")
+@pytest.mark.multirank
+def test_ab_compiles_two_copies_of_a_torchtitan_model(rank_pool_2):
+    """The A/B job on torchtitan llama3 (TP + SP, size s), two compiled executors: both copies
+    compile and alternate with the same first loss. With a DeviceMesh per copy the second compile
+    failed in AOTAutograd's partitioner ("Node tangents_2 was invalid, but is output"; see
+    benchmarks.thirdparty.shared_titan_meshes)."""
+    pytest.importorskip("torchtitan", reason="the conformance extra is not installed")
+    from benchmarks.ab import ab_job
+
+    executors = ["commfuse-eager", "commfuse-eager:none"]
+    for rank in rank_pool_2.run(ab_job, "titan_llama3_tp_sp:s", executors, 0, 2, timeout=600):
+        assert rank.orders == [executors, executors[::-1]]
+        assert all(len(rank.runs[e].step_s) == 2 and rank.runs[e].first_step_s > 0 for e in executors)
+        (a,), (b,) = (rank.first_losses[e] for e in executors)
+        assert abs(a - b) < 1e-5, (a, b)
+
+
 def _job_declared_step(workload: str) -> tuple[float, dict[str, int]]:
     """``workload`` built on this rank, one forward + loss + backward traced by a recording AOT
     backend and run op by op (as the eager baseline captures its graphs): the loss and the
