@@ -150,7 +150,10 @@ def _first_step(step: Callable[[], None], built: Built) -> tuple[float, list[flo
         seconds = _timed(step)
     finally:
         built.loss = loss
-    return seconds, [float(_local(v)) for v in recorded]
+    values = [float(_local(v)) for v in recorded]
+    # A gradient-accumulation step's loss is the sum of its micro-batches' (the loops record each,
+    # a compiled step the sum; reduction "sum"): compare the sums.
+    return seconds, ([sum(values)] if built.microbatches > 1 and values else values)
 
 
 def ab_job(workload: str, executors: Sequence[str], warmup: int, pairs: int) -> ABRank:

@@ -463,7 +463,10 @@ class GradAccumBaseline(Baseline):
                     config=commfuse.Config(inner_compiler=self.inner, group_roles=dict(built.roles)))
 
                 def step() -> None:
-                    train(*built.inputs)
+                    # The step's loss passes through built.loss (the identity for the models of this
+                    # family, which return their loss) as each micro-batch's does in the loops, so
+                    # that whoever wraps built.loss (the A/B job) sees it.
+                    built.loss(train(*built.inputs))
                     built.model.zero_grad(set_to_none=True)
 
                 yield Session(run=built.model, graphs=lambda: [],

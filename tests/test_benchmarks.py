@@ -440,3 +440,15 @@ def test_declared_workloads_step_on_real_ranks_with_their_collectives(rank_pool_
             assert torch.isfinite(torch.tensor(loss)), (family.name, rank, loss)
             assert must <= set(kinds) and not must_not & set(kinds), (family.name, rank, kinds)
         assert all(kinds == results[0][1] for _, kinds in results), family.name  # SPMD: the same on every rank
+
+
+def test_comm_share_row_bounds_what_communication_can_give():
+    from benchmarks.comm_share import share_row
+
+    # 4 ms with communication, 1 ms without: communication is 75% of the step, at most 4x to gain
+    row = share_row("w:s", "eager", [0.004, 0.005, 0.003], [0.001, 0.0011, 0.0009])
+    assert row["real_ms"] == pytest.approx(4.0) and row["local_ms"] == pytest.approx(1.0)
+    assert row["share"] == pytest.approx(0.75) and row["bound"] == pytest.approx(4.0)
+    # communication that costs nothing: no gain to be had
+    flat = share_row("w:s", "eager", [0.002] * 3, [0.002] * 3)
+    assert flat["share"] == pytest.approx(0.0) and flat["bound"] == pytest.approx(1.0)
