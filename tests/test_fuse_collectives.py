@@ -239,23 +239,74 @@ def _refused(gm, needle):
     return rec
 
 
-def test_refuses_different_groups():
-    with fake_process_group(4):
-        g1, g2 = dist.new_group([0, 1, 2, 3]), dist.new_group([0, 1, 2, 3])
+def _groups_of(gm) -> list[str]:
+    return [c.group.name for c in CollectiveIR(gm).collectives]
+
+
+@pytest.mark.parametrize("second_on_world", [False, True], ids=["new_group", "world"])
+def test_fuses_groups_with_the_same_ranks_under_other_names(second_on_world):
+    """Two groups of the same ranks in the same order (torchtitan's EP group beside TP) are
+    one group: the pair fuses, issued on the first collective's group."""
+    n = 4
+    with fake_process_group(n):
+        g1 = dist.new_group([0, 1, 2, 3])
+        g2 = dist.group.WORLD if second_on_world else dist.new_group([0, 1, 2, 3])
         assert g1.group_name != g2.group_name
         gm = _trace(lambda x: RS(AG(x, 0, g1), "sum", 1, g2), [(2, 8)])
-        rec = _refused(gm, "groups differ")
-    (r,) = rec.refusals
-    assert r.split(": not fused: ")[0].count("+") == 1
+        before = _copy(gm)
+        rec = _run(gm)
+        names = {g1.group_name: list(range(n)), g2.group_name: list(range(n))}
+    assert rec.counts["fused_ag_rs"] == 1, rec.refusals
+    assert _kinds(gm) == Counter({"all_to_all": 1})
+    assert _groups_of(gm) == [g1.group_name]
+    check_equivalent(before, gm, n, groups=names)
 
 
-def test_refuses_subgroups_of_a_split_world():
-    with fake_process_group(4):
+def test_fuses_subgroups_of_a_split_world_with_the_same_blocks():
+    """Two partitions into the same blocks: on every rank both groups are its own block, in
+    the same order, so the pair fuses (on every block at once)."""
+    n = 4
+    with fake_process_group(n):
         # Rank 0 sees only its own block of each partition: two different group names.
         sub_a = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])[0]
         sub_b = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])[0]
+        assert sub_a.group_name != sub_b.group_name
         gm = _trace(lambda x: AG(AG(x, 0, sub_a), 1, sub_b), [(2, 3)])
-        _refused(gm, "groups differ")
+        before = _copy(gm)
+        rec = _run(gm)
+        blocks = {sub_a.group_name: [[0, 1], [2, 3]], sub_b.group_name: [[0, 1], [2, 3]]}
+    assert rec.counts["fused_ag_ag"] == 1, rec.refusals
+    assert _kinds(gm) == Counter({"all_gather": 1})
+    assert _groups_of(gm) == [sub_a.group_name]
+    check_equivalent(before, gm, n, groups=blocks)
+
+
+def test_refuses_the_same_ranks_in_another_order():
+    """Group-rank order decides which chunk each rank gets: [0,1,2,3] and [1,0,2,3] differ."""
+    with fake_process_group(4):
+        g1 = dist.new_group([0, 1, 2, 3])
+        g2 = dist.new_group([1, 0, 2, 3], sort_ranks=False)
+        assert dist.get_process_group_ranks(g2) == [1, 0, 2, 3]
+        gm = _trace(lambda x: RS(AG(x, 0, g1), "sum", 1, g2), [(2, 8)])
+        rec = _refused(gm, "groups differ in members")
+    (r,) = rec.refusals
+    assert r.split(": not fused: ")[0].count("+") == 1
+    assert f"group {g1.group_name} (size 4, ranks [0,1,2,3])" in r, r
+    assert f"group {g2.group_name} (size 4, ranks [1,0,2,3])" in r, r
+
+
+def test_refuses_different_groups_of_unknown_ranks():
+    """Names no live process group has: ranks unknown, so only equal names would do."""
+    with fake_process_group(4):
+        def f(x):
+            y = c10d.wait_tensor(c10d.all_gather_into_tensor(x, 4, "elsewhere_a"))
+            return c10d.wait_tensor(c10d.all_gather_into_tensor(y, 4, "elsewhere_b"))
+
+        gm = _trace(f, [(2, 3)])
+        assert [c.group.ranks for c in CollectiveIR(gm).collectives] == [None, None]
+        rec = _refused(gm, "groups differ (names 'elsewhere_a' vs 'elsewhere_b'; "
+                           "ranks of 'elsewhere_a' and 'elsewhere_b' unknown)")
+    assert len(rec.refusals) == 1
 
 
 def test_refuses_intermediate_with_other_users():
@@ -307,3 +358,20 @@ def test_refuses_pairs_not_in_the_table_and_coalesced():
         rec = _refused(gm, "not in the fusion table (all_reduce + all_reduce)")
     assert any("not in the fusion table (reduce_scatter + reduce_scatter)" in r for r in rec.refusals)
     assert any("is coalesced" in r for r in rec.refusals), rec.refusals
+
+
+# -- real gloo ranks ----------------------------------------------------------------------
+@pytest.mark.slow(reason="trains on real gloo ranks against eager, the joint graph compiled per rank")
+@pytest.mark.multirank
+def test_same_members_under_two_names_train_like_unfused_on_2_ranks(rank_pool_2):
+    """A pair on two groups of the same ranks fuses (forward and backward) and outputs,
+    gradients and parameters match the eager, unfused program."""
+    import _jobs_fuse_collectives as jobs
+
+    results = rank_pool_2.run(jobs.same_members_fuse_like_unfused, timeout=300)
+    got = results[0]
+    assert all(r["graphs"] == got["graphs"] for r in results), results  # every rank decided the same
+    (joint,) = got["graphs"].values()
+    # forward AG_0 (first group) + RS_1 (second); backward AG_1 (second) + RS_0 (first)
+    assert joint["counts"] == {"fused_ag_rs": 2}, joint
+    assert not joint["refusals"], joint

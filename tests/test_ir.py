@@ -245,3 +245,17 @@ def test_dead_slice_piece_is_not_a_shuffle():
         assert any(n.target is torch.ops.aten.slice.Tensor and not n.users for n in gm.graph.nodes)
         (c,) = commfuse.analyze(gm).collectives
     assert (c.kind, c.logical_dim, c.logical_concat_dim) == ("all_to_all", 0, 0)
+
+
+def test_group_same_members():
+    """Equal names, or known ranks equal in group-rank order; unknown ranks: the name alone."""
+    from commfuse.ir import GroupInfo
+
+    tp = GroupInfo("1", 4, (0, 1, 2, 3))
+    assert tp.same_members(GroupInfo("1", 4, None))  # one name, one group
+    assert tp.same_members(GroupInfo("7", 4, (0, 1, 2, 3)))  # another name, the same ranks
+    assert not tp.same_members(GroupInfo("7", 4, (1, 0, 2, 3)))  # the same set in another order
+    assert not tp.same_members(GroupInfo("7", 2, (0, 1)))
+    assert not tp.same_members(GroupInfo("7", 4, None))  # ranks unknown on one side
+    assert not GroupInfo("a", 4, None).same_members(GroupInfo("b", 4, None))
+    assert GroupInfo("a", None, None).same_members(GroupInfo("a", None, None))

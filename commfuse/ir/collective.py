@@ -35,6 +35,21 @@ class GroupInfo:
         ranks = "?" if self.ranks is None else ",".join(map(str, self.ranks))
         return f"group {self.name} (size {self.size if self.size is not None else '?'}, ranks [{ranks}])"
 
+    def same_members(self, other: GroupInfo) -> bool:
+        """Whether a collective on ``other`` does exactly what it does on this group.
+
+        True iff the names are equal, or both groups' ranks are known and equal as an
+        *ordered* tuple (global ranks in group-rank order). Order matters: group rank ``r``
+        is the one that gets chunk ``r`` of a reduce_scatter / all_to_all and whose
+        piece lands at position ``r`` of an all_gather, so the same set of ranks in a
+        different order is a different group. Where either side's ranks are unknown, only
+        the name decides. All members of a group see the same ranks for it, so the ranks
+        that communicate on these groups get the same answer.
+        """
+        if self.name == other.name:
+            return True
+        return self.ranks is not None and other.ranks is not None and tuple(self.ranks) == tuple(other.ranks)
+
 
 @dataclass
 class Collective:

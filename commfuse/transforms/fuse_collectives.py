@@ -7,7 +7,9 @@ Contract
   ``detach``, ``clone``), and that value has no other user (each node of the chain
   feeds only the next; B's input feeds only B and its layout shuffle). Logical
   inputs/outputs and dims are the IR's (DTensor's split/cat shuffles seen through).
-- Fuses a pair only if: same group name; neither coalesced nor in place; exactly
+- Fuses a pair only if: the same group (:meth:`GroupInfo.same_members`: equal names, or
+  both groups' global ranks known and equal in group-rank order; the fused collective is
+  issued on the *first* collective's group); neither coalesced nor in place; exactly
   one wait each; static shapes; all_to_all with equal splits; every dim the fused
   form chunks divisible by what it chunks into (non-empty); a reduce op the row
   allows. Every adjacent pair that is not fused (including pairs whose kinds are
@@ -23,8 +25,10 @@ Contract
 - Guarantees: the same values as the unfused pair up to floating-point reduction
   order (``N·x`` replaces the sum of ``N`` equal copies; an all_reduce reduces what
   the reduce_scatter reduced); never more bytes per rank on the wire than the pair
-  (ring conventions, see docs/fusion-table.md); the same group (no process group is
-  created); decisions depend only on the graph, so they agree on every rank.
+  (ring conventions, see docs/fusion-table.md); the same group (the first collective's;
+  no process group is created); decisions depend only on the graph and the groups'
+  membership, which every member of a group sees alike, so the ranks that communicate
+  on a group agree.
 
 Semantics (group of N ranks; x_i is rank i's input; chunk_r(v, d) is the r-th of N
 equal chunks of v along d; piece_k(v, d) the k-th of N·N equal pieces; cat^d
@@ -54,7 +58,8 @@ concatenates along d; op is the reduce op; every rank r ends with z_r):
                            d != c: z_r = A2A_d->c(L(x))_r
 
 Left alone (reported): every other pair of kinds (all_reduce, broadcast, p2p and
-RS + RS, which Chimera lists as not fusible), pairs on different groups, and the
+RS + RS, which Chimera lists as not fusible), pairs on different groups (a different name
+and different or unknown ranks; the same ranks in another order are a different group), and the
 Table 3 rows that need P2P or many-to-many scatter (pipeline boundaries: ``boundary_fusion``).
 
 Source: Chimera §3.3, Table 3 (fused operator for every adjacent pair). The paper
@@ -255,8 +260,11 @@ def _divides(shape, d: int, k: int) -> bool:
 
 def _check_pair(p: Pair) -> Optional[str]:
     a, b = p.first, p.second
-    if a.group.name != b.group.name:
-        return f"groups differ ({a.group.name!r} vs {b.group.name!r})"
+    if not a.group.same_members(b.group):
+        if a.group.ranks is None or b.group.ranks is None:
+            unknown = " and ".join(repr(g.name) for g in (a.group, b.group) if g.ranks is None)
+            return f"groups differ (names {a.group.name!r} vs {b.group.name!r}; ranks of {unknown} unknown)"
+        return f"groups differ in members ({a.group.describe()} vs {b.group.describe()})"
     if (a.kind, b.kind) not in _FUSIONS:
         return "not in the fusion table"
     for c in (a, b):
@@ -377,6 +385,9 @@ def _check_a2a_rs(a, b, n):
     return _need(local, d, n, "scatter dim of the locally reduced value")
 
 
+# Every plan issues on the first collective's group (``a.group.name``, size ``n`` from it):
+# :func:`_check_pair` admitted the pair only if the second's group has the same members in
+# the same group-rank order, so which chunk each rank sends and receives is unchanged.
 _FUSIONS: dict[tuple[CollectiveKind, CollectiveKind], Fusion] = {
     (K.REDUCE_SCATTER, K.ALL_GATHER): Fusion(
         "fused_rs_ag", _check_rs_ag,
