@@ -470,3 +470,168 @@ def test_collective_motion_moves_moe_layer_in_fuzz_programs(index):
                                        f"pick another index)"
         res = check_program(p, [pipe])
     assert res.ok and res.pipelines_changed == ["collective_motion"], [f.headline() for f in res.failures]
+
+
+# -- the group_pairs family ----------------------------------------------------------------
+def _group_pair_kind(p: Program) -> str:
+    if "m0" in p.groups:
+        return "mesh"
+    return "alias" if any(r.endswith("_alias") for r in p.groups) else "reorder"
+
+
+def _adjacent_collectives(p: Program) -> list[tuple[dict, dict]]:
+    """(first, second) program ops: both collectives, the second reads the first's only result,
+    which nothing else reads."""
+    made = {o: op for op in p.ops for o in op["out"]}
+    readers: dict[str, int] = {}
+    for op in p.ops:
+        for v in op["in"]:
+            readers[v] = readers.get(v, 0) + 1
+    out = []
+    for op in p.ops:
+        if not OPS[op["op"]].collective or len(op["in"]) != 1:
+            continue
+        first = made.get(op["in"][0])
+        if first is not None and OPS[first["op"]].collective and readers[op["in"][0]] == 1 \
+                and op["in"][0] not in p.outputs:
+            out.append((first, op))
+    return out
+
+
+def test_group_pairs_family_puts_adjacent_collectives_on_aliased_reordered_and_mesh_groups():
+    """group_pairs programs: a partition and the same blocks under another role (alias), the same
+    ranks in another group-rank order (every block: one SPMD graph; some blocks: one graph per
+    rank) and the two dims of a 2x2 / 2x4 / 4x2 mesh (sometimes with an EP alias of a dim), with
+    adjacent collectives on the two groups of a pair; the programs trace and run on the
+    reference (no ``generator`` failure, the IR agrees), and campaigns draw the family in its
+    own slot (programs 9, 29, ... of a seed)."""
+    seen, valid = set(), set()
+    for i in range(80):
+        p = program_for(12, i, family="group_pairs")
+        kind, n = _group_pair_kind(p), p.world_size
+        assert p.family == "group_pairs" and p.groups["world"] == [list(range(n))]
+        assert Program.from_json(json.loads(p.dumps())).dumps() == p.dumps()
+        for part in p.groups.values():  # every role partitions the world
+            assert sorted(r for b in part for r in b) == list(range(n)) and len({len(b) for b in part}) == 1
+        if kind == "mesh":
+            m0, m1 = p.groups["m0"], p.groups["m1"]
+            assert all(len(set(a) & set(b)) == 1 for a in m0 for b in m1)  # the two dims cross
+            shape = (len(m0[0]), len(m1[0]))
+            assert shape[0] * shape[1] == n and n in (4, 8)
+            seen.add(("mesh", shape))
+            if "ep" in p.groups:
+                assert p.groups["ep"] in (m0, m1)
+                seen.add(("mesh", "ep"))
+            pairs = {("m0", "m1"), ("m1", "m0"), ("m0", "ep"), ("ep", "m0"), ("m1", "ep"), ("ep", "m1")}
+        else:
+            base = "p1" if "p1" in p.groups else "world"
+            twin = next(r for r in p.groups if r.startswith(base + "_"))
+            a, b = p.groups[base], p.groups[twin]
+            if kind == "alias":
+                assert a == b
+            else:
+                assert [sorted(x) for x in a] == [sorted(y) for y in b] and a != b
+                some = any(x == y for x, y in zip(a, b))
+                assert p.per_rank == some, "only some blocks reordered: one graph per rank"
+                seen.add(("reorder", "some" if some else "all"))
+            seen.add((kind, base))
+            pairs = {(base, twin), (twin, base)}
+        cross = [(f, s) for f, s in _adjacent_collectives(p) if (f["group"], s["group"]) in pairs]
+        seen |= {("pair", kind)} if cross else set()
+        seen |= {("kinds", f["op"], s["op"]) for f, s in cross}
+        if cross and (kind, p.per_rank) not in valid:
+            res = check_program(p, [], check_ir=True)
+            assert res.ok, [f.headline() for f in res.failures]
+            valid.add((kind, p.per_rank))
+    expected = {("alias", "world"), ("alias", "p1"), ("reorder", "world"), ("reorder", "p1"), ("reorder", "all"),
+                ("reorder", "some"), ("mesh", (2, 2)), ("mesh", (2, 4)), ("mesh", (4, 2)), ("mesh", "ep"),
+                ("pair", "alias"), ("pair", "reorder"), ("pair", "mesh"), ("kinds", "all_gather", "all_gather"),
+                ("kinds", "reduce_scatter", "all_gather"), ("kinds", "all_to_all", "all_to_all")}
+    assert expected <= seen, sorted(expected - seen)
+    assert {("alias", False), ("reorder", False), ("reorder", True), ("mesh", False)} <= valid, valid
+    # campaigns: a slot of its own; the constrained slots of passes that also name it draw the ordinary mix
+    fams = [program_for(5, i, all_pipelines()).family for i in range(60)]
+    assert [i for i, f in enumerate(fams) if f == "group_pairs"] == [9, 29, 49]
+
+
+def test_fuse_collectives_on_group_pairs_programs():
+    """fuse_collectives on group_pairs programs, single process on the fake world: an adjacent
+    pair on two names of the same ranks in the same order is fusible (and fused: the pass changes
+    the graph), the same ranks in another order and two mesh dims are refused ("groups differ in
+    members"), and fuse_collectives and chimera keep every rank's values (the reference)."""
+    from commfuse.fuzz.program import make_inputs, trace_rank
+    from commfuse.ir.graph_ir import CollectiveIR
+    from commfuse.testing.fake_pg import fake_process_group
+    from commfuse.transforms.fuse_collectives import _check_pair, find_pairs
+
+    pipes = [single_pass_pipeline("fuse_collectives"), single_pass_pipeline("chimera")]
+    evidence: dict[str, int] = {}
+    for i in range(60):
+        p = program_for(3, i, family="group_pairs")
+        found = set()
+        with warnings.catch_warnings(), fake_process_group(p.world_size, rank=0):
+            warnings.simplefilter("ignore")
+            gm, _ = trace_rank(p, 0, make_inputs(p, 0))
+            for pair in find_pairs(CollectiveIR(gm).collectives):
+                a, b = pair.first.group, pair.second.group
+                if a.name == b.name:
+                    continue
+                why = _check_pair(pair)
+                if a.ranks == b.ranks:
+                    if why is None:
+                        found.add("same ranks, other names: fusible")
+                    else:
+                        assert "groups differ" not in why, why
+                elif sorted(a.ranks) == sorted(b.ranks):
+                    assert why is not None and "groups differ in members" in why, why
+                    found.add("same ranks, other order: refused")
+                else:
+                    assert why is not None and "groups differ in members" in why, why
+                    if _group_pair_kind(p) == "mesh" and len(set(a.ranks) & set(b.ranks)) == 1:
+                        found.add("two mesh dims: refused")  # a group of each dim: they cross in one rank
+        if not found - {k for k, c in evidence.items() if c >= 2}:
+            continue  # nothing new: check only a handful of programs
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = check_program(p, pipes)
+        assert res.ok, (p.dumps(), [f.headline() for f in res.failures])
+        if "same ranks, other names: fusible" in found:
+            assert "fuse_collectives" in res.pipelines_changed, p.summary()
+        for k in found:
+            evidence[k] = evidence.get(k, 0) + 1
+        if len(evidence) == 3 and min(evidence.values()) >= 2:
+            break
+    assert set(evidence) == {"same ranks, other names: fusible", "same ranks, other order: refused",
+                             "two mesh dims: refused"} and min(evidence.values()) >= 2, evidence
+
+
+@pytest.mark.parametrize("wrong, kinds", [("as_sets", {"reorder"}), ("by_size", {"reorder", "mesh"})])
+def test_group_pairs_catch_a_wrong_same_members(monkeypatch, wrong, kinds):
+    """A planted bug in the group test fuse_collectives relies on is caught on group_pairs
+    programs: ``same_members`` comparing rank *sets* (ignoring the group-rank order) fails on a
+    reordered pair, one comparing sizes only also on two mesh dims (``mismatch``)."""
+    from commfuse.ir.collective import GroupInfo
+
+    def as_sets(self, other):
+        return self.name == other.name or (self.ranks is not None and other.ranks is not None
+                                           and sorted(self.ranks) == sorted(other.ranks))
+
+    def by_size(self, other):
+        return self.name == other.name or self.size == other.size
+
+    monkeypatch.setattr(GroupInfo, "same_members", {"as_sets": as_sets, "by_size": by_size}[wrong])
+    pipe = single_pass_pipeline("fuse_collectives")
+    caught = set()
+    for i in range(60):
+        p = program_for(3, i, family="group_pairs")
+        if _group_pair_kind(p) not in kinds - caught:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            res = check_program(p, [pipe])
+        if res.failures:
+            assert {f.kind for f in res.failures} == {"mismatch"}, [f.headline() for f in res.failures]
+            caught.add(_group_pair_kind(p))
+            if caught == kinds:
+                break
+    assert caught == kinds, f"the wrong same_members ({wrong}) went unnoticed on {sorted(kinds - caught)} programs"

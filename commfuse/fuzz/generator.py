@@ -15,6 +15,14 @@ divisible where the collective needs it, in fp32 or bf16, forward-only or joint
 appear in ``mixed`` and, next to gathers and scatters they could fuse with, in ``pp``
 (:meth:`_Gen.b_m2ms`, :meth:`_Gen.b_stage_transfer`). ``moe_layer`` programs put commfuse's MoE layer op behind token
 gathers on the group that is also its expert-parallel group (:meth:`_Gen.b_moe_layer`).
+
+``group_pairs`` programs (:meth:`_Gen._pair_groups`, :meth:`_Gen.b_adjacent_pair`) run
+adjacent collectives (the second reads only the first's result) on two groups a pass must
+either equate or tell apart: the same ranks in the same order under two names (a second
+``new_group`` of the same ranks, as torchtitan's EP groups are), the same ranks in another
+group-rank order, or the two dims of a 2-D mesh. The family is not in the ordinary mix
+(:data:`FAMILY_WEIGHTS`): a campaign draws it in a slot of its own
+(:func:`commfuse.fuzz.targets.program_for`), so every other program of a seed stays what it was.
 """
 
 from __future__ import annotations
@@ -48,7 +56,14 @@ FAMILIES: dict[str, dict[str, float]] = {
     # commfuse's MoE layer op (commfuse.moe) behind sequence/tensor-parallel token gathers
     "moe_layer": {"moe_layer": 6, "unary": 1, "residual": 1, "layer_norm": 1, "matmul": 1, "sp_block": 1,
                   "view": 1},
+    # adjacent collectives on aliased / reordered groups and on the two dims of a 2-D mesh
+    # (groups from _Gen._pair_groups; drawn in a slot of its own, see FAMILY_WEIGHTS)
+    "group_pairs": {"adjacent_pair": 6, "unary": 1, "residual": 1, "matmul": 1, "layer_norm": 1, "view": 1,
+                    "all_gather": 1, "reduce_scatter": 1, "all_reduce": 1, "mutate": 0.5},
 }
+# Families a program without a given family is drawn from. A family left out (``group_pairs``) is
+# generated only when named: campaigns give it a slot of its own (targets.program_for), so adding
+# it changed no program of an existing seed.
 FAMILY_WEIGHTS = {"mixed": 6, "tp": 1, "sp": 1, "moe": 0.6, "fsdp": 1, "pp": 0.4, "coalesced": 1, "moe_layer": 0.6}
 MAX_NUMEL = 4096
 
@@ -88,7 +103,12 @@ class _Gen:
         self.step = 0
         self.vary_info: dict[int, tuple[str, list[list[int]]]] = {}
         self.must_output: list[Val] = []  # values the program must return (e.g. an auxiliary loss)
-        self._groups()
+        self.pairs: list[tuple[str, str]] = []  # group_pairs: (first, second) roles of adjacent collectives
+        self.per_rank_role: Optional[str] = None  # group_pairs: make the program per rank (take_shard on it)
+        if family == "group_pairs":
+            self._pair_groups()
+        else:
+            self._groups()
 
     # -- setup --------------------------------------------------------------------
     def _groups(self) -> None:
@@ -109,6 +129,66 @@ class _Gen:
         rng.shuffle(uniq)
         for i, part in enumerate(uniq[: rng.choice([0, 1, 1, 2])]):
             self.prog.groups[f"p{i + 1}"] = part
+
+    def _pair_groups(self) -> None:
+        """``group_pairs``: the world plus groups in pairs (``self.pairs``) a pass must equate or
+        tell apart, one kind per program:
+
+        * ``alias``: a partition (the world or a contiguous/strided sub-group partition) and the
+          same partition under another role: every block a second ``new_group`` of the same
+          ranks in the same order, another group name (torchtitan's EP groups over the TP ranks);
+        * ``reorder``: a partition and the same blocks in another group-rank order (reversed or
+          rotated; ``sort_ranks=False``). Reordering every block keeps one SPMD graph (rank 0's
+          groups differ, as every rank's do); reordering only some blocks makes the program one
+          graph per rank (a ``take_shard``), since then ranks differ in whether the groups are
+          the same and each rank's passes decide on its own groups;
+        * ``mesh`` (4 or 8 ranks): the two dims of a 2-D mesh, 2x2, 2x4 or 4x2 (``m0``: the
+          groups along dim 0, ``m1`` along dim 1), sometimes with one dim also under an EP
+          alias (``ep``: the same blocks, other names)."""
+        n, rng = self.n, self.rng
+        groups = self.prog.groups
+        subs: list[list[list[int]]] = []  # sub-group partitions with blocks of 2+ ranks
+        for size in (2, n // 2):
+            if 1 < size < n and n % size == 0:
+                stride = n // size
+                for part in ([list(range(b * size, (b + 1) * size)) for b in range(n // size)],
+                             [list(range(b, n, stride)) for b in range(stride)]):
+                    if part not in subs:
+                        subs.append(part)
+        kind = rng.choice(["alias", "reorder"] + (["mesh", "mesh"] if n in (4, 8) else []))
+        if kind == "mesh":
+            rows, cols = (2, 2) if n == 4 else rng.choice([(2, 4), (4, 2)])
+            mesh = [[r * cols + c for c in range(cols)] for r in range(rows)]
+            groups["m0"] = [[mesh[r][c] for r in range(rows)] for c in range(cols)]
+            groups["m1"] = [list(row) for row in mesh]
+            self.pairs = [("m0", "m1"), ("m1", "m0")]
+            if rng.random() < 0.4:
+                d = rng.choice(["m0", "m1"])
+                other = "m1" if d == "m0" else "m0"
+                groups["ep"] = [list(b) for b in groups[d]]
+                self.pairs += [(d, "ep"), ("ep", d), (other, "ep"), ("ep", other)]
+            return
+        base = "world" if not subs or rng.random() < 0.35 else "p1"
+        if base == "p1":
+            groups["p1"] = [list(b) for b in rng.choice(subs)]
+        part = groups[base]
+        if kind == "alias":
+            twin = f"{base}_alias"
+            groups[twin] = [list(b) for b in part]
+        else:
+            twin = f"{base}_reordered"
+            some = len(part) > 1 and rng.random() < 0.5
+            which = set(rng.sample(range(len(part)), rng.randint(1, len(part) - 1))) if some else set(range(len(part)))
+            blocks = []
+            for i, b in enumerate(part):
+                if i in which:
+                    k = rng.randrange(1, len(b))
+                    b = b[::-1] if rng.random() < 0.5 else b[k:] + b[:k]
+                blocks.append(list(b))
+            groups[twin] = blocks
+            if some:
+                self.per_rank_role = twin
+        self.pairs = [(base, twin), (twin, base)]
 
     def unit(self) -> int:
         """A size divisible by every group size (the world size)."""
@@ -656,15 +736,77 @@ class _Gen:
             self.must_output += rng.sample([probs_sum, top1, z], rng.choice([1, 2]))
         return True
 
+    # -- group_pairs: adjacent collectives on pairs of groups ------------------------------
+    def _collective(self, kind: str, x: Val, role: str) -> Optional[Val]:
+        """One collective of ``kind`` on ``role`` reading ``x`` (random dims and reduce op where
+        the shapes allow); its result, or None."""
+        rng, n = self.rng, self.gsize(role)
+        if kind == "all_gather":
+            outs = self.emit("all_gather", [x], bounded=x.bounded, group=role, dim=rng.randrange(len(x.shape)))
+        elif kind == "reduce_scatter":
+            dims = [d for d in range(len(x.shape)) if x.shape[d] % n == 0]
+            if not dims:
+                return None
+            outs = self.emit("reduce_scatter", [x], group=role, dim=rng.choice(dims),
+                             reduce=rng.choice(["sum", "sum", "avg", "max", "min"]))
+        elif kind == "all_to_all":
+            dims = [d for d in range(len(x.shape)) if x.shape[d] % n == 0]
+            if not dims:
+                return None
+            outs = self.emit("all_to_all", [x], bounded=x.bounded, group=role, split_dim=rng.choice(dims),
+                             concat_dim=rng.randrange(len(x.shape)))
+        else:
+            red = rng.choice(["sum", "sum", "avg", "max", "min"])
+            outs = self.emit("all_reduce", [x], bounded=x.bounded and red != "sum", group=role, reduce=red)
+        return outs[0] if outs else None
+
+    def b_adjacent_pair(self) -> bool:
+        """Two collectives back to back, the second reading only the first's result (Chimera's
+        adjacent pairs), on one of the program's group pairs (``self.pairs``: aliases, reordered
+        ranks, mesh dims; 75%), on one group twice (15%) or on any two groups. Kinds: all_gather,
+        reduce_scatter, all_to_all (equal splits) and all_reduce, so most pairs are rows of the
+        fusion table and some are not (all_reduce, RS + RS). The first result usually feeds
+        nothing else (15%: it may feed later ops too, so the pair is refused)."""
+        rng = self.rng
+        if not self.pairs:
+            return False
+        u = rng.random()
+        if u < 0.75:
+            g1, g2 = rng.choice(self.pairs)
+        elif u < 0.9:
+            g1 = g2 = rng.choice(sorted({r for pair in self.pairs for r in pair}))
+        else:
+            g1, g2 = self.group(), self.group()
+        kinds = ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter", "all_to_all", "all_to_all",
+                 "all_reduce"]
+        k1, k2 = rng.choice(kinds), rng.choice(kinds)
+        x = self.pick(lambda v: v.vary is None and len(v.shape) >= 1)
+        if x is None:
+            return False
+        a = self._collective(k1, x, g1)
+        if a is None:
+            return False
+        b = self._collective(k2, a, g2)
+        if b is None:
+            return True
+        a.pickable = rng.random() < 0.15
+        if rng.random() < 0.4:
+            self.emit("unary", [b], fn=rng.choice(["relu", "gelu", "tanh", "scale"]))
+        return True
+
     # -- driver --------------------------------------------------------------------------
     def run(self, n_blocks: int) -> Program:
         rng = self.rng
         b = self.small()
         s, h = self.unit(), self.unit()
         shape = rng.choice([(s, h), (b, s, h), (b, s, h), (b, 2, s, h)])
-        self.new_input(shape)
+        x0 = self.new_input(shape)
         if rng.random() < 0.4:
             self.new_input(shape)
+        if self.per_rank_role is not None:
+            # group_pairs with only some blocks reordered: one graph per rank (each rank's passes
+            # see its own groups); this rank's shard of the last dim (a multiple of the world size)
+            self.emit("take_shard", [x0], group=self.per_rank_role, dim=len(shape) - 1)
         weights = FAMILIES[self.prog.family]
         names = list(weights)
         tries = 0
@@ -755,6 +897,6 @@ def generate_program(
     prog = gen.run(rng.randint(2, max_blocks))
     # Derived from the data seed (no extra draw: campaign streams stay what they were).
     # moe_layer: half the programs, since motion needs a replicated router (an input under the contract).
-    prog.tp_contract = (family in ("tp", "sp", "mixed") and prog.seed % 3 == 0) or \
+    prog.tp_contract = (family in ("tp", "sp", "mixed", "group_pairs") and prog.seed % 3 == 0) or \
         (family == "moe_layer" and prog.seed % 2 == 0)
     return prog

@@ -535,15 +535,22 @@ def make_inputs(program: Program, rank: int) -> list[torch.Tensor]:
 def create_groups(program: Program, rank: int) -> tuple[Ctx, dict[str, list[int]]]:
     """Create the program's process groups (every rank creates every block, in one fixed order).
 
+    The role ``"world"`` is the default group; every block of every other role is a
+    ``new_group`` of its own, with the block's order as the group-rank order
+    (``sort_ranks=False`` for a block not in increasing order), so two roles with the same
+    blocks are groups of the same ranks under two names, and a block in another order is
+    another group (``group_pairs``).
     Returns the rank's Ctx and name -> ranks of every group this rank belongs to."""
     pgs, grank, gsize, names = {}, {}, {}, {}
     world = list(range(program.world_size))
     for role in sorted(program.groups):
         for block in program.groups[role]:
-            if list(block) == world:
+            if role == "world" and list(block) == world:
                 pg = dist.group.WORLD
-            else:
+            elif list(block) == sorted(block):
                 pg = dist.new_group(list(block))
+            else:  # another group-rank order (group_pairs)
+                pg = dist.new_group(list(block), sort_ranks=False)
             if rank in block:
                 pgs[role], grank[role], gsize[role] = pg, list(block).index(rank), len(block)
                 names[pg.group_name] = list(block)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from commfuse.costmodel.topology import Topology
-from commfuse.fuzz.generator import FAMILIES, generate_program
+from commfuse.fuzz.generator import FAMILIES, FAMILY_WEIGHTS, generate_program
 from commfuse.fuzz.program import Program
 from commfuse.passmgr.base import FuzzSpec
 from commfuse.transforms.registry import available_passes
@@ -142,13 +142,19 @@ def passes_missing_fuzz_entry() -> list[str]:
                   if p not in _TARGETS and _declared(p) is None and p not in FUZZ_NOTES)
 
 
+# program_for: programs 9, 29, 49, ... of a campaign (index % 20 == 9) are group_pairs programs
+GROUP_PAIRS_SLOT = (20, 9)
+
+
 def program_for(seed: int, index: int, pipelines: Sequence = (), features: Sequence[str] = (),
                 family: Optional[str] = None) -> Program:
     """Program ``index`` of a campaign with ``seed``.
 
     Every fourth program is generated for a pass registered with constraints (families,
     world sizes, topology, joint only), round-robin, so such passes are exercised too; every
-    40th for a pass fuzzed on micro-batched joint programs (``FuzzTarget.microbatches``).
+    40th for a pass fuzzed on micro-batched joint programs (``FuzzTarget.microbatches``);
+    programs ``20k + 9`` are ``group_pairs`` programs (adjacent collectives on aliased,
+    reordered and mesh-dim groups; not in the ordinary family mix).
     ``family``: every program from that family (a campaign aimed at one family)."""
     rng = random.Random(f"{seed}:{index}")
     if family is not None:
@@ -167,12 +173,19 @@ def program_for(seed: int, index: int, pipelines: Sequence = (), features: Seque
         return _program_for_target(rng, batched[(index // 40) % len(batched)], features)
     if constrained and index % 4 == 3:
         return _program_for_target(rng, constrained[(index // 4) % len(constrained)], features)
+    # group_pairs in a slot of its own (1 in 20 programs, none of the slots above), so adding the
+    # family left every other program of a campaign as it was
+    if index % GROUP_PAIRS_SLOT[0] == GROUP_PAIRS_SLOT[1]:
+        return generate_program(rng, family="group_pairs", features=features)
     return generate_program(rng, features=features)
 
 
 def _program_for_target(rng: random.Random, t, features: Sequence[str]) -> Program:
     sizes = t.world_sizes or ((t.topology.world_size,) if t.topology else None)
-    prog = generate_program(rng, family=rng.choice(t.generators) if t.generators else None,
+    # families of the ordinary mix only (group_pairs has its own slot): a target that also names
+    # group_pairs draws what it drew before the family existed
+    fams = ([g for g in t.generators if g in FAMILY_WEIGHTS] or list(t.generators)) if t.generators else None
+    prog = generate_program(rng, family=rng.choice(fams) if fams else None,
                             world_size=rng.choice(sizes) if sizes else None,
                             joint=True if t.needs_joint else None, features=features)
     if t.microbatches:

@@ -39,7 +39,7 @@ class Chimera(PassPipeline):
     name = "chimera"
     stage = Stage.JOINT
     # Chimera composes the three steps above: the families where they meet (MoE layer included).
-    fuzz = FuzzSpec(generators=("tp", "sp", "moe", "mixed", "moe_layer"))
+    fuzz = FuzzSpec(generators=("tp", "sp", "moe", "mixed", "moe_layer", "group_pairs"))
     steps = (SplitAllReduce, CollectiveMotion, FuseCollectives)
 
 

@@ -440,8 +440,10 @@ class FuseCollectives(GraphPass):
     stage = Stage.JOINT
     # Fusion changes where and in which order sums happen (an all_reduce for a reduce_scatter,
     # N·x for the sum of N equal copies): tolerance compare. The families that place
-    # gathers, scatters and all_to_alls next to each other on one group.
-    fuzz = FuzzSpec(generators=("sp", "moe", "mixed"))
+    # gathers, scatters and all_to_alls next to each other on one group, and group_pairs: next
+    # to each other on two groups of the same ranks (other names: fused), of the same ranks in
+    # another order or on two mesh dims (refused).
+    fuzz = FuzzSpec(generators=("sp", "moe", "mixed", "group_pairs"))
 
     def run(self, ctx: PassContext) -> PassResult:
         counts = {k: 0 for k in FUSION_KEYS}
