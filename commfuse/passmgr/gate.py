@@ -66,7 +66,8 @@ class GateVerdict:
 
 def _runs_on_cpu(ir: CollectiveIR) -> bool:
     """The graph's collectives run on CPU tensors (gloo): the first one with a known device says."""
-    return next((c.device_type for c in ir.collectives if c.device_type is not None), None) == "cpu"
+    known = (t for t in (c.device_type for c in ir.collectives) if t is not None)
+    return next(known, None) == "cpu"
 
 
 def gate_model(ctx: PassContext) -> tuple[AnalyticCostModel, str]:

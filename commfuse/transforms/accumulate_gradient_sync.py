@@ -177,13 +177,13 @@ def _candidate_reason(c: Collective) -> Optional[str]:
         return "not one input and one wait"
     if set(c.start.users) != {c.waits[0]}:
         return "the collective's result is read other than by its wait"
-    if _static_int(c.logged_bytes) is None or _static_int(tensor_bytes(c.inputs[0].meta.get("val"))) is None:
+    if _static_int(c.logged_bytes) is None or _static_int(tensor_bytes(c.input_value)) is None:
         return "dynamic shapes"
     return None
 
 
 def _key(c: Collective) -> tuple:
-    val = c.inputs[0].meta.get("val")
+    val = c.input_value
     return (c.kind.value, c.group.name, c.reduce_op, str(c.dtype), tuple(getattr(val, "shape", ())),
             tuple(repr(a) for a in c.start.args[1:]))
 
@@ -211,6 +211,12 @@ def _live_profile(gm: fx.GraphModule) -> tuple[np.ndarray, np.ndarray, dict[fx.N
     return live, frees[1:], pos
 
 
+def _accumulator_bytes(c: Collective) -> tuple[Optional[int], int]:
+    """Bytes of the unsharded accumulator (the collective's input) and of the per-micro-batch result
+    it replaces (0 where unknown)."""
+    return _static_int(tensor_bytes(c.input_value)), _static_int(tensor_bytes(c.waits[0].meta.get("val"))) or 0
+
+
 def _memory_delta(m: "_Match", live: np.ndarray, freed_after: np.ndarray, pos: dict[fx.Node, int]) -> np.ndarray:
     """How the rewrite changes the live bytes at each position of the input order. The first
     input stays live as the accumulator past its own collective, to the last input: ``full -
@@ -218,8 +224,7 @@ def _memory_delta(m: "_Match", live: np.ndarray, freed_after: np.ndarray, pos: d
     new sum is allocated while the previous sum and the input are still live: ``full`` more
     there, on top of the bytes live once the input's own operands are freed."""
     c0 = m.members[0]
-    full = _static_int(tensor_bytes(c0.inputs[0].meta.get("val")))
-    result = _static_int(tensor_bytes(c0.waits[0].meta.get("val"))) or 0
+    full, result = _accumulator_bytes(c0)
     delta = np.zeros_like(live)
     lo, hi = pos[c0.start] + 1, pos[m.members[-1].inputs[0]]
     delta[lo:hi + 1] += full - result
@@ -283,8 +288,7 @@ class AccumulateGradientSync(GraphPass):
         for m in sorted(matches, key=lambda m: pos[m.members[-1].inputs[0]]):
             c0 = m.members[0]
             n_terms = len(m.members)
-            full = _static_int(tensor_bytes(c0.inputs[0].meta.get("val")))
-            result = _static_int(tensor_bytes(c0.waits[0].meta.get("val"))) or 0
+            full, result = _accumulator_bytes(c0)
             extra = max(0, full - result)
             trial = added + _memory_delta(m, profile, freed_after, pos)
             peak_after = float((profile + trial).max())
