@@ -173,8 +173,8 @@ def program_for(seed: int, index: int, pipelines: Sequence = (), features: Seque
         return _program_for_target(rng, batched[(index // 40) % len(batched)], features)
     if constrained and index % 4 == 3:
         return _program_for_target(rng, constrained[(index // 4) % len(constrained)], features)
-    # group_pairs in a slot of its own (1 in 20 programs, none of the slots above), so adding the
-    # family left every other program of a campaign as it was
+    # group_pairs in a slot of its own (1 in 20 programs, none of the slots above), so every other
+    # program of a campaign is the same whether or not the family is drawn
     if index % GROUP_PAIRS_SLOT[0] == GROUP_PAIRS_SLOT[1]:
         return generate_program(rng, family="group_pairs", features=features)
     return generate_program(rng, features=features)
@@ -183,7 +183,7 @@ def program_for(seed: int, index: int, pipelines: Sequence = (), features: Seque
 def _program_for_target(rng: random.Random, t, features: Sequence[str]) -> Program:
     sizes = t.world_sizes or ((t.topology.world_size,) if t.topology else None)
     # families of the ordinary mix only (group_pairs has its own slot): a target that also names
-    # group_pairs draws what it drew before the family existed
+    # group_pairs draws the same programs as one that does not
     fams = ([g for g in t.generators if g in FAMILY_WEIGHTS] or list(t.generators)) if t.generators else None
     prog = generate_program(rng, family=rng.choice(fams) if fams else None,
                             world_size=rng.choice(sizes) if sizes else None,
