@@ -23,6 +23,32 @@ c10d_functional = torch.ops._c10d_functional
 c10d_functional_autograd = torch.ops._c10d_functional_autograd
 
 
+def functional_overload(namespace, name: str, overload: str = "default"):
+    """``namespace.name.overload`` where this torch release has it, else None.
+
+    The functional point-to-point ops (`isend`, `irecv`, `batch_p2p_ops`) are newer than
+    torch 2.11, which the lent GPU machine runs; registries skip what the release lacks."""
+    packet = getattr(namespace, name, None)
+    return None if packet is None else getattr(packet, overload, None)
+
+
+def c10d_all_gather_single():
+    """`torch.distributed.all_gather_single` (torch 2.13), else `all_gather_into_tensor`.
+
+    Public in both releases, but 2.13 renamed it and deprecates the old name, while torch 2.11
+    (the lent GPU machine's) has only the old one."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def c10d_reduce_scatter_single():
+    """`torch.distributed.reduce_scatter_single` (torch 2.13), else `reduce_scatter_tensor`."""
+    import torch.distributed as dist
+
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def resolve_process_group(group_name: str):
     """Map the string group name stored in a graph to a live ProcessGroup.
 

@@ -45,6 +45,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional, Sequence
 
+from commfuse.core.torch_private import c10d_all_gather_single, c10d_reduce_scatter_single
 from commfuse.core.errors import ConfigError
 from commfuse.dhelix.overlap import OEFTable, default_oef
 from commfuse.dhelix.segments import SEGMENT_KINDS
@@ -133,10 +134,10 @@ def _op(kind: str, size: int, world: int, group) -> Callable[[], list]:
     per = max(1, size // world) * world  # divisible by world for scatter/all_to_all
     if kind == "all_gather":
         inp, out = torch.randn(per // world), torch.empty(per)
-        return lambda: [dist.all_gather_into_tensor(out, inp, group=group, async_op=True)]
+        return lambda: [c10d_all_gather_single()(out, inp, group=group, async_op=True)]
     if kind == "reduce_scatter":
         inp, out = torch.randn(per), torch.empty(per // world)
-        return lambda: [dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)]
+        return lambda: [c10d_reduce_scatter_single()(out, inp, group=group, async_op=True)]
     if kind == "all_reduce":
         buf = torch.randn(per)
         return lambda: [dist.all_reduce(buf, group=group, async_op=True)]

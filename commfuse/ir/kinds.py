@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from commfuse.core.torch_private import c10d_functional, c10d_functional_autograd
+from commfuse.core.torch_private import c10d_functional, c10d_functional_autograd, functional_overload
 
 
 class CollectiveKind(str, enum.Enum):
@@ -154,39 +154,35 @@ def is_wait(target: Any) -> bool:
 def _register_builtin() -> None:
     f, fa = c10d_functional, c10d_functional_autograd
     K = CollectiveKind
-    register_collective_op(f.all_reduce.default, CollectiveOpSpec(K.ALL_REDUCE, _p_all_reduce))
-    register_collective_op(f.all_reduce_.default, CollectiveOpSpec(K.ALL_REDUCE, _p_all_reduce, inplace=True))
-    register_collective_op(
-        f.all_reduce_coalesced.default, CollectiveOpSpec(K.ALL_REDUCE, _coalesced(_p_all_reduce), coalesced=True)
-    )
-    register_collective_op(
-        f.all_reduce_coalesced_.default,
-        CollectiveOpSpec(K.ALL_REDUCE, _coalesced(_p_all_reduce), coalesced=True, inplace=True),
-    )
-    register_collective_op(f.all_gather_into_tensor.default, CollectiveOpSpec(K.ALL_GATHER, _p_all_gather))
-    register_collective_op(fa.all_gather_into_tensor.default, CollectiveOpSpec(K.ALL_GATHER, _p_all_gather))
-    register_collective_op(
-        f.all_gather_into_tensor_coalesced.default,
-        CollectiveOpSpec(K.ALL_GATHER, _coalesced(_p_all_gather), coalesced=True),
-    )
-    # `_out` variants (Inductor's bucketing emits them) write into a given buffer: in-place semantics.
-    register_collective_op(f.all_gather_into_tensor_out.default,
-                           CollectiveOpSpec(K.ALL_GATHER, _p_all_gather, inplace=True))
-    register_collective_op(f.reduce_scatter_tensor_out.default,
-                           CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter, inplace=True))
-    register_collective_op(f.reduce_scatter_tensor.default, CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter))
-    register_collective_op(fa.reduce_scatter_tensor.default, CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter))
-    register_collective_op(
-        f.reduce_scatter_tensor_coalesced.default,
-        CollectiveOpSpec(K.REDUCE_SCATTER, _coalesced(_p_reduce_scatter), coalesced=True),
-    )
-    register_collective_op(f.all_to_all_single.default, CollectiveOpSpec(K.ALL_TO_ALL, _p_all_to_all))
-    register_collective_op(fa.all_to_all_single.default, CollectiveOpSpec(K.ALL_TO_ALL, _p_all_to_all))
-    register_collective_op(f.broadcast.default, CollectiveOpSpec(K.BROADCAST, _p_broadcast))
-    register_collective_op(f.broadcast_.default, CollectiveOpSpec(K.BROADCAST, _p_broadcast, inplace=True))
-    register_collective_op(f.isend.default, CollectiveOpSpec(K.SEND, _p_p2p))
-    register_collective_op(f.irecv.default, CollectiveOpSpec(K.RECV, _p_p2p))
-    register_collective_op(f.batch_p2p_ops.default, CollectiveOpSpec(K.BATCH_P2P, _p_batch_p2p, coalesced=True))
+    table = [
+        (f, "all_reduce", CollectiveOpSpec(K.ALL_REDUCE, _p_all_reduce)),
+        (f, "all_reduce_", CollectiveOpSpec(K.ALL_REDUCE, _p_all_reduce, inplace=True)),
+        (f, "all_reduce_coalesced", CollectiveOpSpec(K.ALL_REDUCE, _coalesced(_p_all_reduce), coalesced=True)),
+        (f, "all_reduce_coalesced_",
+         CollectiveOpSpec(K.ALL_REDUCE, _coalesced(_p_all_reduce), coalesced=True, inplace=True)),
+        (f, "all_gather_into_tensor", CollectiveOpSpec(K.ALL_GATHER, _p_all_gather)),
+        (fa, "all_gather_into_tensor", CollectiveOpSpec(K.ALL_GATHER, _p_all_gather)),
+        (f, "all_gather_into_tensor_coalesced",
+         CollectiveOpSpec(K.ALL_GATHER, _coalesced(_p_all_gather), coalesced=True)),
+        # `_out` variants (Inductor's bucketing emits them) write into a given buffer: in-place semantics.
+        (f, "all_gather_into_tensor_out", CollectiveOpSpec(K.ALL_GATHER, _p_all_gather, inplace=True)),
+        (f, "reduce_scatter_tensor_out", CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter, inplace=True)),
+        (f, "reduce_scatter_tensor", CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter)),
+        (fa, "reduce_scatter_tensor", CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter)),
+        (f, "reduce_scatter_tensor_coalesced",
+         CollectiveOpSpec(K.REDUCE_SCATTER, _coalesced(_p_reduce_scatter), coalesced=True)),
+        (f, "all_to_all_single", CollectiveOpSpec(K.ALL_TO_ALL, _p_all_to_all)),
+        (fa, "all_to_all_single", CollectiveOpSpec(K.ALL_TO_ALL, _p_all_to_all)),
+        (f, "broadcast", CollectiveOpSpec(K.BROADCAST, _p_broadcast)),
+        (f, "broadcast_", CollectiveOpSpec(K.BROADCAST, _p_broadcast, inplace=True)),
+        (f, "isend", CollectiveOpSpec(K.SEND, _p_p2p)),
+        (f, "irecv", CollectiveOpSpec(K.RECV, _p_p2p)),
+        (f, "batch_p2p_ops", CollectiveOpSpec(K.BATCH_P2P, _p_batch_p2p, coalesced=True)),
+    ]
+    for namespace, name, spec in table:
+        op = functional_overload(namespace, name)
+        if op is not None:  # an op this torch release lacks never appears in its graphs
+            register_collective_op(op, spec)
 
 
 _register_builtin()

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from commfuse.core.torch_private import c10d_all_gather_single, c10d_reduce_scatter_single
 from commfuse.core.torch_private import c10d_functional as F
 
 _F_OPS = {
@@ -81,21 +82,17 @@ def _all_reduce(inp: Tensor, reduce_op: str, pg) -> Issued:
 
 
 def _all_gather(inp: Tensor, group_size: int, pg) -> Issued:
-    import torch.distributed as dist
-
     src = inp.contiguous()
     out = src.new_empty((src.shape[0] * group_size, *src.shape[1:]))
-    w = dist.all_gather_single(out, src, group=pg, async_op=True)
+    w = c10d_all_gather_single()(out, src, group=pg, async_op=True)
     return Issued([out], [w], None, _nbytes(src), _nbytes(out))
 
 
 def _reduce_scatter(inp: Tensor, reduce_op: str, group_size: int, pg) -> Issued:
-    import torch.distributed as dist
-
     op, finish = _reduce_op(reduce_op, pg)
     src = inp.contiguous()
     out = src.new_empty((src.shape[0] // group_size, *src.shape[1:]))
-    w = dist.reduce_scatter_single(out, src, op=op, group=pg, async_op=True)
+    w = c10d_reduce_scatter_single()(out, src, op=op, group=pg, async_op=True)
     return Issued([out], [w], finish, _nbytes(src), _nbytes(out))
 
 
