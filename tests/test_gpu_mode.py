@@ -186,3 +186,44 @@ def test_extract_fwd_bwd_modules_passes_only_what_this_torch_takes(monkeypatch):
     assert seen == [(["a"], [], 2)]
     with pytest.raises(NotImplementedError, match="opaque"):
         priv.extract_fwd_bwd_modules("joint", ["a"], ["mesh"], num_fwd_outputs=2)
+
+
+def _sized(family: str, flops: int, nbytes: int, measured: float) -> NodeTiming:
+    return NodeTiming("forward", f"n{flops}", "aten.x", family, "compute", flops, nbytes, 1.0, measured)
+
+
+def test_fit_compute_params_fits_a_line_per_family_and_scales_a_single_size():
+    rows = [_sized("matmul", 1000, 0, 12.0), _sized("matmul", 3000, 0, 32.0),  # 2 us + 0.01 us/FLOP
+            _sized("pointwise", 0, 400, 8.0), _sized("attention", 500, 0, None)]
+    fits = kernels.fit_compute_params(rows).fits
+    assert fits["matmul"].unit == "flops"
+    assert fits["matmul"].a_us == pytest.approx(2.0) and fits["matmul"].b_us_per_unit == pytest.approx(0.01)
+    # One size measured: proportional to the bytes, no fixed cost; an op never timed gets no fit.
+    assert (fits["pointwise"].unit, fits["pointwise"].a_us) == ("bytes", 0.0)
+    assert fits["pointwise"].b_us_per_unit == pytest.approx(0.02)
+    assert "attention" not in fits
+
+
+def test_calibration_writes_a_loadable_profile_and_the_holdout_table(tmp_path):
+    from commfuse.costmodel.compute import ComputeParams
+    from commfuse.costmodel.profile import CostProfile
+
+    fitted = kernels.fit_compute_params([_sized("matmul", 1000, 0, 12.0), _sized("matmul", 3000, 0, 32.0)])
+    holdout = {"seq": 2048, "nominal": kernels.aggregate(ROWS),
+               "fitted": kernels.aggregate([NodeTiming(**{**r.__dict__, "predicted_us": r.measured_us or 1.0})
+                                            for r in ROWS])}
+    cal = {"ok": True, "wall_s": 9.0, **_calibration(), "fitted_compute": fitted.model_dump(mode="json"),
+           "holdout": holdout}
+    doc = mode.assemble(ENV, {"calibration": cal}, command="python benchmarks/run.py --gpu")
+    md = mode.markdown(doc)
+    assert "checked on the same layer at 2048 tokens" in md
+    assert "| matmul | 42.0 | 30.0 | 1.40 | 42.0 | 1.00 |" in md
+    paths = mode.write(doc, tmp_path)
+    assert paths[-1].name == "gpu-profile-2026-11-27.json"
+    profile = CostProfile.load(paths[-1])
+    assert (profile.topology, profile.backend) == ("dgx-h100", "nccl")
+    assert profile.compute == ComputeParams.model_validate(cal["fitted_compute"])
+    assert "collective model nominal" in profile.provenance.notes
+    # No profile from a run whose calibration failed.
+    failed = mode.assemble(ENV, {"calibration": mode.run_part(lambda: 1 / 0)}, command="c")
+    assert mode.cost_profile(failed) is None

@@ -8,9 +8,14 @@ node is then run alone on fresh random inputs of those shapes and timed with CUD
 (median over repeats, each repeat ``reps`` back-to-back launches), and priced by
 ``AnalyticCostModel(topology).compute_estimate(node)`` for the topology preset of this device.
 
+The measured times are then fitted (:func:`fit_compute_params`: per family ``a + b x FLOPs`` or
+``x bytes``, the form ``commfuse calibrate`` fits on CPU) and the fit is checked on a held-out
+size (another sequence length, captured and timed anew): predicted by the nominal model and by
+the fitted one against what the GPU took. The fit is what a GPU cost profile's ``compute`` holds.
+
 Pure parts (tested on CPU): :func:`aggregate` (per op family: count, predicted and measured sums,
-ratio measured / predicted, median per-op ratio; totals per graph and overall) and
-:func:`materialize` (a random tensor for a fake value). Views and free ops are not timed (the
+ratio measured / predicted, median per-op ratio; totals per graph and overall),
+:func:`fit_compute_params` and :func:`materialize` (a random tensor for a fake value). Views and free ops are not timed (the
 model prices them at 0; on a GPU they launch no kernel).
 """
 
@@ -65,6 +70,16 @@ def aggregate(rows: list[NodeTiming]) -> dict[str, Any]:
             "graphs": {g: _summary(rs) for g, rs in graphs.items()},
             "overall": _summary(rows),
             "errors": [f"{r.graph}/{r.node} ({r.op}): {r.error}" for r in rows if r.error]}
+
+
+def fit_compute_params(rows: list[NodeTiming]):
+    """The compute model's calibration (``ComputeParams``) fitted to the timed ``rows``: per family
+    ``a_us + b x unit`` (FLOPs for matmul and attention, bytes otherwise) on relative error."""
+    from commfuse.tools.calibrate import FLOP_FAMILIES, Sample, fit_compute
+
+    samples = [Sample(r.family, float(r.flops if r.family in FLOP_FAMILIES else r.bytes), [r.measured_us])
+               for r in rows if r.measured_us is not None and r.measured_us > 0]
+    return fit_compute(samples)
 
 
 def materialize(val: Any, device: Any, gen: torch.Generator) -> Any:
@@ -192,10 +207,32 @@ def time_graphs(graphs: list[tuple[str, torch.fx.GraphModule]], device: Any, *, 
     return out
 
 
+def predict_graph_nodes(graphs: list[tuple[str, torch.fx.GraphModule]], estimator: Any) -> list[float]:
+    """``estimator``'s time (us) of every node :func:`time_graph_nodes` times, in the same order."""
+    out = []
+    for _kind, gm in graphs:
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                est = estimator.compute_estimate(n)
+                if est.family not in ("free", "view"):
+                    out.append(est.time_us)
+    return out
+
+
+def holdout_check(graphs: list[tuple[str, torch.fx.GraphModule]], nominal: Any, fitted: Any, device: Any, *,
+                  timer: Timer = time_call) -> dict[str, Any]:
+    """Nodes of ``graphs`` (not those the fit saw) timed once and predicted by both models."""
+    rows = time_graph_nodes(graphs, fitted, device, timer=timer)
+    nominal_rows = [NodeTiming(**{**asdict(r), "predicted_us": p})
+                    for r, p in zip(rows, predict_graph_nodes(graphs, nominal))]
+    return {"nominal": aggregate(nominal_rows), "fitted": aggregate(rows)}
+
+
 def calibrate_layer(device_name: str, *, seq: int = 4096, device: str = "cuda",
-                    sizes: Optional[dict[str, int]] = None) -> dict[str, Any]:
-    """The whole calibration on this GPU: capture, predict, measure, aggregate. On another
-    ``device`` (a CPU smoke run of the same code) the host clock measures and the dtype is fp32."""
+                    sizes: Optional[dict[str, int]] = None, holdout_seq: Optional[int] = None) -> dict[str, Any]:
+    """The whole calibration on this GPU: capture, predict, measure, aggregate, fit, and check the fit
+    on ``holdout_seq`` tokens (``seq // 2`` by default). On another ``device`` (a CPU smoke run of the
+    same code) the host clock measures and the dtype is fp32."""
     from commfuse.costmodel.analytic import AnalyticCostModel
     from commfuse.costmodel.topology import PRESETS, Topology
 
@@ -216,13 +253,19 @@ def calibrate_layer(device_name: str, *, seq: int = 4096, device: str = "cuda",
     agg = aggregate(rows)
     whole = time_graphs(graphs, device, timer=timer)
     top = sorted((r for r in rows if r.measured_us is not None), key=lambda r: -r.measured_us)[:15]
+    fitted = fit_compute_params(rows)
+    holdout_seq = holdout_seq or max(1, seq // 2)
+    holdout = holdout_check(capture_layer(holdout_seq, device, dtype, sizes), estimator,
+                            AnalyticCostModel(topology, compute_params=fitted), device, timer=timer)
     return {"layer": {**sizes, "seq": seq, "batch": 1, "dtype": str(dtype).removeprefix("torch."),
                       "kv_heads": sizes["n_heads"]},
             "preset": preset, "device_model": {k: PRESETS[preset][k] for k in
                                                 ("device", "peak_tflops_bf16", "memory_bandwidth_GBps")},
             "note": note, "timer": "CUDA events" if cuda else "host clock", **agg, "whole_graph_measured_us": whole,
-            "top_ops": [asdict(r) for r in top], "nodes": [asdict(r) for r in rows]}
+            "top_ops": [asdict(r) for r in top], "nodes": [asdict(r) for r in rows],
+            "fitted_compute": fitted.model_dump(mode="json"), "holdout": {"seq": holdout_seq, **holdout}}
 
 
-__all__ = ["LAYER_8B", "NodeTiming", "aggregate", "calibrate_layer", "capture_layer", "materialize",
-           "time_call", "time_graph_nodes", "time_graphs", "wall_time_call"]
+__all__ = ["LAYER_8B", "NodeTiming", "aggregate", "calibrate_layer", "capture_layer", "fit_compute_params",
+           "holdout_check", "materialize", "predict_graph_nodes", "time_call", "time_graph_nodes", "time_graphs",
+           "wall_time_call"]

@@ -8,10 +8,13 @@ traceback tail are recorded instead):
 2. ``inductor_regions``: Inductor compiling commfuse's compute regions for CUDA;
 3. ``dhelix``: DHelix's interleaved step with the forward strand on a second compute stream;
 4. ``calibration``: the compute model's predictions against measured kernel times of an 8B-class
-   layer in bf16 (:mod:`benchmarks.gpu.kernels`).
+   layer in bf16 (:mod:`benchmarks.gpu.kernels`), the compute model fitted to them and the fit
+   checked on a held-out sequence length.
 
 It writes ``gpu-<date>.json`` and ``gpu-<date>.md`` into the output directory after every part
-(an interrupted run keeps what it measured). :func:`assemble` and :func:`markdown` are pure, so
+(an interrupted run keeps what it measured), and once the calibration has run,
+``gpu-profile-<date>.json``: a cost profile (``Config(cost_profile=...)``) whose compute model is
+the fit; its collective model stays nominal, since one GPU measures no collective between ranks. :func:`assemble` and :func:`markdown` are pure, so
 the report is tested on CPU from synthetic parts. The process group is one rank (NCCL on CUDA,
 gloo for a CPU smoke run of the same code) over a file store in a temporary directory.
 """
@@ -162,15 +165,58 @@ def markdown(doc: dict[str, Any]) -> str:
     cal = doc["parts"].get("calibration")
     if cal and cal.get("families"):
         lines += _calibration_lines(cal)
+    if cal and cal.get("holdout"):
+        lines += _holdout_lines(cal)
     return "\n".join(lines) + "\n"
 
 
+def _holdout_lines(c: dict[str, Any]) -> list[str]:
+    h = c["holdout"]
+    lines = ["", "## The fitted compute model on a held-out size", "",
+             f"Fitted per op family to the times above (`a + b x FLOPs` for matmul and attention, `x bytes` "
+             f"otherwise; written as `gpu-profile-<date>.json`), then checked on the same layer at "
+             f"{h['seq']} tokens, captured and timed anew.", "",
+             "| op family | measured us | nominal predicted us | nominal measured / predicted "
+             "| fitted predicted us | fitted measured / predicted |", "|---|---|---|---|---|---|"]
+    nominal, fitted = h["nominal"], h["fitted"]
+    for name in [*nominal["families"], "overall"]:
+        n = nominal["overall"] if name == "overall" else nominal["families"][name]
+        f = fitted["overall"] if name == "overall" else fitted["families"].get(name, {})
+        lines.append(f"| {name} | {_num(n['measured_us'])} | {_num(n['predicted_us'])} | {_num(n['ratio'], 2)} "
+                     f"| {_num(f.get('predicted_us'))} | {_num(f.get('ratio'), 2)} |")
+    return lines
+
+
+def cost_profile(doc: dict[str, Any]):
+    """The cost profile of a run whose calibration part ran: the preset's topology, NCCL, the fitted
+    compute model (None when the calibration did not run or failed)."""
+    cal = doc["parts"].get("calibration") or {}
+    if not cal.get("ok") or not cal.get("fitted_compute"):
+        return None
+    from commfuse.costmodel.compute import ComputeParams
+    from commfuse.costmodel.profile import CostProfile, Provenance
+
+    env = doc["environment"]
+    notes = (f"benchmarks/run.py --gpu on {env['device']} (torch {env['torch']}): compute model fitted to "
+             f"{cal['overall']['timed']} ATen ops of one {cal['layer']['dim']}-dim layer at {cal['layer']['seq']} "
+             f"tokens, {cal['layer']['dtype']}; collective model nominal (not measured)")
+    return CostProfile(topology=cal["preset"], backend="nccl",
+                       compute=ComputeParams.model_validate(cal["fitted_compute"]),
+                       provenance=Provenance(machine=env["device"], date=env["date"], torch_version=env["torch"],
+                                             commfuse_version=env["commfuse"], notes=notes))
+
+
 def write(doc: dict[str, Any], out_dir: Path, json_path: Optional[Path] = None) -> list[Path]:
-    """``gpu-<date>.json`` and ``.md`` into ``out_dir`` (and the JSON also to ``json_path``)."""
-    stem = f"gpu-{doc['environment']['date'][:10]}"
-    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"] + ([json_path] if json_path else [])
+    """``gpu-<date>.json`` and ``.md`` into ``out_dir`` (and the JSON also to ``json_path``), and
+    ``gpu-profile-<date>.json`` once the calibration has run."""
+    date = doc["environment"]["date"][:10]
+    paths = [out_dir / f"gpu-{date}.json", out_dir / f"gpu-{date}.md"] + ([json_path] if json_path else [])
     texts = [json.dumps(doc, indent=1, default=str), markdown(doc)] + ([json.dumps(doc, indent=1, default=str)]
                                                                        if json_path else [])
+    profile = cost_profile(doc)
+    if profile is not None:
+        paths.append(out_dir / f"gpu-profile-{date}.json")
+        texts.append(profile.model_dump_json(indent=2) + "\n")
     for path, text in zip(paths, texts):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
@@ -249,5 +295,5 @@ def gpu_main(json_path: Optional[Path], refuse: Callable[[str], Any], *, out_dir
     return 0 if doc["ok"] else 1
 
 
-__all__ = ["NO_CUDA", "PARTS", "RESULTS", "assemble", "environment", "gpu_main", "markdown", "run_gpu_mode",
+__all__ = ["NO_CUDA", "PARTS", "RESULTS", "assemble", "cost_profile", "environment", "gpu_main", "markdown", "run_gpu_mode",
            "run_part", "write"]

@@ -196,7 +196,7 @@ def _sdpa_backward_call(b: int, h: int, s: int, d: int) -> Callable[[], object]:
     return lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward.default(g, q, k, v, out, lse, 0.0, True)
 
 
-_FLOP_FAMILIES = ("matmul", "attention", "attention_bw")
+FLOP_FAMILIES = ("matmul", "attention", "attention_bw")
 
 
 def _units(family: str, call: Callable[[], object]) -> float:
@@ -205,7 +205,7 @@ def _units(family: str, call: Callable[[], object]) -> float:
 
     gm = make_fx(lambda: call())()
     costs = [op_cost(n) for n in gm.graph.nodes if n.op == "call_function"]
-    if family in _FLOP_FAMILIES:
+    if family in FLOP_FAMILIES:
         return float(sum(c.flops for c in costs))
     return float(sum(c.bytes for c in costs))
 
@@ -650,9 +650,13 @@ def fit_compute(samples: Sequence[Sample]) -> ComputeParams:
         if family == "view":
             view_us = statistics.median(s.median for s in pts)
             continue
-        a, b = fit_alpha_beta([s.x for s in pts], [s.median for s in pts])
+        if len({s.x for s in pts}) > 1:
+            a, b = fit_alpha_beta([s.x for s in pts], [s.median for s in pts])
+        else:  # one size says nothing of a fixed cost: the time scales with the work
+            x = pts[0].x
+            a, b = 0.0, (statistics.median(s.median for s in pts) / x if x > 0 else 0.0)
         fits[family] = FamilyFit(a_us=a, b_us_per_unit=b,
-                                 unit="flops" if family in _FLOP_FAMILIES else "bytes")
+                                 unit="flops" if family in FLOP_FAMILIES else "bytes")
     # Families without a representative op of their own borrow the closest measured one.
     for family, like in (("memory", "pointwise"), ("unknown", "pointwise"), ("conv", "matmul")):
         if like in fits and family not in fits:
