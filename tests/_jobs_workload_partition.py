@@ -101,3 +101,43 @@ def tp_gather_matmul_gelu_matches_eager() -> dict[str, Any]:
         return torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + rank))
 
     return _compare(_TPGatherMLP, inputs, _mean)
+
+
+def uneven_chunks_match_eager(case: str) -> dict[str, Any]:
+    """On 2 nodes x 2 ranks, ``centauri_partition_forced`` (every collective Algorithm 1 cuts
+    unevenly is cut in its granularity, each chunk group-partitioned) against eager (outputs,
+    gradients, parameters over two SGD steps). ``case``: "tp", the TP gather -> matmul + GeLU
+    -> matmul -> reduce_scatter MLP (gathers with consumer chains; each reduce_scatter reads a
+    reassembled value and stays whole); "fsdp", a SimpleFSDP ``fully_shard`` MLP (weight
+    gathers with their matmuls, gradient reduce_scatters with the matmuls that produce them)."""
+    from commfuse.models import simple_fsdp
+    from _jobs_group_partition import TOPO_2x2
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    commfuse.setup(topology=TOPO_2x2)
+    name = "centauri_partition_forced"
+    try:
+        if case == "tp":
+            model = _TPGatherMLP
+
+            def inputs(step):
+                return torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+
+            def model():
+                return simple_fsdp.data_parallel(_MLP(), mesh, "fully_shard")
+
+            def inputs(step):
+                return torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+
+        torch._dynamo.reset()
+        ref = train_step_outputs(model, inputs, steps=2, lr=0.05, loss_fn=_mean)
+        cfg = commfuse.Config(passes=[name], inner_compiler="eager", strict=True, topology=TOPO_2x2)
+        be = commfuse.backend(cfg)
+        got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=_mean)
+        assert_close_tree(got, ref, dtype=torch.float32, msg=f"uneven chunks rank {rank}")
+        return {r.graph: [{k: d[k] for k in ("kind", "scheme", "chunk_sizes")} for p in r.passes if p.name == name
+                          for d in p.decisions] for r in be.reports}
+    finally:
+        commfuse.session.reset()

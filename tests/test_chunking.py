@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import commfuse
 from commfuse.costmodel import Topology
 from commfuse.ir import rewrite
-from commfuse.analysis.chunking import GroupCosts, operation_level_plan, independent_compute_us
+from commfuse.analysis.chunking import GroupCosts, independent_compute_us, operation_level_plan, rounded_units
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms.workload_partition import operation_level_chunks, plan_workload_partition
 from commfuse.testing.fake_pg import fake_process_group
@@ -40,6 +40,16 @@ def test_group_partitioned_granularities_follow_the_three_branches():
     finer = operation_level_plan(comp_cost=10, comm_cost=20, in_cost=3, max_chunks=8, group=g)
     assert finer.first == "intra" and finer.granularity == (8 / 16, 1 / 16, 1 - 9 / 16)
     assert sum(finer.granularity) == pytest.approx(1.0)
+
+
+def test_granularities_become_integer_units_exact_first_then_coarser():
+    # world 16, inter first: 2/16 : 14/16 = 1:7, then roundings to fewer units, all uneven
+    assert rounded_units((2 / 16, 1 - 2 / 16)) == [(1, 7), (1, 6), (1, 5), (1, 4), (1, 3), (1, 2)]
+    assert rounded_units((8 / 16, 1 / 16, 1 - 9 / 16))[:3] == [(8, 1, 7), (7, 2, 6), (7, 1, 6)]
+    assert rounded_units((0.25, 0.75)) == [(1, 3), (1, 2)]
+    assert rounded_units((0.5, 0.25, 0.25)) == [(2, 1, 1)]
+    assert rounded_units((0.5, 0.5)) == []  # equal parts: the even cut
+    assert rounded_units((1.0,)) == [] and rounded_units((0.0, 1.0)) == []
 
 
 def _graph():

@@ -43,6 +43,46 @@ def test_without_topology_the_search_refuses_and_leaves_the_graph():
     assert "no topology" in rec.refusals[0]
 
 
+@pytest.mark.parametrize("shape,changed", [((32, 4), True), ((8, 1), False)])
+def test_forced_pass_cuts_in_algorithm1s_uneven_granularity_or_says_why_not(shape, changed):
+    """2 nodes x 4 (the fuzz topology): Algorithm 1 gives the all_reduce 4:1:3, intra-node step
+    first. [32, 4]: chunks of 16 / 4 / 12 rows, each a reduce_scatter / all_reduce / all_gather
+    sequence. [8, 1]: the [1, 1] chunk has no dim the intra-node level (4) divides, so the
+    leaf fails on a copy and the graph is left as it was (found by the fuzzer)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from commfuse.ir.graph_ir import CollectiveIR
+    from commfuse.testing.equivalence import check_equivalent
+    from commfuse.testing.fake_pg import fake_process_group
+    from commfuse.testing.graphs import _copy
+    from commfuse.transforms.group_partition import GroupPartition
+
+    topo = GroupPartition.fuzz.topology
+    commfuse.session.reset()
+    try:
+        with fake_process_group(8):
+            s = commfuse.setup(topology=topo)
+            gm = make_fx(lambda x: torch.relu(funcol.all_reduce(x, "sum", dist.group.WORLD)),
+                         tracing_mode="fake")(torch.randn(shape))
+            before, code = _copy(gm), gm.code
+            commfuse.optimize(gm, commfuse.Config(passes=["centauri_partition_forced"], strict=True, topology=topo))
+            rec = commfuse.last_report(gm).passes[0]
+            assert rec.changed == changed, rec
+            if changed:
+                (d,) = rec.decisions
+                assert (d["scheme"], d["chunk_sizes"]) == ("group:intra_first+chunks:3(4:1:3)", [16, 4, 12])
+                assert "granularity 0.5, 0.125, 0.375" in d["granularity"]
+                colls = CollectiveIR(gm).collectives
+                assert [c.input_shapes[0][0] for c in colls if c.kind.value == "reduce_scatter"] == [16, 4, 12]
+                check_equivalent(before, gm, 8, groups={"0": "world", **s.reference_groups()})
+            else:
+                assert gm.code == code and "4:1:3) infeasible" in rec.refusals[0], rec.refusals
+    finally:
+        commfuse.session.reset()
+
+
 def _fsdp_graphs(mesh, dim: int = 256, seq: int = 64, ffn: int | None = None):
     from commfuse.models import llama, simple_fsdp
 

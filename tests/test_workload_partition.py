@@ -356,6 +356,113 @@ def test_cost_fields_with_a_topology():
         assert plan.compute_us > 0 and plan.comm_us > 0 and "us" in plan.describe()
 
 
+# ---------------------------------------------------------------- uneven chunks (Algorithm 1's granularity)
+def _shapes(gm) -> list[tuple[str, tuple, tuple]]:
+    """(kind, input shape, output shape) of every collective, in graph order."""
+    return [(c.kind.value, tuple(c.input_shapes[0]), tuple(c.output_shapes[0])) for c in CollectiveIR(gm).collectives]
+
+
+def _mean_after_all_reduce(x):
+    return torch.relu(funcol.all_reduce(x, "sum", dist.group.WORLD)).mean(0)
+
+
+def _rs_producer(x, w):
+    return funcol.reduce_scatter_tensor(torch.relu(x @ w), "sum", 0, dist.group.WORLD)
+
+
+@pytest.mark.parametrize("fn,shapes,chunks", [
+    # all_gather along its gather dim: each rank's shard cut 1:3, the output rank-interleaved
+    (_fsdp_linear, [(8, 16), (8, 16)], [("all_gather", (2, 16), (8, 16)), ("all_gather", (6, 16), (24, 16))]),
+    # DTensor's dim-1 gather (shuffle per chunk)
+    (_tp_gather_mlp, [(2, 8, 16), (16, 12)],
+     [("all_gather", (2, 2, 16), (8, 2, 16)), ("all_gather", (2, 6, 16), (8, 6, 16))]),
+    # reduce_scatter along its scatter dim: every chunk keeps a whole piece per rank (divisible by 4)
+    (_rs_producer, [(32, 8), (8, 3)], [("reduce_scatter", (8, 3), (2, 3)), ("reduce_scatter", (24, 3), (6, 3))]),
+    # all_reduce with a mean over the cut dim: chunk means weighted by their share
+    (_mean_after_all_reduce, [(16, 3)], [("all_reduce", (4, 3), (4, 3)), ("all_reduce", (12, 3), (12, 3))]),
+])
+def test_uneven_granularity_is_carried_by_the_chunk_collectives(fn, shapes, chunks):
+    with fake_process_group(4):
+        gm = make_fx(fn, tracing_mode="fake")(*[torch.randn(s) for s in shapes])
+        before = _copy(gm)
+        ctx = PassContext(gm, commfuse.Config())
+        c = ctx.ir.collectives[0]
+        plan = plan_workload_partition(ctx, c, granularity=(0.25, 0.75))
+        assert isinstance(plan, WorkloadPlan) and plan.sizes == (1, 3) and plan.chunks == 2 and not plan.note, plan
+        assert "uneven, 1:3" in plan.describe()
+        apply_workload_partition(ctx, c, plan)
+        gm.graph.lint()
+        gm.recompile()
+        assert _shapes(gm) == chunks
+        check_equivalent(before, gm, 4)
+
+
+def test_uneven_granularity_rounded_or_even_with_the_reason():
+    def f(x):
+        return torch.relu(funcol.all_reduce(x, "sum", dist.group.WORLD))
+
+    with fake_process_group(2):
+        # 1:3 needs 4 units; 6 rows take 3: rounded to 1:2
+        gm = make_fx(f, tracing_mode="fake")(torch.randn(6, 5))
+        ctx = PassContext(gm, commfuse.Config())
+        plan = plan_workload_partition(ctx, ctx.ir.collectives[0], granularity=(0.25, 0.75))
+        assert plan.sizes == (1, 2) and plan.extents == (2, 4), plan
+        assert "granularity 1:3 rounded to 1:2 (4 units: no dim of [6, 5] is divisible by 4" in plan.note
+        # no dim divides into any uneven units: even chunks, and why
+        gm = make_fx(f, tracing_mode="fake")(torch.randn(2, 5))
+        ctx = PassContext(gm, commfuse.Config())
+        plan = plan_workload_partition(ctx, ctx.ir.collectives[0], granularity=(0.25, 0.75))
+        assert plan.sizes is None and plan.extents == (1, 1), plan
+        assert "granularity 1:3 not applied" in plan.note and "2 even chunks" in plan.note
+        # equal parts are the even cut
+        plan = plan_workload_partition(ctx, ctx.ir.collectives[0], granularity=(0.5, 0.5))
+        assert plan.sizes is None and not plan.note
+
+
+def test_algorithm1_picks_uneven_sizes_for_a_group_partitioned_collective_and_the_graph_carries_them():
+    """4 ranks as 2 nodes x 2 with slow inter-node links and little compute: Algorithm 1's
+    third branch (intra-node step first, granularity intra/w, (inter-1)/w, rest = 2:1:1). The
+    partition search offers that leaf; applied, the chunk collectives carry the sizes, each
+    chunk then group-partitioned, and the values equal the unpartitioned program's."""
+    from _jobs_group_partition import TOPO_2x2
+
+    from commfuse.session import reset
+    from commfuse.transforms.partition_search import apply_scheme, group_granularity, leaves_for, work_plan
+
+    reset()
+    try:
+        with fake_process_group(4):
+            s = commfuse.setup(topology=TOPO_2x2)
+            gm = make_fx(_fsdp_linear, tracing_mode="fake")(torch.randn(16, 64), torch.randn(32, 64))
+            before = _copy(gm)
+            ctx = PassContext(gm, commfuse.Config(), topology=TOPO_2x2, session=s)
+            c = ctx.ir.collectives[0]
+            scheme, why = group_granularity(ctx, c)
+            assert (scheme.group, scheme.chunks, scheme.sizes) == ("intra_first", 3, (2, 1, 1)), why
+            assert "intra-node step first" in why and "granularity 0.5, 0.25, 0.25" in why
+            assert scheme in leaves_for(ctx, c)
+            assert scheme.describe() == "group:intra_first+chunks:3(2:1:1)"
+            assert work_plan(ctx, c, scheme).extents == (32, 16, 16)  # rows of the gathered weight
+            apply_scheme(ctx, c, scheme)
+            gm.recompile()
+            # per chunk: the intra-node gather, then the inter-node one, of 8 / 4 / 4 of the 16 shard rows
+            assert [(k, i[0], o[0]) for k, i, o in _shapes(gm)] == [
+                ("all_gather", 8, 16), ("all_gather", 16, 32), ("all_gather", 4, 8), ("all_gather", 8, 16),
+                ("all_gather", 4, 8), ("all_gather", 8, 16)]
+            check_equivalent(before, gm, 4, groups={"0": "world", **s.reference_groups()})
+    finally:
+        reset()
+
+
+def test_pass_decisions_report_the_chunk_sizes():
+    with fake_process_group(4):
+        gm = make_fx(_fsdp_linear, tracing_mode="fake")(torch.randn(4, 16), torch.randn(8, 16))
+        rec = _run(gm)
+        (d,) = rec.decisions
+        assert (d["kind"], d["chunks"], d["sizes"], d["granularity"]) == ("all_gather", 2, [8, 8], "even")
+        assert "2 chunks of sizes [8, 8]" in d["decision"]
+
+
 # ---------------------------------------------------------------- 4 gloo ranks
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", ["fsdp", "dp", "tp"])
@@ -376,3 +483,24 @@ def test_training_matches_eager_on_4_ranks(rank_pool_4, case):
         assert got["backward"]["counts"]["producer_chains"] == 2 and got["backward"]["kinds"] == {"all_reduce": 4}
     else:
         assert got["forward"]["counts"]["consumer_chains"] == 1 and got["forward"]["kinds"]["all_gather"] == 2
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", ["tp", "fsdp"])
+def test_uneven_chunks_match_eager_on_4_ranks(rank_pool_4, case):
+    """Algorithm 1's uneven granularity (2:1:1 on 2 nodes x 2) applied to every collective it
+    picks: outputs, losses, gradients and parameters equal eager's on every rank (asserted in
+    the job)."""
+    import _jobs_workload_partition as jobs
+
+    results = rank_pool_4.run(jobs.uneven_chunks_match_eager, case, timeout=300)
+    got = results[0]
+    assert all(r == got for r in results)  # every rank decided the same
+    kinds = {g: sorted({d["kind"] for d in ds}) for g, ds in got.items()}
+    # tp: the backward's gather is the reduce_scatter's gradient; its reduce_scatters read a
+    # reassembled value (no producer chain). fsdp: the backward holds the gradient reduce_scatters.
+    assert kinds == {"joint": [], "forward": ["all_gather"],
+                     "backward": ["all_gather" if case == "tp" else "reduce_scatter"]}, got
+    for ds in got.values():
+        for d in ds:
+            assert "chunks:3(2:1:1)" in d["scheme"] and len(set(d["chunk_sizes"])) > 1, d

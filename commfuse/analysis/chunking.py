@@ -19,9 +19,12 @@ Choices the paper leaves open, and what commfuse does
 * Group-partitioned collectives: ``cost_inter`` / ``cost_intra`` are the estimated times of
   the inter- and intra-node steps of the hierarchical sequence; ``inter_size`` and
   ``intra_size`` the sub-group sizes. The granularity is returned as fractions of the
-  workload; the workload partition cuts even chunks only, so an uneven granularity is
-  reported in the decision but applied as that many even chunks (not implemented: uneven
-  chunk sizes).
+  workload (denominator: the group size). The partition search asks for it on the leaves
+  that group-partition a collective and cuts the chunks in these proportions:
+  ``rounded_units`` turns the fractions into integer units (exact first, then coarser
+  roundings), and the workload partition cuts every chain value into ``sum(units)`` equal
+  units, chunk i taking ``units[i]`` of them, falling back to even chunks (and saying why)
+  when no rounding divides the chain's shapes.
 
 Source: "Centauri: Enabling Efficient Scheduling for Communication-Computation Overlap in Large Model
 Training via Communication Partitioning" (Chen et al., ASPLOS '24), §3.2, Algorithm 1.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Optional
 
 import torch.fx as fx
@@ -82,8 +86,48 @@ def operation_level_plan(comp_cost: float, comm_cost: float, in_cost: float, max
         else:
             first = "intra"
             granularity = (intra / w, (inter - 1) / w, 1 - (inter + intra - 1) / w)
-        why += f"; group-partitioned, {first}-node step first"
+        why = (f"{len(granularity)} chunks: group-partitioned, {first}-node step first (comm {comm_cost:.1f}, "
+               f"inter-node {group.cost_inter:.1f}, independent compute {in_cost:.1f}, chain {comp_cost:.1f})")
     return OperationPlan(len(granularity) if group is not None else num, granularity, first, why)
+
+
+def rounded_units(granularity, max_units: int = 64) -> list[tuple[int, ...]]:
+    """Integer chunk sizes in the proportions ``granularity``: the exact ones first (smallest
+    common denominator, at most ``max_units``), then roundings to fewer units (largest
+    remainder, every chunk at least one unit), finest first. Only uneven tuples: a rounding
+    that makes every chunk equal is left out (that is the even cut)."""
+    weights = [float(g) for g in granularity]
+    k, total = len(weights), sum(weights)
+    if k < 2 or total <= 0 or any(w <= 0 for w in weights):
+        return []
+    fracs = [Fraction(w / total).limit_denominator(max_units) for w in weights]
+    den = math.lcm(*(f.denominator for f in fracs))
+    out: list[tuple[int, ...]] = []
+    if den <= max_units and sum(fracs) == 1:
+        exact = [int(f * den) for f in fracs]
+        g = math.gcd(*exact)
+        if len(set(exact)) > 1:
+            out.append(tuple(u // g for u in exact))
+        top = sum(exact) // g
+    else:
+        top = max_units
+    for units in range(top, k, -1):
+        shares = [w / total * units for w in weights]
+        cut = [max(1, math.floor(s)) for s in shares]
+        # largest remainders get the units left over (ties: the earlier chunk)
+        order = sorted(range(k), key=lambda i: (-(shares[i] - math.floor(shares[i])), i))
+        j = 0
+        while sum(cut) < units:
+            cut[order[j % k]] += 1
+            j += 1
+        if sum(cut) != units:
+            continue
+        t = tuple(cut)
+        g = math.gcd(*t)
+        t = tuple(u // g for u in t)
+        if len(set(t)) > 1 and t not in out:
+            out.append(t)
+    return out
 
 
 def independent_compute_us(gm: fx.GraphModule, ir: CollectiveIR, c: Collective, estimator) -> float:

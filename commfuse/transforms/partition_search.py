@@ -11,7 +11,12 @@ Contract
   inter-first / intra-first hierarchical sequence of ``group_partition``) and a
   workload chunk count (1, a count from {2, 4, 8, ...} up to ``Config.max_chunks``,
   or the count of Centauri's Algorithm 1 (``analysis/chunking.py``), those
-  ``workload_partition`` can cut the collective and its compute chain into). Each leaf is applied to a copy of the graph, its waits are
+  ``workload_partition`` can cut the collective and its compute chain into). Where the
+  group can be split, Algorithm 1 is also run for the group-partitioned collective
+  (``group_granularity``: the inter-/intra-node levels' predicted times): its leaf, the
+  level it launches first and chunks in its granularity, uneven where it says so, joins
+  the leaves (chunk sizes rounded to what the chain's shapes divide, see
+  ``workload_partition``). Each leaf is applied to a copy of the graph, its waits are
   sunk as the ``sink_waits`` pass would, and the copy is simulated with the
   topology's cost estimator (``costmodel.simulator``: makespan, exposed
   communication, peak memory). The cheapest leaf by makespan is applied to the
@@ -32,8 +37,10 @@ Contract
   every decision is a deterministic function of the graph, config and topology
   (the budget counts simulated leaves, not seconds), so every rank that holds the
   same graph emits the same collectives in the same order. One ``decisions``
-  entry per searched collective records the chosen scheme, the number of leaves
-  scored and the predicted makespan / exposed communication before and after.
+  entry per searched collective records the chosen scheme (uneven chunks as
+  ``chunks:3(2:1:1)``), the chunk sizes along the cut dim, Algorithm 1's reasoning for an
+  uneven leaf, the number of leaves scored and the predicted makespan / exposed
+  communication before and after.
 - Leaves alone: collectives of other kinds; collectives whose every leaf is no
   cheaper (reported with the best alternative's prediction); collectives left
   when ``Config.partition_search_budget`` leaves have been scored (reported);
@@ -51,12 +58,13 @@ simulator of commfuse's cost model.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
 
+from commfuse.analysis import chunking
 from commfuse.analysis.rank_local import rank_local_reason
 from commfuse.core.torch_private import copy_graph
 from commfuse.costmodel.simulator import SimResult, Simulator
@@ -82,20 +90,22 @@ class Scheme:
     primitive: str = "keep"
     group: str = "flat"
     chunks: int = 1
+    sizes: Optional[tuple[int, ...]] = None  # uneven chunks (Algorithm 1's granularity, in units); None: even
 
     @property
     def is_identity(self) -> bool:
         return self == Scheme()
 
-    def complexity(self) -> tuple[int, int, int]:
-        return (self.chunks, int(self.group != "flat"), int(self.primitive != "keep"))
+    def complexity(self) -> tuple[int, int, int, int]:
+        return (self.chunks, int(self.sizes is not None), int(self.group != "flat"), int(self.primitive != "keep"))
 
     def describe(self) -> str:
         parts = [] if self.primitive == "keep" else [self.primitive]
         if self.group != "flat":
             parts.append(f"group:{self.group}")
         if self.chunks > 1:
-            parts.append(f"chunks:{self.chunks}")
+            sizes = f"({':'.join(map(str, self.sizes))})" if self.sizes else ""
+            parts.append(f"chunks:{self.chunks}{sizes}")
         return "+".join(parts) or "unchanged"
 
 
@@ -128,6 +138,43 @@ def chunk_candidates(max_chunks: int) -> list[int]:
     return out
 
 
+def group_granularity(ctx: PassContext, c: Collective) -> tuple[Optional[Scheme], str]:
+    """Centauri's Algorithm 1 for ``c`` group-partitioned: the leaf it picks (which node level
+    goes first, the chunks in its granularity, uneven where it says so, as rounded by
+    ``plan_workload_partition``), or None, and why.
+
+    Its inputs: ``comp_cost`` / ``comm_cost`` / ``in_cost`` as for the flat count
+    (``workload_partition.operation_level_chunks``), ``cost_inter`` / ``cost_intra`` the
+    predicted times of the inter- and intra-node collectives of the cheaper hierarchical
+    sequence (``group_partition.plan_group_partition``), its sub-group sizes."""
+    _, group, work = _building_blocks()
+    est = ctx.cost.model
+    gplan = group.plan_group_partition(ctx, c)
+    if est is None or isinstance(gplan, str):
+        return None, f"not group-partitioned ({gplan if isinstance(gplan, str) else 'no topology'})"
+    probe = work.plan_workload_partition(ctx, c, chunks=work.DEFAULT_CHUNKS)
+    comp = probe.compute_us if not isinstance(probe, str) and probe.compute_us is not None else 0.0
+    costs = chunking.GroupCosts(
+        cost_inter=sum(lv.predicted_us for lv in gplan.levels if lv.group == gplan.inter_group),
+        cost_intra=sum(lv.predicted_us for lv in gplan.levels if lv.group == gplan.intra_group),
+        inter_size=gplan.nodes, intra_size=gplan.local)
+    op = chunking.operation_level_plan(comp, est.collective(c).time_us,
+                                       chunking.independent_compute_us(ctx.gm, ctx.ir, c, est),
+                                       ctx.config.max_chunks, group=costs)
+    why = f"Algorithm 1: {op.why}, granularity {', '.join(f'{g:.3g}' for g in op.granularity)}"
+    if op.first is None or op.num_chunks < 2:
+        return None, why
+    order = f"{op.first}_first"
+    if isinstance(group.plan_group_partition(ctx, c, order=order), str):
+        return None, f"{why}; {order} not feasible"
+    plan = work.plan_workload_partition(ctx, c, granularity=op.granularity)
+    if isinstance(plan, str):
+        return None, f"{why}; {plan}"
+    if plan.note:
+        why += f"; {plan.note}"
+    return Scheme("keep", order, plan.chunks, plan.sizes), why
+
+
 def leaves_for(ctx: PassContext, c: Collective) -> list[Scheme]:
     """The leaves of ``c``'s partition tree whose first step is feasible, simplest first."""
     prim, group, work = _building_blocks()
@@ -140,7 +187,17 @@ def leaves_for(ctx: PassContext, c: Collective) -> list[Scheme]:
     chunks = [k for k in counts
               if k == 1 or not isinstance(work.plan_workload_partition(ctx, c, chunks=k), str)]
     leaves = [Scheme(f, g, k) for k in chunks for g in groups for f in forms]
+    # Algorithm 1 on the group-partitioned collective: its level order and (uneven) granularity
+    picked, _ = group_granularity(ctx, c) if len(groups) > 1 else (None, "")
+    if picked is not None and picked.sizes is not None:
+        leaves += [Scheme(f, picked.group, picked.chunks, picked.sizes) for f in forms]
     return sorted(leaves, key=Scheme.complexity)
+
+
+def work_plan(ctx: PassContext, c: Collective, scheme: Scheme):
+    """The workload plan ``scheme`` cuts ``c`` with (a str: why none)."""
+    work = _building_blocks()[2]
+    return work.plan_workload_partition(ctx, c, chunks=scheme.chunks, granularity=scheme.sizes)
 
 
 def _collectives_at(ctx: PassContext, starts: list[fx.Node]) -> list[Collective]:
@@ -164,7 +221,8 @@ def apply_scheme(ctx: PassContext, c: Collective, scheme: Scheme) -> None:
     prim, group, work = _building_blocks()
     starts = [c.start]
     if scheme.chunks > 1:
-        starts = _step(ctx, c, work.plan_workload_partition, work.apply_workload_partition, chunks=scheme.chunks)
+        starts = _step(ctx, c, work.plan_workload_partition, work.apply_workload_partition, chunks=scheme.chunks,
+                       granularity=scheme.sizes)
     if scheme.primitive != "keep":
         new: list[fx.Node] = []
         for cc in _collectives_at(ctx, starts):
@@ -259,6 +317,8 @@ class Decision:
     exposed_after_us: float
     peak_memory_before: int
     peak_memory_after: int
+    chunk_sizes: list = field(default_factory=list)  # elements of each chunk along the cut dim ([]: not cut)
+    granularity: str = ""  # uneven chunks: Algorithm 1's choice and how it was rounded
 
 
 class CentauriPartition(GraphPass):
@@ -304,7 +364,8 @@ class CentauriPartition(GraphPass):
                     anchor = best or Scheme()
                     forms = {s.primitive for s in leaves} - {"keep"}
                     phase = [s for s in leaves if s.primitive in forms
-                             and (s.group, s.chunks) in {("flat", 1), (anchor.group, anchor.chunks)}]
+                             and (s.group, s.chunks, s.sizes) in {("flat", 1, None),
+                                                                  (anchor.group, anchor.chunks, anchor.sizes)}]
                 for scheme in phase:
                     if scheme.is_identity:
                         continue
@@ -324,6 +385,12 @@ class CentauriPartition(GraphPass):
                                 f"{current.makespan_us:.1f} us" + (f"; infeasible: {'; '.join(infeasible)}"
                                                                    if infeasible else "") + ")")
                 continue
+            sizes, granularity = [], ""
+            if best.chunks > 1:
+                wplan = work_plan(ctx, c, best)
+                sizes = list(wplan.extents) if not isinstance(wplan, str) else []
+                if best.sizes is not None:
+                    granularity = group_granularity(ctx, c)[1]
             apply_scheme(ctx, c, best)
             changed += 1
             decisions.append(asdict(Decision(
@@ -331,7 +398,7 @@ class CentauriPartition(GraphPass):
                 leaves_scored=scored, makespan_before_us=current.makespan_us,
                 makespan_after_us=best_score.makespan_us, exposed_before_us=current.exposed_comm_us,
                 exposed_after_us=best_score.exposed_comm_us, peak_memory_before=current.peak_memory_bytes,
-                peak_memory_after=best_score.peak_memory_bytes)))
+                peak_memory_after=best_score.peak_memory_bytes, chunk_sizes=sizes, granularity=granularity)))
             current = best_score
         counts = {"collectives_searched": len(names), "collectives_partitioned": changed,
                   "leaves_scored": ctx.config.partition_search_budget - budget}
@@ -343,3 +410,4 @@ def predicted(ctx: PassContext) -> Optional[Score]:
     if ctx.cost.model is None:
         return None
     return score_graph(_copy_context(ctx))
+

@@ -23,6 +23,7 @@ from commfuse.transforms.group_partition import GroupPartition
 from commfuse.transforms.lagom_tune import LagomTune
 from commfuse.transforms.moe_recognition import MoERecognition
 from commfuse.transforms.partition_search import CentauriPartition
+from commfuse.transforms.partition_search_forced import CentauriPartitionForced
 from commfuse.transforms.primitive_substitution import PrimitiveSubstitution
 from commfuse.transforms.primitive_substitution_forced import PrimitiveSubstitutionForced
 from commfuse.transforms.schedule_overlap import ScheduleOverlap
@@ -47,6 +48,7 @@ BUILTIN_PASSES: tuple[Type[GraphPass], ...] = (
     PrimitiveSubstitutionForced,
     GroupPartition,
     CentauriPartition,
+    CentauriPartitionForced,
     ScheduleOverlap,
     ScheduleOverlapLayerForced,
     DHelixInterleave,

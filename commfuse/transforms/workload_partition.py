@@ -10,7 +10,13 @@ Contract
 - Does: cuts the collective into k chunk collectives on the same group along that dim
   (k = ``Config.workload_chunks``, or Centauri's Algorithm 1 count when that is None —
   :mod:`commfuse.analysis.chunking`; at most ``Config.max_chunks``), and the chain into k
-  chunk chains:
+  chunk chains. Chunks are even, except when a caller passes a granularity
+  (``plan_workload_partition(..., granularity=...)``: the partition search, with Algorithm
+  1's fractions for a group-partitioned collective): then every value of the chain is cut
+  into U equal units and chunk i takes ``units[i]`` adjacent ones of each block, so the
+  uneven cut is valid wherever the even cut into U chunks is (whole rank pieces per chunk
+  collective); units that no chain divides are rounded to fewer, and when no uneven
+  rounding divides, the cut is even; the plan's ``note`` says which. Order:
   consumer: ``start_0 .. start_{k-1}`` where the collective started, then for each
   chunk ``wait_i -> chain_i`` where the chain's inputs are ready, so chunk i's compute
   runs while chunks i+1.. are in flight; producer: ``chain_i -> start_i`` for each
@@ -19,8 +25,10 @@ Contract
   used outside it is reassembled in its original layout: contiguous chunks are
   concatenated, rank-interleaved chunks (all_gather along its gather dim) permuted
   back, partial sums (a matmul cut along its contraction dim, a sum/mean over the cut
-  dim) added (addmm's bias in chunk 0 only; mean divided by k). Data layouts: see
-  docs/centauri-workload-partition.md.
+  dim) added (addmm's bias in chunk 0 only; mean divided by k, or, uneven, each chunk's
+  mean weighted by its share of the units). Data layouts: see
+  docs/centauri-workload-partition.md. ``decisions``: one per cut collective, with the
+  chunk sizes along the cut dim.
 - Choice (Centauri §3.1): for each direction and each dim the maximal chain; prefer the
   chains whose estimated compute (the topology's cost model, ``passmgr/cost.py``) is at
   least the collective's estimated time, among them the longest; if none covers it
@@ -53,13 +61,13 @@ Source: Centauri (ASPLOS '24) §3.1 "workload partition" and Table 3 (dimension 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
-from commfuse.analysis import chains
+from commfuse.analysis import chains, chunking
 from commfuse.analysis.chains import CONSUMER, PRODUCER, Chain, ChainStep, GraphFacts, Partial, Split
 from commfuse.analysis.chunking import independent_compute_us, operation_level_plan
 from commfuse.core.torch_private import c10d_functional
@@ -90,6 +98,16 @@ class WorkloadPlan:
     interleaved: bool  # chunks are rank-interleaved (cut along the gather/scatter dim)
     compute_us: Optional[float]  # estimated compute of the chain (None: no topology)
     comm_us: Optional[float]  # estimated time of the collective (None: no topology)
+    # Uneven chunks: chunk i holds sizes[i] of sum(sizes) equal units of the cut dim (None: even).
+    sizes: Optional[tuple[int, ...]] = None
+    # Elements of the collective's logical output along ``dim`` in each chunk.
+    extents: tuple[int, ...] = ()
+    note: str = ""  # how a requested granularity was rounded, or why it fell back to even chunks
+
+    @property
+    def units(self) -> int:
+        """The number of equal units the chain is cut into (= chunks when even)."""
+        return sum(self.sizes) if self.sizes else self.chunks
 
     def describe(self) -> str:
         cost = ""
@@ -97,8 +115,12 @@ class WorkloadPlan:
             cost = f", chain {self.compute_us:.1f} us vs collective {self.comm_us:.1f} us"
         extra = "".join([", partial sums added" if self.reduction else "",
                          ", rank-interleaved" if self.interleaved else ""])
-        return (f"{self.collective}: {self.chunks} chunks along dim {self.dim} with a {self.direction} chain "
-                f"of {len(self.chain)} ops{extra}{cost}")
+        sizes = f" of sizes {list(self.extents)}" if self.extents else ""
+        if self.sizes:
+            sizes += f" (uneven, {':'.join(map(str, self.sizes))})"
+        note = f"; {self.note}" if self.note else ""
+        return (f"{self.collective}: {self.chunks} chunks{sizes} along dim {self.dim} with a {self.direction} "
+                f"chain of {len(self.chain)} ops{extra}{cost}{note}")
 
 
 # ---------------------------------------------------------------------------- planning
@@ -175,12 +197,60 @@ def _summarise(reasons: list[str], k: int, shape) -> str:
     return "; ".join(dict.fromkeys(per_dim + whole))
 
 
-def plan_workload_partition(ctx: PassContext, c: Collective, chunks: Optional[int] = None) -> WorkloadPlan | str:
+def plan_workload_partition(ctx: PassContext, c: Collective, chunks: Optional[int] = None,
+                            granularity: Optional[Sequence[float]] = None) -> WorkloadPlan | str:
     """The best workload partition of ``c`` into ``chunks`` (default ``Config.workload_chunks``;
     when that is None, Centauri's Algorithm 1 count, lowered until a chain divides; at most
-    ``Config.max_chunks``), or why there is none. Pure: the graph is not changed."""
-    best = _planned_chain(ctx, c, chunks)
+    ``Config.max_chunks``), or why there is none. ``granularity``: uneven chunks instead, in
+    these proportions (Algorithm 1's fractions for a group-partitioned collective), rounded to
+    what the chain's shapes allow (see ``_planned_uneven``). Pure: the graph is not changed."""
+    best = _planned_uneven(ctx, c, granularity) if granularity is not None else _planned_chain(ctx, c, chunks)
     return best if isinstance(best, str) else best[0]
+
+
+# More units than this would cut a chunk finer than any real shape divides.
+MAX_UNITS = 64
+
+
+def _fmt(units: Sequence[int]) -> str:
+    return ":".join(map(str, units))
+
+
+def _planned_uneven(ctx: PassContext, c: Collective, granularity: Sequence[float]) -> tuple[WorkloadPlan, Chain] | str:
+    """Chunks in the proportions ``granularity``. Every value of a chain is cut into ``U`` equal
+    units (the layout rules and divisibility of ``U`` even chunks) and chunk i takes ``units[i]``
+    adjacent ones, so an uneven cut is valid wherever the even cut into ``U`` is: each chunk
+    collective gets whole rank pieces (a reduce_scatter chunk stays divisible by the group size).
+    The exact proportions are tried first, then coarser roundings (fewer units); when none
+    divides, or rounding leaves them equal, the cut falls back to as many even chunks, and the
+    plan's ``note`` says why."""
+    weights = [float(g) for g in granularity]
+    k = len(weights)
+    if k < 2 or any(not w > 0 for w in weights):
+        return f"granularity {list(granularity)}: needs two or more positive parts"
+    if k > ctx.config.max_chunks:
+        return f"granularity of {k} chunks exceeds max_chunks={ctx.config.max_chunks}"
+    if len(set(weights)) == 1:
+        return _best_chain(ctx, c, k)
+    candidates = chunking.rounded_units(weights, MAX_UNITS)
+    exact = candidates[0] if candidates else None
+    first_why = None
+    for units in candidates:
+        best = _best_chain(ctx, c, None, sizes=units)
+        if not isinstance(best, str):
+            plan, chain = best
+            if units != exact:
+                plan = replace(plan, note=f"granularity {_fmt(exact)} rounded to {_fmt(units)} "
+                                          f"({sum(exact)} units: {first_why})")
+            return plan, chain
+        first_why = first_why or best
+    want = _fmt(exact) if exact else ", ".join(f"{w:.3g}" for w in weights)
+    why = first_why or f"no rounding to at most {MAX_UNITS} units keeps it uneven"
+    best = _best_chain(ctx, c, k)
+    if isinstance(best, str):
+        return f"granularity {want}: {why}; {k} even chunks: {best}"
+    plan, chain = best
+    return replace(plan, note=f"granularity {want} not applied ({why}): {k} even chunks"), chain
 
 
 def _planned_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tuple[WorkloadPlan, Chain] | str:
@@ -198,8 +268,10 @@ def _planned_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tu
     return f"Algorithm 1 ({why}): {first}"
 
 
-def _best_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tuple[WorkloadPlan, Chain] | str:
-    k = _chunk_count(ctx, chunks)
+def _best_chain(ctx: PassContext, c: Collective, chunks: Optional[int],
+                sizes: Optional[tuple[int, ...]] = None) -> tuple[WorkloadPlan, Chain] | str:
+    # Uneven: the chain is cut into sum(sizes) units (max_chunks bounds the chunks, not the units).
+    k = sum(sizes) if sizes else _chunk_count(ctx, chunks)
     if k < 2:
         return "one chunk: nothing to partition"
     why = _why_not(ctx, c)
@@ -225,11 +297,14 @@ def _best_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tuple
         return main + tie, compute
 
     best = max(found, key=lambda ch: score(ch)[0])
+    units = sizes or (1,) * k
+    length = chains.static_shape(c.logical_output)[best.dim]
     return WorkloadPlan(
-        collective=c.name, kind=c.kind.value, direction=best.direction, dim=best.dim, chunks=k,
+        collective=c.name, kind=c.kind.value, direction=best.direction, dim=best.dim, chunks=len(units),
         chain=best.node_names, reduction=best.reduction,
         interleaved=best.in_split.blocks > 1 or best.out_split.blocks > 1,
-        compute_us=score(best)[1], comm_us=comm_us), best
+        compute_us=score(best)[1], comm_us=comm_us, sizes=tuple(sizes) if sizes else None,
+        extents=tuple(length // k * u for u in units)), best
 
 
 # ---------------------------------------------------------------------------- rewriting
@@ -282,17 +357,22 @@ class _Builder:
             out.append(g)
         return out
 
-    def take_chunk(self, x: fx.Node, split: Split, k: int, i: int, meta_from: fx.Node) -> fx.Node:
-        """Chunk i of k of x (layout :class:`chains.Split`)."""
+    def take_chunk(self, x: fx.Node, split: Split, sizes: tuple[int, ...], i: int, meta_from: fx.Node) -> fx.Node:
+        """Chunk i of x (layout :class:`chains.Split` over ``sum(sizes)`` units; chunk i takes
+        ``sizes[i]`` adjacent units of every block)."""
         shape = list(x.meta["val"].shape)
-        d, size = split.dim, shape[split.dim]
-        if split.blocks == 1:
-            return self.call(aten.slice.Tensor, (x, d, i * (size // k), (i + 1) * (size // k)), meta_from)
-        blocks = split.blocks
-        grid = self.call(aten.view.default, (x, shape[:d] + [blocks, k, size // (blocks * k)] + shape[d + 1:]),
-                         meta_from)
-        piece = self.contiguous(self.call(aten.select.int, (grid, d + 1, i), meta_from), meta_from)
-        return self.call(aten.view.default, (piece, shape[:d] + [size // k] + shape[d + 1:]), meta_from)
+        d, size, units = split.dim, shape[split.dim], sum(sizes)
+        lo, u, blocks = sum(sizes[:i]), sizes[i], split.blocks
+        q = size // (blocks * units)
+        if blocks == 1:
+            return self.call(aten.slice.Tensor, (x, d, lo * q, (lo + u) * q), meta_from)
+        grid = self.call(aten.view.default, (x, shape[:d] + [blocks, units, q] + shape[d + 1:]), meta_from)
+        if u == 1:
+            piece = self.call(aten.select.int, (grid, d + 1, lo), meta_from)
+        else:
+            piece = self.call(aten.slice.Tensor, (grid, d + 1, lo, lo + u), meta_from)
+        piece = self.contiguous(piece, meta_from)
+        return self.call(aten.view.default, (piece, shape[:d] + [blocks * u * q] + shape[d + 1:]), meta_from)
 
     def start(self, x: fx.Node, c: Collective, meta_from: fx.Node) -> fx.Node:
         """Issue c on one chunk of its logical input (DTensor's shuffle for a reduce_scatter
@@ -315,15 +395,20 @@ class _Builder:
             out = self.call(aten.cat.default, (self.pieces(out, c.group.size, 0, meta_from), g), meta_from)
         return out
 
-    def reassemble(self, parts: list[fx.Node], layout: Split | Partial, k: int, original: fx.Node) -> fx.Node:
-        """The whole value whose k chunks are ``parts``, laid out in memory as ``original``:
-        concatenated (contiguous chunks), stacked and flattened (rank-interleaved chunks), or
-        added (partial sums; a mean divided by k)."""
+    def reassemble(self, parts: list[fx.Node], layout: Split | Partial, sizes: tuple[int, ...],
+                   original: fx.Node) -> fx.Node:
+        """The whole value whose chunks (of ``sizes`` units) are ``parts``, laid out in memory as
+        ``original``: concatenated (contiguous chunks), stacked (even) or concatenated per block
+        (uneven) and flattened (rank-interleaved chunks), or added (partial sums; the mean of k
+        even chunks divided by k, of uneven ones each weighted by its share of the units)."""
+        k, units, even = len(parts), sum(sizes), len(set(sizes)) == 1
         if isinstance(layout, Partial):
+            if layout.how == "mean" and not even:  # a chunk's mean covers sizes[i] / units of the rows
+                parts = [self.call(aten.mul.Tensor, (p, u / units), original) for p, u in zip(parts, sizes)]
             whole = parts[0]
             for p in parts[1:]:
                 whole = self.call(aten.add.Tensor, (whole, p), original)
-            if layout.how == "mean":
+            if layout.how == "mean" and even:
                 whole = self.call(aten.div.Tensor, (whole, k), original)
             return self.with_layout_of(whole, original)
         # Concatenate in the original's memory order (outermost dim first), so that the
@@ -341,10 +426,16 @@ class _Builder:
                 shape = list(p.meta["val"].shape)
                 pieces.append(self.call(aten.view.default,
                                         (p, shape[:d] + [blocks, shape[d] // blocks] + shape[d + 1:]), original))
-            stacked = self.call(aten.stack.default, (pieces, d + 1), original)
-            full = list(stacked.meta["val"].shape)
-            whole = self.call(aten.view.default, (stacked, full[:d] + [full[d] * full[d + 1] * full[d + 2]]
-                                                  + full[d + 3:]), original)
+            if even:
+                stacked = self.call(aten.stack.default, (pieces, d + 1), original)
+                full = list(stacked.meta["val"].shape)
+                whole = self.call(aten.view.default, (stacked, full[:d] + [full[d] * full[d + 1] * full[d + 2]]
+                                                      + full[d + 3:]), original)
+            else:  # block b of the whole is block b of chunk 0, then of chunk 1, ...
+                grid = self.call(aten.cat.default, (pieces, d + 1), original)
+                full = list(grid.meta["val"].shape)
+                whole = self.call(aten.view.default, (grid, full[:d] + [full[d] * full[d + 1]] + full[d + 2:]),
+                                  original)
         if permuted:
             whole = self.call(aten.permute.default, (whole, [order.index(i) for i in range(len(order))]), original)
         return self.with_layout_of(whole, original)
@@ -379,9 +470,9 @@ def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
 class _Emitter(_Builder):
     """Emits chunk copies of chain steps before one anchor node."""
 
-    def __init__(self, gm: fx.GraphModule, mode: Any, k: int, before: fx.Node) -> None:
+    def __init__(self, gm: fx.GraphModule, mode: Any, sizes: tuple[int, ...], before: fx.Node) -> None:
         super().__init__(gm, mode, before)
-        self.k = k
+        self.sizes = sizes
         self._slices: dict[tuple[fx.Node, Split, int], fx.Node] = {}
 
     def side(self, a: fx.Node, split: Optional[Split], i: int, meta_from: fx.Node) -> fx.Node:
@@ -389,7 +480,7 @@ class _Emitter(_Builder):
             return a
         key = (a, split, i)
         if key not in self._slices:
-            self._slices[key] = self.take_chunk(a, split, self.k, i, meta_from)
+            self._slices[key] = self.take_chunk(a, split, self.sizes, i, meta_from)
         return self._slices[key]
 
     def replay(self, step: ChainStep, env: dict[fx.Node, fx.Node], i: int) -> fx.Node:
@@ -400,7 +491,9 @@ class _Emitter(_Builder):
                 args[pos] = env[a] if a in env else self.side(a, step.args.get(pos), i, n)
         target = n.target
         if target in chains.SIZED:
-            args[1] = chains.chunk_shape(n, step.out, self.k)
+            shape = list(chains.static_shape(n))
+            shape[step.out.dim] = shape[step.out.dim] // sum(self.sizes) * self.sizes[i]
+            args[1] = shape
         if isinstance(step.out, Partial) and target is aten.addmm.default and i > 0:
             target, args = aten.mm.default, args[1:3]  # the bias belongs to one chunk only
         return self.call(target, tuple(args), n, dict(n.kwargs))
@@ -414,13 +507,22 @@ def _erase(gm: fx.GraphModule, c: Collective, chain: Chain) -> None:
         raise RuntimeError(f"workload_partition: {c.name} still has users after its chain was rewritten")
 
 
-def _emit_consumer(gm: fx.GraphModule, mode: Any, chain: Chain) -> list[fx.Node]:
-    c, k = chain.collective, chain.chunks
+def _sizes(chain: Chain, sizes: Optional[tuple[int, ...]]) -> tuple[int, ...]:
+    sizes = tuple(sizes) if sizes else (1,) * chain.chunks
+    if sum(sizes) != chain.chunks:
+        raise ValueError(f"chunk sizes {list(sizes)} do not add up to the chain's {chain.chunks} units")
+    return sizes
+
+
+def _emit_consumer(gm: fx.GraphModule, mode: Any, chain: Chain, sizes: Optional[tuple[int, ...]] = None
+                   ) -> list[fx.Node]:
+    c, sizes = chain.collective, _sizes(chain, sizes)
+    k = len(sizes)
     head = _Builder(gm, mode, c.start)
-    starts = [head.start(head.take_chunk(c.logical_input, chain.in_split, k, i, c.start), c, c.start)
+    starts = [head.start(head.take_chunk(c.logical_input, chain.in_split, sizes, i, c.start), c, c.start)
               for i in range(k)]
     inside = {chain.root, *(s.node for s in chain.steps)}
-    em = _Emitter(gm, mode, k, chain.anchor.next)
+    em = _Emitter(gm, mode, sizes, chain.anchor.next)
     envs = []
     for i in range(k):
         env = {chain.root: em.finish(starts[i], c, c.waits[0])}
@@ -429,15 +531,17 @@ def _emit_consumer(gm: fx.GraphModule, mode: Any, chain: Chain) -> list[fx.Node]
         envs.append(env)
     layouts = {chain.root: chain.out_split, **{s.node: s.out for s in chain.steps}}
     for v in chain.outputs:
-        whole = em.reassemble([env[v] for env in envs], layouts[v], k, v)
+        whole = em.reassemble([env[v] for env in envs], layouts[v], sizes, v)
         v.replace_all_uses_with(whole, delete_user_cb=lambda u: u not in inside)
     _erase(gm, c, chain)
     return starts
 
 
-def _emit_producer(gm: fx.GraphModule, mode: Any, chain: Chain) -> list[fx.Node]:
-    c, k = chain.collective, chain.chunks
-    em = _Emitter(gm, mode, k, c.start)
+def _emit_producer(gm: fx.GraphModule, mode: Any, chain: Chain, sizes: Optional[tuple[int, ...]] = None
+                   ) -> list[fx.Node]:
+    c, sizes = chain.collective, _sizes(chain, sizes)
+    k = len(sizes)
+    em = _Emitter(gm, mode, sizes, c.start)
     starts = []
     for i in range(k):
         env: dict[fx.Node, fx.Node] = {}
@@ -446,7 +550,7 @@ def _emit_producer(gm: fx.GraphModule, mode: Any, chain: Chain) -> list[fx.Node]
         starts.append(em.start(env[chain.root], c, c.start))
     tail = _Builder(gm, mode, c.waits[0])
     parts = [tail.finish(s, c, c.waits[0]) for s in starts]
-    whole = tail.reassemble(parts, chain.out_split, k, c.logical_output)
+    whole = tail.reassemble(parts, chain.out_split, sizes, c.logical_output)
     c.logical_output.replace_all_uses_with(whole)
     _erase(gm, c, chain)
     return starts
@@ -458,13 +562,13 @@ def apply_workload_partition(ctx: PassContext, c: Collective, plan: WorkloadPlan
     match the graph (e.g. it was made on another graph version)."""
     if plan.collective != c.name:
         raise ValueError(f"plan is for {plan.collective}, not {c.name}")
-    chain = chains.build_chain(c, plan.direction, plan.dim, plan.chunks, ctx.ir.dims, _facts(ctx),
+    chain = chains.build_chain(c, plan.direction, plan.dim, plan.units, ctx.ir.dims, _facts(ctx),
                                ctx.ir.backward_nodes)
     if isinstance(chain, str) or chain.node_names != plan.chain:
         got = chain if isinstance(chain, str) else list(chain.node_names)
         raise ValueError(f"plan for {c.name} does not match the graph: planned {list(plan.chain)}, found {got}")
     emit = _emit_consumer if chain.direction == CONSUMER else _emit_producer
-    return emit(ctx.gm, rewrite.fake_mode_of(ctx.gm), chain)
+    return emit(ctx.gm, rewrite.fake_mode_of(ctx.gm), chain, plan.sizes)
 
 
 class WorkloadPartition(GraphPass):
@@ -483,6 +587,7 @@ class WorkloadPartition(GraphPass):
         counts = {"collectives_partitioned": 0, "chunk_collectives": 0, "chain_ops": 0,
                   "consumer_chains": 0, "producer_chains": 0, "partial_sums": 0}
         refusals: list[str] = []
+        decisions: list[dict] = []
         pending = [c.name for c in ctx.ir.collectives]
         # Rounds: plan every pending collective on one IR, apply them in graph order, and
         # defer (to the next round, re-planned on the rewritten graph) any whose plan reads a
@@ -511,12 +616,13 @@ class WorkloadPartition(GraphPass):
                 rewired |= fp.rewired
                 used |= fp.side | {c.logical_input}
                 emit = _emit_consumer if chain.direction == CONSUMER else _emit_producer
-                starts = emit(ctx.gm, mode, chain)
+                starts = emit(ctx.gm, mode, chain, plan.sizes)
                 counts["collectives_partitioned"] += 1
                 counts["chunk_collectives"] += len(starts)
                 counts["chain_ops"] += len(plan.chain)
                 counts[f"{plan.direction}_chains"] += 1
                 counts["partial_sums"] += int(plan.reduction)
+                decisions.append(plan_decision(plan))
             ctx.invalidate()
             if len(deferred) == len(pending):  # cannot happen (the first plan never conflicts): stop anyway
                 break
@@ -525,7 +631,14 @@ class WorkloadPartition(GraphPass):
         if changed:
             ctx.gm.graph.lint()
             ctx.gm.recompile()
-        return PassResult(changed=changed, counts=counts, refusals=refusals)
+        return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=decisions)
+
+
+def plan_decision(plan: WorkloadPlan) -> dict:
+    """The report's record of one applied plan: the cut and the chunk sizes it chose."""
+    return {"collective": plan.collective, "kind": plan.kind, "direction": plan.direction, "dim": plan.dim,
+            "chunks": plan.chunks, "sizes": list(plan.extents),
+            "granularity": _fmt(plan.sizes) if plan.sizes else "even", "decision": plan.describe()}
 
 
 @dataclass
