@@ -2,6 +2,7 @@
 
     import commfuse
     model = torch.compile(model, backend="commfuse")           # default pipeline
+    model = torch.compile(model, backend="commfuse", options={"dump_dir": "dumps"})   # Config fields
     model = torch.compile(model, backend=commfuse.backend(commfuse.Config(dump_dir="dumps")))
     commfuse.optimize(gm)                                        # any FX graph
     print(commfuse.analyze(gm).table())                          # what the compiler sees

@@ -16,13 +16,25 @@ Who executes:
   Inductor's own comm reordering/bucketing is switched off for that compile.
 * inner_compiler="eager": AOTAutograd with commfuse's partition hook and
   eager lowering, numerically identical to `backend="aot_eager"` with no passes.
+
+What `torch.compile` hands a backend (`torch._TorchCompileWrapper`): `mode=` when it is not
+"default" and `options=` when it is not empty (never both: torch.compile refuses that).
+* `options={...}` are `Config` fields, laid over the backend's config for that compile
+  (`config_with_options`), as Inductor reads its options; an unknown name or a bad value is
+  a `ConfigError` naming it.
+* `mode=` names one of Inductor's presets of its own config (`torch._inductor.list_mode_options`):
+  those that only tune kernels apply to the compute Inductor compiles under commfuse; those that
+  capture CUDA graphs or switch off Inductor's graph passes (where commfuse's passes run) are
+  refused by name (`inductor_mode_patches`).
+* `dynamic=` is not handed on: Dynamo applies it when it traces, and commfuse compiles the
+  graphs with symbolic shapes it is given (passes that need static sizes refuse those
+  collectives and report why).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -30,8 +42,10 @@ import torch.fx as fx
 
 from commfuse.agreement import FrameRecord, wrap_first_call
 from commfuse.api import pipeline_for
-from commfuse.config import Config, default_config
+from commfuse.config import Config, config_with_options, default_config
 from commfuse.core import torch_private as priv
+from commfuse.core.errors import ConfigError
+from commfuse.core.ranks import warn_rank0
 from commfuse.dhelix.fused_partition import fused_partition
 from commfuse.lowering import LoweringPlan, lower_eager, lower_runtime
 from commfuse.passmgr.base import Stage
@@ -85,8 +99,10 @@ def _make_custom_pass(fn: Callable[[fx.Graph], None], key: str, chained: Any):
 class CommfuseBackend:
     """A Dynamo backend; `commfuse.backend(config)` makes one."""
 
-    def __init__(self, config: Optional[Config] = None) -> None:
+    def __init__(self, config: Optional[Config] = None, *, inductor_patches: Optional[dict[str, Any]] = None) -> None:
         self.config = config or default_config()
+        # Inductor config of torch.compile(mode=...), for the compute Inductor compiles
+        self.inductor_patches: dict[str, Any] = dict(inductor_patches or {})
         # Built now so that a bad pass name fails at `backend(...)`, not mid-compile.
         self._pipeline_names = self.config.pass_names()
         # One report per graph this backend compiled (joint/forward/backward/inference), in order.
@@ -99,7 +115,10 @@ class CommfuseBackend:
         # Config(dhelix=True): per joint graph, "fused" or why it was partitioned as usual.
         self.partitions: list[str] = []
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor], *, mode: Optional[str] = None,
+                 options: Optional[dict[str, Any]] = None):
+        if options or mode not in (None, "default"):
+            return self.with_compile_args(mode=mode, options=options)(gm, example_inputs)
         pipeline = pipeline_for(self.config, dtensor_roles=_dtensor_roles(gm, example_inputs))
         record = FrameRecord()
         if any(p.stage is Stage.PRE_AUTOGRAD for p in pipeline.passes):
@@ -117,6 +136,17 @@ class CommfuseBackend:
         if self.config.agreement_enabled() and _real_multi_rank():
             compiled = wrap_first_call(compiled, record, timeout_s=self.config.agreement_timeout_s)
         return compiled
+
+    def with_compile_args(self, *, mode: Optional[str] = None,
+                          options: Optional[dict[str, Any]] = None) -> "CommfuseBackend":
+        """This backend with torch.compile's ``mode=`` / ``options=`` applied; what it compiles is
+        reported in this backend's lists (``reports``, ``plans``, ...)."""
+        config = config_with_options(self.config, options)
+        derived = CommfuseBackend(config, inductor_patches={**self.inductor_patches,
+                                                            **inductor_mode_patches(mode, config)})
+        derived.reports, derived.dynamo_reports = self.reports, self.dynamo_reports
+        derived.plans, derived.partitions = self.plans, self.partitions
+        return derived
 
     # -- eager --------------------------------------------------------------
     def _compile_eager(self, gm, example_inputs, pipeline: Pipeline):
@@ -170,6 +200,7 @@ class CommfuseBackend:
             pipeline.run(gm_, graph_kind=_graph_kind_post_grad(gm_), stages={Stage.SCHEDULE})
 
         patches: dict[str, Any] = {
+            **self.inductor_patches,
             "joint_custom_pre_pass": _make_custom_pass(joint_hook, "joint:" + key, cfg.joint_custom_pre_pass),
         }
         if self.config.lowering == "inductor":
@@ -222,8 +253,9 @@ class CommfuseBackend:
 
 
 def _warn_lowering_failed(kind: str, e: Exception, instead: str) -> None:
-    warnings.warn(f"commfuse: the {kind} graph could not be lowered to commfuse's runtime and {instead} "
-                  f"(same collectives, in the graph's order): {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+    # decided from the graph alone, which every rank shares: one copy of the warning
+    warn_rank0(f"commfuse: the {kind} graph could not be lowered to commfuse's runtime and {instead} "
+               f"(same collectives, in the graph's order): {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
     log.debug("commfuse: lowering of the %s graph failed", kind, exc_info=True)
 
 
@@ -247,6 +279,32 @@ def _real_multi_rank() -> bool:
     return dist.get_backend() != "fake"  # one process pretends to be N ranks: nothing to compare
 
 
+def inductor_mode_patches(mode: Optional[str], config: Config) -> dict[str, Any]:
+    """The Inductor config that ``torch.compile(mode=mode)`` stands for, checked against
+    commfuse: {} for no mode or "default"; a ``ConfigError`` naming the mode when commfuse
+    cannot honour it."""
+    if mode is None or mode == "default":
+        return {}
+    where = f"torch.compile(backend='commfuse', mode={mode!r})"
+    modes = priv.inductor_mode_options()
+    if mode not in modes:
+        raise ConfigError(f"{where}: unknown mode; torch.compile's modes are {', '.join(sorted(modes))}")
+    opts = dict(priv.inductor_mode_options(mode))
+    if config.inner_compiler != "inductor":
+        raise ConfigError(f"{where}: the mode sets Inductor's {sorted(opts)}, and with "
+                          f"inner_compiler={config.inner_compiler!r} Inductor compiles nothing; leave mode out")
+    if opts.get("triton.cudagraphs"):
+        raise ConfigError(f"{where}: the mode captures each compiled graph in a CUDA graph, and commfuse's runtime "
+                          "issues the collectives from Python between the compiled regions (a CUDA graph cannot "
+                          "hold them; commfuse has not been run under CUDA graphs). Use "
+                          "mode='max-autotune-no-cudagraphs' for Inductor's kernel tuning without them")
+    off = sorted(k for k, v in opts.items() if k.startswith("use_") and k.endswith("_passes") and v is False)
+    if off:
+        raise ConfigError(f"{where}: the mode switches off Inductor's graph passes ({', '.join(off)}), and "
+                          "commfuse's joint-graph passes run inside them (joint_custom_pre_pass); leave mode out")
+    return opts
+
+
 def backend(config: Optional[Config] = None, **overrides: Any) -> CommfuseBackend:
     """A commfuse Dynamo backend with a non-default config: `torch.compile(m, backend=commfuse.backend(cfg))`."""
     if overrides:
@@ -254,6 +312,9 @@ def backend(config: Optional[Config] = None, **overrides: Any) -> CommfuseBacken
     return CommfuseBackend(config)
 
 
-def commfuse_backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor]):
-    """The default-config backend registered as "commfuse"."""
-    return CommfuseBackend()(gm, example_inputs)
+def commfuse_backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor], *, mode: Optional[str] = None,
+                     options: Optional[dict[str, Any]] = None):
+    """The backend registered as "commfuse": the default config (``commfuse.default_config()``),
+    with ``torch.compile(..., options={...})`` laid over it as Config fields, and ``mode=`` as
+    ``inductor_mode_patches`` allows."""
+    return CommfuseBackend()(gm, example_inputs, mode=mode, options=options)

@@ -40,7 +40,9 @@ class Config(BaseModel):
         "inductor": Inductor compiles the whole graph and emits the collectives itself
         (requires ``inner_compiler="inductor"``; no pool groups, nothing recorded).
     dump_dir: write graphs before/after each changing pass here; falls back to
-        the COMMFUSE_DUMP_DIR environment variable.
+        the COMMFUSE_DUMP_DIR environment variable. Give every rank the same directory: each
+        rank writes under ``<dump_dir>/rank<r>/`` (rank 0 without a process group) and
+        ``<dump_dir>/index.json`` lists them all (docs/reports.md, "Dump layout").
     strict: re-raise pass failures instead of falling back to the unchanged graph.
     verify: run the verifier after every changing pass.
     debug: also re-propagate fake tensors in the verifier (slower, stricter).
@@ -305,6 +307,33 @@ def default_config() -> Config:
         return _process_default
     text = os.environ.get(CONFIG_ENV, "").strip()
     return config_from_text(text, CONFIG_ENV) if text else Config()
+
+
+def config_with_options(config: Config, options: Optional[dict[str, Any]],
+                        source: str = "torch.compile(backend='commfuse', options=...)") -> Config:
+    """``config`` with ``options`` (Config field -> value; ``-`` in a name reads as ``_``, as in
+    Inductor's options) laid over it: what ``torch.compile(..., options={...})`` means for
+    commfuse. An unknown name is refused with the valid ones listed; a bad value with the
+    validation error, which names the field."""
+    from pydantic import ValidationError
+
+    if not options:
+        return config
+    if not isinstance(options, dict):
+        raise ConfigError(f"{source}: expected a dict of Config fields, got {type(options).__name__}")
+    fields = Config.model_fields
+    update: dict[str, Any] = {}
+    for key, value in options.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            raise ConfigError(f"{source}: unknown option {key!r}. commfuse's options are the fields of "
+                              f"commfuse.Config: {', '.join(sorted(fields))} (Inductor's own options are not "
+                              "taken here: set torch._inductor.config, or pass mode=)")
+        update[name] = value
+    try:
+        return Config(**{**config.model_dump(), **update})
+    except ValidationError as e:
+        raise ConfigError(f"{source}: {e}") from e
 
 
 def config_from_text(text: str, source: str = CONFIG_ENV) -> Config:

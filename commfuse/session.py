@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from commfuse.core.errors import ConfigError
+from commfuse.core.ranks import warn_rank0
 from commfuse.core.torch_private import register_process_group_alias, resolve_process_group
 from commfuse.costmodel.hierarchy import Ranks, SubGroups, hierarchy_layout, mesh_blocks, subgroup_names
 from commfuse.costmodel.lagom import plan_communicator_pool, validate_communicator_ctas
@@ -86,9 +87,9 @@ def roles_from_meshes(meshes: Iterable[Any]) -> dict[str, str]:
             if role is None:
                 if name not in _WARNED_DIMS:
                     _WARNED_DIMS.add(name)
-                    warnings.warn(f"commfuse: DTensor mesh dim {name!r} has no known role (known: "
-                                  f"{', '.join(sorted(MESH_DIM_ROLES))}); its collectives get inferred roles",
-                                  RuntimeWarning, stacklevel=2)
+                    warn_rank0(f"commfuse: DTensor mesh dim {name!r} has no known role (known: "
+                               f"{', '.join(sorted(MESH_DIM_ROLES))}); its collectives get inferred roles",
+                               RuntimeWarning, stacklevel=2)
                 continue
             roles[group.group_name] = role.value
     return roles
@@ -271,8 +272,8 @@ def _create_communicator_pool(session: Session, plan: list[Any]) -> None:
 
     backend = str(dist.get_backend())
     if "nccl" not in backend or not hasattr(dist, "ProcessGroupNCCL"):
-        warnings.warn(f"commfuse.setup: communicator_ctas is ignored on backend {backend!r}: CTA bounds are a "
-                      "per-communicator NCCL setting (gloo has no such knobs); no pool groups were created")
+        warn_rank0(f"commfuse.setup: communicator_ctas is ignored on backend {backend!r}: CTA bounds are a "
+                   "per-communicator NCCL setting (gloo has no such knobs); no pool groups were created", UserWarning)
         return
     world = dist.group.WORLD
     if _POOL_UNDER[0] is not world or not all(resolve_process_group(pg.group_name) is pg for pg in
@@ -352,7 +353,8 @@ def setup(
     if mesh is not None:
         for name, group, role in mesh_dim_roles(mesh):
             if role is None:
-                warnings.warn(f"commfuse.setup: mesh dim {name!r} has no known role; its collectives get inferred roles")
+                warn_rank0(f"commfuse.setup: mesh dim {name!r} has no known role; its collectives get inferred roles",
+                           UserWarning)
                 continue
             session.group_roles[group.group_name] = role.value
             session.role_sources[group.group_name] = "mesh"
@@ -428,10 +430,12 @@ def detected_topology(environ: Optional[dict] = None, world_size: Optional[int] 
     if Topology.preset_for_device(device_name) is not None:
         topo = Topology.detect(world_size, local, device_name)
     else:
-        warnings.warn(f"commfuse: no topology preset for device {device_name!r}: using the generic default "
-                      f"({world_size // local} node(s) of {local} ranks, nominal links; see docs/costmodel.md). "
-                      "Pass Config(topology=...) or setup(topology=...) for decisions that fit this machine",
-                      RuntimeWarning, stacklevel=2)
+        # every rank detects from the same torchrun environment (and, in a job of one kind of
+        # node, the same device): one copy
+        warn_rank0(f"commfuse: no topology preset for device {device_name!r}: using the generic default "
+                   f"({world_size // local} node(s) of {local} ranks, nominal links; see docs/costmodel.md). "
+                   "Pass Config(topology=...) or setup(topology=...) for decisions that fit this machine",
+                   RuntimeWarning, stacklevel=2)
         topo = Topology(name="generic", num_nodes=world_size // local, ranks_per_node=local, device=device_name)
     _DETECTED[key] = topo
     return topo

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import types
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional
@@ -45,6 +44,7 @@ from torch.fx.traceback import annotate
 from commfuse.backend import CommfuseBackend
 from commfuse.config import Config
 from commfuse.core.meta import MICROBATCH_META_KEY, microbatch_of
+from commfuse.core.ranks import process_rank, warn_rank0
 from commfuse.passmgr.report import PipelineReport
 from commfuse.train_step_split import check_divisible, split_microbatches
 
@@ -171,14 +171,12 @@ class TrainStep:
                 msg = (f"compile_train_step: the step was captured as {compiled_now} graphs (graph breaks), so its "
                        f"{self.microbatches} micro-batches are not in one joint graph; results still match the "
                        f"plain loop. Find the breaks with torch._dynamo.explain or fullgraph=True.")
-                log.warning(msg)
-                warnings.warn(msg, stacklevel=2)
+                _warn_once_for_all_ranks(msg)
         if not self.graphs and not self._warned_eager:
             self._warned_eager = True
             msg = ("compile_train_step: Dynamo compiled no graph for the step, it runs eagerly (see the "
                    "torch._dynamo warnings above, e.g. a recompile limit); results still match the plain loop")
-            log.warning(msg)
-            warnings.warn(msg, stacklevel=2)
+            _warn_once_for_all_ranks(msg)
         if not isinstance(total, torch.Tensor) or total.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar tensor, got "
                              f"{type(total).__name__ if not isinstance(total, torch.Tensor) else list(total.shape)}")
@@ -187,6 +185,13 @@ class TrainStep:
                                "the loss (frozen model, or loss_fn detached the output)")
         total.backward()
         return total.detach()
+
+
+def _warn_once_for_all_ranks(msg: str) -> None:
+    """Graph breaks are the same on every rank (same program, same Dynamo): rank 0 says so."""
+    if process_rank() in (None, 0):
+        log.warning(msg)
+    warn_rank0(msg, UserWarning, stacklevel=3)  # points at the caller of TrainStep.__call__
 
 
 def compile_train_step(model: Callable[..., Any], loss_fn: Callable[..., torch.Tensor], *, microbatches: int,

@@ -2,7 +2,7 @@
 
 `record_example` follows `_multirank_jobs.compiled_matches_eager`'s recording pattern: the
 example model compiled with commfuse (eager inner compiler, strict) and trained with SGD under
-`commfuse.record`; here every rank also dumps into its own ``rank<r>/`` directory and writes
+`commfuse.record`; here every rank also dumps (into its own ``rank<r>/`` directory) and writes
 its recorder trace, so the parent validates from files as `commfuse validate` does. One
 unrecorded warm-up step first, so the recorded runs do not include the other ranks' compiles.
 """
@@ -31,16 +31,16 @@ def _loss(name: str, out: Any) -> torch.Tensor:
 
 def record_example(name: str, out_dir: str, steps: int = 2, predict: bool = False,
                    svg_max_nodes: int = 1, profile: str | None = None) -> dict[str, Any]:
-    """Compile example `name` (dumps in ``out_dir/dumps/rank<r>``), run one warm-up step, then
-    `steps` SGD steps recorded into ``out_dir/record``. Also validates in memory on this rank
-    (recorder + backend). ``profile``: cost profile for the predicted timelines."""
+    """Compile example `name` (every rank given ``out_dir/dumps``, which commfuse splits into
+    ``rank<r>/``), run one warm-up step, then `steps` SGD steps recorded into ``out_dir/record``.
+    Also validates in memory on this rank (recorder + backend). ``profile``: cost profile for the predicted timelines."""
     t0 = time.perf_counter()
     rank = dist.get_rank()
     model_factory, inputs = _example(name, torch.float32)
     torch._dynamo.reset()
     # svg_max_nodes=1: condensed pictures only (Graphviz on full graphs costs seconds per dump).
     be = commfuse.backend(example_config(name, inner_compiler="eager", strict=True, svg_max_nodes=svg_max_nodes,
-                                         dump_dir=f"{out_dir}/dumps/rank{rank}"))
+                                         dump_dir=f"{out_dir}/dumps"))  # each rank writes dumps/rank<r>/
     model = model_factory()
     compiled = torch.compile(model, backend=be)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -73,7 +73,7 @@ def test_inference_graph_runs_pipeline(tmp_path):
     m = torch.compile(_fresh(), backend=commfuse.backend(cfg))
     with torch.no_grad():
         m(torch.randn(2, 16))
-    assert [p.name for p in tmp_path.iterdir()] == ["inference_000"]
+    assert [p.name for p in (tmp_path / "rank0").iterdir()] == ["inference_000"]
 
 
 def test_state_dict_unchanged_by_compilation():
@@ -106,7 +106,7 @@ def test_inductor_inner_compiler_equals_torch_compile(tmp_path, no_compile_cache
     got = _step(torch.compile(_fresh(), backend=commfuse.backend(passes=[], dump_dir=str(tmp_path))), x)
     assert_bitwise_equal_tree(got, ref)
     # The commfuse hooks ran inside Inductor (joint, forward, backward dumps exist).
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["backward_000", "forward_000", "joint_000"]
+    assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == ["backward_000", "forward_000", "joint_000"]
 
 
 @pytest.mark.slow(reason="cold Inductor compile (caches off)")

@@ -322,7 +322,7 @@ def test_pass_writes_meta_and_report_decisions(tmp_path):
     assert {d["collective"] for d in rec.decisions[1:]} == {c.name for c in ir.collectives}
     assert rec.counts["settings_written"] == 4 and rec.counts["collectives_tuned"] >= 1
     # the decisions land in the dumps
-    dumped = json.loads(next(tmp_path.glob("forward_*/pipeline.json")).read_text())
+    dumped = json.loads(next(tmp_path.glob("rank0/forward_*/pipeline.json")).read_text())
     lagom = next(p for p in dumped["passes"] if p["name"] == "lagom_tune")
     assert lagom["decisions"][0]["summary"] == "lagom"
     assert any("no communicator pool" in n for n in summary["notes"])

@@ -180,9 +180,11 @@ def test_a_region_whose_inputs_bind_its_symbols_gets_nothing():
 @pytest.mark.parametrize("inner_compiler, instead", [("eager", "runs op by op"),
                                                      ("inductor", "is compiled by Inductor as a whole")])
 def test_a_graph_that_fails_to_lower_falls_back_with_one_warning(rank_pool_2, inner_compiler, instead):
-    for r in rank_pool_2.run(a_graph_that_fails_to_lower_falls_back, inner_compiler, timeout=300):
-        assert sorted(w.split(" graph")[0] for w in r["warnings"]) == ["commfuse: the backward", "commfuse: the forward"]
-        assert all(instead in w and "planted: lowering failed" in w for w in r["warnings"]), r["warnings"]
+    r0, r1 = rank_pool_2.run(a_graph_that_fails_to_lower_falls_back, inner_compiler, timeout=300)
+    # decided from the graph both ranks share, so both fall back alike and rank 0 says so for both
+    assert sorted(w.split(" graph")[0] for w in r0["warnings"]) == ["commfuse: the backward", "commfuse: the forward"]
+    assert all(instead in w and "planted: lowering failed" in w for w in r0["warnings"]), r0["warnings"]
+    assert r1["warnings"] == []
 
 
 def test_a_region_input_in_another_layout_is_copied_into_the_one_compiled_for():

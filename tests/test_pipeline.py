@@ -337,7 +337,7 @@ def test_dumps_written_and_named(all_kinds_gm, tmp_path, monkeypatch):
     gm = all_kinds_gm
     # Make sink_waits change something: move one wait up to right after its collective start.
     commfuse.optimize(gm, commfuse.Config(passes=["sink_waits"], dump_dir=str(tmp_path), verify=True))
-    (d,) = list(tmp_path.iterdir())
+    (d,) = list((tmp_path / "rank0").iterdir())  # no process group: rank 0
     assert d.name.startswith("graph_")
     names = sorted(p.name for p in d.iterdir())
     assert "00_input.py.txt" in names and "00_input.json" in names and "pipeline.json" in names
@@ -354,7 +354,8 @@ def test_dumps_written_and_named(all_kinds_gm, tmp_path, monkeypatch):
 def test_dump_dir_from_environment(all_kinds_gm, tmp_path, monkeypatch):
     monkeypatch.setenv(commfuse.DUMP_DIR_ENV, str(tmp_path / "env"))
     commfuse.optimize(all_kinds_gm, commfuse.Config(passes=[]))
-    assert any((tmp_path / "env").iterdir())
+    assert [p.name for p in (tmp_path / "env" / "rank0").iterdir()] == ["graph_000"]
+    assert (tmp_path / "env" / "index.json").exists()
 
 
 def test_after_pass_dump_written_for_changing_pass(tmp_path):
@@ -369,7 +370,7 @@ def test_after_pass_dump_written_for_changing_pass(tmp_path):
     with fake_process_group(2):
         gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4))
         commfuse.optimize(gm, commfuse.Config(passes=["sink_waits"], dump_dir=str(tmp_path)), graph_kind="forward")
-    (d,) = list(tmp_path.iterdir())
+    (d,) = list((tmp_path / "rank0").iterdir())
     assert d.name == "forward_000"
     names = sorted(p.name for p in d.iterdir())
     assert "01_after_sink_waits.py.txt" in names, names

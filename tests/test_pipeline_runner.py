@@ -4,6 +4,8 @@ stage_transfer and (b) the unsharded model in one process."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -323,6 +325,9 @@ def test_pipeline_matches_eager_and_unsharded(rank_pool_4, kind, tmp_path):
             assert {"forward.py.txt", "joint.py.txt", "stage0_fw.py.txt", "stage0_bw.py.txt",
                     "stage1_fw.py.txt", "stage1_bw.py.txt"} <= names
         assert "commfuse.stage_transfer" in (tmp_path / "rank2" / "stage1_fw.py.txt").read_text()
+        index = json.loads((tmp_path / "index.json").read_text())  # the layout every commfuse dump has
+        assert index["world_size"] == 4 and [e["rank"] for e in index["ranks"]] == [0, 1, 2, 3]
+        assert "stage1_fw.py.txt" in index["ranks"][2]["files"]
 
 
 @pytest.mark.multirank

@@ -21,7 +21,7 @@ from commfuse.reports import (predict_timelines, validate, volume_from_dump_dir,
                               volume_from_reports)
 from commfuse.reports.html import render_html
 from commfuse.reports.validate import RecordedCollective, load_plans
-from commfuse.reports.volume import collectives_of
+from commfuse.reports.volume import collectives_of, resolve_rank_dir
 from commfuse.testing.fake_pg import fake_mesh, fake_process_group
 from commfuse.testing.graphs import capture_aot_graphs
 
@@ -223,6 +223,7 @@ def test_html_page_is_self_contained_and_escapes_names(dumped, tmp_path):
 
 def plant_hostile_names(d: Path) -> None:
     """Markup in a refusal, a group name and a trace event name (names come from user code)."""
+    d = resolve_rank_dir(d)  # rank 0's dumps
     pj = d / "joint_000" / "pipeline.json"
     rep = json.loads(pj.read_text())
     rep["passes"][0]["refusals"].append(f"not moved: {HOSTILE}")

@@ -14,6 +14,7 @@ import shutil
 import pytest
 
 from _jobs_reports import record_example
+from commfuse.core.dump_layout import read_dump_index
 from commfuse.reports import validate_dirs, volume_from_dump_dir
 from commfuse.reports.html import render_html
 
@@ -96,6 +97,10 @@ def test_four_rank_dumps_reproduce_the_chimera_numbers(recorded):
     """docs/chimera.md (B=2, S=8, H=32, V=64, L=2, N=4, fp32): wire bytes per rank, joint graph
     52 224 -> forward 18 432 + backward 25 536 = 43 968, from the dumps of a real 4-rank run."""
     d, _ = recorded["llama_tp"]
+    # every rank was given the same dump dir: rank<r>/ each, and the index lists all four
+    index = read_dump_index(d / "dumps")
+    assert index["world_size"] == 4 and [e["rank"] for e in index["ranks"]] == [0, 1, 2, 3]
+    assert len({tuple(e["graphs"]) for e in index["ranks"]}) == 1 and "backward_000" in index["ranks"][0]["graphs"]
     for rank in range(4):
         vol = volume_from_dump_dir(d / "dumps", rank=rank)
         assert vol.total("before").wire_bytes == 52224

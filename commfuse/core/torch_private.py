@@ -161,6 +161,14 @@ def inductor_config():
     return cfg
 
 
+def inductor_mode_options(mode=None) -> dict:
+    """Semi-public: `torch._inductor.list_mode_options` (the Inductor config each
+    ``torch.compile(mode=...)`` sets; all modes by name when ``mode`` is None)."""
+    from torch._inductor import list_mode_options
+
+    return list_mode_options(mode)
+
+
 def custom_graph_pass_base():
     """Semi-public: `torch._inductor.custom_graph_pass.CustomGraphPass` (cache-keyed hooks)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass

@@ -1,10 +1,11 @@
 """Graph dumps: FX code, an SVG picture and the analysis JSON, before/after each changing pass.
 
-Layout: ``<dump_dir>/<kind>_<index:03d>/<order:02d>_<label>.{py.txt,svg,json}`` where
-kind is joint/forward/backward/inference/graph, index counts graphs of that kind
-compiled by this process, order is the position in the pipeline and label is
-``input`` or ``after_<pass>``. A pipeline report (``pipeline.json``) closes each
-directory.
+Layout: ``<dump_dir>/rank<r>/<kind>_<index:03d>/<order:02d>_<label>.{py.txt,svg,json}`` where
+``r`` is this process's rank (0 without a process group; ``commfuse.core.dump_layout``), kind
+is joint/forward/backward/inference/graph, index counts graphs of that kind compiled by this
+process, order is the position in the pipeline and label is ``input`` or ``after_<pass>``. A
+pipeline report (``pipeline.json``) closes each directory, and ``<dump_dir>/index.json`` lists
+every rank's graphs.
 
 A dump that cannot be written (read-only path, disk full, Graphviz error) warns
 once and is skipped: dumps are rank-local and must never change compilation.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch.fx as fx
 
+from commfuse.core.dump_layout import update_dump_index
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.passmgr.render import condensed_dot, dot_to_svg, graph_to_dot
 from commfuse.passmgr.report import build_analysis_report
@@ -82,6 +84,15 @@ class DumpWriter:
             warnings.warn(f"commfuse: cannot render {self.dir / stem}.svg ({type(e).__name__}: {e}); "
                           "SVG dumps are skipped for this graph, text and JSON dumps continue",
                           RuntimeWarning, stacklevel=3)
+
+    def update_index(self, top: Path, rank: int, world_size: int | None) -> None:
+        """Rewrite this rank's entry of the index at the dump dir's top."""
+        if self._failed:
+            return
+        try:
+            update_dump_index(top, rank, world_size)
+        except Exception as e:  # noqa: BLE001 - same rule as the dumps themselves
+            self._warn(str(top / "index.json"), e)
 
     def write_text(self, name: str, text: str) -> None:
         if self._failed:

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Optional, Sequence, Type
 
 import torch.fx as fx
 
+from commfuse.core.dump_layout import rank_dump_dir
 from commfuse.core.errors import PassError, VerificationError
 from commfuse.core.meta import REPORTS_META
+from commfuse.core.ranks import process_rank, process_world_size, warn_rank0
 from commfuse.core.torch_private import copy_graph, reset_graph_namespace
 from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.topology import Topology
@@ -166,13 +167,19 @@ class PassTimer(Instrumentation):
 
 class GraphDumps(Instrumentation):
     """The graph before the first pass and after every changing pass (code, analysis JSON,
-    picture), and the pipeline report, under ``dump_dir/<graph kind>_<index>/``.
+    picture), and the pipeline report, under ``dump_dir/rank<r>/<graph kind>_<index>/``
+    (``rank``: this process's, None without a process group; see ``core/dump_layout.py``),
+    then the index at ``dump_dir/index.json``.
 
     ``only_if_changed``: write nothing unless a pass changes the graph (the input is then
     written from a copy taken before the first pass)."""
 
-    def __init__(self, dump_dir: str, graph_kind: str, *, svg_max_nodes: int, only_if_changed: bool = False) -> None:
-        self.writer = DumpWriter(dump_dir, graph_kind, svg_max_nodes=svg_max_nodes)
+    def __init__(self, dump_dir: str, graph_kind: str, *, svg_max_nodes: int, only_if_changed: bool = False,
+                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        self.rank = 0 if rank is None else rank
+        self.top, mine = rank_dump_dir(dump_dir, self.rank)
+        self.world_size = world_size
+        self.writer = DumpWriter(str(mine), graph_kind, svg_max_nodes=svg_max_nodes)
         self.only_if_changed = only_if_changed
         self._deferred_input: Optional[fx.GraphModule] = None
 
@@ -196,6 +203,7 @@ class GraphDumps(Instrumentation):
             report.dump_dir = None  # unchanged: nothing dumped
         else:
             self.writer.write_text("pipeline.json", report.model_dump_json(indent=2))
+            self.writer.update_index(self.top, self.rank, self.world_size)
 
 
 class ReportTo(Instrumentation):
@@ -239,8 +247,10 @@ class Pipeline:
         out: list[Instrumentation] = [PassTimer()]
         dump_dir = self.config.resolved_dump_dir()
         if dump_dir:
+            # every rank gets the same dump dir: each writes under its own rank<r>/
+            rank = self.rank if self.rank is not None else process_rank()
             out.append(GraphDumps(dump_dir, graph_kind, svg_max_nodes=self.config.svg_max_nodes,
-                                  only_if_changed=dump_if_changed))
+                                  only_if_changed=dump_if_changed, rank=rank, world_size=process_world_size()))
         return out + self.instruments
 
     def run(self, gm: fx.GraphModule, *, graph_kind: str, stages: Iterable[Stage],
@@ -264,8 +274,8 @@ class Pipeline:
             report.input_problems = pre.problems
             if selected:
                 report.skipped_reason = "input graph failed verification; no pass was run"
-                warnings.warn(f"commfuse: {graph_kind} graph left unchanged: input graph failed verification: "
-                              f"{pre.problems[0]}", RuntimeWarning, stacklevel=2)
+                warn_rank0(f"commfuse: {graph_kind} graph left unchanged: input graph failed verification: "
+                           f"{pre.problems[0]}", RuntimeWarning, stacklevel=2)
             selected = []
 
         # The graph as it was before the current pass, to restore if the pass fails. A pass that
@@ -298,8 +308,9 @@ class Pipeline:
                     if isinstance(e, VerificationError):
                         raise
                     raise PassError(p.name, e) from e
-                warnings.warn(f"commfuse: pass '{p.name}' failed on the {graph_kind} graph and was skipped "
-                              f"(graph restored): {record.error}", RuntimeWarning, stacklevel=2)
+                # every rank runs the same pass on the same graph and fails alike: one copy
+                warn_rank0(f"commfuse: pass '{p.name}' failed on the {graph_kind} graph and was skipped "
+                           f"(graph restored): {record.error}", RuntimeWarning, stacklevel=2)
                 log.debug("pass %s failed", p.name, exc_info=True)
                 continue
             for ins in instruments:

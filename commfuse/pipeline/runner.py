@@ -44,12 +44,12 @@ Source: GPipe (Huang et al. 2019) and 1F1B (Narayanan et al. 2021), as in :mod:`
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
+from commfuse.core.dump_layout import rank_dump_dir, update_dump_index
 from commfuse.pipeline.layout import PipelineLayout
 from commfuse.pipeline.partition import BW, FW, PartitionedProgram, StagePart, partition, wait_pending, write_dumps
 from commfuse.pipeline.schedule import SCHEDULES, Action, check_schedule, stage_actions
@@ -112,7 +112,9 @@ class PipelineRunner:
         trace_joint(program, [*tensors, x_mb, target_mb])
         parted = partition(program)
         if self.dump_dir is not None:
-            write_dumps(Path(self.dump_dir) / f"rank{self.layout.rank}", program, parted)
+            top, mine = rank_dump_dir(self.dump_dir, self.layout.rank)
+            write_dumps(mine, program, parted)
+            update_dump_index(top, self.layout.rank, self.layout.world_size)
         self.program, self.parted = program, parted
         return parted
 

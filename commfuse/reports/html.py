@@ -35,7 +35,8 @@ from typing import Any, Optional, Sequence
 from commfuse._version import __version__
 from commfuse.reports.timeline import PREDICTED_TRACE
 from commfuse.reports.validate import ValidationReport, validate_dirs
-from commfuse.reports.volume import Totals, VolumeReport, graph_dirs, resolve_rank_dir, volume_from_dump_dir
+from commfuse.reports.volume import (Totals, VolumeReport, graph_dirs, rank_dirs, resolve_rank_dir,
+                                     volume_from_dump_dir)
 
 _KIND_COLORS = {"all_reduce": "#e6550d", "all_gather": "#3182bd", "reduce_scatter": "#31a354",
                 "all_to_all": "#756bb1", "broadcast": "#8c6d31", "reduce": "#d6616b"}
@@ -368,6 +369,9 @@ def render_html(dump_dir: str | Path, *, rank: Optional[int] = None, record_dir:
     """The report page for one rank's dumps (``rank``: which ``rank<r>/`` when the dir has several)."""
 
     d = resolve_rank_dir(dump_dir, rank)
+    ranks = sorted(rank_dirs(dump_dir))
+    shown = "" if len(ranks) < 2 else (f"; ranks dumped: {', '.join(map(str, ranks))}, this page shows rank "
+                                        f"{0 if rank is None else rank} (--rank R for another)")
     vol = volume_from_dump_dir(d)
     dirs = graph_dirs(d)
     rec = Path(record_dir) if record_dir is not None else None
@@ -387,7 +391,7 @@ def render_html(dump_dir: str | Path, *, rank: Optional[int] = None, record_dir:
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{_e(heading)}</title><style>{_CSS}</style></head><body>\n"
             f"<h1>{_e(heading)}</h1>\n<p class=\"muted\">commfuse {_e(__version__)}, generated {_e(now)}; "
-            f"source {_e(vol.source)}{'; recorder ' + _e(rec) if rec else ''}. Bytes are per rank: logged = "
+            f"source {_e(vol.source)}{_e(shown)}{'; recorder ' + _e(rec) if rec else ''}. Bytes are per rank: logged = "
             "NCCL count semantics, wire = ring conventions.</p>\n"
             f"<nav>{nav}</nav>\n{body}\n</body></html>\n")
 

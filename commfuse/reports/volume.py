@@ -22,9 +22,10 @@ Contract
       step's ``step.reports`` (PipelineReport objects): "after" from the reports, "before"
       from each graph's dump (``Config(dump_dir=...)``); without dumps "before" is missing
       and the report says so.
-    * :func:`volume_from_dump_dir` -- a dump directory on disk (``<kind>_<i>/`` with
-      ``NN_input.json``, ``NN_after_<pass>.json``, ``pipeline.json``), optionally one
-      ``rank<r>/`` sub-directory per rank.
+    * :func:`volume_from_dump_dir` -- a dump directory on disk: one ``rank<r>/`` sub-directory
+      per rank (what commfuse writes, with ``index.json`` beside them) holding ``<kind>_<i>/``
+      with ``NN_input.json``, ``NN_after_<pass>.json``, ``pipeline.json``; a rank's own
+      directory, or a flat dump dir of an older run, is read as it is.
 
     Dumps do not record a joint graph's forward/backward split per collective, so from a
     dump the joint graph's "before" side has direction ``joint``; forward and backward

@@ -102,7 +102,8 @@ def _print_summary(payload: dict, dump_dir: str | None, world: int) -> None:
             roles = sorted({c["role"] + "/dim" + str(c["logical_dim"]) for c in a["collectives"] if c["kind"] == kind})
             print(f"    {kind:<16}{t['count']:>6}{str(t['logged_bytes']):>12}{str(t['wire_bytes']):>12}   {', '.join(roles)}")
     if dump_dir:
-        print(f"\nGraph dumps (FX code, SVG, analysis JSON per pass): {dump_dir}")
+        print(f"\nGraph dumps of rank 0 (FX code, SVG, analysis JSON per pass): {os.path.join(dump_dir, 'rank0')} "
+              f"(index: {os.path.join(dump_dir, 'index.json')})")
 
 
 def demo(argv: list[str] | None = None) -> int:
