@@ -106,6 +106,23 @@ class _TPBlock(nn.Module):
         return F.gelu(self.w1(self.pre(x)))
 
 
+class _EPBlock(nn.Module):
+    """Tokens exchanged to their experts and back (equal splits, as capacity dispatch gives):
+    dispatch all_to_all, a GeLU on the received tokens, combine all_to_all."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.w_in = nn.Linear(d, d)
+        self.w_out = nn.Linear(d, d)
+
+    def forward(self, x):
+        import torch.distributed._functional_collectives as funcol
+
+        g = dist.group.WORLD
+        h = funcol.all_to_all_single_autograd(self.w_in(x), None, None, g)
+        return self.w_out(funcol.all_to_all_single_autograd(F.gelu(h), None, None, g))
+
+
 def _workload(name: str, mesh) -> tuple[Any, Any]:
     rank = dist.get_rank()
     if name in ("fsdp", "dp"):
@@ -129,6 +146,13 @@ def _workload(name: str, mesh) -> tuple[Any, Any]:
 
         def inputs(step):  # this rank's sequence shard: batch 2, 3 positions, dim 8
             return torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+    elif name == "ep":
+        def model():
+            torch.manual_seed(0)
+            return _EPBlock()
+
+        def inputs(step):  # 8 tokens: 2 per rank of the world
+            return torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * step + rank))
     else:
         raise ValueError(name)
     return model, inputs

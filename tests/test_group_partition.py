@@ -232,6 +232,56 @@ def test_sequence_text_and_exact_values(world, kind, order, dim):
         check_equivalent(before, gm, world, groups=_groups(s), exact=True, inputs=_ints(before, world))
 
 
+A2A_SEQUENCES = {  # order -> the levels in graph order, and the block reorders (transposes) around them
+    "intra_first": (["intra", "inter"], 2),
+    "inter_first": (["inter", "intra"], 2),
+}
+
+
+@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("order", list(A2A_SEQUENCES))
+@pytest.mark.parametrize("split_dim", [0, 1])
+def test_all_to_all_two_level_exchange_text_bytes_and_exact_values(world, order, split_dim):
+    """Each level exchanges the whole buffer (the bytes per level derived in the module docstring);
+    the received blocks come out in group-rank order, bitwise."""
+    def fn(x):
+        g = dist.group.WORLD
+        if split_dim == 0:
+            return funcol.all_to_all_single(x, None, None, g) * 2
+        # DTensor's Shard(1) -> Shard(0) form: dim-1 chunks, exchanged along dim 0
+        return funcol.all_to_all_single(torch.cat(torch.chunk(x, world, 1), 0).contiguous(), None, None, g) * 2
+
+    shape = (world * 2, 3) if split_dim == 0 else (2, world * 3)
+    topo = _topo(world)
+    with fake_process_group(world, rank=world - 1):
+        s = commfuse.setup(topology=topo)
+        gm = _trace(fn, shape)
+        before = _copy(gm)
+        plan, starts = _apply(gm, topo, order)
+        assert verify_graph(gm).ok, verify_graph(gm).problems
+        intra, inter = subgroup_names(tuple(range(world)))
+        levels, transposes = A2A_SEQUENCES[order]
+        assert [(n.target.__name__.split(".")[0], n.args[-1]) for n in starts] == \
+            [("all_to_all_single", intra if lvl == "intra" else inter) for lvl in levels]
+        assert gm.code.count("aten.transpose") == transposes
+        nbytes = math.prod(shape) * 4
+        assert [lv.message_bytes for lv in plan.levels] == [nbytes, nbytes]
+        assert [lv.size for lv in plan.levels] == [world // 2 if lvl == "intra" else 2 for lvl in levels]
+        FileCheck().check_not("'0'").run(gm.code)  # nothing left on the flat group
+        check_equivalent(before, gm, world, groups=_groups(s), exact=True, inputs=_ints(before, world))
+
+
+def test_all_to_all_is_partitioned_by_the_pass_where_latency_dominates():
+    with fake_process_group(8):
+        commfuse.setup(topology=TOPO_2x4)
+        gm = _trace(lambda x: funcol.all_to_all_single(x, None, None, dist.group.WORLD) + 1, (16, 2))
+        rec = _run_pass(gm, TOPO_2x4)
+        assert rec.changed and rec.counts["partitioned"] == 1, rec.refusals
+        (d,) = rec.decisions
+        assert d["kind"] == "all_to_all" and d["message_bytes"] == [128, 128]
+        assert d["predicted_hierarchical_us"] < d["predicted_flat_us"]
+
+
 @pytest.mark.parametrize("op", ["avg", "max"])
 def test_reduce_ops_avg_and_max(op):
     with fake_process_group(8):
@@ -246,7 +296,7 @@ def test_reduce_ops_avg_and_max(op):
 
 def test_the_pass_on_a_graph_with_every_kind_and_a_chain():
     """Pass-chosen orders, a gather of a gathered tensor (the second rewrite must read the first's
-    result), a view-form dim-1 gather (local dims before it are 1), and an all_to_all refused."""
+    result), a view-form dim-1 gather (local dims before it are 1) and an all_to_all."""
     def f(x, y, z, u):
         g = dist.group.WORLD
         a = funcol.all_gather_tensor(funcol.all_gather_tensor(x, 0, g) * 3, 1, g)
@@ -261,14 +311,12 @@ def test_the_pass_on_a_graph_with_every_kind_and_a_chain():
         gm = _trace(f, (2, 3), (8, 2), (4, 2), (1, 2, 3))
         before = _copy(gm)
         rec = _run_pass(gm, TOPO_2x2)
-        assert rec.counts["partitioned"] == 5, rec.refusals
+        assert rec.counts["partitioned"] == 6 and not rec.refusals, rec.refusals
         assert rec.counts["predicted_hierarchical_us"] < rec.counts["predicted_flat_us"]
-        assert len(rec.decisions) == 5 and all(d["mesh"] == [2, 2] for d in rec.decisions)
-        (refusal,) = rec.refusals
-        assert "all_to_all" in refusal and "not implemented: hierarchical all_to_all" in refusal
+        assert len(rec.decisions) == 6 and all(d["mesh"] == [2, 2] for d in rec.decisions)
         kinds = [(c.kind.value, c.group.name) for c in CollectiveIR(gm).collectives]
-        assert sum(g == W for _, g in kinds) == 1  # only the all_to_all stays flat
-        assert len(kinds) == 2 * 2 + 2 + 3 + 2 + 1
+        assert not any(g == W for _, g in kinds)  # nothing stays flat
+        assert len(kinds) == 2 * 2 + 2 + 3 + 2 + 2
         check_equivalent(before, gm, 4, groups=_groups(s), exact=True, inputs=_ints(before, 4))
 
 
@@ -325,7 +373,7 @@ def _refused(fn, shapes, world=4, topo=TOPO_2x2, setup=True, group=None, **cfg):
     ("one_per_node", "one rank per node"),
     ("not_set_up", "sub-groups not set up"),
     ("not_divisible", "no dim of shape [3, 5] is divisible"),
-    ("all_to_all", "not implemented: hierarchical all_to_all"),
+    ("all_to_all", "all_to_all with unequal (or data-dependent) splits"),
     ("coalesced", "coalesced or in-place"),
     ("no_topology", "no topology"),
     ("product", "reduce op 'product'"),
@@ -344,7 +392,7 @@ def test_refusals_leave_the_graph_and_say_why(case, expected):
     elif case == "not_divisible":
         fn, shapes = (lambda g: lambda x: funcol.all_reduce(x, "sum", g)), [(3, 5)]
     elif case == "all_to_all":
-        fn, shapes = (lambda g: lambda x: funcol.all_to_all_single(x, None, None, g)), [(4, 2)]
+        fn, shapes = (lambda g: lambda x: funcol.all_to_all_single(x, [1, 1, 1, 1], [2, 1, 0, 1], g)), [(4, 2)]
     elif case == "coalesced":
         fn, shapes = (lambda g: lambda x, y: funcol.all_gather_into_tensor_coalesced([x, y], g)), [(2, 2), (2, 2)]
     elif case == "no_topology":
@@ -395,6 +443,7 @@ def test_subgroups_created_once_identically_on_every_rank(rank_pool_4):
     ("fsdp", {"forward": 4, "backward": 4}),  # all_gathers / gradient reduce_scatters of 2 weights + 2 biases
     ("dp", {"backward": 4}),  # gradient all_reduces of 2 weights + 2 biases
     ("tp", {"forward": 1, "backward": 1}),  # sequence all_gather (dim 1) and its reduce_scatter
+    ("ep", {"forward": 2, "backward": 2}),  # dispatch and combine all_to_all, and their gradients
 ])
 def test_training_matches_unoptimised_program_on_2_nodes_x_2(rank_pool_4, workload, expected):
     """Forward outputs, gradients and SGD-updated parameters equal eager's (fp32 policy, asserted

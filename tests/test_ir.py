@@ -259,3 +259,25 @@ def test_group_same_members():
     assert not tp.same_members(GroupInfo("7", 4, None))  # ranks unknown on one side
     assert not GroupInfo("a", 4, None).same_members(GroupInfo("b", 4, None))
     assert GroupInfo("a", None, None).same_members(GroupInfo("a", None, None))
+
+
+@pytest.mark.parametrize("splits,rank_local", [
+    ((None, None), False),  # equal splits: the traced op carries the even division of dim 0
+    (([2, 2, 2, 2], [2, 2, 2, 2]), False),  # the same division, written out
+    (([2, 2, 2, 2], [1, 3, 2, 2]), True),  # what this rank receives: another rank's may differ
+])
+def test_all_to_all_split_sizes_derived_from_the_shape_are_not_rank_local(splits, rank_local):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from commfuse.analysis.rank_local import rank_local_reason
+
+    out_splits, in_splits = splits
+    with fake_process_group(4):
+        gm = make_fx(lambda x: funcol.all_to_all_single(x, out_splits, in_splits, dist.group.WORLD) + 1,
+                     tracing_mode="fake")(torch.randn(8, 3))
+        ir = CollectiveIR(gm)
+    (c,) = ir.collectives
+    assert c.extra["rank_local_sizes"] is rank_local
+    assert (rank_local_reason(ir.collectives, gm) is not None) is rank_local

@@ -83,6 +83,47 @@ def test_forced_pass_cuts_in_algorithm1s_uneven_granularity_or_says_why_not(shap
         commfuse.session.reset()
 
 
+@pytest.mark.parametrize("topo,hierarchical", [
+    # latency-bound 2 x 4 (the fuzz topology): one inter-node message per peer node, not per rank
+    ("latency", True),
+    # bandwidth-bound: the two-level exchange moves the buffer twice and pays two reorders
+    ("bandwidth", False),
+])
+def test_search_picks_the_two_level_all_to_all_where_the_simulator_prefers_it(topo, hierarchical):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from commfuse.ir.graph_ir import CollectiveIR
+    from commfuse.testing.equivalence import check_equivalent
+    from commfuse.testing.fake_pg import fake_process_group
+    from commfuse.testing.graphs import _copy
+    from commfuse.transforms.group_partition import GroupPartition
+
+    latency = GroupPartition.fuzz.topology
+    topology = latency if topo == "latency" else latency.model_copy(update={
+        "inter_node_bandwidth_GBps": 400.0, "intra_node_bandwidth_GBps": 400.0, "inter_node_latency_us": 0.1,
+        "intra_node_latency_us": 0.1, "memory_bandwidth_GBps": 50.0})
+    rows = 8 if topo == "latency" else 8 * 4096
+    with fake_process_group(8):
+        s = commfuse.setup(topology=topology)
+        try:
+            gm = make_fx(lambda x: funcol.all_to_all_single(x.tanh(), None, None, dist.group.WORLD) * 2,
+                         tracing_mode="fake")(torch.randn(rows, 64))
+            before = _copy(gm)
+            rec = _search(gm, topology)
+            kinds = [(c.kind.value, c.group.size) for c in CollectiveIR(gm).collectives]
+            if hierarchical:
+                assert rec.changed and "group:" in rec.decisions[0]["scheme"], (rec.decisions, rec.refusals)
+                assert sorted(kinds) == [("all_to_all", 2), ("all_to_all", 4)]
+                check_equivalent(before, gm, 8, groups={"0": "world", **s.reference_groups()}, exact=True)
+            else:
+                assert not rec.changed and kinds == [("all_to_all", 8)], rec.decisions
+                assert rec.refusals and "all_to_all" in rec.refusals[0]
+        finally:
+            commfuse.session.reset()
+
+
 def _fsdp_graphs(mesh, dim: int = 256, seq: int = 64, ffn: int | None = None):
     from commfuse.models import llama, simple_fsdp
 

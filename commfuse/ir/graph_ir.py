@@ -60,6 +60,16 @@ def _waits_of(start: fx.Node, coalesced: bool) -> list[fx.Node]:
     return waits
 
 
+def _shape_derived_splits(sizes, shapes, n: int | None) -> bool:
+    """No split sizes, or the even division of a static dim 0 by the group size ``n``."""
+    if sizes is None:
+        return True
+    shape = shapes[0] if shapes else None
+    if not n or not shape or not all(isinstance(s, int) for s in (*sizes, shape[0])):
+        return False
+    return len(sizes) == n and all(s * n == shape[0] for s in sizes)
+
+
 def _sum_sizes(vals: list[Size | None]) -> Size | None:
     if any(v is None for v in vals):
         return None
@@ -156,8 +166,11 @@ class CollectiveIR:
         if spec.kind is CollectiveKind.ALL_TO_ALL:
             c.extra["equal_splits"] = args.input_split_sizes is None or len(set(map(str, args.input_split_sizes))) <= 1
             # split sizes given explicitly are this rank's (uneven, or data-dependent): another
-            # rank's sizes, and so the collective's bytes there, may differ
-            c.extra["rank_local_sizes"] = args.input_split_sizes is not None or args.output_split_sizes is not None
+            # rank's sizes, and so the collective's bytes there, may differ -- unless they are the
+            # even division of a static dim 0, which every rank with the same shapes passes
+            c.extra["rank_local_sizes"] = not (
+                _shape_derived_splits(args.input_split_sizes, in_shapes, group.size)
+                and _shape_derived_splits(args.output_split_sizes, out_shapes, group.size))
         self._logical_layout(c)
         if spec.refine is not None:
             spec.refine(c)

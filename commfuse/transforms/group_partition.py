@@ -1,8 +1,8 @@
 """group_partition: a collective over a group spanning nodes -> a sequence over its sub-groups.
 
 Contract
-- Matches: every functional all_gather, reduce_scatter (reduce op sum/avg/max/min) and
-  all_reduce (same ops) with one wait and static shapes, whose group (global ranks
+- Matches: every functional all_gather, reduce_scatter (reduce op sum/avg/max/min),
+  all_reduce (same ops) and all_to_all (equal splits) with one wait and static shapes, whose group (global ranks
   known) is the node-major mesh [a nodes, b ranks per node], a, b >= 2, on
   ``ctx.topology`` (ascending ranks, the same count on every node it touches), and
   whose intra-/inter-node sub-groups ``commfuse.setup`` created (session lookup
@@ -19,7 +19,16 @@ Contract
     ``inter_first``: inter then intra, no permutation;
   * all_reduce, ``intra_first``: reduce_scatter over the intra-node group along the
     lowest non-last dim b divides, all_reduce over the inter-node group, all_gather over
-    the intra-node group; ``inter_first``: the same with the two levels swapped.
+    the intra-node group; ``inter_first``: the same with the two levels swapped;
+  * all_to_all (dim 0 split into the n = a*b blocks of the group ranks), ``intra_first``:
+    blocks permuted from (i', l') to (l', i'), all_to_all over the intra-node group (local
+    peer l' receives every block bound for a rank with local index l'), blocks permuted
+    from (l'', i') to (i', l''), all_to_all over the inter-node group, which leaves the
+    blocks in group-rank order; ``inter_first``: inter-node all_to_all first, with the
+    permutations (i'', l') -> (l', i'') before the intra-node one and (l'', i'') ->
+    (i'', l'') after it. Each level moves the whole buffer, so the rewrite pays where the
+    flat exchange's (a-1)*b inter-node messages cost more than a-1 larger ones plus an
+    intra-node exchange (latency-bound multi-node expert parallelism).
   Layouts slice by slice: docs/centauri-group-partition.md. Sub-collectives along
   d != 0 use DTensor's split/cat shuffle, so the IR sees their logical dim.
 - Decides: with the cost model of ``ctx.topology`` (``passmgr/cost.py``): the flat
@@ -37,13 +46,14 @@ Contract
   identical on every rank that shares the parent (:func:`commfuse.costmodel.hierarchy.subgroup_names`).
 - Leaves alone (one refusal line each, with the reason): no topology; group ranks
   unknown; group inside one node, one rank per node, uneven ranks per node, ranks not
-  ascending; sub-groups not set up (or set up for another layout); all_to_all ("not
-  implemented: hierarchical all_to_all") and other kinds; coalesced / in-place
+  ascending; sub-groups not set up (or set up for another layout); all_to_all with
+  unequal (or data-dependent) splits, and other kinds; coalesced / in-place
   collectives; reduce ops without a two-level form; symbolic shapes; an all_reduce with
   no dim divisible by the first level's size; sequences not predicted faster.
 
 Source: Centauri §3.1 "group partition" (mesh [N1..Nd], ``index(r)[k]``, sub-groups
-G'_i; all_gather = inter-node all_gather then intra-node all_gather).
+G'_i; all_gather = inter-node all_gather then intra-node all_gather); the two-level
+all_to_all is the 2-D decomposition hierarchical expert-parallel exchanges use.
 """
 
 from __future__ import annotations
@@ -65,7 +75,7 @@ from commfuse.passmgr.context import PassContext
 from commfuse.transforms.split_all_reduce import SPLITTABLE_OPS, split_dim
 
 K = CollectiveKind
-KINDS = (K.ALL_GATHER, K.REDUCE_SCATTER, K.ALL_REDUCE)
+KINDS = (K.ALL_GATHER, K.REDUCE_SCATTER, K.ALL_REDUCE, K.ALL_TO_ALL)
 ORDERS = ("inter_first", "intra_first")
 
 
@@ -85,16 +95,16 @@ class GroupPlan:
     """Everything needed to rewrite one collective into its hierarchical sequence."""
 
     collective: str  # start node name (for reports)
-    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce"
+    kind: str  # "all_gather" | "reduce_scatter" | "all_reduce" | "all_to_all"
     order: str  # "inter_first" | "intra_first"
-    dim: int  # gather / scatter dim (all_reduce: the dim its reduce_scatter splits)
+    dim: int  # gather / scatter dim (all_reduce: the dim its reduce_scatter splits; all_to_all: 0)
     nodes: int  # a
     local: int  # b
     intra_group: str  # alias of this rank's intra-node sub-group
     inter_group: str  # alias of this rank's inter-node sub-group
     reduce_op: Optional[str]
     levels: tuple[Level, ...]
-    reorder_us: float  # local block reorder (all_gather inter_first, reduce_scatter intra_first)
+    reorder_us: float  # local block reorders (all_gather inter_first, reduce_scatter intra_first, all_to_all)
     flat_us: float
     hierarchical_us: float
 
@@ -148,12 +158,29 @@ def _ar_inter_first(x, op, d, a, b, intra, inter):
     return rewrite.all_gather(rewrite.all_reduce(y, op, intra), d, a, inter)
 
 
+def _a2a_intra_first(x, d, a, b, intra, inter):
+    x = _swap_blocks(x, 0, a, b)  # (i', l') -> (l', i'): local peer l' gets the blocks bound for (*, l')
+    y = rewrite.all_to_all(x, 0, 0, b, intra)  # (l'', i'): from local peer l'', bound for (i', l)
+    y = _swap_blocks(y, 0, b, a)  # -> (i', l''): node peer i' gets the blocks bound for (i', l)
+    return rewrite.all_to_all(y, 0, 0, a, inter)  # (i'', l''): from group rank i''*b + l''
+
+
+def _a2a_inter_first(x, d, a, b, intra, inter):
+    y = rewrite.all_to_all(x, 0, 0, a, inter)  # (i'', l'): from node peer i'', bound for (i, l')
+    y = _swap_blocks(y, 0, a, b)  # -> (l', i''): local peer l' gets the blocks bound for it
+    y = rewrite.all_to_all(y, 0, 0, b, intra)  # (l'', i''): from group rank i''*b + l''
+    return _swap_blocks(y, 0, b, a)  # -> (i'', l''): group-rank order
+
+
 _BODIES = {
     (K.ALL_GATHER, "inter_first"): _ag_inter_first, (K.ALL_GATHER, "intra_first"): _ag_intra_first,
     (K.REDUCE_SCATTER, "intra_first"): _rs_intra_first, (K.REDUCE_SCATTER, "inter_first"): _rs_inter_first,
     (K.ALL_REDUCE, "intra_first"): _ar_intra_first, (K.ALL_REDUCE, "inter_first"): _ar_inter_first,
+    (K.ALL_TO_ALL, "intra_first"): _a2a_intra_first, (K.ALL_TO_ALL, "inter_first"): _a2a_inter_first,
 }
-_REORDERS = {(K.ALL_GATHER, "inter_first"), (K.REDUCE_SCATTER, "intra_first")}
+# (kind, order) -> how many times the local reorder reads and writes the whole buffer
+_REORDERS = {(K.ALL_GATHER, "inter_first"): 1, (K.REDUCE_SCATTER, "intra_first"): 1,
+             (K.ALL_TO_ALL, "intra_first"): 2, (K.ALL_TO_ALL, "inter_first"): 2}
 
 
 # --------------------------------------------------------------------------- planning
@@ -163,7 +190,11 @@ def _static(shape) -> bool:
 
 def _shape_and_dim(c: Collective, first_level: int) -> Union[tuple[tuple, int], str]:
     """(the shape the rewrite starts from, its dim) or why the collective cannot be split."""
-    if c.kind is K.ALL_GATHER:
+    if c.kind is K.ALL_TO_ALL:  # the traced dim-0 exchange; DTensor's shuffles around it stay
+        shape, d = c.input_shapes[0], 0
+        if _static(shape) and (not shape or shape[0] % c.group.size):
+            return f"dim 0 of {list(shape)} is not divisible by the group size {c.group.size}"
+    elif c.kind is K.ALL_GATHER:
         shape, d = c.input_shapes[0], c.logical_dim
     elif c.kind is K.REDUCE_SCATTER:
         src = c.logical_input if c.logical_input is not None else c.inputs[0]
@@ -185,13 +216,13 @@ def _shape_and_dim(c: Collective, first_level: int) -> Union[tuple[tuple, int], 
 
 def why_not(ctx: PassContext, c: Collective) -> Optional[str]:
     """The structural reason ``c`` has no hierarchical form (None: it has one)."""
-    if c.kind is K.ALL_TO_ALL:
-        return "not implemented: hierarchical all_to_all"
     if c.kind not in KINDS:
-        return f"{c.kind.value}: group partition covers all_gather, reduce_scatter and all_reduce"
+        return f"{c.kind.value}: group partition covers all_gather, reduce_scatter, all_reduce and all_to_all"
     if c.coalesced or c.inplace:
         return "coalesced or in-place collective"
-    if c.kind is not K.ALL_GATHER and c.reduce_op not in SPLITTABLE_OPS:
+    if c.kind is K.ALL_TO_ALL and not c.extra.get("equal_splits", False):
+        return "all_to_all with unequal (or data-dependent) splits: the blocks of a level are not fixed"
+    if c.kind in (K.REDUCE_SCATTER, K.ALL_REDUCE) and c.reduce_op not in SPLITTABLE_OPS:
         return f"reduce op {c.reduce_op!r} has no two-level form"
     if len(c.waits) != 1 or (c.kind is K.ALL_GATHER and c.logical_output is None):
         return "not exactly one wait"
@@ -248,9 +279,8 @@ def plan_group_partition(ctx: PassContext, c: Collective, order: Optional[str] =
         lv = _levels(c.kind, o, size, a, b, (sg.intra_name, sg.intra), (sg.inter_name, sg.inter))
         levels = tuple(Level(k.value, g, gsize, msg, est.collectives.time(k, msg, gsize, ranks=ranks).time_us + extra)
                        for k, g, gsize, ranks, msg in lv)
-        reorder = 0.0
-        if (c.kind, o) in _REORDERS:  # read + write the whole gathered / scattered buffer once
-            reorder = 2 * size / (ctx.topology.memory_bandwidth_GBps * 1e3)
+        # each reorder reads and writes the whole gathered / scattered / exchanged buffer once
+        reorder = _REORDERS.get((c.kind, o), 0) * 2 * size / (ctx.topology.memory_bandwidth_GBps * 1e3)
         plans.append(GroupPlan(c.name, c.kind.value, o, d, a, b, sg.intra_name, sg.inter_name, c.reduce_op, levels,
                                reorder, flat, sum(lv.predicted_us for lv in levels) + reorder))
     if not plans:
@@ -268,6 +298,8 @@ def _levels(kind: K, order: str, size: int, a: int, b: int, intra, inter) -> lis
         return [(K.ALL_GATHER, lo[0], lo[1], lo[2], size // hi[1]), (K.ALL_GATHER, hi[0], hi[1], hi[2], size)]
     if kind is K.REDUCE_SCATTER:
         return [(K.REDUCE_SCATTER, lo[0], lo[1], lo[2], size), (K.REDUCE_SCATTER, hi[0], hi[1], hi[2], size // lo[1])]
+    if kind is K.ALL_TO_ALL:  # both levels exchange the whole buffer
+        return [(K.ALL_TO_ALL, lo[0], lo[1], lo[2], size), (K.ALL_TO_ALL, hi[0], hi[1], hi[2], size)]
     return [(K.REDUCE_SCATTER, lo[0], lo[1], lo[2], size), (K.ALL_REDUCE, hi[0], hi[1], hi[2], size // lo[1]),
             (K.ALL_GATHER, lo[0], lo[1], lo[2], size)]
 
@@ -288,7 +320,7 @@ def apply_group_partition(ctx: PassContext, c: Collective, plan: GroupPlan) -> l
     kind = K(plan.kind)
     body = _BODIES[(kind, plan.order)]
     consts = (plan.dim, plan.nodes, plan.local, plan.intra_group, plan.inter_group)
-    if kind is not K.ALL_GATHER:
+    if kind in (K.REDUCE_SCATTER, K.ALL_REDUCE):
         consts = (plan.reduce_op,) + consts
     target = c.logical_output if kind is K.ALL_GATHER else c.waits[0]
     anchor = c.start.prev
@@ -344,6 +376,7 @@ class GroupPartition(GraphPass):
             decisions.append({"collective": c.name, "kind": plan.kind, "group": c.group.name, "order": plan.order,
                               "dim": plan.dim, "mesh": [plan.nodes, plan.local],
                               "sequence": [[lv.kind, lv.group] for lv in plan.levels],
+                              "message_bytes": [lv.message_bytes for lv in plan.levels],
                               "predicted_flat_us": plan.flat_us, "predicted_hierarchical_us": plan.hierarchical_us})
         if counts["partitioned"]:
             ctx.gm.graph.lint()

@@ -1,7 +1,7 @@
 """centauri_partition: per collective, search the partition tree and keep the cheapest leaf.
 
 Contract
-- Matches: every all_gather, reduce_scatter and all_reduce of a scheduled
+- Matches: every all_gather, reduce_scatter, all_reduce and equal-split all_to_all of a scheduled
   (forward / backward / inference) graph, in graph order, when a topology is
   known (``Config.topology`` or ``commfuse.setup``); without one nothing is
   searched and the report says so.
@@ -78,7 +78,9 @@ from commfuse.transforms.sink_waits import SinkWaits
 
 log = logging.getLogger("commfuse")
 
-SEARCHED_KINDS = (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE)
+# An all_to_all's tree has the group level only (no substitute form, no workload chain yet).
+SEARCHED_KINDS = (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE,
+                  CollectiveKind.ALL_TO_ALL)
 GROUP_SCHEMES = ("flat", "inter_first", "intra_first")
 # A leaf must beat the current graph by this fraction of its makespan to be applied:
 # below it the simulator's rounding, not the schedule, decides.
