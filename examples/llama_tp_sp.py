@@ -1,45 +1,42 @@
 """Train a Llama-style decoder with tensor + sequence parallelism, compiled.
 
-Spawns 4 gloo CPU ranks (no torchrun needed), shards the model Megatron-style
-with DTensor (``commfuse.models.llama.parallelize_llama``), and trains a few
-SGD steps twice from the same weights: eagerly, then under
-``torch.compile(model, backend=BACKEND)``. Prints both loss curves.
+Shards the model Megatron-style over all ranks with DTensor
+(``commfuse.models.llama.parallelize_llama``) and trains a few SGD steps twice from
+the same weights: eagerly, then under ``torch.compile(model, backend=BACKEND)``.
+Prints both loss curves and checks they agree. CPU ranks use gloo, GPU ranks NCCL
+(one GPU each). BACKEND is ``commfuse``; override it with ``--backend``. Usage::
 
-BACKEND is ``commfuse``;
-override it with ``--backend``. Usage::
+    torchrun --nproc-per-node 4 examples/llama_tp_sp.py [--steps 4] [--no-sp] [--backend aot_eager]
 
-    python examples/llama_tp_sp.py [--steps 4] [--no-sp] [--backend aot_eager]
+The rank count must divide the 8 heads and, with SP, the 32 positions (1, 2, 4 or 8).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from commfuse.models.common import default_backend, global_loss, print_loss_comparison, spawn_gloo
+from commfuse.models.common import batch_to, default_backend, global_loss, init_distributed, print_loss_comparison
 from commfuse.models.llama import LlamaConfig, build_llama, loss_fn, make_inputs, parallelize_llama
 
-WORLD = 4
 CONFIG = LlamaConfig(n_layers=4, dim=64, n_heads=8, ffn_dim=128)
 BATCH, SEQ = 4, 32
 
 
-def train(backend: object | None, steps: int, sp: bool) -> list[float]:
+def train(device: str, backend: object | None, steps: int, sp: bool) -> list[float]:
     """``steps`` SGD steps on the TP(+SP) model; ``backend=None`` runs eagerly."""
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
-    model = parallelize_llama(build_llama(CONFIG, seed=0), mesh, sequence_parallel=sp)
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device, (world,), mesh_dim_names=("tp",))
+    model = parallelize_llama(build_llama(CONFIG, seed=0).to(device), mesh, sequence_parallel=sp)
     run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    # With SP each rank gets its quarter of the sequence: [BATCH, SEQ/4, dim];
+    # With SP each rank gets its share of the sequence: [BATCH, SEQ/world, dim];
     # without SP the full [BATCH, SEQ, dim]. One fixed batch: the loss must drop.
-    batch = make_inputs(CONFIG, BATCH, SEQ, rank=dist.get_rank(), world_size=WORLD, sequence_parallel=sp)
+    batch = batch_to(make_inputs(CONFIG, BATCH, SEQ, rank=dist.get_rank(), world_size=world, sequence_parallel=sp),
+                     device)
     losses = []
     for _ in range(steps):
         loss = loss_fn(run(batch.inputs), batch)
@@ -52,12 +49,12 @@ def train(backend: object | None, steps: int, sp: bool) -> list[float]:
     return losses
 
 
-def worker(backend_name: str | None, steps: int, sp: bool) -> None:
+def worker(device: str, backend_name: str | None, steps: int, sp: bool) -> None:
     backend = backend_name or default_backend()
-    eager = train(None, steps, sp)
-    compiled = train(backend, steps, sp)
+    eager = train(device, None, steps, sp)
+    compiled = train(device, backend, steps, sp)
     if dist.get_rank() == 0:
-        title = f"Llama {CONFIG.n_layers} layers, TP={WORLD}{' + SP' if sp else ''}"
+        title = f"Llama {CONFIG.n_layers} layers, TP={dist.get_world_size()}{' + SP' if sp else ''}"
         print_loss_comparison(title, backend, eager, compiled)
 
 
@@ -67,7 +64,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--no-sp", dest="sp", action="store_false", help="TP only (all_reduce) instead of TP+SP")
     args = parser.parse_args()
-    spawn_gloo(worker, WORLD, args.backend, args.steps, args.sp)
+    device = init_distributed()
+    try:
+        worker(device, args.backend, args.steps, args.sp)
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

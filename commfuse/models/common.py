@@ -9,13 +9,12 @@ Nothing here is specific to one model:
   (:func:`full_tensor`, :func:`all_gather_cat`);
 * a graph-recording ``torch.compile`` backend built on AOTAutograd that runs
   the captured graphs eagerly (:class:`GraphRecorder`);
-* picking the default backend and spawning gloo CPU ranks for the examples.
+* picking the default backend and setting up a torchrun-launched example's ranks.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -31,12 +30,13 @@ __all__ = [
     "Batch",
     "GraphRecorder",
     "all_gather_cat",
+    "batch_to",
     "default_backend",
     "full_tensor",
     "global_loss",
+    "init_distributed",
     "init_weights_",
     "print_loss_comparison",
-    "spawn_gloo",
 ]
 
 
@@ -182,28 +182,20 @@ def print_loss_comparison(title: str, backend: object, eager: list[float], compi
     print("compiled matches eager")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _gloo_entry(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    # One intra-op thread per rank: the ranks share the machine's few cores.
+def init_distributed() -> str:
+    """Initialise the default process group from torchrun's environment (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``LOCAL_RANK``) and return the device type to build on:
+    ``"cuda"`` with NCCL, each rank on GPU ``LOCAL_RANK``, where CUDA is available, else
+    ``"cpu"`` with gloo and one intra-op thread per rank (the ranks share the machine's cores)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+        return "cuda"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        fn(*args)
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("gloo")
+    return "cpu"
 
 
-def spawn_gloo(fn: Callable[..., None], world_size: int, *args: Any) -> None:
-    """Run ``fn(*args)`` on ``world_size`` fresh processes, each inside an
-    initialised gloo default process group (for the torchrun-free examples).
-    ``fn`` must be a module-level (picklable) function."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_gloo_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size)
+def batch_to(batch: Batch, device: str | torch.device) -> Batch:
+    """``batch`` with its tensors on ``device``."""
+    return Batch(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in batch))
