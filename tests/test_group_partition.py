@@ -183,6 +183,19 @@ def _apply(gm, topo, order):
     return plan, starts
 
 
+def _rewritten_on_the_last_rank(fn, shape, world, order):
+    """Set up sub-groups, trace ``fn`` and apply ``order``'s plan to its one collective, in the
+    fake world already entered as its last rank; returns the session, the graph before and after,
+    the plan, the new starts and the (intra, inter) aliases."""
+    topo = _topo(world)
+    s = commfuse.setup(topology=topo)
+    gm = _trace(fn, shape)
+    before = _copy(gm)
+    plan, starts = _apply(gm, topo, order)
+    assert verify_graph(gm).ok, verify_graph(gm).problems
+    return s, gm, before, plan, starts, subgroup_names(tuple(range(world)))
+
+
 # (kind, order) -> the collectives in graph order (kind, level) and whether a block reorder appears
 SEQUENCES = {
     ("ag", "inter_first"): ([("all_gather_into_tensor", "inter"), ("all_gather_into_tensor", "intra")], True),
@@ -204,14 +217,8 @@ def test_sequence_text_and_exact_values(world, kind, order, dim):
                  "ar": (_ar(), (world, 2, 3))}[kind]
     if kind == "ar" and dim == 1:
         fn, shape = _ar(), (3, 4, 5)  # dim 0 not divisible: the split moves to dim 1
-    topo = _topo(world)
     with fake_process_group(world, rank=world - 1):
-        s = commfuse.setup(topology=topo)
-        gm = _trace(fn, shape)
-        before = _copy(gm)
-        plan, starts = _apply(gm, topo, order)
-        assert verify_graph(gm).ok, verify_graph(gm).problems
-        intra, inter = subgroup_names(tuple(range(world)))
+        s, gm, before, plan, starts, (intra, inter) = _rewritten_on_the_last_rank(fn, shape, world, order)
         seq, reorder = SEQUENCES[(kind, order)]
         assert [(n.target.__name__.split(".")[0], n.args[-1]) for n in starts] == \
             [(op, intra if lvl == "intra" else inter) for op, lvl in seq]
@@ -252,14 +259,8 @@ def test_all_to_all_two_level_exchange_text_bytes_and_exact_values(world, order,
         return funcol.all_to_all_single(torch.cat(torch.chunk(x, world, 1), 0).contiguous(), None, None, g) * 2
 
     shape = (world * 2, 3) if split_dim == 0 else (2, world * 3)
-    topo = _topo(world)
     with fake_process_group(world, rank=world - 1):
-        s = commfuse.setup(topology=topo)
-        gm = _trace(fn, shape)
-        before = _copy(gm)
-        plan, starts = _apply(gm, topo, order)
-        assert verify_graph(gm).ok, verify_graph(gm).problems
-        intra, inter = subgroup_names(tuple(range(world)))
+        s, gm, before, plan, starts, (intra, inter) = _rewritten_on_the_last_rank(fn, shape, world, order)
         levels, transposes = A2A_SEQUENCES[order]
         assert [(n.target.__name__.split(".")[0], n.args[-1]) for n in starts] == \
             [("all_to_all_single", intra if lvl == "intra" else inter) for lvl in levels]

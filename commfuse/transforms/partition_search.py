@@ -76,7 +76,7 @@ from commfuse.transforms import group_partition, primitive_substitution, workloa
 from commfuse.transforms.group_partition import GroupPartition
 from commfuse.transforms.sink_waits import SinkWaits
 
-log = logging.getLogger("commfuse")
+log = logging.getLogger(__name__)
 
 # An all_to_all's tree has the group level only (no substitute form, no workload chain yet).
 SEARCHED_KINDS = (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE,
@@ -130,6 +130,17 @@ def _building_blocks():
     # Imported on use: the three passes import the registry, which imports this module.
 
     return primitive_substitution, group_partition, workload_partition
+
+
+def graph_refusal(ctx: PassContext, decided: str) -> Optional[str]:
+    """Why no collective of ``ctx``'s graph can be partitioned by cost: no cost model, or ranks
+    that may hold different graphs (``decided`` names what would then differ between them)."""
+    if ctx.cost.model is None:
+        return "no topology (Config.topology or commfuse.setup): no cost model to decide with"
+    local = rank_local_reason(ctx.ir.collectives, ctx.gm)
+    if local is not None:
+        return f"{local}, so {decided} could differ between ranks; graph left unchanged"
+    return None
 
 
 def chunk_candidates(max_chunks: int) -> list[int]:
@@ -333,14 +344,9 @@ class CentauriPartition(GraphPass):
     fuzz = FuzzSpec(generators=("tp", "sp", "fsdp", "mixed"), world_sizes=(8,), scaled_tolerance=True, topology=GroupPartition.fuzz.topology)
 
     def run(self, ctx: PassContext) -> PassResult:
-        if ctx.cost.model is None:
-            return PassResult(changed=False, refusals=["no topology (Config.topology or commfuse.setup): "
-                                                       "the partition search has no cost model to decide with"])
-        local = rank_local_reason(ctx.ir.collectives, ctx.gm)
-        if local is not None:
-            return PassResult(changed=False, refusals=[f"{local}, so the simulated costs, and the scheme chosen "
-                                                       "for a collective, could differ between ranks; graph left "
-                                                       "unchanged"])
+        why = graph_refusal(ctx, "the simulated costs, and the scheme chosen for a collective,")
+        if why is not None:
+            return PassResult(changed=False, refusals=[why])
         budget = ctx.config.partition_search_budget
         names = [c.name for c in ctx.ir.collectives if c.kind in SEARCHED_KINDS]
         refusals: list[str] = []

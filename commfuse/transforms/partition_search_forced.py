@@ -26,12 +26,11 @@ Source: Centauri (ASPLOS '24) §3.2, Algorithm 1 (group-partitioned branch).
 
 from __future__ import annotations
 
-from commfuse.analysis.rank_local import rank_local_reason
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms.group_partition import GroupPartition
 from commfuse.transforms.partition_search import (SEARCHED_KINDS, InfeasibleLeaf, _copy_context, apply_scheme,
-                                                   group_granularity, work_plan)
+                                                   graph_refusal, group_granularity, work_plan)
 
 
 class CentauriPartitionForced(GraphPass):
@@ -46,13 +45,9 @@ class CentauriPartitionForced(GraphPass):
                     topology=GroupPartition.fuzz.topology)
 
     def run(self, ctx: PassContext) -> PassResult:
-        if ctx.cost.model is None:
-            return PassResult(changed=False, refusals=["no topology (Config.topology or commfuse.setup): "
-                                                       "Algorithm 1 has no costs to decide with"])
-        local = rank_local_reason(ctx.ir.collectives, ctx.gm)
-        if local is not None:
-            return PassResult(changed=False, refusals=[f"{local}, so Algorithm 1's costs, and the chunks chosen, "
-                                                       "could differ between ranks; graph left unchanged"])
+        why = graph_refusal(ctx, "Algorithm 1's costs, and the chunks chosen,")
+        if why is not None:
+            return PassResult(changed=False, refusals=[why])
         refusals: list[str] = []
         decisions: list[dict] = []
         for name in [c.name for c in ctx.ir.collectives if c.kind in SEARCHED_KINDS]:
