@@ -178,3 +178,23 @@ def test_same_order_twice(example_graphs):
     b = _refine(p, sim, order, r, limit)
     assert a[0] == b[0] and a[2] == b[2]
     assert any(w["kept"] for w in a[2]["windows"])  # a window the memory-aware model improved
+
+
+def test_without_or_tools_the_pass_keeps_the_greedy_order_and_says_why(monkeypatch):
+    """An image without OR-Tools (a CUDA machine nothing can be installed on) loses only the
+    CP-SAT refinement: schedule_overlap still schedules, and its decision names what is missing."""
+    import importlib.util
+
+    import commfuse
+    from commfuse.schedule import cpsat
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ortools" else real(name, *a))
+    assert "OR-Tools is not installed" in cpsat.solver_missing()
+    with fake_process_group(8):
+        gm = prefetch_graph(64, 8)
+    commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], strict=True, topology=DGX), graph_kind="forward")
+    (rec,) = commfuse.last_report(gm).passes
+    assert rec.error is None
+    (decision,) = rec.decisions[:1]
+    assert decision["cpsat"]["enabled"] is False and "OR-Tools is not installed" in decision["cpsat"]["why"]

@@ -69,6 +69,16 @@ MEMORY_TICKS = 1000
 NEVER = 1 << 62  # "last used" of a buffer the graph output (or a persistent input) keeps
 
 
+def solver_missing() -> Optional[str]:
+    """Why CP-SAT cannot run here (OR-Tools not importable), or None. OR-Tools is a declared
+    dependency; an image without it (a CUDA machine one cannot install on) keeps the greedy order."""
+    import importlib.util
+
+    if importlib.util.find_spec("ortools") is None:
+        return "OR-Tools is not installed: the greedy order is kept unrefined"
+    return None
+
+
 def refine_windows(p: ScheduleProblem, sim: Simulator, order: list[int], result: SimResult, *, max_nodes: int,
                    det_time_s: float, acceptable: Callable[[list[int], SimResult], bool],
                    memory_limit: Optional[float] = None) -> tuple[list[int], SimResult, dict]:

@@ -67,7 +67,7 @@ from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT, SimResult, Simulator
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
-from commfuse.schedule.cpsat import refine_windows
+from commfuse.schedule.cpsat import refine_windows, solver_missing
 from commfuse.schedule.layer_level import backward_layers, chain_of, preferred_order
 from commfuse.schedule.list_scheduler import (Priority, ScheduleProblem, apply_order, build_problem, list_schedule,
                                               max_inflight)
@@ -219,8 +219,11 @@ class ScheduleOverlap(GraphPass):
             decision["layer_level"] = layer_info
         if model_info is not None:
             decision["model_level"] = model_info
-        cpsat_info: dict = {"enabled": cfg.schedule_cpsat_max_nodes > 0}
-        if best is not None and cfg.schedule_cpsat_max_nodes > 0:
+        missing = solver_missing() if cfg.schedule_cpsat_max_nodes > 0 else None
+        cpsat_info: dict = {"enabled": cfg.schedule_cpsat_max_nodes > 0 and missing is None}
+        if missing is not None:
+            cpsat_info["why"] = missing
+        if best is not None and cpsat_info["enabled"]:
             order, r, cpsat_info = refine_windows(
                 best.problem, sim, best.order, best.result, max_nodes=cfg.schedule_cpsat_max_nodes,
                 det_time_s=cfg.schedule_cpsat_time_limit_s, acceptable=acceptable, memory_limit=mem_limit)
