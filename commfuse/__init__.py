@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from commfuse import pipeline  # noqa: F401  (commfuse.pipeline: setup_pipeline, PipelineRunner)
 from commfuse import ops
 from commfuse._version import __version__
@@ -24,6 +26,12 @@ from commfuse.lowering.recorder import Recorder, record
 from commfuse.passmgr.report import AnalysisReport, PipelineReport
 from commfuse.session import setup
 from commfuse.train_step import TrainStep, compile_train_step
+
+# The package logger. Every module logs on its own child of it (``logging.getLogger(__name__)``),
+# so one setting covers them all: TORCH_LOGS=commfuse (INFO: pass summaries), TORCH_LOGS=+commfuse
+# (DEBUG: every refusal and decision), or torch._logging.set_logs(modules={"commfuse": level}).
+log = logging.getLogger(__name__)
+_torch_private.register_torch_logs(__name__)
 
 ops.install()  # commfuse's own ops into the IR, the cost model and the reference interpreter
 

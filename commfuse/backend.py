@@ -53,7 +53,7 @@ from commfuse.passmgr.pipeline import Pipeline, ReportTo
 from commfuse.passmgr.report import PipelineReport
 from commfuse.session import current_session, roles_from_meshes
 
-log = logging.getLogger("commfuse")
+log = logging.getLogger(__name__)
 
 # The reports of the graphs compiled in this process by any commfuse backend, including the
 # ones torch.compile builds from the name "commfuse" (which nobody else holds), newest last.
@@ -167,7 +167,8 @@ class CommfuseBackend:
                 rep = pipeline.run(g, graph_kind=kind, stages=stages)
                 if self.config.lowering == "commfuse":
                     try:
-                        return lower_runtime(g, kind, dump_dir=rep.dump_dir, on_plan=self.plans.append)
+                        return lower_runtime(g, kind, dump_dir=rep.dump_dir, on_plan=self.plans.append,
+                                            group_roles=pipeline.group_roles)
                     except Exception as e:  # noqa: BLE001 - same rule as the Inductor path below
                         _warn_lowering_failed(kind, e, "runs op by op with functional collectives")
                 return lower_eager(g)
@@ -241,7 +242,8 @@ class CommfuseBackend:
 
             try:
                 return lower_runtime(g, kind, dump_dir=rep.dump_dir, compile_regions=compile_region,
-                                     example_inputs=list(example_inputs), on_plan=self.plans.append)
+                                     example_inputs=list(example_inputs), on_plan=self.plans.append,
+                                     group_roles=pipeline.group_roles)
             except Exception as e:  # noqa: BLE001 - lowering failed: Inductor's own whole-graph path
                 # Decided at compile time from the graph alone (the same SPMD graph on every rank,
                 # lowered by the same code), so every rank falls back alike; Inductor then issues

@@ -48,7 +48,7 @@ from commfuse.core.ranks import process_rank, warn_rank0
 from commfuse.passmgr.report import PipelineReport
 from commfuse.train_step_split import check_divisible, split_microbatches
 
-log = logging.getLogger("commfuse")
+log = logging.getLogger(__name__)
 
 Reduction = Literal["mean", "sum"]
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-log = logging.getLogger("commfuse")
+log = logging.getLogger(__name__)
 
 
 def process_rank() -> Optional[int]:

@@ -272,3 +272,58 @@ def funcol_autograd(name: str):
     if fn is None:
         raise AttributeError(f"torch {torch.__version__} has neither {new} nor {old} in _functional_collectives")
     return fn
+
+
+# -- PyTorch's own observability: structured trace, TORCH_LOGS, profiler --------------------------
+
+def structured_trace_enabled() -> bool:
+    """Whether torch's structured trace (``TORCH_TRACE=dir``, or a handler a test installed on it)
+    will write what commfuse emits: checked before building anything to emit.
+
+    Private: `torch._logging._internal.trace_log` and `LazyTraceHandler`. Without TORCH_TRACE the
+    lazy handler stays attached until the first event, where it finds no directory and removes
+    itself; counting it as "on" would make commfuse's first artifact print a whole graph for
+    nothing."""
+    from torch._logging import _internal as tl
+
+    for h in tl.trace_log.handlers:
+        if not isinstance(h, tl.LazyTraceHandler) or h.root_dir is not None or h.stream is not None:
+            return True
+    return False
+
+
+def trace_artifact(name: str, encoding: str, payload_fn) -> None:
+    """One ``artifact`` event in torch's structured trace (what tlparse lists next to Dynamo's,
+    AOTAutograd's and Inductor's), with ``payload_fn()`` evaluated only when the trace is on.
+    ``encoding``: "string" (graph code, text) or "json".
+
+    Private: `torch._logging.trace_structured` (underscored module; the call Inductor and
+    AOTAutograd make). ``expect_trace_id=False``: commfuse's pipeline also runs outside a compile
+    (offline on a graph), where torch would otherwise capture a Python stack for every event."""
+    from torch._logging import trace_structured
+
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding},
+                     payload_fn=payload_fn, expect_trace_id=False)
+
+
+def register_torch_logs(name: str) -> None:
+    """Make ``name`` (the package logger) a log of torch's logging, so ``TORCH_LOGS=commfuse`` and
+    ``torch._logging.set_logs(modules={"commfuse": logging.INFO})`` set its level and handler.
+
+    Private: `torch._logging._internal.register_log` / `log_registry` (what
+    `torch._logging._registrations` calls for torch's own logs). TORCH_LOGS is parsed when torch
+    is imported, before commfuse is: torch then finds ``commfuse`` as an importable module,
+    imports it (which registers this log) and enables it; registering again is a no-op."""
+    from torch._logging import _internal as tl
+
+    if not tl.log_registry.is_log(name):
+        tl.register_log(name, [name])
+
+
+def profiler_active() -> bool:
+    """Whether a torch profiler is recording on this process (``torch.profiler.profile``, the
+    autograd profiler, an on-demand trace): the runtime labels its work only then.
+
+    Private: `torch._C._autograd._profiler_enabled` (one C call, the check record_function's
+    users make; `torch.autograd.profiler._is_profiler_enabled` misses profilers started from C++)."""
+    return torch._C._autograd._profiler_enabled()

@@ -35,7 +35,8 @@ from typing import Any, Optional
 import torch.fx as fx
 
 from commfuse.core.meta import BARRIER_META, SETTING_META, stream_hint
-from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.ir.collective import ParallelRole
+from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
 from commfuse.ir.kinds import collective_spec, is_wait
 
 
@@ -51,6 +52,11 @@ class PlannedCollective:
     issue_group: str  # the process group it is issued on (see module docstring)
     logged_bytes: Optional[int]  # NCCL count x dtype size, per rank
     setting: Optional[dict[str, Any]] = None  # Lagom's choice, if any
+    role: Optional[str] = None  # the group's parallel role (tp, sp, ...), None when unknown
+
+    def label(self) -> str:
+        """What the runtime calls it in a profiler trace: ``commfuse::<kind>[<role or group>]:<start>``."""
+        return f"commfuse::{self.kind}[{self.role or self.group}]:{self.start}"
 
 
 @dataclass(frozen=True)
@@ -119,14 +125,15 @@ def _concrete(x: Any) -> Optional[int]:
 
 
 def build_plan(gm: fx.GraphModule, graph_kind: str = "graph", *,
-               group_available=None) -> LoweringPlan:
+               group_available=None, group_roles: Optional[dict[str, str]] = None) -> LoweringPlan:
     """The plan for `gm` as it stands (its node order is the issue order).
+    ``group_roles``: group name -> role as the pipeline was given them (else inferred; names only).
 
     ``group_available(name) -> bool`` says whether a Lagom pool alias is registered in
     this process (default: never; the graph's own group is used). It only affects
     ``issue_group``; a missing alias is noted, never an error."""
     plan = LoweringPlan(graph_kind)
-    ir = CollectiveIR(gm)
+    ir = CollectiveIR(gm, IRBuildOptions(group_roles=group_roles or {}))
     for i, c in enumerate(sorted(ir.collectives, key=lambda c: c.index)):
         setting = c.start.meta.get(SETTING_META)
         issue_group = c.group.name
@@ -140,7 +147,8 @@ def build_plan(gm: fx.GraphModule, graph_kind: str = "graph", *,
         plan.collectives.append(PlannedCollective(
             index=i, start=c.start.name, waits=tuple(w.name for w in c.waits), kind=c.kind.value,
             group=c.group.name, issue_group=issue_group, logged_bytes=_concrete(c.logged_bytes),
-            setting=dict(setting) if isinstance(setting, dict) else None))
+            setting=dict(setting) if isinstance(setting, dict) else None,
+            role=None if c.role is ParallelRole.UNKNOWN else c.role.value))
     _plan_streams(gm, plan)
     return plan
 

@@ -22,6 +22,14 @@ gloo events show a reduce_scatter as an all_reduce):
 ``write(dir)`` writes ``rank<r>.json`` in the Chrome trace format (open in Perfetto),
 one track for compute, one per process group. Times are ``time.perf_counter_ns`` of
 the rank's own clock; traces of different ranks are aligned by their first event.
+
+Lining up with a torch.profiler trace of the same run: the clocks differ. Event ``ts`` here is
+microseconds since the trace's first event on ``perf_counter`` (CLOCK_MONOTONIC); Kineto's ``ts``
+is Unix-epoch microseconds minus the trace's ``baseTimeNanoseconds``. The trace's ``otherData``
+records its origin on both clocks (``t0_perf_counter_ns``, ``t0_unix_ns``, the Unix clock read
+beside ``perf_counter`` when the recorder started), so
+``profiler_ts = ts + (t0_unix_ns - baseTimeNanoseconds) / 1000`` (:func:`profiler_offset_us`),
+good to the two clocks' drift over the recording (microseconds over minutes).
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ class Recorder:
     """Collects one rank's records; cheap to append to, thread-safe for the completion callbacks."""
 
     rank: int = 0
+    # Unix time minus perf_counter time, read once at the start: maps the trace onto other clocks
+    unix_minus_perf_ns: int = field(default_factory=lambda: time.time_ns() - time.perf_counter_ns())
     collectives: list[CollectiveRecord] = field(default_factory=list)
     regions: list[RegionRecord] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -163,8 +173,10 @@ class Recorder:
         for c in self.collectives:
             tracks.setdefault(f"comm:{c.issue_group}", len(tracks))
         ev: list[dict[str, Any]] = [
-            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}}
-            for name, tid in tracks.items()]
+            {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
+             "args": {"name": f"commfuse rank {self.rank}"}}]
+        ev += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}}
+               for name, tid in tracks.items()]
         for r in self.regions:
             ev.append({"name": r.kind if r.kind == "compute" else "wait", "cat": r.kind, "ph": "X",
                        "pid": self.rank, "tid": 0, "ts": us(r.begin_ns), "dur": (r.end_ns - r.begin_ns) / 1e3,
@@ -176,7 +188,9 @@ class Recorder:
             ev.append({"name": f"{c.kind} {c.name}", "cat": f"comm,{c.kind}", "ph": "X", "pid": self.rank,
                        "tid": tracks[f"comm:{c.issue_group}"], "ts": us(c.issued_ns),
                        "dur": (end - c.issued_ns) / 1e3, "args": args})
-        return {"traceEvents": ev, "displayTimeUnit": "ms"}
+        other = {"source": "commfuse.record", "rank": self.rank, "clock": "time.perf_counter_ns",
+                 "t0_perf_counter_ns": t0, "t0_unix_ns": t0 + self.unix_minus_perf_ns}
+        return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": other}
 
     def write(self, directory: str | os.PathLike) -> Path:
         d = Path(directory)
@@ -187,6 +201,18 @@ class Recorder:
         except OSError as e:
             raise ConfigError(f"record dir: cannot write the recorder trace to {str(d)!r}: {e}") from e
         return path
+
+
+def profiler_offset_us(recorder_trace: dict[str, Any], profiler_trace: dict[str, Any]) -> float:
+    """What to add to a recorder trace's ``ts`` to place it on a torch.profiler (Kineto) trace's
+    timeline of the same process (see the module docstring). Raises ``ValueError`` when either
+    trace lacks its clock origin (a recorder trace written before it was recorded, or a profiler
+    trace that is not Kineto's)."""
+    t0 = recorder_trace.get("otherData", {}).get("t0_unix_ns")
+    base = profiler_trace.get("baseTimeNanoseconds")
+    if t0 is None or base is None:
+        raise ValueError("need a recorder trace with otherData.t0_unix_ns and a Kineto trace with baseTimeNanoseconds")
+    return (int(t0) - int(base)) / 1e3
 
 
 _ACTIVE: Optional[Recorder] = None

@@ -41,35 +41,9 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.fx.passes.split_module import split_module
 
-from commfuse.lowering.runtime import LoweredGraph
+from commfuse.lowering.runtime import LoweredGraph, is_runtime_call, region_ids
 
 log = logging.getLogger(__name__)
-
-RUNTIME_PREFIXES = ("commfuse_issue_", "commfuse_wait", "commfuse_stream_")
-
-
-def is_runtime_call(n: fx.Node) -> bool:
-    return n.op == "call_function" and getattr(n.target, "__name__", "").startswith(RUNTIME_PREFIXES)
-
-
-def region_ids(gm: fx.GraphModule) -> dict[str, int]:
-    """Node name -> partition: runtime calls alone, compute between them grouped, in graph order."""
-    ids: dict[str, int] = {}
-    part = 0
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output"):
-            continue
-        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
-                and n.args[0].name in ids:
-            # Unpack a multi-output op where it ran: regions then pass tensors, never lists.
-            ids[n.name] = ids[n.args[0].name]
-        elif is_runtime_call(n):
-            part += 1
-            ids[n.name] = part
-            part += 1
-        else:
-            ids[n.name] = part
-    return ids
 
 
 def _bare_symbols(val: Any) -> set:

@@ -24,6 +24,14 @@ Contract
     compute regions compiled by Inductor (:mod:`.regions`). When a recorder is active
     (:mod:`.recorder`) every issue, completion and wait is recorded.
 
+    While a torch profiler records, every run is labelled with ``record_function`` in the
+    plan's names, so the user's profiler trace shows commfuse's plan: the run
+    (``commfuse::graph:<kind>#<id>``), each collective's issue
+    (``commfuse::<kind>[<role>]:<start node>``, the group's name where its role is unknown),
+    each wait (``commfuse::wait:<kind>[<role>]:<start node>``) and each compute region between
+    them (``commfuse::region:<n>``, ``n`` as in :func:`region_ids`, the number of the
+    ``submod_<n>`` Inductor compiles). Without a profiler the check is one C call per run.
+
 Guarantees
     Same values as the graph run with functional collectives (the reduction itself is
     c10d's); the input graph is not modified; a graph without collectives is returned
@@ -34,13 +42,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
-from commfuse.core.torch_private import copy_graph, resolve_process_group
+from torch.profiler import record_function
+
+from commfuse.core.torch_private import copy_graph, profiler_active, resolve_process_group
 from commfuse.ir.kinds import collective_spec, is_wait
 from commfuse.lowering import c10d_issue, recorder as rec_mod
 from commfuse.lowering.plan import LoweringPlan, PlannedCollective
@@ -48,6 +59,33 @@ from commfuse.lowering.streams import apply_stream_plan
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
+
+RUNTIME_PREFIXES = ("commfuse_issue_", "commfuse_wait", "commfuse_stream_")
+
+
+def is_runtime_call(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__name__", "").startswith(RUNTIME_PREFIXES)
+
+
+def region_ids(gm: fx.GraphModule) -> dict[str, int]:
+    """Node name -> partition: runtime calls alone, compute between them grouped, in graph order
+    (compute partitions are even, runtime calls odd)."""
+    ids: dict[str, int] = {}
+    part = 0
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
+                and n.args[0].name in ids:
+            # Unpack a multi-output op where it ran: regions then pass tensors, never lists.
+            ids[n.name] = ids[n.args[0].name]
+        elif is_runtime_call(n):
+            part += 1
+            ids[n.name] = part
+            part += 1
+        else:
+            ids[n.name] = part
+    return ids
 
 
 @dataclass
@@ -68,6 +106,32 @@ class RuntimeState:
     label: str
     groups: dict[str, Any] = field(default_factory=dict)
     pending: dict[int, _Pending] = field(default_factory=dict)  # id(output tensor) -> pending
+    # Profiler labels of the compute regions: the one the graph starts with, and the one after
+    # each runtime call (node name; None where the next runtime call follows at once).
+    first_region: Optional[str] = None
+    region_after: dict[str, Optional[str]] = field(default_factory=dict)
+    profiling: bool = False  # a profiler records this run: label it
+    _region: Any = None  # the open region's record_function
+
+    def open_region(self, label: Optional[str]) -> None:
+        if label is not None:
+            self._region = record_function(label)
+            self._region.__enter__()
+
+    def close_region(self) -> None:
+        if self._region is not None:
+            rf, self._region = self._region, None
+            rf.__exit__(None, None, None)
+
+    def labelled(self, node: str, label: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` as the runtime call ``node``, labelled ``label``, between the
+        region before it and the one after it."""
+        self.close_region()
+        try:
+            with record_function(label):
+                return fn(*args, **kwargs)
+        finally:
+            self.open_region(self.region_after.get(node))
 
     def group(self, name: str) -> Any:
         pg = self.groups.get(name)
@@ -87,7 +151,14 @@ def _make_issuer(state: RuntimeState, planned: PlannedCollective, target: Any) -
     # the op and have no wait node: keeping them pending would hold their outputs forever.
     synchronous = bool(getattr(collective_spec(target), "synchronous", False))
 
+    label = planned.label()
+
     def issue(*args: Any, **kwargs: Any) -> Any:
+        if state.profiling:
+            return state.labelled(planned.start, label, run, *args, **kwargs)
+        return run(*args, **kwargs)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
         rec = rec_mod.active()
         t0 = rec.call_begin(state.label) if rec is not None else 0
         if native:
@@ -112,8 +183,13 @@ def _make_issuer(state: RuntimeState, planned: PlannedCollective, target: Any) -
     return issue
 
 
-def _make_wait(state: RuntimeState) -> Callable[[torch.Tensor], torch.Tensor]:
+def _make_wait(state: RuntimeState, node: str, label: str) -> Callable[[torch.Tensor], torch.Tensor]:
     def wait(t: torch.Tensor) -> torch.Tensor:
+        if state.profiling:
+            return state.labelled(node, label, run, t)
+        return run(t)
+
+    def run(t: torch.Tensor) -> torch.Tensor:
         rec = rec_mod.active()
         t0 = rec.call_begin(state.label) if rec is not None else 0
         p = state.pending.pop(id(t), None)
@@ -147,6 +223,19 @@ class LoweredGraph:
     state: RuntimeState
 
     def __call__(self, *args: Any) -> Any:
+        if not profiler_active():
+            return self._run(args)
+        st = self.state
+        with record_function(f"commfuse::graph:{st.label}"):
+            st.profiling = True
+            st.open_region(st.first_region)
+            try:
+                return self._run(args)
+            finally:
+                st.close_region()
+                st.profiling = False
+
+    def _run(self, args: tuple) -> Any:
         rec = rec_mod.active()
         if rec is None:
             rec_mod.start_from_env()
@@ -165,7 +254,7 @@ def lower_graph(gm: fx.GraphModule, plan: LoweringPlan, *, streams: bool = True)
     state = RuntimeState(label=f"{plan.graph_kind}#{next(_graph_ids)}")
     graph = copy_graph(gm.graph)
     planned = {c.start: c for c in plan.collectives}
-    wait_fn = _make_wait(state)
+    waited = {w: c for c in plan.collectives for w in c.waits}
     for n in graph.nodes:
         if n.op != "call_function":
             continue
@@ -173,8 +262,23 @@ def lower_graph(gm: fx.GraphModule, plan: LoweringPlan, *, streams: bool = True)
         if p is not None:
             n.target = _make_issuer(state, p, n.target)
         elif is_wait(n.target):
-            n.target = wait_fn
+            c = waited.get(n.name)
+            label = f"commfuse::wait:{c.kind}[{c.role or c.group}]:{c.start}" if c is not None \
+                else f"commfuse::wait:{n.name}"
+            n.target = _make_wait(state, n.name, label)
     module = fx.GraphModule(gm, graph, class_name="CommfuseLowered")
     if streams and plan.node_streams and torch.cuda.is_available():
         apply_stream_plan(module, plan)
+    _label_regions(module, state)
     return LoweredGraph(module, plan, state)
+
+
+def _label_regions(gm: fx.GraphModule, state: RuntimeState) -> None:
+    """The region labels of ``state``: compute partitions of :func:`region_ids` that hold a node.
+    (Stream switches on CUDA are runtime calls the labels do not stop at: a region's label
+    then also covers the switches and compute up to the next issue or wait.)"""
+    ids = region_ids(gm)
+    compute = {i for i in ids.values() if i % 2 == 0}
+    name = lambda i: f"commfuse::region:{i}" if i in compute else None  # noqa: E731
+    state.first_region = name(0)
+    state.region_after = {n.name: name(ids[n.name] + 1) for n in gm.graph.nodes if is_runtime_call(n)}

@@ -11,7 +11,11 @@ For every pass of the requested stage(s), in order (:meth:`Pipeline.run`):
 A pipeline of passes is itself a pass (:class:`PassPipeline`): Chimera is one, its steps
 run by the same :func:`run_step`. What happens around the passes -- graph dumps before and
 after each changing pass, per-pass timing, handing the report to whoever compiles -- is
-instrumentation (:class:`Instrumentation`), not code in the passes or in this loop.
+instrumentation (:class:`Instrumentation`), not code in the passes or in this loop. Two
+instruments feed PyTorch's own tools: :class:`StructuredTrace` (graphs and decisions as
+``torch._logging`` structured-trace artifacts under ``TORCH_TRACE``, read by tlparse) and
+:class:`PassLog` (one summary line per pass on the ``commfuse`` logger, ``TORCH_LOGS=commfuse``).
+Each is added only when its output is wanted, so neither costs anything otherwise.
 
 Only failures that are deterministic in the graph reach step 3 (passes decide from graph,
 config, topology and session, the same on every rank), so every rank falls back the same
@@ -22,6 +26,7 @@ reason about is left exactly as it was.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Optional, Sequence, Type
@@ -32,7 +37,7 @@ from commfuse.core.dump_layout import rank_dump_dir
 from commfuse.core.errors import PassError, VerificationError
 from commfuse.core.meta import REPORTS_META
 from commfuse.core.ranks import process_rank, process_world_size, warn_rank0
-from commfuse.core.torch_private import copy_graph, reset_graph_namespace
+from commfuse.core.torch_private import copy_graph, reset_graph_namespace, structured_trace_enabled, trace_artifact
 from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.graph_ir import CollectiveIR
@@ -47,7 +52,7 @@ from commfuse.passmgr.verifier import verify_graph
 if TYPE_CHECKING:
     from commfuse.config import Config
 
-log = logging.getLogger("commfuse")
+log = logging.getLogger(__name__)
 
 
 def snapshot_graph(graph: fx.Graph) -> fx.Graph:
@@ -206,6 +211,84 @@ class GraphDumps(Instrumentation):
             self.writer.update_index(self.top, self.rank, self.world_size)
 
 
+def graph_text(gm: fx.GraphModule) -> str:
+    return gm.print_readable(print_output=False)
+
+
+class StructuredTrace(Instrumentation):
+    """The pipeline in torch's structured trace (``TORCH_TRACE=dir``; tlparse lists the artifacts
+    beside Dynamo's, AOTAutograd's and Inductor's, under the compile they belong to):
+
+    * ``commfuse_<kind>_input`` (string): the graph before the first pass;
+    * ``commfuse_<kind>_after_<pass>`` (string): the graph after every pass that changed it;
+    * ``commfuse_<kind>_pass_<pass>`` (json): every pass that ran, changed or not -- its counts,
+      refusals (why it left something alone), decisions, error, seconds;
+    * ``commfuse_<kind>_report`` (json): the pipeline report (collectives before/after, hashes).
+
+    ``only_if_changed``: as for the dumps, the graph before the passes is emitted only once a
+    pass changes it (the Dynamo graph, which torch's trace already holds)."""
+
+    def __init__(self, graph_kind: str, *, only_if_changed: bool = False) -> None:
+        self.prefix = f"commfuse_{graph_kind}"
+        self.only_if_changed = only_if_changed
+        self._input: Optional[str] = None
+
+    def before_pipeline(self, gm: fx.GraphModule, ctx: PassContext, report: PipelineReport) -> None:
+        if self.only_if_changed:
+            self._input = graph_text(gm)  # the passes rewrite gm in place
+        else:
+            trace_artifact(f"{self.prefix}_input", "string", lambda: graph_text(gm))
+
+    def after_pass(self, p: GraphPass, record: PassRecord, gm: fx.GraphModule, ctx: PassContext) -> None:
+        if record.changed and self._input is not None:
+            text, self._input = self._input, None
+            trace_artifact(f"{self.prefix}_input", "string", lambda: text)
+        trace_artifact(f"{self.prefix}_pass_{p.name}", "json", lambda: record.model_dump_json(indent=1))
+        if record.changed:
+            trace_artifact(f"{self.prefix}_after_{p.name}", "string", lambda: graph_text(gm))
+
+    def after_pipeline(self, gm: fx.GraphModule, ctx: PassContext, report: PipelineReport) -> None:
+        if self.only_if_changed and not report.changed:
+            return
+        trace_artifact(f"{self.prefix}_report", "json", lambda: report.model_dump_json(indent=1))
+
+
+def pass_summary(record: PassRecord) -> str:
+    """One line: what a pass did to a graph, or why it did nothing."""
+    if record.error is not None:
+        return f"{record.name}: failed, graph restored: {record.error}"
+    counts = ", ".join(f"{k}={v}" for k, v in record.counts.items() if v)
+    what = "changed" if record.changed else "unchanged"
+    line = f"{record.name}: {what}" + (f" ({counts})" if counts else "") + f" in {record.seconds * 1e3:.1f} ms"
+    if record.refusals:
+        line += f"; {len(record.refusals)} refusal(s), first: {record.refusals[0]}"
+    return line
+
+
+class PassLog(Instrumentation):
+    """Pass summaries on this module's logger (a child of ``commfuse``: ``TORCH_LOGS=commfuse``):
+    at INFO one line per pass and one per graph (collectives per kind before and after), at DEBUG
+    (``TORCH_LOGS=+commfuse``) also every refusal and decision."""
+
+    def __init__(self, graph_kind: str) -> None:
+        self.graph_kind = graph_kind
+
+    def after_pass(self, p: GraphPass, record: PassRecord, gm: fx.GraphModule, ctx: PassContext) -> None:
+        log.info("commfuse: %s graph: %s", self.graph_kind, pass_summary(record))
+        if log.isEnabledFor(logging.DEBUG):
+            for why in record.refusals:
+                log.debug("commfuse: %s graph: %s refused: %s", self.graph_kind, p.name, why)
+            for d in record.decisions:
+                log.debug("commfuse: %s graph: %s decided: %s", self.graph_kind, p.name, json.dumps(d, default=str))
+
+    def after_pipeline(self, gm: fx.GraphModule, ctx: PassContext, report: PipelineReport) -> None:
+        changed = [p.name for p in report.passes if p.changed]
+        log.info("commfuse: %s graph: %d pass(es) ran, %s; collectives %s -> %s%s", self.graph_kind,
+                 len(report.passes), f"changed by {', '.join(changed)}" if changed else "unchanged",
+                 report.input_kinds or "{}", report.output_kinds or "{}",
+                 f" ({report.skipped_reason})" if report.skipped_reason else "")
+
+
 class ReportTo(Instrumentation):
     """Hand every finished report to ``callback`` (the backend collects them per compile)."""
 
@@ -251,6 +334,11 @@ class Pipeline:
             rank = self.rank if self.rank is not None else process_rank()
             out.append(GraphDumps(dump_dir, graph_kind, svg_max_nodes=self.config.svg_max_nodes,
                                   only_if_changed=dump_if_changed, rank=rank, world_size=process_world_size()))
+        # after the timer: the pass records they emit carry their seconds
+        if structured_trace_enabled():
+            out.append(StructuredTrace(graph_kind, only_if_changed=dump_if_changed))
+        if log.isEnabledFor(logging.INFO):
+            out.append(PassLog(graph_kind))
         return out + self.instruments
 
     def run(self, gm: fx.GraphModule, *, graph_kind: str, stages: Iterable[Stage],
@@ -352,5 +440,5 @@ def _describe_topology(topology: Optional[Topology], source: Optional[str], cost
             f"device {topology.device} ({where})")
 
 
-__all__ = ["GraphDumps", "Instrumentation", "PassPipeline", "PassTimer", "Pipeline", "ReportTo", "restore_graph",
-           "run_step", "snapshot_graph"]
+__all__ = ["GraphDumps", "Instrumentation", "PassLog", "PassPipeline", "PassTimer", "Pipeline", "ReportTo",
+           "StructuredTrace", "pass_summary", "restore_graph", "run_step", "snapshot_graph"]
