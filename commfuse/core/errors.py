@@ -33,3 +33,17 @@ class PassError(CommfuseError):
         self.pass_name = pass_name
         self.cause = cause
         super().__init__(f"pass '{pass_name}' failed: {type(cause).__name__}: {cause}")
+
+
+class InputFileError(ConfigError):
+    """An input file cannot be read or does not hold what it should.
+
+    ``path`` and ``problem`` are kept apart so that the command line can print
+    ``commfuse <cmd>: <path>: <problem>``; ``message`` lets a loader keep the wording its
+    callers already match on (``str(e)`` defaults to ``"<path>: <problem>"``).
+    """
+
+    def __init__(self, path: object, problem: str, message: str | None = None) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(message or f"{self.path}: {problem}")

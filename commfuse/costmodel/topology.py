@@ -48,7 +48,7 @@ from pathlib import Path
 from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError,
                       model_validator)
 
-from commfuse.core.errors import ConfigError
+from commfuse.core.errors import ConfigError, InputFileError
 
 
 def _describe_validation_error(e: ValidationError) -> str:
@@ -67,13 +67,17 @@ def load_json_model(cls, path: str | Path, what: str, noun: str):
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{what}: cannot read {noun} {str(path)!r}: {e}") from e
+        raise InputFileError(path, f"cannot read {noun}: {e}",
+                             f"{what}: cannot read {noun} {str(path)!r}: {e}") from e
     if not isinstance(data, dict):
-        raise ConfigError(f"{what}: {noun} {str(path)!r} must hold a JSON object, got {type(data).__name__}")
+        got = type(data).__name__
+        raise InputFileError(path, f"a {noun} must hold a JSON object, got {got}",
+                             f"{what}: {noun} {str(path)!r} must hold a JSON object, got {got}")
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(f"{what}: invalid {noun} {str(path)!r}: {_describe_validation_error(e)}") from e
+        why = _describe_validation_error(e)
+        raise InputFileError(path, f"invalid {noun}: {why}", f"{what}: invalid {noun} {str(path)!r}: {why}") from e
 
 
 class Topology(BaseModel):

@@ -6,8 +6,10 @@
 * ``commfuse validate RECORD_DIR DUMP_DIR [--profile P] [--json FILE]``: measured vs predicted,
   exit status 1 when a count or byte mismatch was found.
 
-Bad arguments (a directory without dumps or traces) exit with status 2 and a message naming
-the argument.
+Each command is an ``add_*_arguments(parser)`` / ``*_run(args)`` pair that ``commfuse.tools.cli``
+mounts as a subcommand. The readers raise ``ValueError`` (a directory without dumps or traces)
+or ``InputFileError`` (a corrupt file in it); the command line prints those as
+``commfuse <cmd>: ...`` and exits with status 2 (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -16,71 +18,85 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
+from commfuse.costmodel.profile import CostProfile
 from commfuse.reports.html import write_html
 from commfuse.reports.validate import validate_dirs
 from commfuse.reports.volume import volume_from_dump_dir
 
+def _directory(text: str) -> Path:
+    """An input directory that must exist: a usage error naming it, not "holds no dumps"."""
+    p = Path(text)
+    if not p.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such directory")
+    if not p.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: not a directory")
+    return p
 
-def _fail(msg: str) -> int:
-    print(f"commfuse: {msg}", file=sys.stderr)
-    return 2
+
+_RANK_HELP = "which rank<r>/ sub-directory of the dump dir to read (default: rank 0)"
 
 
-def report_main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="commfuse report", description="one static HTML page from a dump dir")
-    ap.add_argument("dump_dir", type=Path, help="Config(dump_dir=...) / COMMFUSE_DUMP_DIR of the run")
-    ap.add_argument("-o", "--output", type=Path, help="HTML file to write (default DUMP_DIR/report.html)")
-    ap.add_argument("--record", type=Path, help="recorder directory (rank<r>.json): measured timelines and "
-                                                 "the measured-vs-predicted section")
-    ap.add_argument("--rank", type=int, help="which rank<r>/ sub-directory to show (default 0)")
-    ap.add_argument("--profile", type=Path, help="cost profile (commfuse calibrate) for predicted times")
-    ap.add_argument("--title", help="page title")
-    args = ap.parse_args(argv)
+def add_report_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("dump_dir", type=_directory, help="Config(dump_dir=...) / COMMFUSE_DUMP_DIR of the run")
+    ap.add_argument("-o", "--output", type=Path, help="HTML file to write (default: DUMP_DIR/report.html)")
+    ap.add_argument("--record", type=_directory, help="recorder directory (rank<r>.json): measured timelines and "
+                                                 "the measured-vs-predicted section (default: none)")
+    ap.add_argument("--rank", type=int, help=_RANK_HELP)
+    ap.add_argument("--profile", type=Path,
+                    help="cost profile (commfuse calibrate) for predicted times (default: uncalibrated model)")
+    ap.add_argument("--title", help="page title (default: 'commfuse report: DUMP_DIR')")
 
-    try:
-        path = write_html(args.dump_dir, args.output, rank=args.rank, record_dir=args.record,
-                          profile=args.profile, title=args.title)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        return _fail(f"report: {e}")
+
+def _profile(path: Path | None) -> CostProfile | None:
+    # Loaded here, before any dump is read: a bad profile is reported even where the page
+    # would not use it (no --record), instead of being ignored without a word.
+    return None if path is None else CostProfile.load(path)
+
+
+def report_run(args: argparse.Namespace) -> int:
+    path = write_html(args.dump_dir, args.output, rank=args.rank, record_dir=args.record,
+                      profile=_profile(args.profile), title=args.title)
     print(path)
     return 0
 
 
-def volume_main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="commfuse volume", description="communication volume before/after commfuse")
-    ap.add_argument("dump_dir", type=Path)
-    ap.add_argument("--rank", type=int, help="which rank<r>/ sub-directory (default 0)")
+def add_volume_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("dump_dir", type=_directory, help="Config(dump_dir=...) / COMMFUSE_DUMP_DIR of the run")
+    ap.add_argument("--rank", type=int, help=_RANK_HELP)
     ap.add_argument("--collectives", action="store_true", help="also list every collective")
-    ap.add_argument("--json", type=Path, help="write the report as JSON here")
-    args = ap.parse_args(argv)
+    ap.add_argument("--json", type=Path, help="also write the report as JSON here (default: not written)")
 
-    try:
-        rep = volume_from_dump_dir(args.dump_dir, rank=args.rank)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        return _fail(f"volume: {e}")
+
+def volume_run(args: argparse.Namespace) -> int:
+    rep = volume_from_dump_dir(args.dump_dir, rank=args.rank)
     print(rep.table(collectives=args.collectives))
     if args.json:
         args.json.write_text(rep.to_json())
     return 0
 
 
-def validate_main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="commfuse validate",
-                                 description="recorded collectives vs the lowering plans, per rank")
-    ap.add_argument("record_dir", type=Path, help="recorder directory with rank<r>.json")
-    ap.add_argument("dump_dir", type=Path, help="dump dir with the lowering plans (rank<r>/ or shared)")
-    ap.add_argument("--profile", type=Path, help="cost profile for predicted times (default: uncalibrated)")
-    ap.add_argument("--json", type=Path, help="write the result as JSON here")
-    ap.add_argument("--rows", type=int, default=40, help="collectives to list (default 40)")
-    args = ap.parse_args(argv)
+def add_validate_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("record_dir", type=_directory, help="recorder directory with rank<r>.json")
+    ap.add_argument("dump_dir", type=_directory, help="dump dir with the lowering plans (rank<r>/ or shared)")
+    ap.add_argument("--profile", type=Path, help="cost profile for predicted times (default: uncalibrated model)")
+    ap.add_argument("--json", type=Path, help="also write the result as JSON here (default: not written)")
+    ap.add_argument("--rows", type=int, default=40, help="collectives to list")
 
-    try:
-        rep = validate_dirs(args.record_dir, args.dump_dir, profile=args.profile)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as e:
-        return _fail(f"validate: {e}")
+
+def validate_run(args: argparse.Namespace) -> int:
+    """Exit status 1, with the count on stderr, when a recorded call does not match its plan."""
+    rep = validate_dirs(args.record_dir, args.dump_dir, profile=_profile(args.profile))
     print(rep.table(max_rows=args.rows))
     if args.json:
         args.json.write_text(json.dumps(rep.to_dict(), indent=1, default=str))
-    return 0 if rep.ok else 1
+    if rep.ok:
+        return 0
+    sys.stdout.flush()  # the reason comes after the table it refers to
+    print(f"commfuse validate: exit status 1: {len(rep.mismatches)} mismatch(es) between the recorded calls "
+          "and the plans (listed above)", file=sys.stderr)
+    return 1
+
+
+__all__ = ["add_report_arguments", "add_validate_arguments", "add_volume_arguments", "report_run",
+           "validate_run", "volume_run"]

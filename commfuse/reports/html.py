@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from commfuse._version import __version__
+from commfuse.core.jsonfile import read_json_object
 from commfuse.reports.timeline import PREDICTED_TRACE
 from commfuse.reports.validate import ValidationReport, validate_dirs
 from commfuse.reports.volume import (Totals, VolumeReport, graph_dirs, rank_dirs, resolve_rank_dir,
@@ -320,7 +321,7 @@ def _timelines(dirs: Sequence[Path], record_dir: Optional[Path]) -> str:
     for d in dirs:
         p = d / PREDICTED_TRACE
         if p.exists():
-            trace = json.loads(p.read_text())
+            trace = read_json_object(p, "predicted trace", "traceEvents")
             model = trace.get("otherData", {}).get("cost_model", "")
             parts.append(timeline_svg(trace, title=f"{d.name} predicted ({model})"))
             found = True
@@ -333,7 +334,8 @@ def _timelines(dirs: Sequence[Path], record_dir: Optional[Path]) -> str:
         parts.append('<p class="muted">No recorder traces given (commfuse report DUMP_DIR --record RECORD_DIR; '
                      "record with commfuse.record(dir) or COMMFUSE_RECORD_DIR).</p>")
     for p in traces:
-        parts.append(timeline_svg(json.loads(p.read_text()), title=f"{p.stem} measured"))
+        trace = read_json_object(p, "recorder trace", "traceEvents")
+        parts.append(timeline_svg(trace, title=f"{p.stem} measured"))
     return "\n".join(parts)
 
 

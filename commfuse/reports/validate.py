@@ -40,7 +40,6 @@ kept apart.
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from collections import defaultdict
@@ -50,6 +49,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from commfuse.core.errors import InputFileError
+from commfuse.core.jsonfile import read_json_object, read_model_file
 from commfuse.ir.kinds import CollectiveKind
 from commfuse.passmgr.report import AnalysisReport, PipelineReport
 from commfuse.reports.timeline import cost_model
@@ -147,10 +148,10 @@ def plans_from_dump_dir(dump_dir: str | Path) -> list[PlannedGraph]:
         pf = d / "lowering_plan.json"
         if not pf.exists():
             continue
-        plan = json.loads(pf.read_text())
+        plan = read_json_object(pf, "lowering plan")
         analysis = None
         if (d / "pipeline.json").exists():
-            analysis = PipelineReport.model_validate_json((d / "pipeline.json").read_text()).analysis
+            analysis = read_model_file(PipelineReport, d / "pipeline.json", "pipeline report").analysis
         out.append(PlannedGraph(d.name, plan.get("graph_kind", d.name.split("_")[0]), plan, analysis))
     return out
 
@@ -482,7 +483,11 @@ def load_records(record_dir: str | Path) -> dict[int, list[RecordedCollective]]:
     for p in sorted(d.glob("rank*.json")):
         m = re.fullmatch(r"rank(\d+)\.json", p.name)
         if m:
-            out[int(m.group(1))] = records_from_trace(json.loads(p.read_text()))
+            doc = read_json_object(p, "recorder trace", "traceEvents")
+            try:
+                out[int(m.group(1))] = records_from_trace(doc)
+            except ValueError as e:  # an event without the recorder's fields: say which file
+                raise InputFileError(p, str(e)) from e
     if not out:
         raise ValueError(f"record dir {str(d)!r} holds no rank<r>.json recorder traces "
                          "(record with commfuse.record(dir) or COMMFUSE_RECORD_DIR)")

@@ -54,6 +54,7 @@ import torch
 
 from commfuse.api import analyze, pipeline_for
 from commfuse.config import Config
+from commfuse.core.jsonfile import read_model_file
 from commfuse.core.meta import REPORTS_META
 from commfuse.costmodel import volume as V
 from commfuse.ir.graph_ir import CollectiveIR
@@ -495,7 +496,7 @@ def volume_from_graph(gm, config=None, *, graph_kind: str = "graph", optimize: b
 
 
 def _read_analysis(path: Path) -> AnalysisReport:
-    return AnalysisReport.model_validate_json(path.read_text())
+    return read_model_file(AnalysisReport, path, "analysis dump")
 
 
 def _stage_files(d: Path) -> list[Path]:
@@ -540,7 +541,7 @@ def _graph_from_dir(d: Path) -> GraphVolume:
     kind = _DIR_RE.match(d.name)["kind"]
     rep = None
     if (d / "pipeline.json").exists():
-        rep = PipelineReport.model_validate_json((d / "pipeline.json").read_text())
+        rep = read_model_file(PipelineReport, d / "pipeline.json", "pipeline report")
     stages = _stage_files(d)
     before_a = _read_analysis(stages[0]) if stages and stages[0].name.endswith("_input.json") else None
     after_a = rep.analysis if rep is not None and rep.analysis is not None else (

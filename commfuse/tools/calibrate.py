@@ -38,6 +38,7 @@ loads: same file, same decisions.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from commfuse.core import torch_private as priv
+from commfuse.core.errors import ConfigError
 from commfuse.costmodel.collectives import AlphaBeta, CollectiveModel, CollectiveParams
 from commfuse.costmodel.compute import ComputeModel, ComputeParams, FamilyFit, op_cost
 from commfuse.costmodel.profile import CostProfile, Provenance
@@ -718,21 +720,23 @@ def calibrate(world_size: int = 2, *, sizes: Sequence[int] = DEFAULT_SIZES, warm
     return CalibrationResult(profile, coll, comp, kappa, in_graph, step_rows)
 
 
-def main(argv: Sequence[str]) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m commfuse calibrate",
-                                description="Measure collectives and compute on this machine (gloo, CPU) "
-                                            "and write a cost profile every rank loads.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``commfuse calibrate`` options (see :func:`run`)."""
     p.add_argument("--out", default="commfuse-profile.json", help="profile file to write")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--max-bytes", type=int, default=max(DEFAULT_SIZES))
-    a = p.parse_args(list(argv))
+    p.add_argument("--world-size", type=int, default=2, help="gloo ranks (processes) to measure on")
+    p.add_argument("--reps", type=int, default=15, help="timed repetitions per measurement")
+    p.add_argument("--warmup", type=int, default=3, help="untimed repetitions before each measurement")
+    p.add_argument("--max-bytes", type=int, default=max(DEFAULT_SIZES),
+                   help="largest collective message measured, in bytes")
+
+
+def run(a: argparse.Namespace) -> int:
+    """Measure collectives and compute on this machine (gloo, CPU) and write a cost profile every rank loads."""
     if a.world_size < 2 or a.reps < 2:
-        p.error("--world-size and --reps must be at least 2")
+        raise ConfigError("--world-size and --reps must be at least 2")
     sizes = [s for s in DEFAULT_SIZES if s <= a.max_bytes]
+    if not sizes:
+        raise ConfigError(f"--max-bytes {a.max_bytes} is below the smallest size measured ({min(DEFAULT_SIZES)})")
     res = calibrate(a.world_size, sizes=sizes, warmup=a.warmup, reps=a.reps)
     res.profile.save(a.out)
     for f in res.profile.collective.fits:

@@ -4,23 +4,23 @@ and write the profile ``Config.dhelix_oef_profile`` reads (:mod:`commfuse.dhelix
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
 
+from commfuse.core.errors import ConfigError
 from commfuse.dhelix.profile import DEFAULT_SIZES, OP_KINDS, measure_oef, oef_table, save_oef_profile
 from commfuse.tools.rank_pool import get_pool
 
 
-def main(argv: Sequence[str]) -> int:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """``python -m commfuse profile-overlap -o FILE [--sizes N ...] [--world-size W] [--repeats R]``."""
-    p = argparse.ArgumentParser(prog="python -m commfuse profile-overlap",
-                                description="measure DHelix overlap factors (Eq. 1) on gloo ranks here")
-    p.add_argument("-o", "--output", required=True, help="profile JSON file to write")
+    p.add_argument("-o", "--output", required=True, help="profile JSON file to write (required)")
     p.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="float32 elements per operand")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
-    a = p.parse_args(list(argv))
+    p.add_argument("--world-size", type=int, default=2, help="gloo ranks (processes) to measure on")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per pair and size")
+
+
+def run(a: argparse.Namespace) -> int:
     if a.world_size < 2 or a.repeats < 1 or min(a.sizes) < 1:
-        p.error("--world-size must be >= 2, --repeats >= 1, --sizes >= 1")
+        raise ConfigError("--world-size must be >= 2, --repeats >= 1, --sizes >= 1")
 
     prof = get_pool(a.world_size).run(measure_oef, OP_KINDS, list(a.sizes), a.repeats, timeout=1800)[0]
     save_oef_profile(a.output, prof)
@@ -33,4 +33,4 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-__all__ = ["main"]
+__all__ = ["add_arguments", "run"]
