@@ -34,7 +34,9 @@ def train(device: str, backend: object | None, steps: int, top_k: int) -> list[f
     model = build_moe(DIM, NUM_EXPERTS, FFN_DIM, top_k=top_k, capacity_factor=1.25, seed=0).to(device)
     model = parallelize_moe(model, mesh)
     run = model if backend is None else torch.compile(model, backend=backend, fullgraph=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    # DTensor experts beside the plain router: the foreach kernels CUDA optimizers default to
+    # take one kind per call
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
     # Rank r gets its BATCH/world rows: [BATCH/world, SEQ, DIM]. Capacity is
     # computed from these local tokens.
     batch = batch_to(make_inputs(BATCH, SEQ, DIM, rank=dist.get_rank(), world_size=world), device)

@@ -53,7 +53,9 @@ def main() -> None:
         parallelize_module(block, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
 
     compiled = torch.compile(model, backend="commfuse")
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    # DTensor weights beside plain ones (the norms): the foreach kernels CUDA optimizers
+    # default to take one kind per call
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, foreach=False)
     x = torch.randn(8, 64, 128, device=device)
     for step in range(4):
         loss = compiled(x).pow(2).mean()
