@@ -49,7 +49,14 @@ def _compile(model, x, *, scalar_outputs: bool = True, passes=("moe_recognition"
 
     with torch._dynamo.config.patch(capture_scalar_outputs=scalar_outputs):
         torch._dynamo.reset()
-        torch.compile(model, backend=backend)(x)
+        try:
+            torch.compile(model, backend=backend)(x)
+        except RuntimeError as e:
+            # The fake process group moves no data: an exchange whose split sizes come from an
+            # earlier exchange (dropless dispatch) reads uninitialised counts when the compiled
+            # program runs. What is under test here is the compile, done by then.
+            if "alltoall" not in str(e) or not graphs:
+                raise
         torch._dynamo.reset()
     return graphs, be.dynamo_reports + be.reports
 
