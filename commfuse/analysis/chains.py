@@ -544,8 +544,10 @@ def backward_step(node: fx.Node, out: Split, dims: DimTypeAnalysis, k: int,
 
 # ----------------------------------------------------------------------- chains
 def consumer_chain(c: Collective, dim: int, k: int, dims: DimTypeAnalysis, facts: GraphFacts,
-                   backward_nodes: set[fx.Node]) -> Chain | str:
-    splits = transfer(c, dim, k)
+                   backward_nodes: set[fx.Node], splits: Optional[tuple[Split, Split]] = None) -> Chain | str:
+    """``splits``: the (input, output) chunk layouts of ``c`` when the caller derived them
+    (an all_to_all's, see ``expert_exchange_partition``); default :func:`transfer`'s."""
+    splits = transfer(c, dim, k) if splits is None else splits
     if isinstance(splits, str):
         return splits
     split_in, split_out = splits

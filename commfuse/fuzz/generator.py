@@ -46,7 +46,7 @@ FAMILIES: dict[str, dict[str, float]] = {
     "sp": {"unary": 1, "residual": 1, "matmul": 2, "layer_norm": 2, "softmax": 1, "scores": 1, "view": 3,
            "all_gather": 4, "reduce_scatter": 4, "sp_block": 4, "all_to_all": 1},
     "moe": {"unary": 1, "matmul": 2, "router_topk": 3, "all_to_all": 3, "dispatch": 3, "combine": 4,
-            "moe_block": 4, "residual": 1},
+            "moe_block": 4, "residual": 1, "capacity_exchange": 3},
     "fsdp": {"unary": 1, "matmul": 1, "layer_norm": 1, "fsdp_linear": 5, "reduce_scatter": 2, "all_reduce": 1,
              "residual": 1, "mutate": 1, "update_after_collective": 1},
     "pp": {"unary": 2, "matmul": 2, "layer_norm": 1, "p2p": 4, "residual": 1, "all_reduce": 1,
@@ -637,6 +637,35 @@ class _Gen:
         if not y:
             return False
         return self.b_combine()
+
+    def b_capacity_exchange(self) -> bool:
+        """A capacity-dispatch expert exchange: an equal-split all_to_all, a matmul and an
+        activation per rank, the inverse all_to_all on the same group (expert_exchange_partition).
+        Split on dim 0 about half the time, else on another divisible dim; concatenated on the
+        split dim half the time, else on a random dim (a DTensor-style shuffle) and inverted."""
+        x = self.pick(lambda v: v.vary is None and len(v.shape) >= 2)
+        if x is None:
+            return False
+        role = self.group(lambda n: n >= 2)
+        if role is None:
+            return False
+        n = self.gsize(role)
+        dims = [d for d in range(len(x.shape)) if x.shape[d] % n == 0]
+        if not dims:
+            return False
+        s = c = 0 if 0 in dims and self.rng.random() < 0.5 else self.rng.choice(dims)
+        if self.rng.random() < 0.5:
+            c = self.rng.randrange(len(x.shape))
+        y = self.emit("all_to_all", [x], bounded=x.bounded, group=role, split_dim=s, concat_dim=c)
+        if not y:
+            return False
+        w = self.new_input((y[0].shape[-1], y[0].shape[-1]), "weight")
+        y = self.emit("matmul", [y[0], w])
+        fn = self.rng.choice(["gelu", "relu", "silu"])
+        y = y and self.emit("unary", y, fn=fn)
+        if not y or y[0].shape[c] % n:
+            return False
+        return bool(self.emit("all_to_all", y, group=role, split_dim=c, concat_dim=s))
 
     def b_dispatch_of(self, x: Val) -> bool:
         role = self.group(lambda n: n >= 2)

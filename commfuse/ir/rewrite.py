@@ -56,10 +56,21 @@ def reduce_scatter(x: torch.Tensor, op: str, dim: int, n: int, group: str) -> to
 def all_to_all(x: torch.Tensor, split_dim: int, concat_dim: int, n: int, group: str) -> torch.Tensor:
     """Equal-split all_to_all: chunk ``r`` along ``split_dim`` goes to rank ``r``; the
     received pieces are concatenated in sender order along ``concat_dim``."""
+    return all_to_all_receive(all_to_all_issue(x, split_dim, n, group), concat_dim, n)
+
+
+def all_to_all_issue(x: torch.Tensor, split_dim: int, n: int, group: str) -> torch.Tensor:
+    """The first half of :func:`all_to_all`: issue the exchange, return its un-waited result
+    (a rewrite that overlaps the exchange with compute places the two halves apart)."""
     if split_dim != 0:
         x = torch.cat(torch.chunk(x, n, split_dim), 0)
     sizes = [x.shape[0] // n] * n  # the 2.13 schema takes explicit split sizes
-    out = _f.wait_tensor(_f.all_to_all_single(x.contiguous(), sizes, sizes, group))
+    return _f.all_to_all_single(x.contiguous(), sizes, sizes, group)
+
+
+def all_to_all_receive(started: torch.Tensor, concat_dim: int, n: int) -> torch.Tensor:
+    """The second half of :func:`all_to_all`: wait, then concatenate the pieces on ``concat_dim``."""
+    out = _f.wait_tensor(started)
     if concat_dim == 0:
         return out
     return torch.cat(torch.chunk(out, n, 0), concat_dim)

@@ -17,6 +17,7 @@ from commfuse.transforms.bucket_collectives import BucketCollectives
 from commfuse.transforms.chimera import Chimera
 from commfuse.transforms.collective_motion import CollectiveMotion
 from commfuse.transforms.dhelix_interleave import DHelixInterleave
+from commfuse.transforms.expert_exchange_partition import ExpertExchangePartition
 from commfuse.transforms.fuse_collectives import FuseCollectives
 from commfuse.transforms.gloo_reduce_scatter import GlooReduceScatter
 from commfuse.transforms.group_partition import GroupPartition
@@ -44,6 +45,7 @@ BUILTIN_PASSES: tuple[Type[GraphPass], ...] = (
     Chimera,
     BoundaryFusion,
     WorkloadPartition,
+    ExpertExchangePartition,
     PrimitiveSubstitution,
     PrimitiveSubstitutionForced,
     GroupPartition,

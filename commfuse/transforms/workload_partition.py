@@ -124,11 +124,8 @@ class WorkloadPlan:
 
 
 # ---------------------------------------------------------------------------- planning
-def _why_not(ctx: PassContext, c: Collective) -> Optional[str]:
-    if c.kind is CollectiveKind.ALL_TO_ALL:
-        return "all_to_all: not implemented (cutting its split and concat dims together is not derived yet)"
-    if c.kind not in SUPPORTED:
-        return f"{c.kind.value} is not partitioned (all_gather, reduce_scatter, all_reduce only)"
+def cuttable_reason(c: Collective) -> Optional[str]:
+    """Why no rewrite can cut ``c`` into chunk collectives, whatever its kind (None: it can be)."""
     if c.coalesced or c.inplace:
         return "coalesced or in-place collective"
     if len(c.waits) != 1 or c.logical_output is None or c.logical_input is None:
@@ -137,6 +134,18 @@ def _why_not(ctx: PassContext, c: Collective) -> Optional[str]:
         return "group of fewer than two ranks (or size unknown)"
     if not isinstance(c.start.meta.get("val"), torch.Tensor):
         return "graph has no fake tensor metadata (meta['val'])"
+    return None
+
+
+def _why_not(ctx: PassContext, c: Collective) -> Optional[str]:
+    if c.kind is CollectiveKind.ALL_TO_ALL:
+        return ("all_to_all: not implemented here (an MoE dispatch -> expert compute -> combine exchange is cut by "
+                "expert_exchange_partition)")
+    if c.kind not in SUPPORTED:
+        return f"{c.kind.value} is not partitioned (all_gather, reduce_scatter, all_reduce only)"
+    why = cuttable_reason(c)
+    if why is not None:
+        return why
     facts = _facts(ctx)
     if c.logical_input in facts.mutated or c.inputs[0] in facts.mutated or c.logical_output in facts.mutated:
         return "its input or result is written in place"

@@ -1,0 +1,52 @@
+"""Rank-pool jobs for tests/test_expert_exchange_partition.py (module level: the pool pickles them).
+
+The job trains commfuse.models.moe's MoE block (capacity dispatch, expert parallel over the 4
+gloo ranks, as examples/moe_ep.py) for two SGD steps eagerly and compiled with
+``passes=["expert_exchange_partition"]`` (eager inner compiler, strict), asserts losses,
+gradients and parameters close under the tolerance policy, and returns what the pass did per
+graph so the test can assert it changed something and every rank decided the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import commfuse
+from commfuse.reference.numerics import assert_close_tree, train_step_outputs
+
+PASS = "expert_exchange_partition"
+
+
+def moe_matches_eager(**cfg: Any) -> dict[str, Any]:
+    from commfuse.models import moe
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    batch = moe.make_inputs(8, 16, 32, rank=rank, world_size=world)
+
+    def model():
+        return moe.parallelize_moe(moe.build_moe(dim=32, num_experts=8, ffn_dim=64, seed=0), mesh)
+
+    def inputs():
+        return batch.inputs
+
+    def loss(out):
+        return moe.loss_fn(out[0], out[1], batch)
+
+    torch._dynamo.reset()
+    ref = train_step_outputs(model, inputs, steps=2, lr=0.05, loss_fn=loss)
+    be = commfuse.backend(commfuse.Config(passes=[PASS], inner_compiler="eager", strict=True, **cfg))
+    got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=loss)
+    assert_close_tree(got, ref, dtype=torch.float32, msg=f"rank {rank}")
+    out: dict[str, Any] = {}
+    for r in be.reports:
+        for p in r.passes:
+            if p.name == PASS:
+                out[r.graph] = {"changed": p.changed, "counts": dict(p.counts), "refusals": list(p.refusals),
+                                "decisions": [d["decision"] for d in p.decisions],
+                                "kinds": {k: t.count for k, t in r.analysis.by_kind.items()} if r.analysis else {}}
+    return out
