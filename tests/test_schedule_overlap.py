@@ -48,6 +48,27 @@ def _schedule(gm: fx.GraphModule, graph_kind: str = "forward", **cfg):
     return commfuse.last_report(gm).passes[0]
 
 
+def _p2p_fn(x, w):
+    g = dist.group.WORLD
+    h = torch.tanh(x @ x)
+    s = torch.ops._c10d_functional.isend(h, 1, 0, g.group_name)
+    gathered = funcol.all_gather_tensor(w, 0, g)
+    torch.ops._c10d_functional.wait_tensor(s)
+    return torch.tanh(h @ x) @ gathered
+
+
+def test_layer_and_model_levels_are_not_tried_where_ranks_may_differ():
+    """A point-to-point op means each rank may hold its own graph: the levels, which re-chain
+    collectives from the graph's costs, are skipped and the decision says why."""
+    with fake_process_group(8):
+        gm = make_fx(_p2p_fn, tracing_mode="fake")(torch.randn(64, 64), torch.randn(8, 64))
+        rec = _schedule(gm, graph_kind="backward")
+    assert rec.error is None
+    (decision,) = [d for d in rec.decisions if "graph" in d]
+    assert "point-to-point" in decision["levels_skipped"], decision
+    assert "layer_level" not in decision and "model_level" not in decision
+
+
 def _prefetch_graph(n: int = 256, world: int = 8):
     return prefetch_graph(n, world)
 
@@ -310,4 +331,5 @@ def test_default_pipeline_with_the_scheduler_matches_eager(rank_pool_4, example)
     results = rank_pool_4.run(compiled_matches_eager, example, "float32", "eager", 2, passes, timeout=240)
     recs = [p for p in results[0]["passes"] if p["name"] == "schedule_overlap"]
     assert recs and any(p["changed"] for p in recs), recs
+
 

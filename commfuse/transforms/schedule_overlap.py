@@ -33,7 +33,9 @@ Contract
   or compute (uneven shards, per-rank p2p programs) and their cost estimates would differ --
   except when the layer-level candidate wins: it re-chains collectives inside a backward layer
   from the graph and the cost model (``Config.schedule_layer_level=False`` keeps the input
-  order everywhere; the counts then say ``collectives_reordered``).
+  order everywhere; the counts then say ``collectives_reordered``). The layer and model
+  levels are not tried on a graph whose ranks may differ (point-to-point ops, per-rank
+  all_to_all sizes, symbolic shapes: ``analysis.rank_local``); the decision says so.
   Every decision is a deterministic function of the graph, the config and the topology: ties
   break by original node index; CP-SAT runs with one worker, a fixed seed and a
   deterministic-time limit (never wall-clock). One ``decisions`` entry records the predicted
@@ -62,6 +64,7 @@ from typing import NamedTuple, Optional
 
 import torch.fx as fx
 
+from commfuse.analysis.rank_local import rank_local_reason
 from commfuse.core.meta import microbatch_of
 from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT, SimResult, Simulator
@@ -189,8 +192,13 @@ class ScheduleOverlap(GraphPass):
 
         problems = [] if self.force_layer_level else [("input", prob)]
         layer_info = model_info = None
-        want_layer = self.force_layer_level or (cfg.schedule_layer_level and bool(ir.backward_nodes))
-        want_model = cfg.schedule_model_level and not self.force_layer_level and any(
+        # The levels re-chain collectives from the graph's costs: where ranks may hold different
+        # graphs or sizes, their chains could differ between ranks (and hang them), so only the
+        # input's collective order is scheduled around.
+        local = None if self.force_layer_level else rank_local_reason(ir.collectives, ctx.gm)
+        want_layer = self.force_layer_level or (cfg.schedule_layer_level and bool(ir.backward_nodes)
+                                                and local is None)
+        want_model = cfg.schedule_model_level and not self.force_layer_level and local is None and any(
             microbatch_of(n) is not None for n in ctx.gm.graph.nodes)
         # the problem without a collective chain: the levels build their preferred orders on it
         free = build_problem(ctx.gm, sim, ir, chain=()) if want_layer or want_model else None
@@ -215,6 +223,8 @@ class ScheduleOverlap(GraphPass):
         decision: dict = {"graph": ctx.graph_kind, "estimator": est_name, "nodes": prob.size,
                           "segments": len(prob.segments), "collectives": len(prob.collectives),
                           "input": _summary(before), "greedy": tried}
+        if local is not None:
+            decision["levels_skipped"] = f"{local}: the collective order is kept as the input has it"
         if layer_info is not None:
             decision["layer_level"] = layer_info
         if model_info is not None:
