@@ -306,6 +306,11 @@ _REPORTS = {
                         "boundary_volume_tables", "boundary_volume",
         "only pipeline boundary fusion: bytes per rank before/after per Table 2 transition vs the "
         "derivation (counted) and step time fused vs unfused on 4 gloo ranks (measured)"),
+    # counted (bytes, one process, fake process group): Chimera's fusion across the two dims of a mesh
+    "mesh_transitions": SingleReport("benchmarks.mesh_transitions", "run_mesh_transitions",
+                        "mesh_transitions_tables", "mesh_transitions",
+        "only the TP->EP transition on 2-D meshes [2,2], [4,2], [2,4]: bytes per rank before/after "
+        "fuse_collectives across groups vs the closed form and Table 2's range (counted)"),
     # decided (compiled on 2 gloo ranks): the passes' decisions with and without a calibrated profile
     "calibrated_decisions": SingleReport("benchmarks.calibrated_decisions", "run_calibrated_decisions",
                         "calibrated_decisions_tables", "calibrated_decisions",

@@ -3,7 +3,7 @@ pipeline a config asks for, with what the job's session knows."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 import torch.fx as fx
@@ -19,9 +19,11 @@ from commfuse.session import current_session, resolved_roles, resolved_topology
 from commfuse.transforms.registry import get_pass
 
 
-def pipeline_for(config: Config, dtensor_roles: Optional[dict[str, str]] = None) -> Pipeline:
+def pipeline_for(config: Config, dtensor_roles: Optional[dict[str, str]] = None,
+                 dtensor_partitions: Sequence[Sequence[Sequence[int]]] = ()) -> Pipeline:
     """The pipeline `config` asks for, with the topology, roles and session state from
-    `commfuse.setup` (and the roles of the graph's DTensor meshes, ``dtensor_roles``) filled in."""
+    `commfuse.setup` (and the roles and dims' blocks of the graph's DTensor meshes,
+    ``dtensor_roles`` and ``dtensor_partitions``) filled in."""
     roles, sources = resolved_roles(config, dtensor_roles)
     topology, source = resolved_topology(config)
     cost_model = cost_label = None
@@ -34,7 +36,7 @@ def pipeline_for(config: Config, dtensor_roles: Optional[dict[str, str]] = None)
         cost_label = f"cost profile {config.cost_profile} ({profile.backend}, fingerprint {profile.fingerprint()})"
     return Pipeline([get_pass(name) for name in config.pass_names()], config, topology=topology,
                     group_roles=roles, role_sources=sources, session=current_session(), topology_source=source,
-                    cost_model=cost_model, cost_label=cost_label,
+                    cost_model=cost_model, cost_label=cost_label, partitions=dtensor_partitions,
                     rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else None)
 
 

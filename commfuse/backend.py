@@ -51,7 +51,7 @@ from commfuse.lowering import LoweringPlan, lower_eager, lower_runtime
 from commfuse.passmgr.base import Stage
 from commfuse.passmgr.pipeline import Pipeline, ReportTo
 from commfuse.passmgr.report import PipelineReport
-from commfuse.session import current_session, roles_from_meshes
+from commfuse.session import current_session, mesh_partitions, roles_from_meshes
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,9 @@ class CommfuseBackend:
                  options: Optional[dict[str, Any]] = None):
         if options or mode not in (None, "default"):
             return self.with_compile_args(mode=mode, options=options)(gm, example_inputs)
-        pipeline = pipeline_for(self.config, dtensor_roles=_dtensor_roles(gm, example_inputs))
+        meshes = _dtensor_meshes(gm, example_inputs)
+        pipeline = pipeline_for(self.config, dtensor_roles=roles_from_meshes(meshes) if meshes else {},
+                                dtensor_partitions=[part for m in meshes for part in mesh_partitions(m)])
         record = FrameRecord()
         if any(p.stage is Stage.PRE_AUTOGRAD for p in pipeline.passes):
             # Recognition before AOTAutograd traces the graph, so the ops it introduces are
@@ -261,16 +263,20 @@ def _warn_lowering_failed(kind: str, e: Exception, instead: str) -> None:
     log.debug("commfuse: lowering of the %s graph failed", kind, exc_info=True)
 
 
-def _dtensor_roles(gm: fx.GraphModule, example_inputs: list) -> dict[str, str]:
-    """Roles of the process groups of the DeviceMeshes that the graph's DTensors (inputs, lifted
-    parameters, or parameters the graph still holds) live on, from the mesh dim names."""
+def _dtensor_meshes(gm: fx.GraphModule, example_inputs: list) -> list:
+    """The DeviceMeshes the graph's DTensors (inputs, lifted parameters, or parameters the graph
+    still holds) live on: their dim names give the groups' roles, their dims every rank's blocks."""
     from torch.distributed.tensor import DTensor
 
     meshes = {}
     for t in [*example_inputs, *gm.parameters(), *gm.buffers()]:
         if isinstance(t, DTensor):
             meshes.setdefault(id(t.device_mesh), t.device_mesh)
-    return roles_from_meshes(meshes.values()) if meshes else {}
+    # a slice (mesh["tp"]) holds only this rank's row: the mesh it was cut from holds every block
+    for m in list(meshes.values()):
+        root = priv.device_mesh_root(m)
+        meshes.setdefault(id(root), root)
+    return list(meshes.values())
 
 
 def _real_multi_rank() -> bool:

@@ -113,6 +113,8 @@ class Session:
     communicator_ctas: tuple[tuple[int, int], ...] = ()
     communicator_pool_plan: list[Any] = field(default_factory=list)
     communicator_pool: dict[str, Any] = field(default_factory=dict)
+    # every partition of the world the job declared (each mesh dim's blocks, then ``groups``)
+    partitions: list[list[Ranks]] = field(default_factory=list)
 
     def subgroups_of(self, parent: Sequence[int]) -> Optional[SubGroups]:
         return self.subgroups.get(tuple(parent))
@@ -123,7 +125,8 @@ class Session:
         (not this rank's own sub-groups, which differ per rank under one alias)."""
         payload = {"roles": sorted(self.group_roles.items()),
                    "aliases": sorted((name, [list(b) for b in blocks]) for name, blocks in self.alias_blocks.items()),
-                   "pool": [repr(p) for p in self.communicator_pool_plan]}
+                   "pool": [repr(p) for p in self.communicator_pool_plan],
+                   "partitions": [[list(b) for b in part] for part in self.partitions]}
         return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
     def reference_groups(self) -> dict[str, list[list[int]]]:
@@ -164,14 +167,18 @@ def _register_alias(name: str, pg: Any) -> None:
 
 
 # --------------------------------------------------------------------------- creation
+def mesh_partitions(mesh: Any) -> list[list[Ranks]]:
+    """Each dim's blocks of a DeviceMesh (global ranks in group-rank order): what every rank knows."""
+    t = mesh.mesh
+    return [[tuple(int(r) for r in b) for b in t.transpose(d, -1).reshape(-1, t.shape[d]).tolist()]
+            for d in range(t.ndim)]
+
+
 def _partitions(mesh: Any, groups: Any) -> list[list[Ranks]]:
     """Parent partitions besides the world: each mesh dim's blocks, then ``groups``."""
     out: list[list[Ranks]] = []
     if mesh is not None:
-        t = mesh.mesh
-        for d in range(t.ndim):
-            blocks = t.transpose(d, -1).reshape(-1, t.shape[d]).tolist()
-            out.append([tuple(int(r) for r in b) for b in blocks])
+        out.extend(mesh_partitions(mesh))
     if groups is not None:
         try:
             parts = [[tuple(int(r) for r in block) for block in part] for part in groups]
@@ -335,6 +342,7 @@ def setup(
         if not names:
             raise ConfigError("mesh: commfuse.setup needs a DeviceMesh with mesh_dim_names to assign roles")
     partitions = _partitions(mesh, groups)
+    session.partitions = [list(part) for part in partitions]
     if topo is not None and dist.is_available() and dist.is_initialized():
         topo.check_world_size(dist.get_world_size())
         for part in partitions:

@@ -214,8 +214,11 @@ def test_roles_come_from_the_dtensor_meshes_the_graph_holds(recwarn):
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     import commfuse.session as session
-    from commfuse.backend import _dtensor_roles
+    from commfuse.backend import _dtensor_meshes
     from commfuse.testing.fake_pg import fake_mesh
+
+    def _dtensor_roles(gm, inputs):
+        return session.roles_from_meshes(_dtensor_meshes(gm, inputs))
 
     session._WARNED_DIMS.discard("stage_x")
     with fake_mesh(4, (2, 2), ("dp_shard", "tp")) as mesh:
@@ -224,6 +227,9 @@ def test_roles_come_from_the_dtensor_meshes_the_graph_holds(recwarn):
         gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
         roles = _dtensor_roles(gm, [torch.ones(1), w, b])
         assert roles == {mesh.get_group("dp_shard").group_name: "fsdp", mesh.get_group("tp").group_name: "tp"}
+        # every rank's blocks of both dims, also from a DTensor on the "tp" slice alone
+        partitions = [part for m in _dtensor_meshes(gm, [b]) for part in session.mesh_partitions(m)]
+        assert [[(0, 2), (1, 3)], [(0, 1), (2, 3)]] == partitions[-2:], partitions
         resolved, sources = session.resolved_roles(commfuse.Config(group_roles={mesh.get_group("tp").group_name: "sp"}),
                                                    roles)
         assert resolved[mesh.get_group("tp").group_name] == "sp"  # the user's word wins

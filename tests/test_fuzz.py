@@ -557,10 +557,15 @@ def test_group_pairs_family_puts_adjacent_collectives_on_aliased_reordered_and_m
 def test_fuse_collectives_on_group_pairs_programs():
     """fuse_collectives on group_pairs programs, single process on the fake world: an adjacent
     pair on two names of the same ranks in the same order is fusible (and fused: the pass changes
-    the graph), the same ranks in another order and two mesh dims are refused ("groups differ in
-    members"), and fuse_collectives and chimera keep every rank's values (the reference)."""
+    the graph), the same ranks in another order is refused ("groups differ in members"), a pair on
+    two mesh dims is fused into a many-to-many scatter where the table across groups has its kinds
+    and dims (the program's partitions declared) and refused otherwise, and fuse_collectives and
+    chimera keep every rank's values (the reference)."""
     from commfuse.fuzz.program import make_inputs, trace_rank
     from commfuse.ir.graph_ir import CollectiveIR
+    from types import SimpleNamespace
+
+    from commfuse.core.torch_private import process_group_with_members
     from commfuse.testing.fake_pg import fake_process_group
     from commfuse.transforms.fuse_collectives import _check_pair, find_pairs
 
@@ -572,11 +577,13 @@ def test_fuse_collectives_on_group_pairs_programs():
         with warnings.catch_warnings(), fake_process_group(p.world_size, rank=0):
             warnings.simplefilter("ignore")
             gm, _ = trace_rank(p, 0, make_inputs(p, 0))
+            declared = SimpleNamespace(partitions=[part for role, part in p.groups.items() if role != "world"],
+                                       group_with_members=process_group_with_members)
             for pair in find_pairs(CollectiveIR(gm).collectives):
                 a, b = pair.first.group, pair.second.group
                 if a.name == b.name:
                     continue
-                why = _check_pair(pair)
+                why, _ = _check_pair(pair, declared)
                 if a.ranks == b.ranks:
                     if why is None:
                         found.add("same ranks, other names: fusible")
@@ -585,24 +592,26 @@ def test_fuse_collectives_on_group_pairs_programs():
                 elif sorted(a.ranks) == sorted(b.ranks):
                     assert why is not None and "groups differ in members" in why, why
                     found.add("same ranks, other order: refused")
+                elif _group_pair_kind(p) == "mesh" and len(set(a.ranks) & set(b.ranks)) == 1:
+                    # a group of each dim: they cross in one rank
+                    found.add("two mesh dims: refused" if why else "two mesh dims: fused")
+                    assert why is None or "groups differ in members" in why, why
                 else:
                     assert why is not None and "groups differ in members" in why, why
-                    if _group_pair_kind(p) == "mesh" and len(set(a.ranks) & set(b.ranks)) == 1:
-                        found.add("two mesh dims: refused")  # a group of each dim: they cross in one rank
         if not found - {k for k, c in evidence.items() if c >= 2}:
             continue  # nothing new: check only a handful of programs
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             res = check_program(p, pipes)
         assert res.ok, (p.dumps(), [f.headline() for f in res.failures])
-        if "same ranks, other names: fusible" in found:
+        if found & {"same ranks, other names: fusible", "two mesh dims: fused"}:
             assert "fuse_collectives" in res.pipelines_changed, p.summary()
         for k in found:
             evidence[k] = evidence.get(k, 0) + 1
-        if len(evidence) == 3 and min(evidence.values()) >= 2:
+        if len(evidence) == 4 and min(evidence.values()) >= 2:
             break
     assert set(evidence) == {"same ranks, other names: fusible", "same ranks, other order: refused",
-                             "two mesh dims: refused"} and min(evidence.values()) >= 2, evidence
+                             "two mesh dims: refused", "two mesh dims: fused"} and min(evidence.values()) >= 2, evidence
 
 
 @pytest.mark.parametrize("wrong, kinds", [("as_sets", {"reorder"}), ("by_size", {"reorder", "mesh"})])

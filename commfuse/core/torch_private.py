@@ -139,6 +139,41 @@ def process_group_names() -> dict:
     return c10d._world.pg_names
 
 
+def process_group_with_members(ranks) -> "tuple[str, tuple[int, ...]] | None":
+    """The name and group-rank order (global ranks) of a process group this process belongs to
+    whose members are ``ranks`` (as a set): the default group if it is one, else the first such
+    group created. Every member created it in the same collective call, so every member finds
+    a group of that name (names come from creation order, the same on every rank)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    want = set(int(r) for r in ranks)
+    world = dist.group.WORLD
+    if want == set(range(dist.get_world_size())):
+        return world.group_name, tuple(range(dist.get_world_size()))
+    for pg, name in process_group_names().items():
+        if pg is world or pg is None:
+            continue
+        try:
+            members = tuple(dist.get_process_group_ranks(pg))
+        except (RuntimeError, ValueError):
+            continue
+        if set(members) == want and len(members) == len(want):
+            return name, members
+    return None
+
+
+def device_mesh_root(mesh):
+    """Private: the mesh a sliced DeviceMesh (``mesh["tp"]``) was cut from (itself if none)."""
+    get = getattr(mesh, "_get_root_mesh", None)
+    try:
+        root = get() if get is not None else None
+    except (RuntimeError, AttributeError):
+        root = None
+    return root if root is not None else mesh
+
+
 def inductor_decompositions():
     """Private: `torch._inductor.decomposition.select_decomp_table()`, the decompositions
     AOTAutograd applies before Inductor sees a graph."""

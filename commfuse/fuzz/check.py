@@ -253,15 +253,22 @@ def _groups_mapping(program: Program, names: dict[str, list[int]]) -> dict[str, 
 
 @contextlib.contextmanager
 def _subgroups_for(pipe: PipelineSpec, program: Program, traced: Traced) -> Iterator[None]:
-    """Under a multi-node topology, the sub-groups ``commfuse.setup`` creates for the world and
-    the program's partitions (after the program's own groups, so their names stay); their
-    aliases join the reference's group mapping. The session is reset afterwards."""
+    """The program's partitions declared as a job declares its mesh (``commfuse.setup(groups=)``),
+    so passes whose peers are other ranks' groups (a pair on two mesh dims) know every block;
+    under a multi-node topology also the sub-groups ``setup`` creates for the world and those
+    partitions (after the program's own groups, so their names stay), whose aliases join the
+    reference's group mapping. The session is reset afterwards."""
     topo = pipe.topology
+    parts = [part for role, part in sorted(program.groups.items()) if role != "world"]
     if topo is None or topo.num_nodes < 2 or topo.world_size != program.world_size:
-        yield
+        session.setup(groups=parts)
+        try:
+            yield
+        finally:
+            session.reset()
         return
 
-    s = session.setup(topology=topo, groups=[part for role, part in sorted(program.groups.items()) if role != "world"])
+    s = session.setup(topology=topo, groups=parts)
     traced.groups.update(s.reference_groups())
     try:
         yield

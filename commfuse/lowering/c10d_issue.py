@@ -30,6 +30,7 @@ from torch import Tensor
 
 from commfuse.core.torch_private import c10d_all_gather_single, c10d_reduce_scatter_single
 from commfuse.core.torch_private import c10d_functional as F
+from commfuse.ops.boundary import M2MS, M2MS_AUTOGRAD, parse_m2ms
 
 _F_OPS = {
     "sum": "SUM", "avg": "AVG", "product": "PRODUCT", "min": "MIN", "max": "MAX",
@@ -161,14 +162,31 @@ def issue(target: Any, args: tuple, kwargs: dict, pg) -> Issued:
     return _ISSUERS[target](args, kwargs, pg)
 
 
-def issue_fallback(target: Any, args: tuple, kwargs: dict, group_name: Optional[str]) -> Issued:
-    """Run the graph's own op (it registers its work for ``wait_tensor``), routed to `group_name`."""
+def _m2ms_sent_bytes(args: tuple, kwargs: dict, pg) -> int:
+    """What this rank puts on the wire in one many-to-many scatter (its own piece excluded)."""
+    import torch.distributed as dist
+
+    m = parse_m2ms(args, kwargs)
+    x = m.x
+    if pg is None or not isinstance(x, Tensor):
+        return 0
+    return m.sent_units(dist.get_rank(pg)) * m.unit_numel(x.shape) * x.element_size()
+
+
+# Ops run as they are (issue_fallback) whose bytes on the wire this rank can still count.
+_FALLBACK_SENT = {M2MS: _m2ms_sent_bytes, M2MS_AUTOGRAD: _m2ms_sent_bytes}
+
+
+def issue_fallback(target: Any, args: tuple, kwargs: dict, group_name: Optional[str], pg: Any = None) -> Issued:
+    """Run the graph's own op (it registers its work for ``wait_tensor``), routed to `group_name`
+    (``pg``: that group, to count the bytes this rank sends where the op's arguments say)."""
     pos = _GROUP_ARG.get(getattr(getattr(target, "_overloadpacket", None), "__name__", ""))
     if group_name is not None and pos is not None and len(args) > pos:
         args = (*args[:pos], group_name, *args[pos + 1:])
+    sent = _FALLBACK_SENT[target](args, kwargs, pg) if target in _FALLBACK_SENT else 0
     out = target(*args, **kwargs)
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
-    return Issued(outs, [], None, 0, sum(_nbytes(t) for t in outs if isinstance(t, Tensor)),
+    return Issued(outs, [], None, sent, sum(_nbytes(t) for t in outs if isinstance(t, Tensor)),
                   extra={"fallback": True})
 
 

@@ -165,7 +165,8 @@ def _make_issuer(state: RuntimeState, planned: PlannedCollective, target: Any) -
             issued = c10d_issue.issue(target, args, kwargs, state.group(planned.issue_group))
         else:
             issued = c10d_issue.issue_fallback(
-                target, args, kwargs, planned.issue_group if planned.issue_group != planned.group else None)
+                target, args, kwargs, planned.issue_group if planned.issue_group != planned.group else None,
+                pg=state.group(planned.issue_group) if rec is not None else None)
         record = None
         if rec is not None:
             record = rec_mod.CollectiveRecord(

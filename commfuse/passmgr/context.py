@@ -22,6 +22,7 @@ import torch.fx as fx
 from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.hierarchy import SubGroups
 from commfuse.costmodel.topology import Topology
+from commfuse.core.torch_private import process_group_with_members
 from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
 from commfuse.passmgr.cost import CostPolicy
 
@@ -50,6 +51,8 @@ class SessionState(Protocol):
     """What a pass may use of the job's session (``commfuse.setup``): the same on every rank."""
 
     communicator_pool_plan: list[Any]
+    # every block of every partition the job declared (a DeviceMesh's dims, ``setup(groups=)``)
+    partitions: list[list[tuple[int, ...]]]
 
     def subgroups_of(self, parent: Sequence[int]) -> Optional[SubGroups]: ...
 
@@ -59,6 +62,7 @@ class NoSession:
     """The session of a job that did not call ``commfuse.setup``: no sub-groups, no pool."""
 
     communicator_pool_plan: list[Any] = field(default_factory=list)
+    partitions: list[list[tuple[int, ...]]] = field(default_factory=list)
 
     def subgroups_of(self, parent: Sequence[int]) -> Optional[SubGroups]:
         return None
@@ -77,6 +81,7 @@ class PassContext:
         session: Optional[SessionState] = None,
         cost_model: Optional[AnalyticCostModel] = None,
         rank: Optional[int] = None,
+        partitions: Sequence[Sequence[Sequence[int]]] = (),
     ) -> None:
         self.gm = gm
         self.config = config
@@ -86,6 +91,12 @@ class PassContext:
         # this process's global rank, for rewrites that differ per rank (a rank's own chunk) while
         # the decision to rewrite stays the same on every rank; None: unknown (such rules are off)
         self.rank = rank
+        # Partitions of the world into groups, with every block, as every rank knows them: the
+        # session's (setup(mesh=/groups=)) and the graph's DTensor meshes' dims. What a rewrite
+        # whose peers are other ranks' groups (a pair on two mesh dims) decides from.
+        self.partitions: list[list[tuple[int, ...]]] = [
+            [tuple(int(r) for r in b) for b in part]
+            for part in [*getattr(self.session, "partitions", []), *partitions]]
         self.cost = CostPolicy(topology, model=cost_model)
         self._ir_options = IRBuildOptions(group_roles=group_roles or {}, role_sources=role_sources or {})
         self._analyses: dict[Analysis, Any] = {}
@@ -95,6 +106,11 @@ class PassContext:
         if analysis not in self._analyses:
             self._analyses[analysis] = analysis.build(self)
         return self._analyses[analysis]
+
+    def group_with_members(self, ranks: Sequence[int]) -> Optional[tuple[str, tuple[int, ...]]]:
+        """The name and rank order of an existing process group whose members are ``ranks``
+        (None: there is none; a pass never creates one)."""
+        return process_group_with_members(ranks)
 
     @property
     def ir(self) -> CollectiveIR:
@@ -116,6 +132,7 @@ class PassContext:
                             group_roles=self._ir_options.group_roles, role_sources=self._ir_options.role_sources,
                             session=self.session, rank=self.rank)
         other.cost = self.cost
+        other.partitions = self.partitions
         return other
 
     @property

@@ -312,7 +312,8 @@ class Pipeline:
                  group_roles: Optional[dict[str, str]] = None, role_sources: Optional[dict[str, str]] = None,
                  session: Optional[SessionState] = None, topology_source: Optional[str] = None,
                  cost_model: Optional[AnalyticCostModel] = None, cost_label: Optional[str] = None,
-                 rank: Optional[int] = None, instruments: Sequence[Instrumentation] = ()) -> None:
+                 rank: Optional[int] = None, instruments: Sequence[Instrumentation] = (),
+                 partitions: Sequence[Sequence[Sequence[int]]] = ()) -> None:
         self.config = config
         self.topology = topology
         self.group_roles = group_roles or {}
@@ -321,6 +322,7 @@ class Pipeline:
         self.cost_model = cost_model
         self.cost_label = cost_label
         self.rank = rank
+        self.partitions = [list(part) for part in partitions]
         self.passes = list(passes)
         self.instruments = list(instruments)
         # where the topology came from ("config", "setup", "detected"): reports name it
@@ -349,7 +351,7 @@ class Pipeline:
         cfg = self.config
         ctx = PassContext(gm, cfg, graph_kind=graph_kind, topology=self.topology, group_roles=self.group_roles,
                           role_sources=self.role_sources, session=self.session, cost_model=self.cost_model,
-                          rank=self.rank)
+                          rank=self.rank, partitions=self.partitions)
         instruments = self._instruments(graph_kind, dump_if_changed)
         report = PipelineReport(graph=graph_kind, topology=_describe_topology(self.topology, self.topology_source,
                                                                               self.cost_label))

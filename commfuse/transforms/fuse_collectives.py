@@ -9,7 +9,8 @@ Contract
   inputs/outputs and dims are the IR's (DTensor's split/cat shuffles seen through).
 - Fuses a pair only if: the same group (:meth:`GroupInfo.same_members`: equal names, or
   both groups' global ranks known and equal in group-rank order; the fused collective is
-  issued on the *first* collective's group); neither coalesced nor in place; exactly
+  issued on the *first* collective's group) -- or two groups that cross as the dims of a
+  mesh (below, "Across groups"); neither coalesced nor in place; exactly
   one wait each; static shapes; all_to_all with equal splits; every dim the fused
   form chunks divisible by what it chunks into (non-empty); a reduce op the row
   allows. Every adjacent pair that is not fused (including pairs whose kinds are
@@ -26,9 +27,9 @@ Contract
   order (``N·x`` replaces the sum of ``N`` equal copies; an all_reduce reduces what
   the reduce_scatter reduced); never more bytes per rank on the wire than the pair
   (ring conventions, see docs/fusion-table.md); the same group (the first collective's;
-  no process group is created); decisions depend only on the graph and the groups'
-  membership, which every member of a group sees alike, so the ranks that communicate
-  on a group agree.
+  no process group is created); decisions depend only on the graph, the groups'
+  membership, which every member of a group sees alike, and the declared partitions, which
+  every rank sees alike, so the ranks that communicate on a group agree.
 
 Semantics (group of N ranks; x_i is rank i's input; chunk_r(v, d) is the r-th of N
 equal chunks of v along d; piece_k(v, d) the k-th of N·N equal pieces; cat^d
@@ -57,12 +58,30 @@ concatenates along d; op is the reduce op; every rank r ends with z_r):
                            d == c: z_r = L(x_r): no communication
                            d != c: z_r = A2A_d->c(L(x))_r
 
+Across groups (Chimera's TP+EP and SP+EP transitions, Table 2, N1 != N2 included). Group A
+(N1 ranks) and group B (N2 ranks) cross as the two dims of a mesh: rank (k, i) is at position k
+of its A-block and i of its B-block, every rank's blocks known from partitions all ranks share
+(:mod:`commfuse.analysis.mesh_grid`: a DeviceMesh through DTensor or ``commfuse.setup``, or
+``setup(groups=)``), and an existing process group spans their plane (the world on a 2-D mesh;
+none is created while compiling). The fused form is one ``commfuse::m2ms`` on that group, every
+rank sending one equal piece to every rank:
+
+  AG_d on A + A2A_s->c on B   (s != d)   z_(k,l) = cat_i^c cat_k'^d chunk_l(x_(k',i), s)
+  A2A_s->c on B + RS_op,d on A (d != c)  z_(k,l) = cat_i^c op_k' chunk_k(chunk_l(w_(k',i), s), d)
+
+Bytes per rank: (N1·N2 - 1)|x|/N2 instead of (N1 - 1)|x| + N1|x|(N2 - 1)/N2 for the first;
+(1 - 1/(N1·N2))|w| instead of (2 - 1/N1 - 1/N2)|w| for the second (75% at [2, 2], 70% at
+[4, 2] and [2, 4], inside Table 2's 66.7-100%). The second is the first's transpose: a joint
+graph fuses both directions.
+
 Left alone (reported): every other pair of kinds (all_reduce, broadcast, p2p and
 RS + RS, which Chimera lists as not fusible), pairs on different groups (a different name
-and different or unknown ranks; the same ranks in another order are a different group), and the
-Table 3 rows that need P2P or many-to-many scatter (pipeline boundaries: ``boundary_fusion``).
+and different or unknown ranks; the same ranks in another order are a different group) that
+are not the two rows above on crossing groups, and the Table 3 rows that need P2P or
+many-to-many scatter at pipeline boundaries (``boundary_fusion``).
 
-Source: Chimera §3.3, Table 3 (fused operator for every adjacent pair). The paper
+Source: Chimera §3.3, Table 3 (fused operator for every adjacent pair) and Table 2 (the
+transitions between parallel patterns on different groups). The paper
 gives only the table; the data-layout semantics above are derived here and proven
 numerically by tests/test_fuse_collectives.py (docs/fusion-table.md).
 """
@@ -75,10 +94,13 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
+from commfuse.analysis.mesh_grid import Grid, find_grid
+from commfuse.core.torch_private import c10d_functional
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind, collective_spec
 from commfuse.ir.shapes import shape_of
+from commfuse.ops.boundary import M2MS
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 
@@ -185,6 +207,53 @@ def _fused_a2a_rs(x, s, c, op, d, n, g):
     return v if d == c else rewrite.all_to_all(v, d, c, n, g)
 
 
+# ------------------------------------------------------- fused forms across groups
+# The pair runs on two groups that cross as the dims of a mesh (commfuse.analysis.mesh_grid):
+# rank_at[k][i] is the rank at position k of its A-block and i of its B-block; `order` lists
+# the plane's ranks in the group-rank order of the existing group spanning it, which the
+# many-to-many scatter runs on (every rank sends one equal piece to every rank, its own
+# piece included as a local copy, and receives the pieces in that order).
+def _scatter_everywhere(send: torch.Tensor, dim: int, order: tuple, group: str) -> list[torch.Tensor]:
+    size = len(order)
+    everyone = list(range(size))
+    unit = send.shape[dim] // size
+    got = c10d_functional.wait_tensor(M2MS(send, dim, [unit] * (size * size), everyone, everyone, size, group))
+    return _chunks(got, size, dim)
+
+
+def _across_ag_a2a(x, d, s, c, rank_at, order, group):
+    """AG_d on A, then A2A_s->c on B. Rank (k, l) ends with cat_i^c chunk_l(Y_i, s), where
+    Y_i = cat_k'^d x_(k',i); for s != d that is cat_i^c cat_k'^d chunk_l(x_(k',i), s): each rank
+    sends chunk_l of its input to every rank at B-position l (the gather's redundant copies
+    never travel twice)."""
+    n1, n2 = len(rank_at), len(rank_at[0])
+    b_pos = {r: i for row in rank_at for i, r in enumerate(row)}
+    pieces = _chunks(x, n2, s)
+    got = _scatter_everywhere(torch.cat([pieces[b_pos[r]] for r in order], s), s, order, group)
+    at = {r: j for j, r in enumerate(order)}
+    return torch.cat([torch.cat([got[at[rank_at[k][i]]] for k in range(n1)], d) for i in range(n2)], c)
+
+
+def _reduce_parts(parts: list[torch.Tensor], op: str) -> torch.Tensor:
+    return _local_reduce(torch.cat(parts, 0), op, len(parts), 0)
+
+
+def _across_a2a_rs(w, s, c, op, d, rank_at, order, group):
+    """A2A_s->c on B, then RS_op,d on A. Rank (k, l) ends with op_k' chunk_k(v_(k',l), d), where
+    v_(k',l) = cat_i^c chunk_l(w_(k',i), s); for d != c that is
+    cat_i^c op_k' chunk_k(chunk_l(w_(k',i), s), d): each rank sends every rank (k, l) that piece
+    of its input, and the receiver reduces the pieces of one B-position locally."""
+    n1, n2 = len(rank_at), len(rank_at[0])
+    pos = {r: (k, i) for k, row in enumerate(rank_at) for i, r in enumerate(row)}
+    by_l = _chunks(w, n2, s)
+    send = torch.cat([_chunks(by_l[pos[r][1]], n1, d)[pos[r][0]] for r in order], s)
+    got = _scatter_everywhere(send, s, order, group)
+    at = {r: j for j, r in enumerate(order)}
+    flat = [g.unsqueeze(0) for g in got]  # reduce over a new leading dim, whatever d is
+    return torch.cat([_reduce_parts([flat[at[rank_at[k][i]]] for k in range(n1)], op).squeeze(0)
+                      for i in range(n2)], c)
+
+
 # ----------------------------------------------------------------- matching
 @dataclass
 class Pair:
@@ -258,42 +327,56 @@ def _divides(shape, d: int, k: int) -> bool:
     return 0 <= d < len(shape) and shape[d] > 0 and shape[d] % k == 0
 
 
-def _check_pair(p: Pair) -> Optional[str]:
+def _check_pair(p: Pair, ctx: Optional[PassContext] = None) -> tuple[Optional[str], Optional[Across]]:
+    """Why ``p`` is not fused (None: it is), and where a pair on two crossing groups is fused."""
     a, b = p.first, p.second
-    if not a.group.same_members(b.group):
+    across: Optional[Across] = None
+    if a.group.same_members(b.group):
+        if (a.kind, b.kind) not in _FUSIONS:
+            return "not in the fusion table", None
+    else:
         if a.group.ranks is None or b.group.ranks is None:
             unknown = " and ".join(repr(g.name) for g in (a.group, b.group) if g.ranks is None)
-            return f"groups differ (names {a.group.name!r} vs {b.group.name!r}; ranks of {unknown} unknown)"
-        return f"groups differ in members ({a.group.describe()} vs {b.group.describe()})"
-    if (a.kind, b.kind) not in _FUSIONS:
-        return "not in the fusion table"
+            return f"groups differ (names {a.group.name!r} vs {b.group.name!r}; ranks of {unknown} unknown)", None
+        if (a.kind, b.kind) not in _ACROSS:
+            return (f"groups differ in members ({a.group.describe()} vs {b.group.describe()}) and the pair has no "
+                    "fused form across groups"), None
+        found = _across(p, ctx)
+        if isinstance(found, str):
+            return f"groups differ in members ({a.group.describe()} vs {b.group.describe()}): {found}", None
+        across = found
     for c in (a, b):
         if c.coalesced:
-            return f"{c.name} is coalesced"
+            return f"{c.name} is coalesced", None
         if c.inplace:
-            return f"{c.name} is in place"
+            return f"{c.name} is in place", None
         if len(c.waits) != 1:
-            return f"{c.name} does not have exactly one wait"
+            return f"{c.name} does not have exactly one wait", None
         if c.logical_input is None or c.logical_output is None:
-            return f"{c.name} has no single logical input/output"
+            return f"{c.name} has no single logical input/output", None
         if c.kind is K.ALL_TO_ALL and not _a2a_splits_equal(c):
-            return f"{c.name} is an all_to_all with unequal (or dynamic) splits"
+            return f"{c.name} is an all_to_all with unequal (or dynamic) splits", None
         if c.kind is not K.ALL_REDUCE and c.logical_dim is None:
-            return f"{c.name} has no logical dim"
+            return f"{c.name} has no logical dim", None
         if not all(_static(shape_of(v)) for v in (c.logical_input, c.logical_output)):
-            return f"{c.name} has dynamic shapes"
+            return f"{c.name} has dynamic shapes", None
     n = a.group.size
     if n is None or n < 1:
-        return "group size unknown"
+        return "group size unknown", None
     # The intermediate value: each node of the chain feeds only the next one, and the
     # second collective's input feeds only it (and its layout shuffle).
     for node, nxt in zip(p.chain, p.chain[1:]):
         if set(node.users) != {nxt}:
-            return "intermediate value has other users"
+            return "intermediate value has other users", None
     allowed = set(b.layout_nodes) | {b.start}
     if not p.chain[-1].users or not set(p.chain[-1].users) <= allowed:
-        return "intermediate value has other users"
-    return _FUSIONS[(a.kind, b.kind)].check(a, b, n)
+        return "intermediate value has other users", None
+    if across is not None:
+        why = _ACROSS[(a.kind, b.kind)].check(a, b, across.grid)
+        if why is not None:
+            return f"groups differ in members ({a.group.describe()} vs {b.group.describe()}): {why}", None
+        return None, across
+    return _FUSIONS[(a.kind, b.kind)].check(a, b, n), None
 
 
 # ----------------------------------------------------------------- the table
@@ -420,11 +503,88 @@ _FUSIONS: dict[tuple[CollectiveKind, CollectiveKind], Fusion] = {
 FUSION_KEYS = tuple(f.key for f in _FUSIONS.values())
 
 
-def fuse_pair(gm: fx.GraphModule, p: Pair) -> None:
-    """Rewrite one pair in place (the caller checked :func:`_check_pair`)."""
+@dataclass(frozen=True)
+class Across:
+    """Where a pair on two crossing groups is fused: their plane and the group that spans it."""
+
+    grid: Grid
+    group_name: str
+    order: tuple[int, ...]  # the plane's global ranks in that group's rank order
+
+
+@dataclass(frozen=True)
+class AcrossFusion:
+    key: str
+    axes: Callable[[Collective, Collective], tuple[Collective, Collective]]  # -> (A's collective, B's)
+    check: Callable[[Collective, Collective, Grid], Optional[str]]
+    plan: Callable[[Collective, Collective, Across], tuple[Callable, tuple]]
+
+
+def _check_across_ag_a2a(a, b, grid):
+    d, s = a.logical_dim, b.logical_dim
+    if b.logical_concat_dim is None:
+        return "all_to_all concat dim unknown"
+    if s == d:
+        return "the all_to_all splits the gathered dim: each rank would send different pieces (not one graph)"
+    return _need(_xshape(a), s, grid.n2, "split dim")
+
+
+def _check_across_a2a_rs(a, b, grid):
+    s, c, d = a.logical_dim, a.logical_concat_dim, b.logical_dim
+    if c is None:
+        return "all_to_all concat dim unknown"
+    if d == c:
+        return "the reduce_scatter scatters the all_to_all's concat dim"
+    if b.reduce_op not in _LOCAL_REDUCE_OPS:
+        return f"reduce op {b.reduce_op!r} has no local form"
+    if b.reduce_op == "avg" and (b.dtype is None or not b.dtype.is_floating_point):
+        return f"reduce op 'avg' on {b.dtype}"
+    x = _xshape(a)
+    if d == s:
+        return _need(x, s, grid.n1 * grid.n2, "split and scatter dim, n1·n2 pieces")
+    return _need(x, s, grid.n2, "split dim") or _need(x, d, grid.n1, "scatter dim")
+
+
+# Chimera's rows for adjacent collectives on two groups of a mesh (the A-G + A2A row of Table 3
+# at the TP+EP and SP+EP transitions of Table 2, and its transpose, which the backward runs).
+_ACROSS: dict[tuple[CollectiveKind, CollectiveKind], AcrossFusion] = {
+    (K.ALL_GATHER, K.ALL_TO_ALL): AcrossFusion(
+        "m2ms_ag_a2a", lambda a, b: (a, b), _check_across_ag_a2a,
+        lambda a, b, w: (_across_ag_a2a, (a.logical_dim, b.logical_dim, b.logical_concat_dim, w.grid.rank_at,
+                                          w.order, w.group_name))),
+    (K.ALL_TO_ALL, K.REDUCE_SCATTER): AcrossFusion(
+        "m2ms_a2a_rs", lambda a, b: (b, a), _check_across_a2a_rs,
+        lambda a, b, w: (_across_a2a_rs, (a.logical_dim, a.logical_concat_dim, b.reduce_op, b.logical_dim,
+                                          w.grid.rank_at, w.order, w.group_name))),
+}
+ACROSS_KEYS = tuple(f.key for f in _ACROSS.values())
+
+
+def _across(p: Pair, ctx: Optional[PassContext]) -> "Across | str":
+    """The plane of the pair's two groups and the existing group spanning it, or why not."""
+    if ctx is None:
+        return "no pass context to read the mesh from"
+    ga, gb = (c.group for c in _ACROSS[(p.first.kind, p.second.kind)].axes(p.first, p.second))
+    grid = find_grid(ga.ranks, gb.ranks, ctx.partitions)
+    if isinstance(grid, str):
+        return grid
+    found = ctx.group_with_members(grid.ranks)
+    if found is None:
+        return (f"no process group spans their plane (ranks {','.join(map(str, grid.ranks))}); "
+                "commfuse creates none while compiling")
+    name, order = found
+    return Across(grid, name, tuple(order))
+
+
+def fuse_pair(gm: fx.GraphModule, p: Pair, across: Optional[Across] = None) -> str:
+    """Rewrite one pair in place (the caller checked :func:`_check_pair`); returns the fusion's key."""
     a, b = p.first, p.second
-    n = a.group.size
-    fn, consts = _FUSIONS[(a.kind, b.kind)].plan(a, b, n)
+    if across is not None:
+        fusion = _ACROSS[(a.kind, b.kind)]
+        fn, consts = fusion.plan(a, b, across)
+    else:
+        fusion = _FUSIONS[(a.kind, b.kind)]
+        fn, consts = fusion.plan(a, b, a.group.size)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     # Where the first collective reads its input: its start, or the scatter-side shuffle before it.
     before = min([a.start, *a.layout_nodes], key=order.__getitem__)
@@ -432,6 +592,7 @@ def fuse_pair(gm: fx.GraphModule, p: Pair) -> None:
     old = b.logical_output
     old.replace_all_uses_with(out)
     rewrite.erase_dead(gm, [old])
+    return fusion.key
 
 
 class FuseCollectives(GraphPass):
@@ -446,19 +607,18 @@ class FuseCollectives(GraphPass):
     fuzz = FuzzSpec(generators=("sp", "moe", "mixed", "group_pairs"))
 
     def run(self, ctx: PassContext) -> PassResult:
-        counts = {k: 0 for k in FUSION_KEYS}
+        counts = {k: 0 for k in FUSION_KEYS + ACROSS_KEYS}
         refusals: list[str] = []
         # Each fusion removes at least one collective: the bound is never the reason to stop.
         for _ in range(len(ctx.ir.collectives) + 1):
             refusals = []
             fused = False
             for p in find_pairs(ctx.ir.collectives):
-                why = _check_pair(p)
+                why, across = _check_pair(p, ctx)
                 if why is not None:
                     refusals.append(f"{p.label}: not fused: {why} ({p.kinds})")
                     continue
-                fuse_pair(ctx.gm, p)
-                counts[_FUSIONS[(p.first.kind, p.second.kind)].key] += 1
+                counts[fuse_pair(ctx.gm, p, across)] += 1
                 fused = True
                 break
             if not fused:
