@@ -199,12 +199,6 @@ def divisible(shape: tuple[int, ...], split: Split, k: int) -> bool:
     return size > 0 and size % (split.blocks * k) == 0
 
 
-def chunk_shape(node: fx.Node, split: Split, k: int) -> list[int]:
-    shape = list(static_shape(node))
-    shape[split.dim] //= k
-    return shape
-
-
 # --------------------------------------------------------------------------- collective transfer
 def transfer(c: Collective, dim: int, k: int) -> tuple[Split, Split] | str:
     """(input chunk layout, output chunk layout) of ``c`` chunked along ``dim``.
