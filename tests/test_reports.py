@@ -215,7 +215,8 @@ def test_html_page_is_self_contained_and_escapes_names(dumped, tmp_path):
     assert "&lt;script&gt;" in page
     for section in ("summary", "volume", "collectives", "passes", "graphs", "timelines"):
         assert f'<h2 id="{section}">' in page
-    assert page.count('class="timeline"') == 2  # predicted forward + backward
+    # forward and backward as run on the first screen, before and as run under Timelines
+    assert page.count('class="timeline predicted"') == 2 + 2 * 2
     assert "data:image/svg+xml;base64," in page or "DOT source" in page
     # nothing is fetched: no external URLs in src/href attributes
     assert "src=\"http" not in page and "href=\"http" not in page and "<link" not in page

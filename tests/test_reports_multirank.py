@@ -21,7 +21,13 @@ from commfuse.reports.html import render_html
 EXAMPLES = ["llama_tp", "llama_tp_sp", "moe_ep", "moe_tp_ep", "moe_sp_ep_sp", "simple_fsdp"]
 
 
-pytestmark = pytest.mark.slow(reason="records every example on 4 gloo ranks once (module fixture), then checks the reports")
+# xdist_group here, not only from tests/conftest.py: the group conftest.py adds in its
+# pytest_collection_modifyitems comes after pytest-xdist's worker has read the marks (its hook
+# runs first), so without this mark the module's tests were dealt to both workers and each
+# recorded every example (the module fixture, about a minute, twice).
+pytestmark = [pytest.mark.slow(reason="records every example on 4 gloo ranks once (module fixture), then checks the "
+                                      "reports"),
+              pytest.mark.xdist_group("ranks")]
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +124,8 @@ def test_report_page_with_measured_and_predicted_timelines(recorded):
     for section in ('id="summary"', 'id="volume"', 'id="collectives"', 'id="passes"', 'id="graphs"',
                     'id="timelines"', 'id="validation"'):
         assert section in page
-    assert page.count('class="timeline"') == 2 + 4  # forward + backward predicted, 4 ranks measured
+    # forward + backward predicted: as run on the first screen, before and as run under Timelines
+    assert page.count('class="timeline predicted"') == 2 + 2 * 2
+    assert page.count('class="timeline measured"') == 4  # 4 ranks
     assert "0 mismatch(es)" in page
     assert "data:image/svg+xml;base64," in page or "DOT source" in page

@@ -46,6 +46,7 @@ from commfuse.passmgr.base import GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext, SessionState
 from commfuse.passmgr.dumps import DumpWriter
 from commfuse.passmgr.gate import judge
+from commfuse.passmgr.report_facts import ReportFacts
 from commfuse.passmgr.report import PassRecord, PipelineReport, build_analysis_report
 from commfuse.passmgr.verifier import verify_graph
 
@@ -336,6 +337,8 @@ class Pipeline:
             rank = self.rank if self.rank is not None else process_rank()
             out.append(GraphDumps(dump_dir, graph_kind, svg_max_nodes=self.config.svg_max_nodes,
                                   only_if_changed=dump_if_changed, rank=rank, world_size=process_world_size()))
+            # what `commfuse report` reads beside the dumps: predicted timelines, group and layer names
+            out.append(ReportFacts(graph_kind))
         # after the timer: the pass records they emit carry their seconds
         if structured_trace_enabled():
             out.append(StructuredTrace(graph_kind, only_if_changed=dump_if_changed))

@@ -2,214 +2,300 @@
 
 Contract
     :func:`render_html` reads one rank's dump directory (``<kind>_<i>/`` graph dumps,
-    ``pipeline.json``, ``lowering_plan.json``, ``predicted_trace.json``) and, optionally, a
-    recorder directory (``rank<r>.json``), and returns one HTML document with these sections
+    ``pipeline.json``, ``lowering_plan.json``, and what ``commfuse.passmgr.report_facts.ReportFacts``
+    writes beside them: ``report_facts.json``, ``predicted_trace.json``,
+    ``predicted_trace_input.json``) and, optionally, a recorder directory (``rank<r>.json``),
+    and returns one HTML document rendered from the Jinja2 templates in ``templates/``
     (``<h2>`` ids in brackets):
 
-    * Summary [summary]: program totals before/after commfuse, formula checks, validation;
-    * Communication volume [volume]: per kind, parallel role, group and direction;
-    * Collectives [collectives]: every collective before/after with its analytic formula;
+    * What commfuse did [summary], the first screen: per graph that runs (forward, backward,
+      inference), before and after commfuse, the predicted time and exposed communication
+      (the simulator's, with the cost model named) and the collectives and wire bytes per
+      rank, with the step total; executor-specific lowerings (``EXECUTOR_LOWERINGS``: the gloo
+      reduce_scatter rewrite) shown apart and not counted as commfuse's result; the predicted
+      timeline of each graph as it runs; formula checks and, with a recorder, validation.
+      "Before" bytes of a forward / backward graph are the joint graph as traced, split by
+      direction; "after" is the graph commfuse produced before any executor lowering.
+    * Communication volume [volume]: the same before/after per kind, role, process group
+      (named by mesh dim where the dumps say) and direction;
+    * Collectives [collectives]: every collective, one collapsible block per graph and layer;
     * Pass decisions [passes]: what each pass did and every refusal ("why not fused");
-    * Graphs [graphs]: before/after pictures (the dumps' Graphviz SVGs, collectives filled and
-      coloured by group, waits dashed);
-    * Timelines [timelines]: the predicted timeline of each lowered graph (simulator trace)
-      and, with a recorder directory, the measured one per rank, drawn as inline SVG;
+    * Graphs [graphs]: before/after pictures (Graphviz SVGs); a click shows one at full size;
+    * Timelines [timelines]: predicted before and as run per graph, measured per rank;
     * Measured vs predicted [validation] (with a recorder directory): the validator's result.
 
 Guarantees
-    The page needs no server and loads nothing: styles are inline, pictures are embedded as
-    ``data:`` URIs (an SVG shown through ``<img>`` never runs scripts), timelines are inline
-    SVG written here, and there is no JavaScript. Every name taken from a dump or trace (node,
-    group, pass, refusal, file and track names) is HTML-escaped.
+    The page needs no server, loads nothing and runs no script: styles are inline, pictures
+    are ``data:`` URIs shown through ``<img>`` (an SVG there never runs scripts), the full-size
+    view is a CSS checkbox toggle, timelines are inline SVG. Templates autoescape: every name
+    taken from a dump or trace (node, group, layer, pass, refusal, file and track names) is
+    HTML-escaped. Dumps written before ``report_facts.json`` existed still render (their
+    groups by name, their joint graph undivided, no prediction), with notes saying so.
 """
 
 from __future__ import annotations
 
 import base64
+import bisect
 import datetime
-import html
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import jinja2
+
 from commfuse._version import __version__
-from commfuse.core.jsonfile import read_json_object
-from commfuse.reports.timeline import PREDICTED_TRACE
+from commfuse.core.jsonfile import read_json_object, read_model_file
+from commfuse.passmgr.report import AnalysisReport, PipelineReport
+from commfuse.reports.timeline import (EXECUTOR_LOWERINGS, PREDICTED_INPUT_TRACE, PREDICTED_TRACE, REPORT_FACTS,
+                                       RUNTIME_KINDS)
 from commfuse.reports.validate import ValidationReport, validate_dirs
-from commfuse.reports.volume import (Totals, VolumeReport, graph_dirs, rank_dirs, resolve_rank_dir,
-                                     volume_from_dump_dir)
+from commfuse.reports.volume import (CollectiveVolume, Totals, VolumeReport, _DIR_RE, _stage_files, collectives_of,
+                                     graph_dirs, group_totals, rank_dirs, resolve_rank_dir, volume_from_dump_dir)
 
-_KIND_COLORS = {"all_reduce": "#e6550d", "all_gather": "#3182bd", "reduce_scatter": "#31a354",
-                "all_to_all": "#756bb1", "broadcast": "#8c6d31", "reduce": "#d6616b"}
-_CSS = """
-body{font-family:Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1400px}
-h1{font-size:22px}h2{font-size:18px;border-bottom:1px solid #ccc;padding-bottom:4px;margin-top:32px}
-h3{font-size:15px;margin-bottom:6px}
-table{border-collapse:collapse;font-size:12px;margin:6px 0 14px}
-th,td{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top}
-th{background:#f3f3f3}td.num{text-align:right;font-variant-numeric:tabular-nums}
-tr.changed td.delta{color:#0a0}tr.worse td.delta{color:#c00}
-.bad{color:#c00;font-weight:bold}.ok{color:#0a0;font-weight:bold}.muted{color:#777}
-figure{display:inline-block;margin:6px 12px 12px 0;vertical-align:top}
-figure img{max-width:660px;max-height:900px;border:1px solid #ddd}
-figcaption{font-size:12px;color:#555}
-details{margin:4px 0}summary{cursor:pointer}
-ul.refusals{font-size:12px;margin:2px 0 8px}
-.legend span{display:inline-block;margin-right:12px;font-size:12px}
-.legend i{display:inline-block;width:10px;height:10px;margin-right:4px;vertical-align:middle}
-pre{font-size:11px;background:#f7f7f7;padding:6px;overflow:auto;max-height:300px}
-"""
+KIND_COLORS = {"all_reduce": "#e6550d", "all_gather": "#3182bd", "reduce_scatter": "#31a354",
+               "all_to_all": "#756bb1", "broadcast": "#8c6d31", "reduce": "#d6616b"}
+COMPUTE_COLOR, EXPOSED_COLOR = "#9e9e9e", "#de2d26"
+
+_ENV = jinja2.Environment(loader=jinja2.PackageLoader("commfuse.reports", "templates"),
+                          autoescape=True, trim_blocks=True, lstrip_blocks=True)
 
 
-def _e(x: Any) -> str:
-    return html.escape("" if x is None else str(x), quote=True)
+# ----------------------------------------------------------------------------- formatting
+def fmt_bytes(x: Optional[int]) -> str:
+    if x is None:
+        return "?"
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(x) >= k:
+            return f"{x / k:,.1f} {unit}"
+    return f"{x:,} B"
 
 
-def _n(x: Optional[int]) -> str:
+def fmt_us(x: Optional[float]) -> str:
+    if x is None:
+        return "?"
+    if abs(x) >= 1e6:
+        return f"{x / 1e6:,.2f} s"
+    if abs(x) >= 1e3:
+        return f"{x / 1e3:,.2f} ms"
+    return f"{x:,.1f} µs"
+
+
+def fmt_change(b: Optional[float], a: Optional[float]) -> str:
+    if a is None or b is None:
+        return "?"
+    if a == b:
+        return "no change"
+    if b == 0:
+        return "new"
+    pct = 100.0 * (a - b) / b
+    return "±0.0%" if abs(pct) < 0.05 else f"{pct:+.1f}%"
+
+
+def change_class(b: Optional[float], a: Optional[float]) -> str:
+    if a is None or b is None or a == b or (b and abs(a - b) / abs(b) < 5e-4):
+        return ""
+    return "better" if a < b else "worse"
+
+
+def fmt_int(x: Optional[int]) -> str:
     return "?" if x is None else f"{x:,}"
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, cls: str = "", numeric: Sequence[int] = (),
-           row_cls: Sequence[str] | None = None) -> str:
-    out = [f'<table class="{_e(cls)}">' if cls else "<table>", "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in headers)
-           + "</tr>"]
-    for i, r in enumerate(rows):
-        rc = f' class="{_e(row_cls[i])}"' if row_cls and row_cls[i] else ""
-        cells = "".join(f'<td class="num">{_e(v)}</td>' if j in numeric else f"<td>{_e(v)}</td>"
-                        for j, v in enumerate(r))
-        out.append(f"<tr{rc}>{cells}</tr>")
-    out.append("</table>")
-    return "\n".join(out)
+_ENV.filters.update(bytes=fmt_bytes, us=fmt_us, int=fmt_int)
+_ENV.globals.update(change=fmt_change, change_class=change_class, kind_colors=KIND_COLORS,
+                    compute_color=COMPUTE_COLOR, exposed_color=EXPOSED_COLOR)
 
 
-def _change(b: Optional[int], a: Optional[int]) -> str:
-    if a is None or b is None:
-        return "?"
-    if b == 0:
-        return f"{a - b:+,}"
-    return f"{a - b:+,} ({100.0 * (a - b) / b:+.1f}%)"
+# ----------------------------------------------------------------------------- reading the dumps
+@dataclass
+class GraphDump:
+    """One graph's dump directory, read."""
+
+    name: str
+    kind: str
+    index: str
+    path: Path
+    facts: dict[str, Any]
+    report: Optional[PipelineReport]
+    stages: list[Path]
+    input: Optional[AnalysisReport] = None  # the graph the pipeline received
+    result: Optional[AnalysisReport] = None  # commfuse's result, before executor lowerings
+    as_run: Optional[AnalysisReport] = None  # what runs (after executor lowerings)
+    lowered_by: list[str] = field(default_factory=list)  # executor lowerings that changed it
+
+    @property
+    def predicted(self) -> dict[str, dict[str, float]]:
+        return self.facts.get("predicted", {})
 
 
-def _compare_rows(before: Optional[dict[str, Totals]], after: Optional[dict[str, Totals]]):
+def _read_graph(d: Path) -> GraphDump:
+    m = _DIR_RE.match(d.name)
+    facts: dict[str, Any] = {}
+    if (d / REPORT_FACTS).exists():
+        facts = read_json_object(d / REPORT_FACTS, "report facts")
+    rep = read_model_file(PipelineReport, d / "pipeline.json", "pipeline report") if (d / "pipeline.json").exists() \
+        else None
+    stages = _stage_files(d)
+    g = GraphDump(d.name, m["kind"], m["index"], d, facts, rep, stages)
+    read = {p: read_model_file(AnalysisReport, p, "analysis dump") for p in stages}
+    if stages and stages[0].name.endswith("_input.json"):
+        g.input = read[stages[0]]
+    g.as_run = rep.analysis if rep is not None and rep.analysis is not None else (read[stages[-1]] if stages else None)
+    g.result = g.as_run
+    for i, p in enumerate(stages):
+        label = p.stem.split("_", 1)[1] if "_" in p.stem else p.stem
+        if label.startswith("after_") and label[len("after_"):] in EXECUTOR_LOWERINGS:
+            g.result = read[stages[i - 1]] if i > 0 else None
+            g.lowered_by = [q.stem.split("_after_", 1)[1] for q in stages[i:] if "_after_" in q.stem
+                            and q.stem.split("_after_", 1)[1] in EXECUTOR_LOWERINGS]
+            break
+    return g
+
+
+class GroupNames:
+    """Process group name -> what the page calls it: the mesh dim where the dumps say."""
+
+    def __init__(self, graphs: Sequence[GraphDump]) -> None:
+        self.info: dict[str, dict[str, Any]] = {}
+        for g in graphs:
+            for name, info in g.facts.get("groups", {}).items():
+                self.info.setdefault(name, info)
+
+    def label(self, name: str) -> str:
+        dim = self.info.get(name, {}).get("mesh_dim")
+        return f"{dim} (mesh dim)" if dim else f"group {name}"
+
+    def title(self, name: str) -> str:
+        i = self.info.get(name)
+        if i is None:
+            return f"process group {name!r}"
+        ranks = i.get("ranks")
+        where = f"; mesh dim from the {i['mesh_dim_source']}" if i.get("mesh_dim") else ""
+        return (f"process group {name!r}, size {i.get('size')}, ranks {ranks if ranks is not None else '?'}, "
+                f"role {i.get('role') or 'inferred per collective'}{where}")
+
+
+@dataclass
+class Side:
+    """The collectives of one graph on one side, with totals."""
+
+    rows: Optional[list[CollectiveVolume]]
+
+    @property
+    def total(self) -> Optional[Totals]:
+        if self.rows is None:
+            return None
+        t = Totals()
+        for c in self.rows:
+            t.add(c)
+        return t
+
+    def kinds(self) -> str:
+        if not self.rows:
+            return "none"
+        return ", ".join(f"{t.count} {k}" for k, t in group_totals(self.rows, "kind").items())
+
+
+@dataclass
+class RunGraph:
+    """A graph that runs, before and after commfuse (and as run, when an executor lowering changed it)."""
+
+    dump: GraphDump
+    label: str
+    before: Side
+    after: Side
+    as_run: Side
+    before_source: str
+    predicted_before: Optional[dict[str, float]]
+    predicted_after: Optional[dict[str, float]]
+    predicted_as_run: Optional[dict[str, float]]
+
+
+def _rows(a: Optional[AnalysisReport], g: GraphDump, side: str, direction: str,
+          directions: Optional[dict[str, str]] = None) -> Optional[list[CollectiveVolume]]:
+    return None if a is None else collectives_of(a, graph=g.name, side=side, direction=direction,
+                                                 directions=directions)
+
+
+def _run_graphs(graphs: Sequence[GraphDump], notes: list[str]) -> list[RunGraph]:
+    joints = {g.index: g for g in graphs if g.kind == "joint"}
+    runs = [g for g in graphs if g.kind in RUNTIME_KINDS]
+    several = len({g.index for g in runs}) > 1
+    out = []
+    for g in runs:
+        before_rows, source = _rows(g.input, g, "before", g.kind), "the graph the scheduling passes received"
+        joint = joints.get(g.index) if g.kind in ("forward", "backward") else None
+        if joint is not None and joint.input is not None:
+            dirs = joint.facts.get("directions")
+            if dirs is not None:
+                rows = collectives_of(joint.input, graph=g.name, side="before", direction="joint", directions=dirs)
+                before_rows, source = [c for c in rows if c.direction == g.kind], \
+                    f"the joint graph as traced ({joint.name}), its {g.kind} part"
+        pred = g.predicted
+        out.append(RunGraph(g, g.name if several else g.kind, Side(before_rows),
+                            Side(_rows(g.result, g, "after", g.kind)), Side(_rows(g.as_run, g, "as run", g.kind)),
+                            source, pred.get("input"), pred.get("commfuse", pred.get("as_run")), pred.get("as_run")))
+    for j in joints.values():
+        if j.input is not None and "directions" not in j.facts:
+            notes.append(f"{j.name}: the dumps do not split the joint graph into forward and backward (written "
+                         "before report_facts.json existed): 'before' is each graph as the scheduling passes "
+                         "received it")
+        changed = [p.name for p in (j.report.passes if j.report else []) if p.changed]
+        if changed:
+            notes.append(f"{j.name}: {', '.join(changed)} rewrote the joint graph before it was partitioned: "
+                         "'before' bytes are the joint graph as traced; 'before' times are the partitioned "
+                         "graphs, which already hold those rewrites")
+    return out
+
+
+def _total(values: Sequence[Optional[float]]) -> Optional[float]:
+    return None if any(v is None for v in values) or not values else sum(values)  # type: ignore[arg-type]
+
+
+def _summary_rows(runs: Sequence[RunGraph]) -> list[dict[str, Any]]:
+    """The first screen's table: one row per graph that runs (and the step), one cell per figure."""
+
+    def pred(r: RunGraph, which: str, key: str) -> Optional[float]:
+        p = getattr(r, f"predicted_{which}")
+        return None if p is None else p.get(key)
+
     rows = []
-    for k in sorted(set(before or {}) | set(after or {})):
-        b = (before or {}).get(k, Totals()) if before is not None else None
-        a = (after or {}).get(k, Totals()) if after is not None else None
-        rows.append([k, b.count if b else "?", a.count if a else "?",
-                     _n(b.logged_bytes) if b else "?", _n(a.logged_bytes) if a else "?",
-                     _n(b.wire_bytes) if b else "?", _n(a.wire_bytes) if a else "?",
-                     _change(b.wire_bytes, a.wire_bytes) if a and b else "?"])
+    for r in runs:
+        tb, ta = r.before.total, r.after.total
+        rows.append({"label": r.label, "total": False, "cells": [
+            {"id": f"time-{r.label}", "fmt": "us", "b": pred(r, "before", "makespan_us"),
+             "a": pred(r, "after", "makespan_us")},
+            {"id": f"exposed-{r.label}", "fmt": "us", "b": pred(r, "before", "exposed_comm_us"),
+             "a": pred(r, "after", "exposed_comm_us")},
+            {"id": f"wire-{r.label}", "fmt": "bytes", "b": tb.wire_bytes if tb else None,
+             "a": ta.wire_bytes if ta else None},
+            {"id": f"count-{r.label}", "fmt": "int", "b": tb.count if tb else None, "a": ta.count if ta else None,
+             "title": f"before: {r.before.kinds()}; after: {r.after.kinds()}"}]})
+    if len(rows) > 1:
+        rows.append({"label": "step (" + " + ".join(r.label for r in runs) + ")", "total": True, "cells": [
+            {"id": f"{what}-step", "fmt": c["fmt"], "b": _total([row["cells"][i]["b"] for row in rows]),
+             "a": _total([row["cells"][i]["a"] for row in rows])}
+            for i, (what, c) in enumerate(zip(("time", "exposed", "wire", "count"), rows[0]["cells"]))]})
     return rows
 
 
-# ----------------------------------------------------------------------------- sections
-def _summary(vol: VolumeReport, val: Optional[ValidationReport]) -> str:
-    tb, ta = vol.total("before"), vol.total("after")
-    rows = [["before (as written)", tb.count if tb else "?", _n(tb.logged_bytes if tb else None),
-             _n(tb.wire_bytes if tb else None)],
-            ["after (as lowered)", ta.count if ta else "?", _n(ta.logged_bytes if ta else None),
-             _n(ta.wire_bytes if ta else None)]]
-    parts = [_table(["program", "collectives", "logged B/rank", "wire B/rank"], rows, numeric=(1, 2, 3))]
-    if tb and ta:
-        parts.append(f"<p>Wire bytes per rank: <b>{_e(_change(tb.wire_bytes, ta.wire_bytes))}</b>.</p>")
-    checked = [c for c in vol.collectives() if c.formula is not None]
-    bad = vol.formula_mismatches()
-    cls = "bad" if bad else "ok"
-    parts.append(f'<p>Analytic formulas: {len(checked)} collectives checked, '
-                 f'<span class="{cls}">{len(bad)} differ</span>.</p>')
-    if val is not None:
-        s = val.summary()
-        cls = "ok" if val.ok else "bad"
-        parts.append(f'<p>Measured vs predicted: {s["ranks"]} rank(s), {s["recorded_calls"]} recorded calls, '
-                     f'<span class="{cls}">{s["mismatches"]} mismatch(es)</span> in count and bytes.</p>')
-    parts.extend(f'<p class="muted">{_e(n)}</p>' for n in vol.notes)
-    return "\n".join(parts)
-
-
-def _volume(vol: VolumeReport) -> str:
-    parts = []
-    headers = ["", "count before", "count after", "logged before", "logged after", "wire before", "wire after",
-               "wire change"]
-    for by, title in (("kind", "per kind"), ("role", "per parallel role"), ("group", "per process group"),
-                      ("direction", "per direction")):
-        parts.append(f"<h3>{_e(title)} (bytes per rank)</h3>")
-        hs = [by] + headers[1:]
-        parts.append(_table(hs, _compare_rows(vol.totals("before", by), vol.totals("after", by)),
-                            cls=f"volume-{by}", numeric=range(1, 8)))
-    return "\n".join(parts)
-
-
-def _collectives(vol: VolumeReport) -> str:
-    rows, rcls = [], []
-    for c in vol.collectives():
-        f = c.formula
-        rows.append([c.graph, c.side, c.direction, c.embedded or c.node, c.kind, c.group, c.group_size, c.role,
-                     c.dtype or "", _n(c.logged_bytes), _n(c.wire_bytes) + (" (est.)" if c.estimated else ""),
-                     f"{f.name}: {f.expression}, {f.values}" if f else "-",
-                     "-" if f is None else f"{_n(f.wire_bytes)} ({'=' if f.wire_diff == 0 else _n(f.wire_diff)})"])
-        rcls.append("collective")
-    return _table(["graph", "side", "direction", "node", "kind", "group", "N", "role", "dtype", "logged B",
-                   "wire B", "analytic formula", "formula wire B (diff)"], rows, cls="collectives",
-                  numeric=(6, 9, 10), row_cls=rcls)
-
-
-def _passes(vol: VolumeReport) -> str:
-    parts = []
-    by_graph: dict[str, list] = {}
-    for p in vol.reasons():
-        by_graph.setdefault(p.graph, []).append(p)
-    for g in vol.graphs:
-        ps = by_graph.get(g.name, [])
-        if not ps and not g.notes:
+def _lowerings(runs: Sequence[RunGraph]) -> list[dict[str, Any]]:
+    out = []
+    for r in runs:
+        if not r.dump.lowered_by:
             continue
-        parts.append(f"<h3>{_e(g.name)}</h3>")
-        rows = []
-        for p in ps:
-            counts = ", ".join(f"{k}={v}" for k, v in sorted(p.counts.items()) if v)
-            state = "error (graph restored)" if p.error else ("changed" if p.changed else "unchanged")
-            rows.append([p.name, p.stage, state, counts, len(p.refusals), p.error or ""])
-        parts.append(_table(["pass", "stage", "result", "counts", "refusals", "error"], rows, cls="passes",
-                            numeric=(4,)))
-        for p in ps:
-            if p.refusals:
-                items = "".join(f"<li>{_e(r)}</li>" for r in p.refusals)
-                parts.append(f"<details><summary>{_e(p.name)}: {len(p.refusals)} refusal(s) "
-                             f"(why not fused / moved / partitioned)</summary><ul class=\"refusals\">{items}</ul>"
-                             "</details>")
-            if p.decisions:
-                parts.append(f"<details><summary>{_e(p.name)}: {len(p.decisions)} decision(s)</summary>"
-                             f"<pre>{_e(json.dumps(p.decisions, indent=1, default=str))}</pre></details>")
-        for n in g.notes:
-            parts.append(f'<p class="muted">note: {_e(n)}</p>')
-    return "\n".join(parts) or "<p>No pass reports in the dumps.</p>"
+        a, z = r.after.total, r.as_run.total
+        out.append({"graph": r.label, "passes": ", ".join(r.dump.lowered_by), "before": r.after.kinds(),
+                    "after": r.as_run.kinds(), "wire_before": a.wire_bytes if a else None,
+                    "wire_after": z.wire_bytes if z else None,
+                    "time_before": (r.predicted_after or {}).get("makespan_us"),
+                    "time_after": (r.predicted_as_run or {}).get("makespan_us")})
+    return out
 
 
-def _picture(path: Path, caption: str) -> str:
-    if path.suffix == ".svg":
-        data = base64.b64encode(path.read_bytes()).decode("ascii")
-        return (f'<figure><img alt="{_e(caption)}" src="data:image/svg+xml;base64,{data}">'
-                f"<figcaption>{_e(caption)}</figcaption></figure>")
-    return (f"<figure><figcaption>{_e(caption)} (Graphviz not installed: DOT source)</figcaption>"
-            f"<pre>{_e(path.read_text())}</pre></figure>")
-
-
-def _graphs(dirs: Sequence[Path]) -> str:
-    parts = []
-    for d in dirs:
-        pics = sorted([*d.glob("[0-9][0-9]_*.svg"), *d.glob("[0-9][0-9]_*.dot")])
-        if not pics:
-            continue
-        first, last = pics[0], pics[-1]
-        parts.append(f"<h3>{_e(d.name)}</h3>")
-        stages = ", ".join(p.stem for p in pics)
-        parts.append(f'<p class="muted">dumped stages: {_e(stages)}. Collectives are filled boxes coloured by '
-                     "process group, their waits dashed boxes.</p>")
-        parts.append(_picture(first, f"{d.name} before: {first.stem}"))
-        if last != first:
-            parts.append(_picture(last, f"{d.name} after: {last.stem}"))
-    return "\n".join(parts) or "<p>No graph pictures in the dumps.</p>"
-
-
+# ----------------------------------------------------------------------------- timelines
 def _trace_events(trace: dict[str, Any]) -> tuple[dict[tuple[Any, Any], str], list[dict[str, Any]]]:
     names: dict[tuple[Any, Any], str] = {}
     events = []
@@ -225,16 +311,16 @@ def _event_color(ev: dict[str, Any]) -> str:
     cat = str(ev.get("cat", ""))
     if cat.startswith("comm"):
         kind = cat.split(",", 1)[1] if "," in cat else ""
-        return _KIND_COLORS.get(kind, "#636363")
+        return KIND_COLORS.get(kind, "#636363")
     if "exposed" in cat or cat == "wait" or str(ev.get("name", "")).startswith("wait"):
-        return "#de2d26"
-    return "#9e9e9e"
+        return EXPOSED_COLOR
+    return COMPUTE_COLOR
 
 
 def _compressor(events: Sequence[dict[str, Any]]):
     """Map trace time to plot time with idle gaps cut short: a stretch where no event runs and
     that is longer than 2% of the busy time is drawn as 1% of it (a recording spans compiles and
-    the Python between steps). Returns (map, plotted span, [(plotted x, real gap us)])."""
+    the Python between steps). Returns (map, plotted span, [(plotted x, real gap us)], busy)."""
     iv = sorted((ev["ts"], ev["ts"] + ev["dur"]) for ev in events)
     merged: list[list[float]] = []
     for a, b in iv:
@@ -255,8 +341,6 @@ def _compressor(events: Sequence[dict[str, Any]]):
     starts = [a for a, _ in merged]
 
     def to_plot(t: float) -> float:
-        import bisect
-
         i = max(0, bisect.bisect_right(starts, t) - 1)
         return offsets[i] + min(t - merged[i][0], merged[i][1] - merged[i][0])
 
@@ -264,105 +348,173 @@ def _compressor(events: Sequence[dict[str, Any]]):
     return to_plot, max(span, 1e-9), gaps, busy
 
 
-def timeline_svg(trace: dict[str, Any], *, title: str, width: int = 1200) -> str:
+def timeline_svg(trace: dict[str, Any], *, title: str, width: int = 1200, kind: str = "",
+                 names_of: Optional[GroupNames] = None) -> str:
     """A Chrome trace (simulator or recorder) as an inline SVG: one lane per track, one bar per
-    event, idle gaps cut short (marked with a dashed line and their length)."""
+    event (neighbours of one colour closer than half a pixel drawn as one bar), idle gaps cut
+    short (marked with a dashed line and their length)."""
     names, events = _trace_events(trace)
     if not events:
-        return f'<p class="muted">{_e(title)}: no events.</p>'
+        return _ENV.get_template("timeline.svg.j2").render(title=title, empty=True, kind=kind)
     lanes = sorted({(ev.get("pid"), ev.get("tid")) for ev in events}, key=lambda k: (str(k[0]), str(k[1])))
     lane_of = {k: i for i, k in enumerate(lanes)}
     several_pids = len({p for p, _ in lanes}) > 1
     to_plot, span, gaps, busy = _compressor(events)
     label_w, lane_h, top = 170, 18, 22
     plot_w = width - label_w - 10
-    height = top + lane_h * len(lanes) + 24
-    out = [f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'role="img" aria-label="{_e(title)}">',
-           f'<text x="0" y="14" font-size="12" font-weight="bold">{_e(title)}</text>']
-    for (pid, tid), i in lane_of.items():
-        y = top + i * lane_h
-        name = names.get((pid, tid), f"track {tid}")
-        label = f"{name} [{pid}]" if several_pids else name
-        out.append(f'<text x="0" y="{y + 12}" font-size="11">{_e(label[:28])}</text>')
-        out.append(f'<rect x="{label_w}" y="{y}" width="{plot_w}" height="{lane_h - 2}" fill="#fafafa"/>')
     t0 = min(ev["ts"] for ev in events)
-    for ev in events:
+    bars: list[dict[str, Any]] = []
+    last: dict[int, dict[str, Any]] = {}
+    for ev in sorted(events, key=lambda e: e["ts"]):
         i = lane_of[(ev.get("pid"), ev.get("tid"))]
         a, b = to_plot(ev["ts"]), to_plot(ev["ts"] + ev["dur"])
-        x = label_w + a / span * plot_w
-        w = max((b - a) / span * plot_w, 0.5)
-        tip = f"{ev.get('name', '')} ({ev.get('cat', '')}): {ev['dur']:,.1f} us at {ev['ts'] - t0:,.1f} us"
-        out.append(f'<rect x="{x:.2f}" y="{top + i * lane_h + 1}" width="{w:.2f}" height="{lane_h - 4}" '
-                   f'fill="{_event_color(ev)}"><title>{_e(tip)}</title></rect>')
+        x, w, color = label_w + a / span * plot_w, max((b - a) / span * plot_w, 0.5), _event_color(ev)
+        prev = last.get(i)
+        if prev is not None and prev["color"] == color and x - (prev["x"] + prev["w"]) < 0.5:
+            prev["w"] = max(prev["w"], x + w - prev["x"])
+            prev["n"] += 1
+            prev["dur"] += ev["dur"]
+            continue
+        bar = {"x": x, "y": top + i * lane_h + 1, "w": w, "color": color, "n": 1, "dur": ev["dur"],
+               "name": str(ev.get("name", "")), "cat": str(ev.get("cat", "")), "at": ev["ts"] - t0}
+        bars.append(bar)
+        last[i] = bar
+    lane_rows = []
+    for (pid, tid), i in lane_of.items():
+        name = names.get((pid, tid), f"track {tid}")
+        if names_of is not None and name.startswith("comm:"):  # the simulator's stream of a process group
+            name = "comm: " + names_of.label(name[len("comm:"):])
+        lane_rows.append({"y": top + i * lane_h, "label": (f"{name} [{pid}]" if several_pids else name)[:28]})
     bottom = top + lane_h * len(lanes)
-    for gx, gap in gaps:
-        x = label_w + gx / span * plot_w
-        out.append(f'<line x1="{x:.2f}" y1="{top}" x2="{x:.2f}" y2="{bottom}" stroke="#555" stroke-dasharray="2,2">'
-                   f'<title>{_e(f"idle {gap:,.0f} us, not to scale")}</title></line>')
-    y = bottom + 14
-    cut = f"; {len(gaps)} idle gap(s) cut (dashed)" if gaps else ""
-    out.append(f'<text x="{label_w}" y="{y}" font-size="11">busy {busy:,.0f} us{_e(cut)}</text>')
-    out.append(f'<text x="{width - 10}" y="{y}" font-size="11" text-anchor="end">'
-               f'{max(ev["ts"] + ev["dur"] for ev in events) - t0:,.0f} us from first to last event</text>')
-    out.append("</svg>")
-    return "\n".join(out)
+    return _ENV.get_template("timeline.svg.j2").render(
+        title=title, empty=False, kind=kind, width=width, height=bottom + 24, label_w=label_w, plot_w=plot_w,
+        lane_h=lane_h, top=top, bottom=bottom, lanes=lane_rows, bars=bars,
+        gaps=[{"x": label_w + gx / span * plot_w, "gap": gap} for gx, gap in gaps], busy=busy,
+        extent=max(ev["ts"] + ev["dur"] for ev in events) - t0)
 
 
-def _legend() -> str:
-    items = [("compute", "#9e9e9e"), ("blocked in a wait", "#de2d26")] + list(_KIND_COLORS.items())
-    return '<p class="legend">' + "".join(f'<span><i style="background:{c}"></i>{_e(n)}</span>'
-                                          for n, c in items) + "</p>"
+def _predicted_timelines(graphs: Sequence[GraphDump], names: GroupNames) -> list[dict[str, Any]]:
+    out = []
+    for g in graphs:
+        for fname, what in ((PREDICTED_INPUT_TRACE, "before commfuse (as the scheduling passes received it)"),
+                            (PREDICTED_TRACE, "as run")):
+            p = g.path / fname
+            if p.exists():
+                trace = read_json_object(p, "predicted trace", "traceEvents")
+                model = trace.get("otherData", {}).get("cost_model", "")
+                out.append({"graph": g.name, "what": what, "model": model, "as_run": fname == PREDICTED_TRACE,
+                            "svg": timeline_svg(trace, title=f"{g.name} predicted, {what}", kind="predicted",
+                                                    names_of=names)})
+    return out
 
 
-def _timelines(dirs: Sequence[Path], record_dir: Optional[Path]) -> str:
-    parts = [_legend(), "<h3>Predicted (simulator)</h3>"]
-    found = False
-    for d in dirs:
-        p = d / PREDICTED_TRACE
-        if p.exists():
-            trace = read_json_object(p, "predicted trace", "traceEvents")
-            model = trace.get("otherData", {}).get("cost_model", "")
-            parts.append(timeline_svg(trace, title=f"{d.name} predicted ({model})"))
-            found = True
-    if not found:
-        parts.append('<p class="muted">No predicted_trace.json in the dumps (compile inside '
-                     "commfuse.reports.predict_timelines(), or call write_predicted_trace(gm, dump_dir)).</p>")
-    parts.append("<h3>Measured (runtime recorder)</h3>")
-    traces = sorted(record_dir.glob("rank*.json")) if record_dir is not None else []
-    if not traces:
-        parts.append('<p class="muted">No recorder traces given (commfuse report DUMP_DIR --record RECORD_DIR; '
-                     "record with commfuse.record(dir) or COMMFUSE_RECORD_DIR).</p>")
-    for p in traces:
-        trace = read_json_object(p, "recorder trace", "traceEvents")
-        parts.append(timeline_svg(trace, title=f"{p.stem} measured"))
-    return "\n".join(parts)
+# ----------------------------------------------------------------------------- tables
+def _volume_tables(before: list[CollectiveVolume], after: list[CollectiveVolume],
+                   names: GroupNames) -> list[dict[str, Any]]:
+    tables = []
+    for by, title in (("kind", "per kind"), ("role", "per parallel role"), ("group", "per process group"),
+                      ("direction", "per direction")):
+        tb, ta = group_totals(before, by), group_totals(after, by)
+        rows = []
+        for k in sorted(set(tb) | set(ta)):
+            b, a = tb.get(k, Totals()), ta.get(k, Totals())
+            rows.append({"key": names.label(k) if by == "group" else k,
+                         "title": names.title(k) if by == "group" else "", "b": b, "a": a})
+        tables.append({"by": by, "title": title, "rows": rows})
+    return tables
 
 
-def _validation(val: ValidationReport) -> str:
-    s = val.summary()
-    parts = [f"<p>Cost model for times: {_e(val.cost_model)}. Measured time: issue to Work completion, median "
-             f"over runs after the first. Total measured {s['measured_us']:,.0f} us, predicted "
-             f"{s['predicted_us']:,.0f} us.</p>"]
-    if val.mismatches:
-        parts.append('<p class="bad">Mismatches:</p><ul>' + "".join(f"<li>{_e(m.describe())}</li>"
-                                                                   for m in val.mismatches) + "</ul>")
-    else:
-        parts.append('<p class="ok">No mismatch: every planned collective was recorded once per run, in order, '
-                     "with exactly the predicted bytes.</p>")
+def _collective_blocks(graphs: Sequence[GraphDump], names: GroupNames) -> list[dict[str, Any]]:
+    """Per graph, one block per layer (the layer that traced each collective, from the facts)."""
+    out = []
+    for g in graphs:
+        layers = g.facts.get("layers", {})
+        sides = [("before", g.input), ("after", g.as_run)] if g.input is not g.as_run else [("after", g.as_run)]
+        by_layer: dict[str, list[dict[str, Any]]] = {}
+        order: list[str] = []
+        for side, a in sides:
+            if a is None:
+                continue
+            for c in collectives_of(a, graph=g.name, side=side, direction=g.kind):
+                layer = layers.get(c.node, "embedded in an op" if c.embedded else "(no layer recorded)")
+                if layer not in by_layer:
+                    by_layer[layer] = []
+                    order.append(layer)
+                f = c.formula
+                by_layer[layer].append({
+                    "c": c, "group": names.label(c.group), "group_title": names.title(c.group),
+                    "formula": f"{f.name}: {f.expression}, {f.values}" if f else "-",
+                    "formula_wire": "-" if f is None else f"{fmt_int(f.wire_bytes)} "
+                                                          f"({'=' if f.wire_diff == 0 else fmt_int(f.wire_diff)})",
+                    "mismatch": f is not None and f.wire_diff not in (0, None)})
+        blocks = []
+        for layer in sorted(order, key=_layer_key):
+            rows = by_layer[layer]
+            t = {s: Side([r["c"] for r in rows if r["c"].side == s]).total for s in ("before", "after")}
+            blocks.append({"layer": layer, "rows": rows, "before": t["before"], "after": t["after"],
+                           "mismatches": sum(r["mismatch"] for r in rows)})
+        if blocks:
+            out.append({"graph": g.name, "blocks": blocks, "count": sum(len(b["rows"]) for b in blocks)})
+    return out
+
+
+def _layer_key(name: str) -> tuple:
+    parts = name.replace("(", "~").split(".")
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
+
+
+def _passes(vol: VolumeReport) -> list[dict[str, Any]]:
+    by_graph: dict[str, list] = {}
+    for p in vol.reasons():
+        by_graph.setdefault(p.graph, []).append(p)
+    out = []
+    for g in vol.graphs:
+        ps = by_graph.get(g.name, [])
+        if not ps and not g.notes:
+            continue
+        rows = []
+        for p in ps:
+            rows.append({"p": p, "counts": ", ".join(f"{k}={v}" for k, v in sorted(p.counts.items()) if v),
+                         "state": "error (graph restored)" if p.error else ("changed" if p.changed else "unchanged"),
+                         "executor": p.name in EXECUTOR_LOWERINGS,
+                         "decisions": json.dumps(p.decisions, indent=1, default=str) if p.decisions else ""})
+        out.append({"graph": g.name, "rows": rows, "notes": g.notes,
+                    "changed": sum(1 for p in ps if p.changed), "refusals": sum(len(p.refusals) for p in ps)})
+    return out
+
+
+def _pictures(graphs: Sequence[GraphDump]) -> list[dict[str, Any]]:
+    out = []
+    for g in graphs:
+        pics = sorted([*g.path.glob("[0-9][0-9]_*.svg"), *g.path.glob("[0-9][0-9]_*.dot")])
+        if not pics:
+            continue
+        shown = [("before", pics[0])] + ([("after", pics[-1])] if pics[-1] != pics[0] else [])
+        figs = []
+        for side, p in shown:
+            fig = {"caption": f"{g.name} {side}: {p.stem}", "id": f"pic-{g.name}-{side}", "svg": p.suffix == ".svg"}
+            if fig["svg"]:
+                fig["src"] = "data:image/svg+xml;base64," + base64.b64encode(p.read_bytes()).decode("ascii")
+            else:
+                text = p.read_text()
+                fig["dot"] = text if len(text) < 20000 else text[:20000] + "\n..."
+                fig["path"] = str(p)
+            figs.append(fig)
+        out.append({"graph": g.name, "stages": ", ".join(p.stem for p in pics), "figures": figs})
+    return out
+
+
+def _validation(val: ValidationReport) -> dict[str, Any]:
     rows = []
     for c in val.checks:
         err = c.time_error
-        rows.append([c.rank, c.graph, c.index, c.name, c.kind, c.runs, _n(c.predicted_sent), _n(c.measured_sent),
-                     _n(c.predicted_received), _n(c.measured_received), _n(c.predicted_logged),
-                     _n(c.measured_logged), "?" if c.measured_us is None else f"{c.measured_us:,.0f}",
+        rows.append([c.rank, c.graph, c.index, c.name, c.kind, c.runs, fmt_int(c.predicted_sent),
+                     fmt_int(c.measured_sent), fmt_int(c.predicted_received), fmt_int(c.measured_received),
+                     fmt_int(c.predicted_logged), fmt_int(c.measured_logged),
+                     "?" if c.measured_us is None else f"{c.measured_us:,.0f}",
                      "?" if c.predicted_us is None else f"{c.predicted_us:,.0f}",
                      "?" if err is None else f"{100 * err:+.0f}%"])
-    parts.append(_table(["rank", "graph", "#", "node", "kind", "runs", "sent pred", "sent meas", "recv pred",
-                         "recv meas", "logged pred", "logged meas", "meas us", "pred us", "time error"], rows,
-                        cls="validation", numeric=(0, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13)))
-    parts.extend(f'<p class="muted">note: {_e(n)}</p>' for n in val.notes)
-    return "\n".join(parts)
+    return {"v": val, "s": val.summary(), "rows": rows}
 
 
 # ----------------------------------------------------------------------------- page
@@ -372,30 +524,45 @@ def render_html(dump_dir: str | Path, *, rank: Optional[int] = None, record_dir:
 
     d = resolve_rank_dir(dump_dir, rank)
     ranks = sorted(rank_dirs(dump_dir))
-    shown = "" if len(ranks) < 2 else (f"; ranks dumped: {', '.join(map(str, ranks))}, this page shows rank "
-                                        f"{0 if rank is None else rank} (--rank R for another)")
     vol = volume_from_dump_dir(d)
-    dirs = graph_dirs(d)
+    graphs = [_read_graph(p) for p in graph_dirs(d)]
+    names = GroupNames(graphs)
+    notes: list[str] = []
+    runs = _run_graphs(graphs, notes)
     rec = Path(record_dir) if record_dir is not None else None
     val = validate_dirs(rec, dump_dir, profile=profile) if rec is not None else None
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    heading = title or f"commfuse report: {d}"
-    sections = [("summary", "Summary", _summary(vol, val)),
-                ("volume", "Communication volume", _volume(vol)),
-                ("collectives", "Collectives", _collectives(vol)),
-                ("passes", "Pass decisions", _passes(vol)),
-                ("graphs", "Graphs", _graphs(dirs)),
-                ("timelines", "Timelines", _timelines(dirs, rec))]
+    models = sorted({g.facts["cost_model"] for g in graphs if g.facts.get("cost_model")})
+    errors = [f"{g.name} ({stage}): {e}" for g in graphs for stage, e in g.facts.get("prediction_errors", {}).items()]
+    if any(r.predicted_after is None for r in runs):
+        notes.append("no prediction for some graphs: " + ("; ".join(errors) if errors else
+                     "dumps written before report_facts.json existed (recompile with dump_dir set)"))
+    before = [c for r in runs if r.before.rows for c in r.before.rows]
+    after = [c for r in runs if r.after.rows for c in r.after.rows]
+    timelines = _predicted_timelines(graphs, names)
+    measured = []
+    for p in sorted(rec.glob("rank*.json")) if rec is not None else []:
+        trace = read_json_object(p, "recorder trace", "traceEvents")
+        measured.append({"name": p.stem, "svg": timeline_svg(trace, title=f"{p.stem} measured", kind="measured",
+                                                                    names_of=names)})
+    checked = [c for c in vol.collectives() if c.formula is not None]
+    # the volume report's note that the dumps hold no joint split is moot where report_facts.json gave one
+    split = all("directions" in g.facts for g in graphs if g.kind == "joint")
+    notes += [n for n in vol.notes if not (split and n.startswith("before = joint graph"))]
+    sections = [("summary", "What commfuse did"), ("volume", "Communication volume"), ("collectives", "Collectives"),
+                ("passes", "Pass decisions"), ("graphs", "Graphs"), ("timelines", "Timelines")]
     if val is not None:
-        sections.append(("validation", "Measured vs predicted", _validation(val)))
-    nav = " | ".join(f'<a href="#{i}">{_e(t)}</a>' for i, t, _ in sections)
-    body = "\n".join(f'<section><h2 id="{i}">{_e(t)}</h2>\n{content}\n</section>' for i, t, content in sections)
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{_e(heading)}</title><style>{_CSS}</style></head><body>\n"
-            f"<h1>{_e(heading)}</h1>\n<p class=\"muted\">commfuse {_e(__version__)}, generated {_e(now)}; "
-            f"source {_e(vol.source)}{_e(shown)}{'; recorder ' + _e(rec) if rec else ''}. Bytes are per rank: logged = "
-            "NCCL count semantics, wire = ring conventions.</p>\n"
-            f"<nav>{nav}</nav>\n{body}\n</body></html>\n")
+        sections.append(("validation", "Measured vs predicted"))
+    return _ENV.get_template("report.html.j2").render(
+        heading=title or f"commfuse report: {d}", version=__version__,
+        now=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), source=vol.source,
+        ranks=ranks, rank=0 if rank is None else rank, record=str(rec) if rec else None, sections=sections,
+        runs=runs, summary=_summary_rows(runs), lowerings=_lowerings(runs), models=models, notes=notes,
+        timelines=timelines, measured=measured, formulas_checked=len(checked),
+        formulas_bad=len(vol.formula_mismatches()),
+        validation=_validation(val) if val is not None else None, volume=_volume_tables(before, after, names),
+        collectives=_collective_blocks(graphs, names), passes=_passes(vol), pictures=_pictures(graphs),
+        legend=[("compute", COMPUTE_COLOR), ("blocked in a wait (exposed)", EXPOSED_COLOR)] + list(KIND_COLORS.items()),
+        executor_lowerings=EXECUTOR_LOWERINGS)
 
 
 def write_html(dump_dir: str | Path, out: str | Path | None = None, **kw: Any) -> Path:

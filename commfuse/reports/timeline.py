@@ -7,21 +7,18 @@ Contract
       ``cpu-gloo`` preset sized to the world, backend gloo) -- and returns its Chrome trace.
     * :func:`write_predicted_trace` writes it as ``predicted_trace.json`` into a graph's dump
       directory, where ``commfuse report`` draws it.
-    * :func:`predict_timelines` (context manager) does that for every graph a commfuse backend
-      lowers with its runtime while the context is active (``Config(dump_dir=...)`` needed):
-      it wraps ``commfuse.backend``'s ``lower_runtime`` (the same seam the benchmark runner
-      records graphs at) and restores it on exit.
+    * Dumping writes the predicted timelines of every compiled graph by itself
+      (:class:`commfuse.passmgr.report_facts.ReportFacts`); :func:`predict_timelines` (context
+      manager) prices those of the graphs compiled while it is active with a given
+      ``profile`` / ``topology`` instead.
 
 Guarantees
-    Never changes compilation: the simulation runs after the pipeline decided, on the final
-    graph, and any failure (a graph the simulator cannot price, an unwritable directory)
-    warns and is skipped, like a dump. Nothing is communicated.
+    Never changes compilation; nothing is communicated.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import warnings
 from pathlib import Path
@@ -29,43 +26,15 @@ from typing import Any, Iterator, Optional
 
 import torch.fx as fx
 
-from commfuse.costmodel.analytic import AnalyticCostModel
-from commfuse.costmodel.profile import CostProfile
 from commfuse.costmodel.simulator import Simulator
-from commfuse.costmodel.topology import Topology
-from commfuse.ir.graph_ir import CollectiveIR
-
-PREDICTED_TRACE = "predicted_trace.json"
-
-
-def _world_size(gm: fx.GraphModule) -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-
-    return max([c.group.size or 1 for c in CollectiveIR(gm).collectives] or [1])
-
-
-def cost_model(profile: Any = None, topology: Any = None, backend: Optional[str] = None, world_size: int = 2):
-    """(AnalyticCostModel, description): the profile's model, or the analytic one of `topology`."""
-
-    if profile is not None:
-        if not isinstance(profile, CostProfile):
-            profile = CostProfile.load(profile)
-        return profile.build_model(topology), f"profile {profile.topology}/{profile.backend} {profile.provenance.date}"
-    if topology is None:
-        per_node = Topology.preset("cpu-gloo").ranks_per_node
-        topology = Topology.preset("cpu-gloo", num_nodes=max(1, -(-world_size // per_node)))
-        backend = backend or "gloo"
-    backend = backend or "nccl"
-    return AnalyticCostModel(topology, backend), f"analytic {topology.name}/{backend} (uncalibrated)"
+from commfuse.passmgr.report_facts import (EXECUTOR_LOWERINGS, PREDICTED_INPUT_TRACE, PREDICTED_TRACE, PRICING,
+                                           REPORT_FACTS, RUNTIME_KINDS, cost_model, world_size_of)
 
 
 def simulate_trace(gm: fx.GraphModule, *, profile: Any = None, topology: Any = None,
                    backend: Optional[str] = None) -> dict[str, Any]:
 
-    model, describe = cost_model(profile, topology, backend, _world_size(gm))
+    model, describe = cost_model(profile, topology, backend, world_size_of(gm))
     trace = Simulator(gm, model).simulate().to_chrome_trace()
     trace.setdefault("otherData", {})["cost_model"] = describe
     return trace
@@ -88,18 +57,16 @@ def write_predicted_trace(gm: fx.GraphModule, dump_dir: str | Path, **kw: Any) -
 
 @contextlib.contextmanager
 def predict_timelines(**kw: Any) -> Iterator[None]:
-    """While active, every graph commfuse's runtime lowers gets ``predicted_trace.json`` in its dump dir."""
-    be_mod = importlib.import_module("commfuse.backend")  # the module (commfuse.backend is the factory)
-    original = be_mod.lower_runtime
-
-    def lower_runtime(gm: fx.GraphModule, graph_kind: str, *args: Any, **kwargs: Any):
-        dump_dir = kwargs.get("dump_dir")
-        if dump_dir:
-            write_predicted_trace(gm, dump_dir, **kw)
-        return original(gm, graph_kind, *args, **kwargs)
-
-    be_mod.lower_runtime = lower_runtime
+    """While active, the predicted timelines next to the dumps are priced with ``profile=`` /
+    ``topology=`` / ``backend=`` (default: the pipeline's cost model). Dumping
+    (``Config(dump_dir=...)``) writes them with or without this context."""
+    PRICING.append(kw)
     try:
         yield
     finally:
-        be_mod.lower_runtime = original
+        PRICING.remove(kw)
+
+
+
+__all__ = ["EXECUTOR_LOWERINGS", "PREDICTED_INPUT_TRACE", "PREDICTED_TRACE", "REPORT_FACTS", "RUNTIME_KINDS",
+           "cost_model", "predict_timelines", "simulate_trace", "write_predicted_trace"]

@@ -57,9 +57,9 @@ from commfuse.config import Config
 from commfuse.core.jsonfile import read_model_file
 from commfuse.core.meta import REPORTS_META
 from commfuse.costmodel import volume as V
-from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.passmgr.base import Stage
 from commfuse.passmgr.report import AnalysisReport, CollectiveReport, PipelineReport
+from commfuse.passmgr.report_facts import graph_directions
 
 # graph kinds whose *input* is the program as written, and whose *output* is what runs
 _BEFORE_KINDS = ("joint", "inference", "graph")
@@ -443,15 +443,6 @@ def _passes_of(graph: str, rep: Optional[PipelineReport]) -> tuple[list[PassReas
     return passes, notes
 
 
-def _graph_directions(gm) -> dict[str, str]:
-    ir = CollectiveIR(gm)
-    out = {}
-    for c in ir.collectives:
-        back = c.start in ir.backward_nodes or (c.inputs and c.inputs[0] in ir.backward_nodes)
-        out[c.name] = "backward" if back else "forward"
-    return out
-
-
 def _has_tangents(gm) -> bool:
     return any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
 
@@ -475,7 +466,7 @@ def volume_from_graph(gm, config=None, *, graph_kind: str = "graph", optimize: b
     cfg = config or Config()
     direction = graph_kind if graph_kind in ("forward", "backward", "inference") else "graph"
     before_gm = copy_graph_module(gm)
-    dirs = _graph_directions(before_gm) if _has_tangents(before_gm) and direction == "graph" else None
+    dirs = graph_directions(before_gm) if _has_tangents(before_gm) and direction == "graph" else None
     before = collectives_of(analyze(before_gm, cfg, graph=graph_kind), graph=graph_kind, side="before",
                             direction=direction, directions=dirs)
     after, passes, notes = None, [], []
@@ -487,7 +478,7 @@ def volume_from_graph(gm, config=None, *, graph_kind: str = "graph", optimize: b
         rep = pipeline_for(cfg.model_copy(update={"dump_dir": None})).run(
             after_gm, graph_kind=graph_kind, stages=stages)
         passes, notes = _passes_of(graph_kind, rep)
-        dirs_after = _graph_directions(after_gm) if dirs is not None else None
+        dirs_after = graph_directions(after_gm) if dirs is not None else None
         after = collectives_of(analyze(after_gm, cfg, graph=graph_kind), graph=graph_kind, side="after",
                                direction=direction, directions=dirs_after)
     kind = "graph" if graph_kind in ("joint", "graph") else graph_kind
