@@ -138,16 +138,18 @@ def test_a_plane_without_a_process_group_is_refused():
 
 
 @pytest.mark.multirank
-def test_tp_to_ep_transition_trains_like_eager_on_a_2x2_mesh(rank_pool_4):
-    """4 gloo ranks, mesh ep x tp = 2 x 2 declared with commfuse.setup: the default backend fuses
-    the forward's AG(tp) + A2A(ep) and the backward's A2A(ep) + RS(tp) into many-to-many
-    scatters; loss, gradients and parameters equal eager's; every rank decided the same."""
+@pytest.mark.parametrize("declared_by", ["setup", "dtensor"])
+def test_tp_to_ep_transition_trains_like_eager_on_a_2x2_mesh(rank_pool_4, declared_by):
+    """4 gloo ranks, mesh ep x tp = 2 x 2, known from commfuse.setup(mesh=) or only from a DTensor
+    weight on the mesh's tp slice: the default backend fuses the forward's AG(tp) + A2A(ep) and
+    the backward's A2A(ep) + RS(tp) into many-to-many scatters; loss, gradients and parameters
+    equal eager's; every rank decided the same."""
     import _jobs_fuse_across_groups as jobs
 
-    results = rank_pool_4.run(jobs.tp_to_ep_trains_like_eager, timeout=300)
+    results = rank_pool_4.run(jobs.tp_to_ep_trains_like_eager, declared_by, timeout=300)
     graphs = results[0]["graphs"]
     assert all(r["graphs"] == graphs for r in results), results
-    assert graphs["joint"]["counts"] == {"m2ms_ag_a2a": 1, "m2ms_a2a_rs": 1}, graphs
+    assert graphs["joint"]["counts"] == {"m2ms_ag_a2a": 1, "m2ms_a2a_rs": 1}, (graphs, results[0]["refusals"])
     assert graphs["forward"]["kinds"] == graphs["backward"]["kinds"] == ["many_to_many_scatter"], graphs
     # bytes each rank sent, as the runtime recorder counted them: forward x [4, 6, 8] fp32 (768 B):
     # 3 of 4 pieces of 384 B; backward gradient [4, 12, 8] (1536 B): 3 of 4 pieces of 384 B.

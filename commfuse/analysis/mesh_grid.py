@@ -40,18 +40,22 @@ class Grid:
 
 
 def _block_map(partitions: Sequence[Sequence[Sequence[int]]], block: Ranks) -> Optional[dict[int, Ranks]]:
-    """rank -> its block, for the first partition that has ``block`` (same ranks, same order)."""
+    """rank -> its block, for the partition that has ``block`` (same ranks, same order) and covers
+    the most ranks (a mesh slice lists only this rank's block; the mesh it was cut from, all)."""
+    best: Optional[dict[int, Ranks]] = None
     for part in partitions:
         blocks = [tuple(int(r) for r in b) for b in part]
-        if block in blocks:
-            out: dict[int, Ranks] = {}
-            for b in blocks:
-                for r in b:
-                    if r in out:  # not a partition: a rank in two blocks
-                        return None
-                    out[r] = b
-            return out
-    return None
+        if block not in blocks:
+            continue
+        out: dict[int, Ranks] = {}
+        for b in blocks:
+            for r in b:
+                if r in out:  # not a partition: a rank in two blocks
+                    return None
+                out[r] = b
+        if best is None or len(out) > len(best):
+            best = out
+    return best
 
 
 def find_grid(a: Sequence[int], b: Sequence[int],
