@@ -158,3 +158,28 @@ def test_tp_to_ep_transition_trains_like_eager_on_a_2x2_mesh(rank_pool_4, declar
     for r in results:
         assert r["recorded_sent"] == {"many_to_many_scatter": 3 * x // 2 + 3 * w // 4}, r["recorded_sent"]
     assert 3 * x // 2 + 3 * w // 4 == 0.75 * (x + x + w // 2 + w // 2)
+
+
+def test_the_fused_scatter_keeps_the_graph_the_same_on_every_rank():
+    """Every rank sends every rank equal pieces: one graph serves all ranks, so the passes that
+    decide from costs (bucketing, the partition search) still run on it; a scatter with unequal
+    pieces gives each rank its own graph and keeps them off."""
+    from commfuse.analysis.rank_local import rank_local_reason
+    from commfuse.ops import m2ms
+
+    a_blocks, b_blocks = _mesh(2, 2)
+    with fake_process_group(4):
+        ga = dist.new_subgroups_by_enumeration(a_blocks)[0]
+        gb = dist.new_subgroups_by_enumeration(b_blocks)[0]
+        session.setup(groups=[a_blocks, b_blocks])
+        try:
+            gm = _trace(_ag_a2a(ga, gb), [(4, 3, 2)])
+            commfuse.optimize(gm, commfuse.Config(passes=["fuse_collectives"], strict=True))
+            ir = CollectiveIR(gm)
+            assert [c.kind.value for c in ir.collectives] == ["many_to_many_scatter"]
+            assert rank_local_reason(ir.collectives, gm) is None
+            world = dist.group.WORLD
+            uneven = _trace(lambda x: m2ms(x, 0, [[1, 2, 1, 0]] * 4, [0, 1, 2, 3], [0, 1, 2, 3], world), [(4, 3)])
+            assert "ranks may run different graphs" in rank_local_reason(CollectiveIR(uneven).collectives, uneven)
+        finally:
+            session.reset()

@@ -3,7 +3,8 @@
 Passes that decide from costs (bucketing, partition search) decide on each rank from that
 rank's graph. That is the same decision everywhere only when every rank holds the same
 graph with the same sizes. Not so where ranks trace different graphs (pipeline stages,
-point-to-point peers, per-rank pieces of a many-to-many scatter), where an all_to_all's
+point-to-point peers, per-rank pieces of a many-to-many scatter -- unless every rank sends
+every rank equal pieces), where an all_to_all's
 split sizes are given per rank (shapes downstream differ), or where shapes are symbolic
 (their size hints are rank-local). Such passes leave these graphs unchanged.
 """
@@ -16,15 +17,30 @@ import torch
 import torch.fx as fx
 
 from commfuse.ir.kinds import CollectiveKind as K
+from commfuse.ops.boundary import parse_m2ms
 
 _PER_RANK_GRAPH = (K.SEND, K.RECV, K.BATCH_P2P, K.P2P, K.M2MS)
+
+
+def _same_on_every_rank(c) -> bool:
+    """A many-to-many scatter in which every rank of its group sends every rank the same number
+    of units (fuse_collectives' form across mesh dims): one graph serves every rank."""
+    if c.kind is not K.M2MS:
+        return False
+    try:
+        m = parse_m2ms(c.start)
+    except (ValueError, TypeError, IndexError, KeyError):
+        return False
+    everyone = list(range(m.group_size))
+    flat = [s for row in m.splits for s in row]
+    return sorted(m.src) == everyone and sorted(m.dst) == everyone and len(set(flat)) == 1
 
 
 def rank_local_reason(collectives, gm: fx.GraphModule) -> Optional[str]:
     """Why ranks may hold different graphs or sizes; None when the graph is the same on every rank."""
     collectives = list(collectives)
     for c in collectives:
-        if c.kind in _PER_RANK_GRAPH:
+        if c.kind in _PER_RANK_GRAPH and not _same_on_every_rank(c):
             return (f"graph has point-to-point or pipeline boundary ops ({c.name}, {c.kind.value}): ranks may "
                     "run different graphs")
     for c in collectives:
