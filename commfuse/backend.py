@@ -120,8 +120,15 @@ class CommfuseBackend:
         if options or mode not in (None, "default"):
             return self.with_compile_args(mode=mode, options=options)(gm, example_inputs)
         meshes = _dtensor_meshes(gm, example_inputs)
+        # roles from the meshes the tensors live on; every rank's blocks also from the meshes
+        # those were cut from (a slice such as mesh["tp"] lists only this rank's block)
+        roots: list = []
+        for m in meshes:
+            root = priv.device_mesh_root(m)
+            if all(root is not x for x in [*meshes, *roots]):
+                roots.append(root)
         pipeline = pipeline_for(self.config, dtensor_roles=roles_from_meshes(meshes) if meshes else {},
-                                dtensor_partitions=[part for m in meshes for part in mesh_partitions(m)])
+                                dtensor_partitions=[part for m in [*meshes, *roots] for part in mesh_partitions(m)])
         record = FrameRecord()
         if any(p.stage is Stage.PRE_AUTOGRAD for p in pipeline.passes):
             # Recognition before AOTAutograd traces the graph, so the ops it introduces are
@@ -272,10 +279,6 @@ def _dtensor_meshes(gm: fx.GraphModule, example_inputs: list) -> list:
     for t in [*example_inputs, *gm.parameters(), *gm.buffers()]:
         if isinstance(t, DTensor):
             meshes.setdefault(id(t.device_mesh), t.device_mesh)
-    # a slice (mesh["tp"]) holds only this rank's row: the mesh it was cut from holds every block
-    for m in list(meshes.values()):
-        root = priv.device_mesh_root(m)
-        meshes.setdefault(id(root), root)
     return list(meshes.values())
 
 

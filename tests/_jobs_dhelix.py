@@ -1,6 +1,8 @@
 """Rank-pool jobs for tests/test_dhelix_step.py (module level: the pool pickles them by reference).
 
-Each job builds a DTensor-parallelised model of 4 layers on the gloo ranks and, for each
+Each job builds a DTensor-parallelised model of ``n_layers`` layers on the gloo ranks (4 by
+default, as benchmarks/dhelix_report.py measures; tests/test_dhelix_step.py uses 2, since the
+compile, which is where the time goes, grows with layers x micro-batches) and, for each
 micro-batch count, runs two SGD steps of
 
 * the plain eager gradient-accumulation loop (the definition of the semantics), and
@@ -29,6 +31,10 @@ from _jobs_train_step import _local, _train  # noqa: E402  (same 2 SGD steps, lr
 LLAMA = llama.LlamaConfig(n_layers=4, dim=32, n_heads=4, ffn_dim=64)
 
 
+def _llama(n_layers: int) -> llama.LlamaConfig:
+    return LLAMA if n_layers == LLAMA.n_layers else llama.LlamaConfig(n_layers=n_layers, dim=32, n_heads=4, ffn_dim=64)
+
+
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out.float() - target).pow(2).mean()
 
@@ -37,22 +43,25 @@ def _moe_loss(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return out[0].float().mean() + 0.01 * out[1]
 
 
-def _setup(layout: str) -> tuple[Callable[[], torch.nn.Module], Callable[[int], tuple], Callable, dict]:
+def _setup(layout: str,
+           n_layers: int = 4) -> tuple[Callable[[], torch.nn.Module], Callable[[int], tuple], Callable, dict]:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     roles = {mesh.get_group().group_name: "tp"}
     if layout == "tp_sp":
+        lcfg = _llama(n_layers)
+
         def model() -> torch.nn.Module:
-            return llama.parallelize_llama(llama.build_llama(LLAMA, seed=0), mesh, sequence_parallel=True)
+            return llama.parallelize_llama(llama.build_llama(lcfg, seed=0), mesh, sequence_parallel=True)
 
         def batch(step: int) -> tuple:
-            b = llama.make_inputs(LLAMA, 4, 8, rank=rank, world_size=world, seed=step)
+            b = llama.make_inputs(lcfg, 4, 8, rank=rank, world_size=world, seed=step)
             return b.inputs, b.target
 
         return model, batch, _mse, roles
     if layout == "moe":
         # TP attention + EP experts over the same ranks, vocab-parallel head (Chimera's TP+EP model).
-        cfg = moe_tp.MoETPConfig(n_layers=4, dim=32, n_heads=4, num_experts=2 * world, ffn_dim=32, vocab=64)
+        cfg = moe_tp.MoETPConfig(n_layers=n_layers, dim=32, n_heads=4, num_experts=2 * world, ffn_dim=32, vocab=64)
 
         def model() -> torch.nn.Module:
             return moe_tp.parallelize_moe_tp(moe_tp.build_moe_tp(cfg, seed=0), mesh, "tp_ep")
@@ -75,8 +84,8 @@ def plain_loop(model: torch.nn.Module, loss_fn, x: torch.Tensor, y, m: int) -> t
     return total
 
 
-def dhelix_step_matches_loop(layout: str, microbatches: list[int]) -> dict[int, Any]:
-    make_model, batch, loss_fn, roles = _setup(layout)
+def dhelix_step_matches_loop(layout: str, microbatches: list[int], n_layers: int = 4) -> dict[int, Any]:
+    make_model, batch, loss_fn, roles = _setup(layout, n_layers)
     cfg = commfuse.Config(inner_compiler="eager", strict=True, dhelix=True, group_roles=roles)
     where = f"on rank {dist.get_rank()}"
     seen: dict[int, Any] = {}
@@ -108,7 +117,7 @@ def dhelix_step_matches_loop(layout: str, microbatches: list[int]) -> dict[int, 
     return seen
 
 
-def step_times(layout: str, microbatches: int, steps: int) -> dict[str, Any]:
+def step_times(layout: str, microbatches: int, steps: int, n_layers: int = 4) -> dict[str, Any]:
     """Measured step time on these gloo ranks of three compiled steps, alternated every step (the
     first, compiling step of each not timed): "plain" (default pipeline), "fused" (the dhelix
     partition and pipeline without the interleaving pass: every forward, then every backward) and
@@ -116,7 +125,7 @@ def step_times(layout: str, microbatches: int, steps: int) -> dict[str, Any]:
     and gradients, and the interleaving pass's decision."""
     import time
 
-    make_model, batch, loss_fn, roles = _setup(layout)
+    make_model, batch, loss_fn, roles = _setup(layout, n_layers)
     torch._dynamo.reset()
     runs: dict[str, Any] = {}
     from commfuse.transforms.registry import DHELIX_PIPELINE

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from commfuse.agreement import first_difference, first_group_disagreement
@@ -43,10 +45,25 @@ def test_rank_without_record_still_joins_the_exchange(rank_pool_2):
     assert outs == [28.0, 28.0]
 
 
+def _set_inductor_cache_dir(path: str | None) -> None:
+    """Rank job: point Inductor's cache at ``path`` again (None: its default)."""
+    if path is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+
+
 @pytest.mark.slow(reason="cold Inductor compiles on 2 gloo ranks, twice")
 @pytest.mark.multirank
 def test_inductor_cache_hit_on_one_rank_does_not_hang(rank_pool_2, tmp_path):
-    results = rank_pool_2.run(inductor_cache_hit_on_rank0_only, str(tmp_path), timeout=500)
+    # The job points each rank's Inductor cache at a directory of its own and leaves it there;
+    # the pool does not restore the environment, so without this every later Inductor compile
+    # on these ranks would miss the run's shared cache (tests/conftest.py), and the two ranks
+    # would each compile every kernel instead of one compiling while the other waits for it.
+    try:
+        results = rank_pool_2.run(inductor_cache_hit_on_rank0_only, str(tmp_path), timeout=500)
+    finally:
+        rank_pool_2.run(_set_inductor_cache_dir, os.environ.get("TORCHINDUCTOR_CACHE_DIR"), timeout=60)
     r0, r1 = results
     assert r0[1]["out"] == r1[1]["out"] == r0[2]["out"] == r1[2]["out"] == 28.0
     assert r0[2]["hooks_ran"] == 0, "rank 0 should have hit its compile cache in round 2"

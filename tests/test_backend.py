@@ -227,9 +227,11 @@ def test_roles_come_from_the_dtensor_meshes_the_graph_holds(recwarn):
         gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
         roles = _dtensor_roles(gm, [torch.ones(1), w, b])
         assert roles == {mesh.get_group("dp_shard").group_name: "fsdp", mesh.get_group("tp").group_name: "tp"}
-        # every rank's blocks of both dims, also from a DTensor on the "tp" slice alone
-        partitions = [part for m in _dtensor_meshes(gm, [b]) for part in session.mesh_partitions(m)]
-        assert [[(0, 2), (1, 3)], [(0, 1), (2, 3)]] == partitions[-2:], partitions
+        # a DTensor on the "tp" slice: its mesh lists this rank's block, the root mesh every block
+        (tp_slice,) = _dtensor_meshes(gm, [b])
+        assert session.mesh_partitions(tp_slice) == [[(0, 1)]]
+        root = commfuse.core.torch_private.device_mesh_root(tp_slice)
+        assert session.mesh_partitions(root) == [[(0, 2), (1, 3)], [(0, 1), (2, 3)]]
         resolved, sources = session.resolved_roles(commfuse.Config(group_roles={mesh.get_group("tp").group_name: "sp"}),
                                                    roles)
         assert resolved[mesh.get_group("tp").group_name] == "sp"  # the user's word wins

@@ -24,6 +24,11 @@ pytestmark = [pytest.mark.multirank,
 
 
 SHAPES = [(2, 32), (2, 24)]
+# dynamic=False (see _jobs_conformance._train_both): the second shape is a second static compile
+# of the whole model, through the same paths as the first. The Llama case keeps both shapes (the
+# backend recompiling on a guard failure); the Qwen3-MoE cases, each a full set of cold Inductor
+# regions per shape, train on the first.
+MOE_SHAPES = SHAPES[:1]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +83,7 @@ def qwen3_moe_checkpoint(tmp_path_factory):
 
 def _trains_like_eager_and_rewrites(results):
     for rank, r in enumerate(results):
-        assert len(r["loss"]) == len(SHAPES)
+        assert len(r["loss"]) == len(MOE_SHAPES)
         assert_close_tree(r["loss"], r["ref_loss"], rtol=1e-4, atol=1e-5, msg=f"loss on rank {rank}")
         assert_close_tree(r["grads"], r["ref_grads"], rtol=1e-4, atol=1e-5, msg=f"gradients on rank {rank}")
         assert {"forward", "backward"} <= set(r["graphs"]), r["graphs"]
@@ -92,7 +97,7 @@ def _trains_like_eager_and_rewrites(results):
 
 def test_hf_qwen3_moe_tensor_parallel_experts_trains_like_eager(rank_pool_2, qwen3_moe_checkpoint):
     """transformers' MoE TP plan (experts sharded by columns/rows, all_reduces)."""
-    results = rank_pool_2.run(hf_trains_like_eager, qwen3_moe_checkpoint, {"tp_size": 2}, SHAPES, timeout=600)
+    results = rank_pool_2.run(hf_trains_like_eager, qwen3_moe_checkpoint, {"tp_size": 2}, MOE_SHAPES, timeout=600)
     _trains_like_eager_and_rewrites(results)
     assert results[0]["collectives_before"].get("all_reduce", 0) > 0
     # bucketing merged all_reduces of the same group
@@ -102,7 +107,7 @@ def test_hf_qwen3_moe_tensor_parallel_experts_trains_like_eager(rank_pool_2, qwe
 def test_hf_qwen3_moe_expert_parallel_trains_like_eager(rank_pool_2, qwen3_moe_checkpoint):
     """transformers' expert parallel (``ep_size``; its dispatch exchanges tokens with all_to_all),
     attention tensor parallel on the same two ranks."""
-    results = rank_pool_2.run(hf_trains_like_eager, qwen3_moe_checkpoint, {"tp_size": 2, "ep_size": 2}, SHAPES,
+    results = rank_pool_2.run(hf_trains_like_eager, qwen3_moe_checkpoint, {"tp_size": 2, "ep_size": 2}, MOE_SHAPES,
                               timeout=600)
     _trains_like_eager_and_rewrites(results)
     assert results[0]["collectives_before"].get("all_to_all", 0) > 0

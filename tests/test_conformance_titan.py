@@ -6,8 +6,9 @@ parallelised by torchtitan's own code (``parallelize_llama`` / ``parallelize_dee
 SimpleFSDP from its graph_trainer for sharded data parallel, since FSDP2 needs PREMUL_SUM, which
 gloo lacks) and compiled per TransformerBlock by torchtitan's ``apply_compile`` with
 ``backend="commfuse"``. Eager twins built the same way give the reference: torchtitan's loss,
-two SGD steps at two input shapes (the second recompiles with dynamic sizes), loss and every
-gradient compared (fp32, rtol 1e-4). Each case also checks what commfuse did to the collectives.
+two SGD steps at two input shapes (the second recompiles with dynamic sizes; the 2x2-mesh case
+takes the first only, see ``STATIC_SHAPES``), loss and every gradient compared (fp32, rtol 1e-4).
+Each case also checks what commfuse did to the collectives.
 
 Not covered, because no backend runs it on CPU with torch 2.13: torchtitan's activation
 checkpointing on DTensor models (AOTAutograd saves a DeviceMesh for backward and fails under
@@ -30,6 +31,10 @@ pytestmark = [pytest.mark.multirank,
               pytest.mark.slow(reason="third-party models: cold Inductor compiles of transformer blocks on gloo ranks")]
 
 SHAPES = [(2, 32), (2, 24)]
+# The SimpleFSDP x TP case trains at the first shape only: a step at the second is a second set of
+# cold Inductor regions on 4 ranks, and the dynamic recompile of the same llama3 blocks (sequence
+# parallel, the sizes that become symbolic) is what the TP+SP case checks.
+STATIC_SHAPES = SHAPES[:1]
 
 
 def _never_more_bytes(results):
@@ -41,9 +46,9 @@ def _never_more_bytes(results):
                 assert after <= before, f"rank {rank}, {graph} graph: {before} -> {after} wire bytes"
 
 
-def _same_numbers(results):
+def _same_numbers(results, shapes=SHAPES):
     for rank, r in enumerate(results):
-        assert len(r["loss"]) == len(SHAPES)
+        assert len(r["loss"]) == len(shapes)
         assert_close_tree(r["loss"], r["ref_loss"], rtol=1e-4, atol=1e-5, msg=f"loss on rank {rank}")
         assert_close_tree(r["grads"], r["ref_grads"], rtol=1e-4, atol=1e-5, msg=f"gradients on rank {rank}")
         assert len(r["grads"][0]) == len(r["ref_grads"][0]) > 0
@@ -81,8 +86,8 @@ def test_deepseek_v3_tp_ep_dropless_moe_compiles_every_region(rank_pool_2):
 
 
 def test_llama3_sharded_data_parallel_times_tp_on_a_2x2_mesh(rank_pool_4):
-    results = rank_pool_4.run(titan_trains_like_eager, "llama3", {"dp_shard": 2, "tp": 2}, SHAPES, timeout=900)
-    _same_numbers(results)
+    results = rank_pool_4.run(titan_trains_like_eager, "llama3", {"dp_shard": 2, "tp": 2}, STATIC_SHAPES, timeout=900)
+    _same_numbers(results, STATIC_SHAPES)
     _rewritten(results)
     before = results[0]["collectives_before"]
     assert before.get("all_gather", 0) > 0 and before.get("reduce_scatter", 0) > 0  # SimpleFSDP's and SP's

@@ -19,7 +19,9 @@ Contract
 - Does: inserts the fused form (one collective or none, plus local ATen work)
   right before A (where A read its input, so a later in-place update of that input
   cannot leak in), replaces every use of B's logical output by its result and
-  erases A and B. Pairs are fused greedily in graph order, the IR rebuilt after
+  erases A and B. Pairs are fused greedily in graph order -- except RS + AG, which moves
+  as many bytes as the all_reduce it becomes and goes after every pair that moves fewer,
+  so a split all_reduce's gather fuses with the exchange after it --, the IR rebuilt after
   each fusion, until no adjacent pair fuses: a fused result that is again a bare
   collective may fuse with its neighbour (Chimera: fusion can be applied
   repeatedly). Every fusion removes at least one collective, so this terminates.
@@ -595,6 +597,10 @@ def fuse_pair(gm: fx.GraphModule, p: Pair, across: Optional[Across] = None) -> s
     return fusion.key
 
 
+def _rejoins_a_split(p: Pair) -> bool:
+    return (p.first.kind, p.second.kind) == (K.REDUCE_SCATTER, K.ALL_GATHER)
+
+
 class FuseCollectives(GraphPass):
     __doc__ = __doc__
     name = "fuse_collectives"
@@ -613,7 +619,9 @@ class FuseCollectives(GraphPass):
         for _ in range(len(ctx.ir.collectives) + 1):
             refusals = []
             fused = False
-            for p in find_pairs(ctx.ir.collectives):
+            # Pairs that move fewer bytes first: RS + AG -> AR moves as many (Table 3: "equal") and
+            # would otherwise take the gather a following exchange could fuse with (TP+EP).
+            for p in sorted(find_pairs(ctx.ir.collectives), key=_rejoins_a_split):
                 why, across = _check_pair(p, ctx)
                 if why is not None:
                     refusals.append(f"{p.label}: not fused: {why} ({p.kinds})")
