@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import contextlib
+
 import pytest
 import torch.distributed as dist
 
@@ -33,27 +35,39 @@ def _wire(gm) -> int:
     return sum(c.wire_bytes for c in CollectiveIR(gm).collectives)
 
 
-def _fuse(n1, n2, build, shape, *, declare=True, world_group=True):
-    """Trace ``build(ga, gb)`` on a fake world of n1*n2 ranks (groups: the mesh's two dims),
-    run fuse_collectives with the mesh declared, check every rank against the unfused graph."""
-    a_blocks, b_blocks = _mesh(n1, n2)
-    n = n1 * n2
-    with fake_process_group(n):
+@contextlib.contextmanager
+def _declared_mesh(a_blocks, b_blocks, *, declare=True):
+    """A fake world of every rank in the blocks; this rank's group of each partition, with both
+    partitions declared to commfuse (``commfuse.setup(groups=...)``) unless ``declare`` is off."""
+    with fake_process_group(sum(len(b) for b in a_blocks)):
         ga = dist.new_subgroups_by_enumeration(a_blocks)[0]
         gb = dist.new_subgroups_by_enumeration(b_blocks)[0]
         if declare:
             session.setup(groups=[a_blocks, b_blocks])
         try:
-            gm = _trace(build(ga, gb), [shape])
-            before = _copy(gm)
-            commfuse.optimize(gm, commfuse.Config(passes=["fuse_collectives"], strict=True))
-            rec = commfuse.last_report(gm).passes[-1]
-            groups = {ga.group_name: a_blocks, gb.group_name: b_blocks, dist.group.WORLD.group_name: [list(range(n))]}
-            if any(rec.counts.values()):
-                check_equivalent(before, gm, n, groups=groups)
-            wire = (_wire(before), _wire(gm))  # the groups resolve inside the fake world only
+            yield ga, gb
         finally:
             session.reset()
+
+
+def _fuse_in(gm, passes=("fuse_collectives",)):
+    commfuse.optimize(gm, commfuse.Config(passes=list(passes), strict=True))
+    return commfuse.last_report(gm).passes[-1]
+
+
+def _fuse(n1, n2, build, shape, *, declare=True, world_group=True):
+    """Trace ``build(ga, gb)`` on a fake world of n1*n2 ranks (groups: the mesh's two dims),
+    run fuse_collectives with the mesh declared, check every rank against the unfused graph."""
+    a_blocks, b_blocks = _mesh(n1, n2)
+    n = n1 * n2
+    with _declared_mesh(a_blocks, b_blocks, declare=declare) as (ga, gb):
+        gm = _trace(build(ga, gb), [shape])
+        before = _copy(gm)
+        rec = _fuse_in(gm)
+        groups = {ga.group_name: a_blocks, gb.group_name: b_blocks, dist.group.WORLD.group_name: [list(range(n))]}
+        if any(rec.counts.values()):
+            check_equivalent(before, gm, n, groups=groups)
+        wire = (_wire(before), _wire(gm))  # the groups resolve inside the fake world only
     return wire, gm, rec
 
 
@@ -114,27 +128,19 @@ def test_a_plane_without_a_process_group_is_refused():
     n = 8
     a_blocks = [[0, 2], [1, 3], [4, 6], [5, 7]]
     b_blocks = [[0, 1], [2, 3], [4, 5], [6, 7]]
-    with fake_process_group(n):
-        ga = dist.new_subgroups_by_enumeration(a_blocks)[0]
-        gb = dist.new_subgroups_by_enumeration(b_blocks)[0]
-        session.setup(groups=[a_blocks, b_blocks])
-        try:
-            gm = _trace(_ag_a2a(ga, gb), [(4, 3, 2)])
-            commfuse.optimize(gm, commfuse.Config(passes=["fuse_collectives"], strict=True))
-            rec = commfuse.last_report(gm).passes[-1]
-            assert not any(rec.counts.values())
-            assert any("no process group spans their plane (ranks 0,1,2,3)" in r for r in rec.refusals), rec.refusals
-            planes = dist.new_subgroups_by_enumeration([[0, 1, 2, 3], [4, 5, 6, 7]])[0]
-            gm = _trace(_ag_a2a(ga, gb), [(4, 3, 2)])
-            before = _copy(gm)
-            commfuse.optimize(gm, commfuse.Config(passes=["fuse_collectives"], strict=True))
-            rec = commfuse.last_report(gm).passes[-1]
-            assert rec.counts["m2ms_ag_a2a"] == 1, rec.refusals
-            assert [c.group.name for c in CollectiveIR(gm).collectives] == [planes.group_name]
-            check_equivalent(before, gm, n, groups={ga.group_name: a_blocks, gb.group_name: b_blocks,
-                                                    planes.group_name: [[0, 1, 2, 3], [4, 5, 6, 7]]})
-        finally:
-            session.reset()
+    with _declared_mesh(a_blocks, b_blocks) as (ga, gb):
+        gm = _trace(_ag_a2a(ga, gb), [(4, 3, 2)])
+        rec = _fuse_in(gm)
+        assert not any(rec.counts.values())
+        assert any("no process group spans their plane (ranks 0,1,2,3)" in r for r in rec.refusals), rec.refusals
+        planes = dist.new_subgroups_by_enumeration([[0, 1, 2, 3], [4, 5, 6, 7]])[0]
+        gm = _trace(_ag_a2a(ga, gb), [(4, 3, 2)])
+        before = _copy(gm)
+        rec = _fuse_in(gm)
+        assert rec.counts["m2ms_ag_a2a"] == 1, rec.refusals
+        assert [c.group.name for c in CollectiveIR(gm).collectives] == [planes.group_name]
+        check_equivalent(before, gm, n, groups={ga.group_name: a_blocks, gb.group_name: b_blocks,
+                                                planes.group_name: [[0, 1, 2, 3], [4, 5, 6, 7]]})
 
 
 @pytest.mark.multirank
@@ -167,22 +173,15 @@ def test_the_fused_scatter_keeps_the_graph_the_same_on_every_rank():
     from commfuse.analysis.rank_local import rank_local_reason
     from commfuse.ops import m2ms
 
-    a_blocks, b_blocks = _mesh(2, 2)
-    with fake_process_group(4):
-        ga = dist.new_subgroups_by_enumeration(a_blocks)[0]
-        gb = dist.new_subgroups_by_enumeration(b_blocks)[0]
-        session.setup(groups=[a_blocks, b_blocks])
-        try:
-            gm = _trace(_ag_a2a(ga, gb), [(4, 3, 2)])
-            commfuse.optimize(gm, commfuse.Config(passes=["fuse_collectives"], strict=True))
-            ir = CollectiveIR(gm)
-            assert [c.kind.value for c in ir.collectives] == ["many_to_many_scatter"]
-            assert rank_local_reason(ir.collectives, gm) is None
-            world = dist.group.WORLD
-            uneven = _trace(lambda x: m2ms(x, 0, [[1, 2, 1, 0]] * 4, [0, 1, 2, 3], [0, 1, 2, 3], world), [(4, 3)])
-            assert "ranks may run different graphs" in rank_local_reason(CollectiveIR(uneven).collectives, uneven)
-        finally:
-            session.reset()
+    with _declared_mesh(*_mesh(2, 2)) as (ga, gb):
+        gm = _trace(_ag_a2a(ga, gb), [(4, 3, 2)])
+        _fuse_in(gm)
+        ir = CollectiveIR(gm)
+        assert [c.kind.value for c in ir.collectives] == ["many_to_many_scatter"]
+        assert rank_local_reason(ir.collectives, gm) is None
+        world = dist.group.WORLD
+        uneven = _trace(lambda x: m2ms(x, 0, [[1, 2, 1, 0]] * 4, [0, 1, 2, 3], [0, 1, 2, 3], world), [(4, 3)])
+        assert "ranks may run different graphs" in rank_local_reason(CollectiveIR(uneven).collectives, uneven)
 
 
 def test_tensor_parallel_all_reduce_then_exchange_becomes_reduce_scatter_and_one_scatter():
@@ -193,20 +192,14 @@ def test_tensor_parallel_all_reduce_then_exchange_becomes_reduce_scatter_and_one
 
     n1, n2 = 2, 2
     a_blocks, b_blocks = _mesh(n1, n2)
-    with fake_process_group(n1 * n2):
-        ga = dist.new_subgroups_by_enumeration(a_blocks)[0]
-        gb = dist.new_subgroups_by_enumeration(b_blocks)[0]
-        session.setup(groups=[a_blocks, b_blocks])
-        try:
-            gm = _trace(lambda x: A2A(funcol.all_reduce(x, "sum", ga), 1, 2, gb), [(4, 4, 2)])
-            before = _copy(gm)
-            commfuse.optimize(gm, commfuse.Config(passes=["chimera"], strict=True))
-            kinds = _kinds(gm)
-            wire = (_wire(before), _wire(gm))
-            check_equivalent(before, gm, n1 * n2, groups={ga.group_name: a_blocks, gb.group_name: b_blocks,
-                                                          dist.group.WORLD.group_name: [list(range(n1 * n2))]})
-        finally:
-            session.reset()
+    with _declared_mesh(a_blocks, b_blocks) as (ga, gb):
+        gm = _trace(lambda x: A2A(funcol.all_reduce(x, "sum", ga), 1, 2, gb), [(4, 4, 2)])
+        before = _copy(gm)
+        _fuse_in(gm, passes=("chimera",))
+        kinds = _kinds(gm)
+        wire = (_wire(before), _wire(gm))
+        check_equivalent(before, gm, n1 * n2, groups={ga.group_name: a_blocks, gb.group_name: b_blocks,
+                                                      dist.group.WORLD.group_name: [list(range(n1 * n2))]})
     assert kinds == Counter({"reduce_scatter": 1, "many_to_many_scatter": 1}), kinds
     x = 4 * 4 * 4 * 2  # bytes of one rank's input
     # all_reduce 2(N1-1)/N1 |x| + all_to_all (N2-1)/N2 |x|  ->  reduce_scatter (N1-1)/N1 |x| + the m2ms of

@@ -453,13 +453,21 @@ def _check_a2a_ag(a, b, n):
     return _need(x, a.logical_dim, n, "split dim")
 
 
-def _check_a2a_rs(a, b, n):
-    if a.logical_concat_dim is None:
-        return "all_to_all concat dim unknown"
+def _local_reduce_refusal(b) -> Optional[str]:
+    """Why the reduce_scatter ``b``'s reduction cannot be done locally on received pieces."""
     if b.reduce_op not in _LOCAL_REDUCE_OPS:
         return f"reduce op {b.reduce_op!r} has no local form"
     if b.reduce_op == "avg" and (b.dtype is None or not b.dtype.is_floating_point):
         return f"reduce op 'avg' on {b.dtype}"
+    return None
+
+
+def _check_a2a_rs(a, b, n):
+    if a.logical_concat_dim is None:
+        return "all_to_all concat dim unknown"
+    why = _local_reduce_refusal(b)
+    if why:
+        return why
     x = _xshape(a)
     s, c, d = a.logical_dim, a.logical_concat_dim, b.logical_dim
     why = _need(x, s, n, "split dim")
@@ -537,10 +545,9 @@ def _check_across_a2a_rs(a, b, grid):
         return "all_to_all concat dim unknown"
     if d == c:
         return "the reduce_scatter scatters the all_to_all's concat dim"
-    if b.reduce_op not in _LOCAL_REDUCE_OPS:
-        return f"reduce op {b.reduce_op!r} has no local form"
-    if b.reduce_op == "avg" and (b.dtype is None or not b.dtype.is_floating_point):
-        return f"reduce op 'avg' on {b.dtype}"
+    why = _local_reduce_refusal(b)
+    if why:
+        return why
     x = _xshape(a)
     if d == s:
         return _need(x, s, grid.n1 * grid.n2, "split and scatter dim, n1·n2 pieces")
