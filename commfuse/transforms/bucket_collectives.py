@@ -26,7 +26,8 @@ Contract
   graph if either got worse than allowed.
 - Guarantees: the same values (all_gather bitwise; reductions reduce each element over the
   same ranks, only the ring chunk it travels in changes); the decisions depend only on the
-  graph, the config and the topology (or, without one, the cost policy's documented default), so every
+  graph, the config and the topology (or, without one, the model the step-time gate uses: gloo's
+  default for a graph on CPU tensors, else the cost policy's documented default), so every
   rank buckets identically and the new total issue order is the same on every rank. Graphs
   whose ranks may differ (point-to-point ops, unequal all_to_all splits, symbolic shapes
   whose size hints are rank-local) are left unchanged.
@@ -65,6 +66,7 @@ from commfuse.ir.kinds import CollectiveKind, is_wait
 from commfuse.ir.shapes import shape_of
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext, PassContext as _Ctx
+from commfuse.passmgr.gate import gate_model
 from commfuse.passmgr.pipeline import restore_graph, snapshot_graph
 
 K = CollectiveKind
@@ -174,7 +176,8 @@ class BucketCollectives(GraphPass):
             return PassResult(False, {"buckets": 0}, [why] if cands else [])
         if len(cands) < 2:
             return PassResult(False, {"buckets": 0})
-        est = ctx.cost.default_model(ir)[0]
+        # the model the step-time gate judges with: on a CPU graph without a topology, gloo's
+        est = gate_model(ctx)[0]
         planner = _Planner(ctx, est)
         buckets, refusals = planner.plan()
         counts = {"buckets": len(buckets), "collectives_bucketed": sum(len(b.members) for b in buckets),
