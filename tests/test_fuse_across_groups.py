@@ -117,8 +117,8 @@ def test_pairs_on_two_mesh_dims_are_refused_with_the_reason():
     _, gm, rec = _fuse(2, 2, lambda ga, gb: (lambda x: A2A(AG(x, 1, ga), 1, 0, gb)), (2, 4, 2))
     assert not any(rec.counts.values())
     assert any("splits the gathered dim" in r for r in rec.refusals), rec.refusals
-    # a pair with no fused form across groups (all_gather + all_gather)
-    _, gm, rec = _fuse(2, 2, lambda ga, gb: (lambda x: AG(AG(x, 1, ga), 0, gb)), (2, 4, 2))
+    # a pair with no fused form across groups (all_gather + reduce_scatter)
+    _, gm, rec = _fuse(2, 2, lambda ga, gb: (lambda x: RS(AG(x, 1, ga), "sum", 0, gb)), (2, 4, 2))
     assert any("no fused form across groups" in r for r in rec.refusals), rec.refusals
 
 
@@ -207,3 +207,21 @@ def test_tensor_parallel_all_reduce_then_exchange_becomes_reduce_scatter_and_one
     # (Table 2's 67% "real demand" leaves the exchange's output sharded over TP; here every TP rank gets
     # the tokens the unfused program gave it).
     assert wire == (x + x // 2, x // 2 + 3 * (x // n1) // n2), wire
+
+
+@pytest.mark.parametrize("n1, n2", [(2, 2), (4, 2), (2, 4)], ids=lambda v: str(v))
+@pytest.mark.parametrize("dims", [(1, 2), (1, 1)], ids=["other_dim", "same_dim"])
+def test_two_gathers_or_two_scatters_on_two_mesh_dims_are_one_collective_on_the_plane(n1, n2, dims):
+    """AG on A + AG on B -> one all_gather on the plane's group; RS on A + RS on B (one reduce op)
+    -> one reduce_scatter on it. The same bytes per rank, one collective instead of two."""
+    d1, d2 = dims
+    (before, after), gm, rec = _fuse(n1, n2, lambda ga, gb: (lambda x: AG(AG(x, d1, ga), d2, gb)), (2, 3, 2))
+    assert rec.counts["plane_ag_ag"] == 1 and _kinds(gm) == Counter({"all_gather": 1}), rec.refusals
+    assert before == after
+    shape = (2, 2 * n1 * n2, 2 * n2)
+    for op in ("sum", "avg", "max"):
+        (before, after), gm, rec = _fuse(n1, n2, lambda ga, gb: (lambda x: RS(RS(x, op, d1, ga), op, d2, gb)), shape)
+        assert rec.counts["plane_rs_rs"] == 1 and _kinds(gm) == Counter({"reduce_scatter": 1}), rec.refusals
+        assert before == after
+    _, gm, rec = _fuse(n1, n2, lambda ga, gb: (lambda x: RS(RS(x, "sum", d1, ga), "max", d2, gb)), shape)
+    assert any("are not one reduction" in r for r in rec.refusals), rec.refusals

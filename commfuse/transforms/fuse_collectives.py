@@ -71,13 +71,19 @@ rank sending one equal piece to every rank:
   AG_d on A + A2A_s->c on B   (s != d)   z_(k,l) = cat_i^c cat_k'^d chunk_l(x_(k',i), s)
   A2A_s->c on B + RS_op,d on A (d != c)  z_(k,l) = cat_i^c op_k' chunk_k(chunk_l(w_(k',i), s), d)
 
-Bytes per rank: (N1·N2 - 1)|x|/N2 instead of (N1 - 1)|x| + N1|x|(N2 - 1)/N2 for the first;
+and two pairs become one collective on that group (the same bytes, one launch instead of two):
+
+  AG_d1 on A + AG_d2 on B               all_gather, then z = cat_i^d2 cat_k'^d1 x_(k',i)
+  RS_op,d1 on A + RS_op,d2 on B         reduce_scatter of the pieces chunk_l(chunk_k(w, d1), d2)
+                                        laid out in the group's rank order (one reduce op)
+
+Bytes per rank of the scatters: (N1·N2 - 1)|x|/N2 instead of (N1 - 1)|x| + N1|x|(N2 - 1)/N2 for the first;
 (1 - 1/(N1·N2))|w| instead of (2 - 1/N1 - 1/N2)|w| for the second (75% at [2, 2], 70% at
 [4, 2] and [2, 4], inside Table 2's 66.7-100%). The second is the first's transpose: a joint
 graph fuses both directions.
 
 Left alone (reported): every other pair of kinds (all_reduce, broadcast, p2p and
-RS + RS, which Chimera lists as not fusible), pairs on different groups (a different name
+RS + RS on one group, which Chimera lists as not fusible), pairs on different groups (a different name
 and different or unknown ranks; the same ranks in another order are a different group) that
 are not the two rows above on crossing groups, and the Table 3 rows that need P2P or
 many-to-many scatter at pipeline boundaries (``boundary_fusion``).
@@ -254,6 +260,29 @@ def _across_a2a_rs(w, s, c, op, d, rank_at, order, group):
     flat = [g.unsqueeze(0) for g in got]  # reduce over a new leading dim, whatever d is
     return torch.cat([_reduce_parts([flat[at[rank_at[k][i]]] for k in range(n1)], op).squeeze(0)
                       for i in range(n2)], c)
+
+
+def _across_ag_ag(x, d1, d2, rank_at, order, group):
+    """AG_d1 on A, then AG_d2 on B: every rank ends with cat_i^d2 cat_k'^d1 x_(k',i), one
+    all_gather on the plane's group (the same bytes in one collective instead of two)."""
+    n1, n2 = len(rank_at), len(rank_at[0])
+    at = {r: j for j, r in enumerate(order)}
+    got = _chunks(rewrite.all_gather(x, 0, len(order), group), len(order), 0)
+    return torch.cat([torch.cat([got[at[rank_at[k][i]]] for k in range(n1)], d1) for i in range(n2)], d2)
+
+
+def _across_rs_rs(w, op, d1, d2, rank_at, order, group):
+    """RS_op,d1 on A, then RS_op,d2 on B: rank (k, l) ends with op over every rank (k', i) of
+    chunk_l(chunk_k(w_(k',i), d1), d2), one reduce_scatter on the plane's group of each rank's
+    pieces laid out in that group's order."""
+    pos = {r: (k, i) for k, row in enumerate(rank_at) for i, r in enumerate(row)}
+    n1, n2 = len(rank_at), len(rank_at[0])
+
+    def piece(r):
+        k, l = pos[r]
+        return _chunks(_chunks(w, n1, d1)[k], n2, d2)[l]
+
+    return rewrite.reduce_scatter(torch.cat([piece(r) for r in order], d1), op, d1, len(order), group)
 
 
 # ----------------------------------------------------------------- matching
@@ -554,6 +583,20 @@ def _check_across_a2a_rs(a, b, grid):
     return _need(x, s, grid.n2, "split dim") or _need(x, d, grid.n1, "scatter dim")
 
 
+def _check_across_ag_ag(a, b, grid):
+    return None
+
+
+def _check_across_rs_rs(a, b, grid):
+    if a.reduce_op != b.reduce_op or a.reduce_op not in ("sum", "avg", "max", "min"):
+        return f"reduce ops {a.reduce_op!r} then {b.reduce_op!r} are not one reduction"
+    x = _xshape(a)
+    d1, d2 = a.logical_dim, b.logical_dim
+    if d1 == d2:
+        return _need(x, d1, grid.n1 * grid.n2, "both scatter dims, n1·n2 pieces")
+    return _need(x, d1, grid.n1, "first scatter dim") or _need(x, d2, grid.n2, "second scatter dim")
+
+
 # Chimera's rows for adjacent collectives on two groups of a mesh (the A-G + A2A row of Table 3
 # at the TP+EP and SP+EP transitions of Table 2, and its transpose, which the backward runs).
 _ACROSS: dict[tuple[CollectiveKind, CollectiveKind], AcrossFusion] = {
@@ -565,6 +608,14 @@ _ACROSS: dict[tuple[CollectiveKind, CollectiveKind], AcrossFusion] = {
         "m2ms_a2a_rs", lambda a, b: (b, a), _check_across_a2a_rs,
         lambda a, b, w: (_across_a2a_rs, (a.logical_dim, a.logical_concat_dim, b.reduce_op, b.logical_dim,
                                           w.grid.rank_at, w.order, w.group_name))),
+    # the same bytes in one collective on the plane instead of one per dim
+    (K.ALL_GATHER, K.ALL_GATHER): AcrossFusion(
+        "plane_ag_ag", lambda a, b: (a, b), _check_across_ag_ag,
+        lambda a, b, w: (_across_ag_ag, (a.logical_dim, b.logical_dim, w.grid.rank_at, w.order, w.group_name))),
+    (K.REDUCE_SCATTER, K.REDUCE_SCATTER): AcrossFusion(
+        "plane_rs_rs", lambda a, b: (a, b), _check_across_rs_rs,
+        lambda a, b, w: (_across_rs_rs, (a.reduce_op, a.logical_dim, b.logical_dim, w.grid.rank_at, w.order,
+                                         w.group_name))),
 }
 ACROSS_KEYS = tuple(f.key for f in _ACROSS.values())
 
