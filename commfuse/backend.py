@@ -34,6 +34,8 @@ What `torch.compile` hands a backend (`torch._TorchCompileWrapper`): `mode=` whe
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
 import logging
 from typing import Any, Callable, Optional
 
@@ -195,8 +197,9 @@ class CommfuseBackend:
     # -- inductor -----------------------------------------------------------
     def _compile_inductor(self, gm, example_inputs, pipeline: Pipeline):
         cfg = priv.inductor_config()
-        # the session's sub-groups, roles and communicator pool change what the passes decide
-        key = f"{self.config.cache_key(pipeline.topology)}:{current_session().fingerprint()}"
+        # the session's sub-groups, roles and communicator pool change what the passes decide, and
+        # so do the roles and mesh blocks read from the graph's DTensors
+        key = f"{self.config.cache_key(pipeline.topology)}:{current_session().fingerprint()}:{_layout_digest(pipeline)}"
         # Inductor runs joint passes on the inference graph too (no partition there),
         # so the joint hook must also apply JOINT passes to it; post-grad passes then
         # see it as "inference".
@@ -268,6 +271,12 @@ def _warn_lowering_failed(kind: str, e: Exception, instead: str) -> None:
     warn_rank0(f"commfuse: the {kind} graph could not be lowered to commfuse's runtime and {instead} "
                f"(same collectives, in the graph's order): {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
     log.debug("commfuse: lowering of the %s graph failed", kind, exc_info=True)
+
+
+def _layout_digest(pipeline: Pipeline) -> str:
+    """The groups' roles and the mesh blocks the pipeline decides from, as a short digest."""
+    payload = {"roles": sorted(pipeline.group_roles.items()), "partitions": pipeline.partitions}
+    return hashlib.sha256(json.dumps(payload, default=str).encode()).hexdigest()[:16]
 
 
 def _dtensor_meshes(gm: fx.GraphModule, example_inputs: list) -> list:

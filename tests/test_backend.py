@@ -304,3 +304,18 @@ def test_a_topology_that_contradicts_the_world_size_is_refused_by_name(rank_pool
     for r in rank_pool_2.run(topology_against_the_world):
         assert "topology: num_nodes*ranks_per_node = 1*8 = 8, but the process group has world_size 2" in r["error"]
         assert r["detected"] == ("cpu-gloo", 2, "detected")
+
+
+def test_inductor_cache_key_covers_the_layout_read_from_dtensors():
+    """Roles and mesh blocks from the graph's DTensors change what the passes decide (fusion across
+    mesh dims), so Inductor's cache key for commfuse's passes differs when they differ."""
+    from commfuse.api import pipeline_for
+    from commfuse.backend import _layout_digest
+
+    cfg = commfuse.Config()
+    rows = pipeline_for(cfg, dtensor_partitions=[[(0, 1), (2, 3)], [(0, 2), (1, 3)]])
+    cols = pipeline_for(cfg, dtensor_partitions=[[(0, 2), (1, 3)], [(0, 1), (2, 3)]])
+    assert _layout_digest(rows) != _layout_digest(cols)
+    assert _layout_digest(rows) == _layout_digest(pipeline_for(cfg, dtensor_partitions=[[(0, 1), (2, 3)],
+                                                                                        [(0, 2), (1, 3)]]))
+    assert _layout_digest(pipeline_for(cfg, dtensor_roles={"1": "tp"})) != _layout_digest(pipeline_for(cfg))
