@@ -27,7 +27,10 @@ from commfuse.passmgr.context import PassContext
 from commfuse.testing.equivalence import check_equivalent
 from commfuse.testing.fake_pg import fake_mesh, fake_process_group
 from commfuse.testing.graphs import _copy, capture_aot_graphs
-from commfuse.transforms.expert_exchange_partition import DROPLESS, plan_exchange_partition
+from commfuse.ops.moe_layer.comm_volume import chunks_of
+from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
+from commfuse.transforms.expert_exchange_partition import (DROPLESS, _expert_compute_us, _moe_exchange_us,
+                                                           pipeline_us, plan_exchange_partition, plan_token_chunks)
 from commfuse.transforms.partition_search import score_graph
 
 PASS = "expert_exchange_partition"
@@ -129,6 +132,110 @@ def test_unequal_splits_refused():
         rec = _run(gm)
         assert not rec.changed and gm.code == code
         assert len(rec.refusals) == 2 and all(DROPLESS in r for r in rec.refusals), rec.refusals
+
+
+# ---------------------------------------------------------------- dropless: commfuse::moe_layer
+def _moe_op(capacity_factor: float, backward: bool = False):
+    """One commfuse::moe_layer call (top-2, E = 2 per rank) on the world, or its backward."""
+    g = dist.group.WORLD.group_name
+    if backward:
+        return lambda go, x, rw, w1, w3, w2: list(MOE_LAYER_BACKWARD(
+            go, torch.zeros(2 * N), torch.zeros(()), x, rw, w1, w3, w2, 2, capacity_factor, 1, g, 1.0))
+    return lambda x, rw, w1, w3, w2: list(MOE_LAYER(x, rw, w1, w3, w2, 2, capacity_factor, 1, g))
+
+
+def _moe_trace(capacity_factor: float, backward: bool = False, tokens: int = 12, h: int = 8, f: int = 16):
+    e = 2 * N
+    ins = [torch.randn(tokens, h), torch.randn(e, h) * h ** -0.5, torch.randn(2, h, f) * h ** -0.5,
+           torch.randn(2, h, f) * h ** -0.5, torch.randn(2, f, h) * f ** -0.5]
+    if backward:
+        ins.insert(0, torch.randn(tokens, h))
+    return make_fx(_moe_op(capacity_factor, backward), tracing_mode="fake")(*ins)
+
+
+def _moe_chunks(gm) -> list[int]:
+    return [chunks_of(n) for n in gm.graph.nodes if n.target in (MOE_LAYER, MOE_LAYER_BACKWARD)]
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_dropless_moe_op_exchange_cut_into_token_chunks(backward):
+    """Data-dependent split sizes live inside the op: the pass sets its token chunks (no
+    topology: graph_trainer's two), and the N-rank reference run of the chunked op, with its
+    own routing per rank, equals the whole one."""
+    with fake_process_group(N):
+        gm = _moe_trace(0.0, backward)
+        before = _copy(gm)
+        rec = _run(gm)
+        assert rec.changed and rec.counts["moe_ops_chunked"] == 1, rec.refusals
+        assert _moe_chunks(gm) == [2] and "2 token chunks" in rec.decisions[0]["decision"], rec.decisions
+        check_equivalent(before, gm, N)
+        # forced to more chunks than some rank has tokens for: empty chunks exchange empty buffers
+        gm = _moe_trace(0.0, backward, tokens=3)
+        before = _copy(gm)
+        _run(gm, workload_chunks=5, max_chunks=8)
+        assert _moe_chunks(gm) == [5]
+        check_equivalent(before, gm, N)
+
+
+def test_chunked_moe_op_equals_the_whole_one_on_one_rank():
+    """The op's own contract, without a group: forward values and every gradient of a chunked
+    call equal the whole call's (float64: only the summation order of weight gradients differs)."""
+    torch.manual_seed(0)
+    t, h, f, e = 13, 8, 16, 4
+    ins = [torch.randn(t, h, dtype=torch.float64), torch.randn(e, h, dtype=torch.float64),
+           *(torch.randn(e, h, f, dtype=torch.float64) for _ in range(2)), torch.randn(e, f, h, dtype=torch.float64)]
+
+    def run(chunks):
+        params = [p.detach().requires_grad_() for p in ins]
+        out, ps, t1, z = MOE_LAYER(*params, 2, 0.0, 1, "", chunks)
+        loss = (out * out).sum() + (ps * ps).sum() + z
+        return [out, ps, t1, z, *torch.autograd.grad(loss, params)]
+
+    whole = run(1)
+    for chunks in (2, 3, 13, 20):
+        for a, b in zip(whole, run(chunks)):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_capacity_moe_op_and_no_group_refused():
+    with fake_process_group(N):
+        gm = _moe_trace(1.0)
+        rec = _run(gm)
+        assert not rec.changed and _moe_chunks(gm) == [1]
+        assert any("token chunks would change which rows are dropped" in r for r in rec.refusals), rec.refusals
+        x = torch.randn(12, 8)
+        gm = make_fx(lambda x, rw, w1, w3, w2: list(MOE_LAYER(x, rw, w1, w3, w2, 1, 0.0, 1, "")),
+                     tracing_mode="fake")(x, torch.randn(4, 8), *(torch.randn(4, 8, 16) for _ in range(2)),
+                                          torch.randn(4, 16, 8))
+        rec = _run(gm)
+        assert not rec.changed and any("no expert-parallel group" in r for r in rec.refusals), rec.refusals
+
+
+def test_dropless_token_chunks_from_the_cost_model():
+    """With a topology: a latency-bound exchange stays whole; a bandwidth-bound one is cut into
+    the count the pipeline model predicts fastest, whose exposed communication (pipeline span
+    minus expert compute) is below the whole exchange's and graph_trainer's two chunks'."""
+    topo = Topology.preset("dgx-h100", num_nodes=1)
+    with fake_process_group(N):
+        small = _moe_trace(0.0)
+        ctx = PassContext(small, commfuse.Config(topology=topo), topology=topo)
+        (node,) = [n for n in small.graph.nodes if n.target is MOE_LAYER]
+        why = plan_token_chunks(ctx, node)
+        assert isinstance(why, str) and "predicted slower than the whole exchange" in why, why
+        for backward in (False, True):
+            big = _moe_trace(0.0, backward, tokens=8192, h=2048, f=1024)
+            ctx = PassContext(big, commfuse.Config(topology=topo), topology=topo)
+            (node,) = [n for n in big.graph.nodes if n.target in (MOE_LAYER, MOE_LAYER_BACKWARD)]
+            plan = plan_token_chunks(ctx, node)
+            assert not isinstance(plan, str) and plan.chunks > 2 and "predicted fastest" in plan.why, plan
+            est = ctx.cost.model
+            compute = _expert_compute_us(est, node)
+
+            def exposed(k):
+                dispatch, combine = _moe_exchange_us(est, node, k)
+                return pipeline_us(dispatch, compute, combine, k) - compute
+
+            assert exposed(plan.chunks) < exposed(2) < exposed(1)
 
 
 @pytest.mark.parametrize("mix", ["softmax", "sum"])

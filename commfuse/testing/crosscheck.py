@@ -305,19 +305,19 @@ def _moe_shapes(role: str, local: int, tokens, backward: bool = False, joint: bo
 
 
 def _moe_case(role: str, top_k: int, cf: float, tg: int, local: int, tokens, *, mode: str = "forward",
-              scale: float = 1.0) -> Case:
+              scale: float = 1.0, chunks: int = 1) -> Case:
 
     if mode == "forward":
         def fn(ctx, rank, x, rw, w1, w3, w2):
-            return list(MOE_LAYER(x, rw, w1, w3, w2, top_k, cf, tg, _moe_group(ctx, role)))
+            return list(MOE_LAYER(x, rw, w1, w3, w2, top_k, cf, tg, _moe_group(ctx, role), chunks))
     elif mode == "backward":
         def fn(ctx, rank, go, gps, gz, x, rw, w1, w3, w2):
             return list(MOE_LAYER_BACKWARD(go, gps, gz, x, rw, w1, w3, w2, top_k, cf, tg, _moe_group(ctx, role),
-                                           scale))
+                                           scale, chunks))
     else:  # joint: autograd through the op (its registered backward)
         def fn(ctx, rank, x, rw, w1, w3, w2, up):
             params = [t.detach().requires_grad_() for t in (x, rw, w1, w3, w2)]
-            out, ps, t1, z = moe_layer(*params, top_k, cf, tg, _moe_group(ctx, role))
+            out, ps, t1, z = moe_layer(*params, top_k, cf, tg, _moe_group(ctx, role), chunks)
             loss = (out * up).sum() + 0.1 * (ps * ps).sum() + 0.01 * z
             return [out, ps, t1, z, *torch.autograd.grad(loss, params)]
     n = len(_moe_shapes(role, local, tokens, mode == "backward", mode == "joint")(0))
@@ -342,6 +342,12 @@ MOE_CASES: dict[str, Case] = {
                                                       scale=2.0),
     "moe_joint_capacity_top2_world": _moe_case("world", 2, 1.0, 4, 1, 8, mode="joint"),
     "moe_joint_dropless_top1_strided": _moe_case("strided", 1, 0.0, 1, 2, 6, mode="joint"),
+    # the exchange cut into token chunks, pipelined (async all_to_alls); a rank with fewer tokens
+    # than chunks exchanges empty chunks
+    "moe_fwd_dropless_top2_world_3_chunks": _moe_case("world", 2, 0.0, 1, 2, 8, chunks=3),
+    "moe_bwd_dropless_top1_blocked_uneven_3_chunks": _moe_case("blocked", 1, 0.0, 1, 2, lambda r: 2 + r,
+                                                               mode="backward", scale=2.0, chunks=3),
+    "moe_joint_dropless_top2_strided_2_chunks": _moe_case("strided", 2, 0.0, 1, 2, 6, mode="joint", chunks=2),
 }
 
 

@@ -42,13 +42,39 @@ Contract
   may block differently); the chunk exchanges together move exactly the bytes of the two
   exchanges, on the same group; decisions depend only on the graph, the config and the
   topology, and every rank issues the chunks in the same order; no process group is created.
-- Leaves alone (one refusal line per all_to_all): unequal or data-dependent splits ("dropless
-  dispatch with data-dependent split sizes: not implemented"); all_to_alls that are not
+- Leaves alone (one refusal line per all_to_all): unequal or data-dependent splits written as
+  graph all_to_alls ("dropless dispatch with data-dependent split sizes written as graph
+  all_to_alls: recognise the layer into commfuse::moe_layer (moe_recognition)"); all_to_alls that are not
   matched as a dispatch with a combine (no chain along any cut dim reaches an all_to_all on
   the same group, e.g. a softmax / sum over the cut dim mixes the chunks, or an in-place op
   stops the chain, or the chain reads a value computed after the combine is issued); sizes
   no chunk count divides; coalesced / in-place / multi-wait ones; with a cost model, an
   exchange no chunk count is predicted to speed up (latency-bound).
+
+Dropless dispatch (data-dependent split sizes)
+- Matches: a ``commfuse::moe_layer`` / ``moe_layer_backward`` node (the op
+  ``moe_recognition`` makes of a hand-written MoE layer, or commfuse's ``MoELayer``) with
+  dropless routing (``capacity_factor <= 0``) over an expert-parallel group of >= 2 ranks, not
+  already cut. Its split sizes depend on the routing, so the graph cannot carry them: the
+  op's kernel does the cut (:mod:`commfuse.ops.moe_layer.op`, ``chunks``): contiguous token
+  chunks, one count exchange for all of them, every chunk's rows sent asynchronously and each
+  chunk's expert outputs sent back while the next chunk's experts compute.
+- Does: sets the node's ``chunks``. k = ``Config.workload_chunks`` if set; without a topology
+  2 (graph_trainer's split); else Algorithm 1 with the exchange's time (dispatch plus combine,
+  balanced routing: :mod:`commfuse.ops.moe_layer.comm_volume`) and no independent compute
+  (the op waits for its own exchanges) bounds it at ``Config.max_chunks``, and among 2..k the
+  count whose chunk pipeline (:func:`pipeline_us`; expert compute from the expert matmuls'
+  FLOPs on the compute model) is predicted fastest is taken; refused when none beats the
+  whole exchange. Works wherever the op sits: under tensor or sequence parallelism the op
+  sees its rank's tokens and the cut is along them.
+- Guarantees: dropless routing makes every token's output depend on that token alone, so the
+  chunked call computes the same values (expert weight gradients summed over chunks); the
+  same rows cross the wire (plus one count per expert and chunk); every rank of the group
+  gets the same count (decided from the graph, config and topology; a chunk with no tokens
+  on some rank exchanges empty buffers).
+- Leaves alone: capacity routing inside the op (cutting a token group changes which rows are
+  dropped; capacity exchanges written as graph all_to_alls are cut above), no group, and
+  ops already cut.
 
 Stage: SCHEDULE (the partitioned forward and backward graphs, as ``workload_partition``).
 
@@ -59,23 +85,31 @@ graph_trainer experiment (ep_chunk_pass / ep_overlap_pass).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+import torch
 import torch.fx as fx
 
 from commfuse.analysis import chains
 from commfuse.analysis.chains import Chain, ChainStep, Partial, Split
 from commfuse.analysis.chunking import independent_compute_us, operation_level_plan
 from commfuse.costmodel.collectives import concrete
+from commfuse.costmodel.compute import OpCost
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind
+from commfuse.ir.shapes import shape_of
+from commfuse.ops.moe_layer import comm_volume
+from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms.workload_partition import DEFAULT_CHUNKS, FACTS, _Builder, _Emitter, cuttable_reason
 
-DROPLESS = "dropless dispatch with data-dependent split sizes: not implemented"
+DROPLESS = ("dropless dispatch with data-dependent split sizes written as graph all_to_alls: recognise the layer "
+            "into commfuse::moe_layer (moe_recognition), whose exchange this pass cuts")
+MOE_OPS = (MOE_LAYER, MOE_LAYER_BACKWARD)
 # Bounds the blocks tried along an all_to_all_single's dim (each is one chain search).
 MAX_BLOCK_CANDIDATES = 16
 
@@ -322,6 +356,91 @@ def plan_exchange_partition(ctx: PassContext, c: Collective, chunks: Optional[in
     return (plan, *best)
 
 
+# ---------------------------------------------------------------------------- dropless MoE op
+@dataclass(frozen=True)
+class TokenChunkPlan:
+    node: str
+    chunks: int
+    why: str
+
+
+def _expert_compute_us(est, node: fx.Node) -> float:
+    """The expert matmuls of one call, balanced routing (each rank's experts see ``T * k`` rows):
+    SwiGLU's 3 matmuls forward; 9 backward (the forward recomputed, then the input and weight
+    gradients)."""
+    backward = node.target is MOE_LAYER_BACKWARD
+    off = 3 if backward else 0
+    x, w1, top_k = node.args[off], node.args[off + 2], node.args[off + 5]
+    shape, (local, h, f) = shape_of(x), shape_of(w1)
+    rows = math.prod(shape[:-1]) * top_k
+    matmuls = 9 if backward else 3
+    elt = x.meta["val"].element_size()
+    dtype = "bf16" if x.meta["val"].dtype in (torch.bfloat16, torch.float16) else "fp32"
+    cost = OpCost(flops=matmuls * 2 * rows * h * f, bytes=elt * (rows * 2 * (h + f) + 3 * local * h * f),
+                  family="matmul", dtype_family=dtype, out_numel=rows * h)
+    return est.compute.estimate_cost(cost).time_us
+
+
+def _moe_exchange_us(est, node: fx.Node, k: int) -> tuple[float, float]:
+    """Predicted (dispatch, combine) time of one of ``k`` token chunks of ``node``'s exchange."""
+    ways = [t for t in comm_volume.node_transfers(node) if t.what != "counts"]
+    extra = est.runtime.collective_in_graph_us or 0.0
+    dispatch, combine = (est.collectives.time(CollectiveKind.ALL_TO_ALL, t.logged_bytes // k, t.group_size).time_us
+                         + extra for t in ways)
+    return dispatch, combine
+
+
+def plan_token_chunks(ctx: PassContext, node: fx.Node) -> TokenChunkPlan | str:
+    """How many token chunks the dropless MoE op ``node`` is cut into, or why it is left whole."""
+    off = 3 if node.target is MOE_LAYER_BACKWARD else 0
+    capacity_factor, group_name = node.args[off + 6], node.args[off + 8]
+    if capacity_factor > 0:
+        return ("capacity routing inside commfuse::moe_layer: token chunks would change which rows are dropped "
+                "(capacity exchanges written as graph all_to_alls are cut by this pass)")
+    if comm_volume.chunks_of(node) > 1:
+        return f"already cut into {comm_volume.chunks_of(node)} token chunks"
+    ways = [t for t in comm_volume.node_transfers(node) if t.what != "counts"]
+    if not group_name or not ways:
+        return "no expert-parallel group (or no shapes): nothing is exchanged"
+    cfg, est = ctx.config, ctx.cost.model
+    if cfg.workload_chunks is not None:
+        k = min(int(cfg.workload_chunks), cfg.max_chunks)
+        return TokenChunkPlan(node.name, k, "Config.workload_chunks") if k >= 2 else "one chunk requested"
+    if est is None:
+        k = min(DEFAULT_CHUNKS, cfg.max_chunks)
+        return TokenChunkPlan(node.name, k, f"no topology: {k} chunks") if k >= 2 else "max_chunks < 2"
+    whole = _moe_exchange_us(est, node, 1)
+    bound = operation_level_plan(0.0, sum(whole), 0.0, cfg.max_chunks)
+    compute = _expert_compute_us(est, node)
+    base = pipeline_us(whole[0], compute, whole[1], 1)
+    timed = [(pipeline_us(*_exchange_pair(est, node, kk, compute), kk), kk) for kk in range(2, bound.num_chunks + 1)]
+    if not timed:
+        return f"Algorithm 1: {bound.why}"
+    span, k = min(timed)
+    if span >= base:
+        return (f"Algorithm 1: {bound.why}; every chunk count predicted slower than the whole exchange "
+                f"({span:.1f} us >= {base:.1f} us: per-chunk launch and latency outweigh the overlap)")
+    return TokenChunkPlan(node.name, k, f"Algorithm 1: {bound.why}; {k} chunks predicted fastest "
+                                        f"({span:.1f} us vs {base:.1f} us whole)")
+
+
+def _exchange_pair(est, node: fx.Node, k: int, compute: float) -> tuple[float, float, float]:
+    dispatch, combine = _moe_exchange_us(est, node, k)
+    return dispatch, compute, combine
+
+
+def _set_chunks(node: fx.Node, k: int) -> None:
+    at = 13 if node.target is MOE_LAYER_BACKWARD else 9
+    args = list(node.args)
+    if len(args) > at:
+        args[at] = k
+    elif len(args) == at and "chunks" not in node.kwargs:
+        args.append(k)
+    else:
+        node.kwargs = {**node.kwargs, "chunks": k}
+    node.args = tuple(args)
+
+
 # ---------------------------------------------------------------------------- rewriting
 def _emit(gm: fx.GraphModule, mode: Any, chain: Chain, c2: Collective, split2: Split) -> list[fx.Node]:
     c, k = chain.collective, chain.chunks
@@ -417,6 +536,17 @@ class ExpertExchangePartition(GraphPass):
             decisions.append({"collective": plan.dispatch, "combine": plan.combine, "dim": plan.dim,
                               "blocks": plan.blocks, "chunks": plan.chunks, "sizes": list(plan.sizes),
                               "decision": plan.describe()})
+        for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in MOE_OPS]:
+            token_plan = plan_token_chunks(ctx, node)
+            if isinstance(token_plan, str):
+                refusals.append(f"{node.name}: not partitioned: {token_plan}")
+                continue
+            _set_chunks(node, token_plan.chunks)
+            changed = True
+            counts["moe_ops_chunked"] = counts.get("moe_ops_chunked", 0) + 1
+            decisions.append({"collective": node.name, "chunks": token_plan.chunks, "dim": 0,
+                              "decision": f"{node.name}: dropless exchange cut into {token_plan.chunks} token "
+                                          f"chunks inside the op ({token_plan.why})"})
         if changed:
             ctx.gm.graph.lint()
             ctx.gm.recompile()

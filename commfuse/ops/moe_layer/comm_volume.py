@@ -8,7 +8,8 @@ Per rank, N = EP group size = ``E / local experts``, ``elt`` the token dtype siz
   per row out (dispatch) and back (combine); backward ``2H + 1`` out (token, output
   gradient, gate) and ``H + 1`` back (input gradient, gate gradient);
 * dropless: ``T * k`` rows (kept assignments) of the same widths, plus the
-  per-expert counts (``E`` int64) before each exchange. Rows per peer depend on the
+  per-expert counts (``E`` int64 per token chunk, one exchange per call) before the rows;
+  a call cut into token chunks sends the same rows in one all_to_all per chunk and way. Rows per peer depend on the
   routing: the numbers assume balanced routing and are marked ``estimated``.
 
 Each all_to_all: logged = buffer bytes, wire = ``(N - 1) / N`` of it.
@@ -23,14 +24,16 @@ import torch.fx as fx
 from commfuse.ir.embedded import EmbeddedTransfer, register_embedded_comm
 from commfuse.ir.kinds import CollectiveKind
 from commfuse.ir.shapes import shape_of
-from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
+from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD, token_chunk_count
 from commfuse.ops.moe_layer.routing import capacity
 
 
 def transfers(x_shape: tuple[int, ...], elt: int, num_experts: int, n: int, top_k: int, capacity_factor: float,
-              token_groups: int, group_name: str, widths: dict[str, int]) -> list[EmbeddedTransfer]:
+              token_groups: int, group_name: str, widths: dict[str, int], chunks: int = 1
+              ) -> list[EmbeddedTransfer]:
     """The exchanges of one call on tokens ``x_shape``; ``widths``: values per row of each
-    exchange, in issue order."""
+    exchange, in issue order; ``chunks``: token chunks of a dropless call (one transfer per
+    chunk and way, the rows shared evenly)."""
     if not group_name or n < 2:
         return []
     tokens, experts = math.prod(x_shape[:-1]), num_experts
@@ -38,15 +41,18 @@ def transfers(x_shape: tuple[int, ...], elt: int, num_experts: int, n: int, top_
     out: list[EmbeddedTransfer] = []
     if dropless:
         rows = tokens * top_k
-        counts = experts * 8  # int64 counts per expert, one exchange per call
+        counts = experts * 8 * chunks  # int64 counts per expert and chunk, one exchange per call
         out.append(EmbeddedTransfer(CollectiveKind.ALL_TO_ALL, group_name, n, counts, counts * (n - 1) // n,
                                     "counts"))
     else:
         rows = experts * token_groups * capacity(capacity_factor, top_k, tokens // token_groups, experts)
+        chunks = 1
     for what, width in widths.items():
-        logged = rows * width * elt
-        out.append(EmbeddedTransfer(CollectiveKind.ALL_TO_ALL, group_name, n, logged, logged * (n - 1) // n, what,
-                                    estimated=dropless))
+        for i in range(chunks):
+            logged = (rows * (i + 1) // chunks - rows * i // chunks) * width * elt
+            label = what if chunks == 1 else f"{what} {i + 1}/{chunks}"
+            out.append(EmbeddedTransfer(CollectiveKind.ALL_TO_ALL, group_name, n, logged, logged * (n - 1) // n,
+                                        label, estimated=dropless))
     return out
 
 
@@ -65,13 +71,23 @@ def node_transfers(node: fx.Node, x_shape: tuple[int, ...] | None = None, token_
     backward = node.target is MOE_LAYER_BACKWARD
     args = node.args[3:12] if backward else node.args[:9]
     x, router_w, w1, _w3, _w2, top_k, capacity_factor, groups, group_name = args
+    chunks = chunks_of(node)
     if (x_shape is None and shape_of(x) is None) or shape_of(router_w) is None or shape_of(w1) is None:
         return []  # no fake-tensor metadata (e.g. the Dynamo graph before AOTAutograd): bytes unknown
     shape = tuple(x_shape or shape_of(x))
     widths = (backward_widths if backward else forward_widths)(shape[-1])
     num_experts = shape_of(router_w)[0]
     return transfers(shape, x.meta["val"].element_size(), num_experts, num_experts // shape_of(w1)[0], top_k,
-                     capacity_factor, groups if token_groups is None else token_groups, group_name, widths)
+                     capacity_factor, groups if token_groups is None else token_groups, group_name, widths,
+                     token_chunk_count(chunks, math.prod(shape[:-1]), capacity_factor))
+
+
+def chunks_of(node: fx.Node) -> int:
+    """The ``chunks`` argument of a moe_layer / moe_layer_backward node (1 when not given)."""
+    at = 13 if node.target is MOE_LAYER_BACKWARD else 9
+    if len(node.args) > at:
+        return int(node.args[at])
+    return int(node.kwargs.get("chunks", 1))
 
 
 def register() -> None:

@@ -9,7 +9,7 @@ one op with known semantics the graph passes can move it onto token shards
 all_to_alls it issues (:mod:`.comm_volume`).
 
 ``moe_layer(x [..., H], router_w [E, H], w1 [E/N, H, F], w3 [E/N, H, F],
-w2 [E/N, F, H], top_k, capacity_factor, token_groups, group_name)`` returns
+w2 [E/N, F, H], top_k, capacity_factor, token_groups, group_name, chunks=1)`` returns
 ``(out [..., H], probs_sum [E], top1_count [E], z_sum [])``:
 
 * ``out[t] = sum_j gate[t, j] * SwiGLU_{expert[t, j]}(x[t])`` over the kept
@@ -20,6 +20,12 @@ Experts ``[r*E/N, (r+1)*E/N)`` live on rank ``r`` of the process group named
 ``group_name`` (``""``: no expert parallelism, all E experts local). Every rank
 of the group must call the op together (it issues collectives); the group is
 resolved at run time from its name, so the graph holds only strings.
+
+``chunks > 1`` (dropless routing only; :func:`token_chunk_count`) pipelines the exchange:
+the tokens are cut into that many contiguous chunks, one all_to_all sends every chunk's
+per-expert counts, every chunk's rows are sent asynchronously, and each chunk's expert
+outputs start back while the next chunk's experts compute. Same values (the expert weight
+gradients are summed over chunks); the ``expert_exchange_partition`` pass chooses it.
 
 Backward (``moe_layer_backward``) recomputes the routing, re-sends each kept
 assignment's token with its output gradient and gate (``2H + 1`` values), runs
@@ -37,8 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from commfuse.ops.moe_layer.exchange import Exchange
-from commfuse.ops.moe_layer.routing import assign, router_probs, router_statistics, top_k_gates
+from commfuse.ops.moe_layer.exchange import Exchange, token_chunk_exchanges, token_chunks
+from commfuse.ops.moe_layer.routing import Assignments, assign, router_probs, router_statistics, top_k_gates
 
 Tensor = torch.Tensor
 
@@ -97,23 +103,47 @@ def _check(x: Tensor, router_w: Tensor, w1: Tensor, top_k: int, group_size: int)
         raise ValueError(f"moe_layer: top_k={top_k} out of range for {router_w.shape[0]} experts")
 
 
-def _route(x: Tensor, router_w: Tensor, top_k: int, capacity_factor: float, token_groups: int,
-           group: Optional[dist.ProcessGroup]):
+def _route(x: Tensor, router_w: Tensor, top_k: int, capacity_factor: float, token_groups: int):
     logits, probs = router_probs(x, router_w)
     gates, experts = top_k_gates(probs, top_k)
-    a = assign(experts, router_w.shape[0], capacity_factor, token_groups)
-    return logits, probs, gates, experts, a, Exchange(a, router_w.shape[0], group)
+    return logits, probs, gates, experts, assign(experts, router_w.shape[0], capacity_factor, token_groups)
+
+
+def token_chunk_count(chunks: int, tokens: int, capacity_factor: float) -> int:
+    """The exchanges a call is cut into: ``chunks`` for dropless routing, else 1 -- capacity
+    slots are counted over a token group, and cutting it would change which assignments are
+    dropped. Not bounded by ``tokens``: ranks may hold different token counts and must issue
+    the same all_to_alls (a chunk without tokens exchanges empty buffers)."""
+    return max(1, chunks) if capacity_factor <= 0 else 1
+
+
+def _exchanges(a: Assignments, tokens: int, num_experts: int, group: Optional[dist.ProcessGroup], chunks: int
+               ) -> list[Exchange]:
+    if chunks == 1:
+        return [Exchange(a, num_experts, group)]
+    return token_chunk_exchanges(token_chunks(a, tokens, chunks), num_experts, group)
+
+
+def _pipelined(exchanges: list[Exchange], rows: list[Tensor], experts_fn) -> Tensor:
+    """Every chunk's rows sent out, then per chunk: wait for its rows, ``experts_fn(per local
+    expert rows)`` and send the answers back while the next chunk's experts compute; the
+    answers of every assignment, in assignment order."""
+    sent = [ex.start_to_experts(r) for ex, r in zip(exchanges, rows)]
+    back = [ex.start_to_tokens(experts_fn(s.wait())) for ex, s in zip(exchanges, sent)]
+    return torch.cat([b.wait() for b in back])
 
 
 def moe_forward(x: Tensor, router_w: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, top_k: int,
-                capacity_factor: float, token_groups: int, group_name: str):
+                capacity_factor: float, token_groups: int, group_name: str, chunks: int = 1):
     group = resolve_group(group_name)
     _check(x, router_w, w1, top_k, 1 if group is None else dist.get_world_size(group))
     shape, x = x.shape, x.reshape(-1, x.shape[-1])
-    logits, probs, gates, experts, a, ex = _route(x, router_w, top_k, capacity_factor, token_groups, group)
-    received = ex.to_experts(x[a.token])
-    outputs = [swiglu(rows, w1[e], w3[e], w2[e]) for e, rows in enumerate(received)]
-    y = ex.to_tokens(outputs)  # [A, H]
+    logits, probs, gates, experts, a = _route(x, router_w, top_k, capacity_factor, token_groups)
+    chunks = token_chunk_count(chunks, x.shape[0], capacity_factor)
+    exchanges = _exchanges(a, x.shape[0], router_w.shape[0], group, chunks)
+    rows = x[a.token].split([ex.a.token.numel() for ex in exchanges])
+    y = _pipelined(exchanges, rows, lambda received: [swiglu(r, w1[e], w3[e], w2[e])
+                                                      for e, r in enumerate(received)])  # [A, H]
     gate = gates[a.token, a.choice].to(x.dtype)
     out = torch.zeros_like(x).index_add_(0, a.token, y * gate.unsqueeze(1))
     return (out.view(shape), *router_statistics(logits, probs, experts))
@@ -121,22 +151,29 @@ def moe_forward(x: Tensor, router_w: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
 
 def moe_backward(grad_out: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor, x: Tensor, router_w: Tensor,
                  w1: Tensor, w3: Tensor, w2: Tensor, top_k: int, capacity_factor: float, token_groups: int,
-                 group_name: str, expert_grad_scale: float):
+                 group_name: str, expert_grad_scale: float, chunks: int = 1):
     group = resolve_group(group_name)
     shape, h = x.shape, x.shape[-1]
     x, grad_out = x.reshape(-1, h), grad_out.reshape(-1, h)
-    logits, probs, gates, experts, a, ex = _route(x, router_w, top_k, capacity_factor, token_groups, group)
+    logits, probs, gates, experts, a = _route(x, router_w, top_k, capacity_factor, token_groups)
+    chunks = token_chunk_count(chunks, x.shape[0], capacity_factor)
+    exchanges = _exchanges(a, x.shape[0], router_w.shape[0], group, chunks)
     gate = gates[a.token, a.choice].to(x.dtype)
     payload = torch.cat([x[a.token], grad_out[a.token], gate.unsqueeze(1)], dim=1)
     grads_w = [torch.zeros_like(w) for w in (w1, w3, w2)]
-    back = []
-    for e, rows in enumerate(ex.to_experts(payload)):
-        xe, ge, gate_e = rows[:, :h], rows[:, h:2 * h], rows[:, 2 * h:]
-        y, gx, gw = swiglu_vjp(xe, w1[e], w3[e], w2[e], ge * gate_e)
-        for acc, g in zip(grads_w, gw):
-            acc[e] = g * expert_grad_scale
-        back.append(torch.cat([gx, (y * ge).sum(1, keepdim=True)], dim=1))
-    returned = ex.to_tokens(back)  # [A, H + 1]
+
+    def expert_vjps(received: list[Tensor]) -> list[Tensor]:
+        back = []
+        for e, rows in enumerate(received):
+            xe, ge, gate_e = rows[:, :h], rows[:, h:2 * h], rows[:, 2 * h:]
+            y, gx, gw = swiglu_vjp(xe, w1[e], w3[e], w2[e], ge * gate_e)
+            for acc, g in zip(grads_w, gw):
+                acc[e] += g * expert_grad_scale  # summed over token chunks
+            back.append(torch.cat([gx, (y * ge).sum(1, keepdim=True)], dim=1))
+        return back
+
+    rows = payload.split([ex.a.token.numel() for ex in exchanges])
+    returned = _pipelined(exchanges, rows, expert_vjps)  # [A, H + 1]
     grad_x = torch.zeros_like(x).index_add_(0, a.token, returned[:, :h])
     grad_gate = torch.zeros_like(gates)
     grad_gate[a.token, a.choice] = returned[:, h].to(gates.dtype)
@@ -147,13 +184,13 @@ def moe_backward(grad_out: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor, x
 # -- registration as custom ops --------------------------------------------------
 @torch.library.custom_op("commfuse::moe_layer", mutates_args=())
 def moe_layer(x: Tensor, router_w: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, top_k: int,
-              capacity_factor: float, token_groups: int, group_name: str
+              capacity_factor: float, token_groups: int, group_name: str, chunks: int = 1
               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return moe_forward(x, router_w, w1, w3, w2, top_k, capacity_factor, token_groups, group_name)
+    return moe_forward(x, router_w, w1, w3, w2, top_k, capacity_factor, token_groups, group_name, chunks)
 
 
 @moe_layer.register_fake
-def _(x, router_w, w1, w3, w2, top_k, capacity_factor, token_groups, group_name):
+def _(x, router_w, w1, w3, w2, top_k, capacity_factor, token_groups, group_name, chunks=1):
     e = router_w.shape[0]
     f32 = dict(dtype=torch.float32, device=x.device)
     return torch.empty_like(x), x.new_empty(e, **f32), x.new_empty(e, **f32), x.new_empty((), **f32)
@@ -162,10 +199,10 @@ def _(x, router_w, w1, w3, w2, top_k, capacity_factor, token_groups, group_name)
 @torch.library.custom_op("commfuse::moe_layer_backward", mutates_args=())
 def moe_layer_backward(grad_out: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor, x: Tensor, router_w: Tensor,
                        w1: Tensor, w3: Tensor, w2: Tensor, top_k: int, capacity_factor: float,
-                       token_groups: int, group_name: str, expert_grad_scale: float
+                       token_groups: int, group_name: str, expert_grad_scale: float, chunks: int = 1
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return moe_backward(grad_out, grad_probs_sum, grad_z_sum, x, router_w, w1, w3, w2, top_k,
-                        capacity_factor, token_groups, group_name, expert_grad_scale)
+                        capacity_factor, token_groups, group_name, expert_grad_scale, chunks)
 
 
 @moe_layer_backward.register_fake
@@ -174,9 +211,10 @@ def _(grad_out, grad_probs_sum, grad_z_sum, x, router_w, w1, w3, w2, *args):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, router_w, w1, w3, w2, top_k, capacity_factor, token_groups, group_name = inputs
+    x, router_w, w1, w3, w2, top_k, capacity_factor, token_groups, group_name, *chunks = inputs
     ctx.save_for_backward(x, router_w, w1, w3, w2)
     ctx.attrs = (top_k, capacity_factor, token_groups, group_name)
+    ctx.chunks = chunks[0] if chunks else 1
 
 
 def _backward(ctx, grad_out, grad_probs_sum, grad_top1, grad_z_sum):
@@ -187,8 +225,8 @@ def _backward(ctx, grad_out, grad_probs_sum, grad_top1, grad_z_sum):
     grad_probs_sum = x.new_zeros(e, dtype=torch.float32) if grad_probs_sum is None else grad_probs_sum
     grad_z_sum = x.new_zeros((), dtype=torch.float32) if grad_z_sum is None else grad_z_sum
     grads = moe_layer_backward(grad_out.contiguous(), grad_probs_sum, grad_z_sum, x, router_w, w1, w3, w2,
-                               *ctx.attrs, 1.0)
-    return (*grads, None, None, None, None)
+                               *ctx.attrs, 1.0, ctx.chunks)
+    return (*grads, None, None, None, None, None)
 
 
 moe_layer.register_autograd(_backward, setup_context=_setup_context)

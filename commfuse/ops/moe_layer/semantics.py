@@ -53,9 +53,11 @@ from commfuse.reference.semantics import RankCall, _mismatch, register_sync_op
 MOE_LAYER = moe_ops.MOE_LAYER
 MOE_LAYER_BACKWARD = moe_ops.MOE_LAYER_BACKWARD
 
-_FWD_NAMES = ("x", "router_w", "w1", "w3", "w2", "top_k", "capacity_factor", "token_groups", "group_name")
-_BWD_NAMES = ("grad_out", "grad_probs_sum", "grad_z_sum", *_FWD_NAMES, "expert_grad_scale")
+_OPERANDS = ("x", "router_w", "w1", "w3", "w2", "top_k", "capacity_factor", "token_groups", "group_name")
+_FWD_NAMES = (*_OPERANDS, "chunks")
+_BWD_NAMES = ("grad_out", "grad_probs_sum", "grad_z_sum", *_OPERANDS, "expert_grad_scale", "chunks")
 _ATTRS = ("top_k", "capacity_factor", "token_groups")
+_DEFAULTS = {"chunks": 1}
 
 
 def _named(names: tuple[str, ...], a: tuple, k: dict) -> dict[str, Any]:
@@ -65,6 +67,8 @@ def _named(names: tuple[str, ...], a: tuple, k: dict) -> dict[str, Any]:
             out[name] = a[i]
         elif name in k:
             out[name] = k[name]
+        elif name in _DEFAULTS:
+            out[name] = _DEFAULTS[name]
         else:
             raise KeyError(name)
     return out
@@ -73,7 +77,7 @@ def _named(names: tuple[str, ...], a: tuple, k: dict) -> dict[str, Any]:
 def _parse(names: tuple[str, ...]):
     def parse(a: tuple, k: dict) -> CollectiveArgs:
         v = _named(names, a, k)
-        tensors = tuple(v[n] for n in names if n not in _ATTRS and n not in ("group_name", "expert_grad_scale"))
+        tensors = tuple(v[n] for n in names if n not in _ATTRS and n not in ("group_name", "expert_grad_scale", "chunks"))
         g = v["group_name"]
         return CollectiveArgs(tensors, g if isinstance(g, str) else str(getattr(g, "group_name", g)))
 
@@ -148,7 +152,7 @@ def moe_layer_semantics(calls: list[RankCall]) -> list[Any]:
     out = []
     for c, v in zip(calls, vals):
         res = _run(c, moe_ops.moe_forward, v["x"], v["router_w"], w1, w3, w2, v["top_k"], v["capacity_factor"],
-                   v["token_groups"], "")
+                   v["token_groups"], "", v["chunks"])
         out.append(tuple(res))
     return out
 
@@ -165,7 +169,7 @@ def moe_layer_backward_semantics(calls: list[RankCall]) -> list[Any]:
     for c, v in zip(calls, vals):
         per_rank.append(_run(c, moe_ops.moe_backward, v["grad_out"], v["grad_probs_sum"], v["grad_z_sum"], v["x"],
                              v["router_w"], w1, w3, w2, v["top_k"], v["capacity_factor"], v["token_groups"], "",
-                             1.0))
+                             1.0, v["chunks"]))
     # expert gradients: the sum over members (group-rank order) of each member's full-expert gradients
     summed = []
     for k in (2, 3, 4):
