@@ -50,3 +50,35 @@ def moe_matches_eager(**cfg: Any) -> dict[str, Any]:
                                 "decisions": [d["decision"] for d in p.decisions],
                                 "kinds": {k: t.count for k, t in r.analysis.by_kind.items()} if r.analysis else {}}
     return out
+
+
+def moe_tp_matches_eager(layout: str, **cfg: Any) -> dict[str, Any]:
+    """commfuse.models.moe_tp (attention tensor parallel, the dropless ``commfuse::moe_layer``
+    with its experts over the same ranks; ``layout`` "tp_ep" or "sp_ep_sp") trained eagerly and
+    compiled with the pass; returns what the pass did per graph."""
+    from commfuse.models import moe_tp
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    config = moe_tp.MoETPConfig(n_layers=1, dim=32, n_heads=4, num_experts=2 * world, ffn_dim=32)
+    gen = torch.Generator().manual_seed(1 + (rank if layout == "sp_ep_sp" else 0))
+    x = torch.randn(2, 16 // world, 32, generator=gen)
+
+    def model():
+        return moe_tp.parallelize_moe_tp(moe_tp.build_moe_tp(config, seed=0), mesh, layout)
+
+    def loss(out):
+        return out[0].float().pow(2).mean() + 0.01 * out[1]
+
+    torch._dynamo.reset()
+    ref = train_step_outputs(model, lambda: (x,), steps=2, lr=0.05, loss_fn=loss)
+    be = commfuse.backend(commfuse.Config(passes=[PASS], inner_compiler="eager", strict=True, **cfg))
+    got = train_step_outputs(model, lambda: (x,), backend=be, steps=2, lr=0.05, loss_fn=loss)
+    assert_close_tree(got, ref, dtype=torch.float32, msg=f"rank {rank}")
+    out: dict[str, Any] = {}
+    for r in be.reports:
+        for p in r.passes:
+            if p.name == PASS:
+                out[r.graph] = {"counts": dict(p.counts), "decisions": [d["decision"] for d in p.decisions],
+                                "refusals": list(p.refusals)}
+    return out

@@ -309,3 +309,19 @@ def test_moe_training_matches_eager_on_4_ranks(rank_pool_4):
     for graph in ("forward", "backward"):
         assert got[graph]["changed"] and got[graph]["counts"]["exchanges_partitioned"] == 1, got[graph]
         assert got[graph]["kinds"]["all_to_all"] == 4
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", ["tp_ep", "sp_ep_sp"])
+def test_dropless_moe_under_tensor_parallelism_trains_like_eager(rank_pool_2, layout):
+    """The dropless MoE op inside a tensor-parallel (or sequence-parallel) block, experts over
+    the same 2 gloo ranks (graph_trainer's EP chunking refuses TP > 1): forward and backward
+    exchanges cut into token chunks, losses, gradients and parameters equal to eager."""
+    import _jobs_expert_exchange_partition as jobs
+
+    results = rank_pool_2.run(jobs.moe_tp_matches_eager, layout, timeout=300)
+    got = results[0]
+    assert all(r == got for r in results)  # every rank decided the same
+    for graph in ("forward", "backward"):
+        assert got[graph]["counts"].get("moe_ops_chunked") == 1, got[graph]
+        assert "2 token chunks" in got[graph]["decisions"][0], got[graph]
