@@ -32,7 +32,9 @@ Contract
   bounds it, and among 2..that count (those the shapes divide) the one whose chunk pipeline
   (:func:`pipeline_us`, chunk exchanges priced by the topology's collective model) is
   predicted fastest is taken, since Algorithm 1 does not price the per-chunk launch and
-  latency that dominate a small exchange; without a topology 2 chunks (torchtitan
+  latency that dominate a small exchange (the span includes putting the chain's values used
+  elsewhere back together, :func:`reassembly_us`, under the last combines); without a
+  topology 2 chunks (torchtitan
   graph_trainer's fixed split); at most ``Config.max_chunks``, lowered until the shapes
   divide. Chunks are even. With
   ``workload_chunks=2`` the pass is the faithful graph_trainer baseline (ep_chunk_pass +
@@ -289,10 +291,11 @@ def _exchange_us(est, c: Collective, k: int) -> float:
     return t + extra if t > 0 else t
 
 
-def pipeline_us(dispatch_us: float, compute_us: float, combine_us: float, k: int) -> float:
+def pipeline_us(dispatch_us: float, compute_us: float, combine_us: float, k: int, tail_us: float = 0.0) -> float:
     """Predicted span of the chunked exchange: the k dispatches queue on one communication
     stream, chunk i's compute starts when its dispatch arrived and chunk i-1's compute ended,
-    its combine queues behind the earlier transfers (k = 1: the unpartitioned exchange)."""
+    its combine queues behind the earlier transfers (k = 1: the unpartitioned exchange);
+    ``tail_us`` of compute follows the last chunk's, under the last combines."""
     comm_end = 0.0
     arrived = []
     for _ in range(k):
@@ -302,7 +305,27 @@ def pipeline_us(dispatch_us: float, compute_us: float, combine_us: float, k: int
     for i in range(k):
         comp_end = max(comp_end, arrived[i]) + compute_us / k
         comm_end = max(comm_end, comp_end) + combine_us
-    return comm_end
+    return max(comm_end, comp_end + tail_us)
+
+
+def reassembly_us(est, chain: Chain) -> float:
+    """What the cut adds after the chunk pipeline: each chain value used outside the chain put
+    back together -- a copy of its chunks into one buffer, or ``k - 1`` adds of partial sums
+    (a weight gradient contracted over the cut tokens)."""
+    layout = {s.node: s.out for s in chain.steps}
+    total = 0.0
+    for node in chain.outputs:
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or chains.static_shape(node) is None:
+            continue
+        numel, nbytes = val.numel(), val.numel() * val.element_size()
+        dtype = "bf16" if val.dtype in (torch.bfloat16, torch.float16) else "fp32"
+        if isinstance(layout.get(node), Partial):
+            add = OpCost(numel, 3 * nbytes, "pointwise", dtype, numel)
+            total += (chain.chunks - 1) * est.compute.estimate_cost(add).time_us
+        else:
+            total += est.compute.estimate_cost(OpCost(0, 2 * nbytes, "memory", dtype, numel)).time_us
+    return total
 
 
 def plan_exchange_partition(ctx: PassContext, c: Collective, chunks: Optional[int] = None
@@ -338,8 +361,9 @@ def plan_exchange_partition(ctx: PassContext, c: Collective, chunks: Optional[in
         chain, c2, _ = options[0][1]
         comp = sum(est.compute_time_us(n) for n in chain.compute_nodes)
         whole = pipeline_us(est.collective(c).time_us, comp, est.collective(c2).time_us, 1)
-        timed = [(pipeline_us(_exchange_us(est, c, kk), comp, _exchange_us(est, c2, kk), kk), kk, kk, b)
-                 for kk, b in options]  # ties: fewer chunks
+        # each count's own chain: the values it reassembles depend on the cut it found
+        timed = [(pipeline_us(_exchange_us(est, c, kk), comp, _exchange_us(est, c2, kk), kk, reassembly_us(est, b[0])),
+                  kk, kk, b) for kk, b in options]  # ties: fewer chunks
         span, _, kk, best = min(timed, key=lambda t: t[:2])
         if span >= whole:
             return (f"{how}; every chunk count predicted slower than the whole exchange ({span:.1f} us >= "
