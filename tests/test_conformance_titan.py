@@ -93,6 +93,29 @@ def test_llama3_sharded_data_parallel_times_tp_on_a_2x2_mesh(rank_pool_4):
     assert before.get("all_gather", 0) > 0 and before.get("reduce_scatter", 0) > 0  # SimpleFSDP's and SP's
 
 
+def test_deepseek_v3_tp2_by_ep2_on_4_ranks(rank_pool_4):
+    """deepseek_v3 (one MoE layer) with SimpleFSDP 2 x TP 2 and EP 2 on 4 ranks.
+
+    Where torchtitan puts the dims: ParallelDims builds a dense mesh ``(fsdp=2, tp=2)`` and a
+    sparse mesh ``(efsdp=2, ep=2)``, EP borrowing from ``dp_shard * tp`` innermost-first. So ``tp``
+    and ``ep`` are two process groups with the *same* members ({0, 1} and {2, 3}), and ``fsdp`` /
+    ``efsdp`` are the other dim ({0, 2} and {1, 3}): at this size torchtitan never puts TP and EP on
+    separate mesh dims. commfuse sees the ep and tp groups as one group (same members); no
+    all_gather + all_to_all or all_to_all + reduce_scatter pair crosses two mesh dims, so no
+    many-to-many scatter is formed. The pairs that do cross (a TP all_reduce, then the FSDP
+    reduce_scatter of a gradient) are refused by fuse_collectives: the pair has no fused form
+    across groups (all_reduce + reduce_scatter). Asserted: the same numbers as eager, never more
+    bytes, the same collectives on every rank. About 100 s on 2 cores: one shape, one layer."""
+    results = rank_pool_4.run(titan_trains_like_eager, "deepseek_v3", {"dp_shard": 2, "tp": 2, "ep": 2},
+                              STATIC_SHAPES, timeout=900)
+    _same_numbers(results, STATIC_SHAPES)
+    _rewritten(results)
+    before = results[0]["collectives_before"]
+    assert before.get("all_to_all", 0) > 0  # EP's token exchange
+    assert before.get("all_reduce", 0) > 0  # TP's (the row-parallel outputs that stay replicated)
+    assert before.get("all_gather", 0) > 0 and before.get("reduce_scatter", 0) > 0  # SimpleFSDP's and SP's
+
+
 def test_llama3_configured_through_the_environment_variable_behaves_as_configured(rank_pool_2):
     """torchtitan's apply_compile takes a backend name: COMMFUSE_CONFIG configures it, identically
     on every rank. Here: no passes, so every collective stays as torchtitan issued it."""

@@ -92,7 +92,8 @@ def _common(node: fx.Node, x: fx.Node, router_w: fx.Node, state: StateOf, env: R
 
 
 def moe_forward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
-    x, router_w, w1, w3, w2, top_k, capacity_factor, groups, group_name = node.args
+    x, router_w, w1, w3, w2, top_k, capacity_factor, groups, group_name = node.args[:9]
+    rest = node.args[9:]  # token chunks of the exchange: unchanged on a shard
     if any(state(w) is not None for w in (w1, w3, w2)):
         env.refusals[node] = f"{node.name} stays on full tokens: expert weights computed in the region"
         return None
@@ -100,13 +101,14 @@ def moe_forward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | N
     if got is None:
         return None
     d, g = got
-    args = (x, router_w, w1, w3, w2, top_k, capacity_factor, g, group_name)
+    args = (x, router_w, w1, w3, w2, top_k, capacity_factor, g, group_name, *rest)
     return LocalOp(args, {}, (Sharded(d), Partial(), Partial(), Partial()), wire_saved=_wire_saved(node, d, g, env.n))
 
 
 def moe_backward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
     (grad_out, grad_probs_sum, grad_z_sum, x, router_w, w1, w3, w2,
-     top_k, capacity_factor, groups, group_name, scale) = node.args
+     top_k, capacity_factor, groups, group_name, scale) = node.args[:13]
+    rest = node.args[13:]
     if state(grad_out) != state(x):
         env.refusals[node] = f"{node.name} stays full: output gradient is {state(grad_out)}, tokens {state(x)}"
         return None
@@ -123,7 +125,7 @@ def moe_backward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | 
     else:
         weights = Partial()
     args = (grad_out, grad_probs_sum, grad_z_sum, x, router_w, w1, w3, w2, top_k, capacity_factor, g,
-            group_name, scale)
+            group_name, scale, *rest)
     return LocalOp(args, {}, (Sharded(d), Partial(), weights, weights, weights),
                    wire_saved=_wire_saved(node, d, g, env.n))
 

@@ -30,7 +30,7 @@ router) exist so tests can check the pass refuses them.
 
 :func:`build_moe_style_tp` / :func:`parallelize_moe_style_tp` put either layer in the
 TP+EP / SP+EP+SP decoder block of :mod:`commfuse.models.moe_tp` (attention TP over
-the mesh, experts split over the same mesh).
+the mesh, experts split over the same mesh, or over another dim of a 2-D mesh with ``ep_mesh``).
 """
 
 from __future__ import annotations
@@ -272,6 +272,9 @@ def build_moe_style_tp(cfg: MoEStyleConfig, seed: int = 0, **options) -> StyleBl
     return block
 
 
-def parallelize_moe_style_tp(block: StyleBlock, mesh: DeviceMesh, layout: Layout) -> StyleBlock:
-    """TP attention + EP experts over the 1-D ``mesh`` in place (layouts of :mod:`.moe_tp`)."""
-    return parallelize_moe_block(block, mesh, layout)
+def parallelize_moe_style_tp(block: StyleBlock, mesh: DeviceMesh, layout: Layout,
+                             ep_mesh: DeviceMesh | None = None) -> StyleBlock:
+    """TP attention + EP experts over the 1-D ``mesh`` in place (layouts of :mod:`.moe_tp`);
+    with ``ep_mesh`` (the other dim of a 2-D mesh) the experts are split over that one instead,
+    TP and EP on separate mesh dims (see :func:`commfuse.models.moe_tp.parallelize_moe_block`)."""
+    return parallelize_moe_block(block, mesh, layout, ep_mesh=ep_mesh)

@@ -10,7 +10,8 @@ Model
 and returns ``(out, aux)`` where ``aux`` is the mean over blocks of
 ``load_balancing_loss + 1e-3 * z_loss`` (router statistics summed over the
 block's tokens). The EP group is the TP group (Chimera's [TP, EP] and [SP, EP]
-configurations with one mesh).
+configurations with one mesh); :func:`parallelize_moe_block` takes an ``ep_mesh`` to put the
+experts on another dim of a 2-D mesh instead.
 
 Parallelisation (:func:`parallelize_moe_tp`), two layouts of the token stream
 around the MoE layer -- the two Chimera transitions this model exists for:
@@ -119,11 +120,18 @@ def build_moe_tp(cfg: MoETPConfig | None = None, seed: int = 0) -> MoETransforme
     return init_weights_(MoETransformer(cfg or MoETPConfig()), seed, std=0.1)
 
 
-def parallelize_moe_block(block: nn.Module, mesh: DeviceMesh, layout: Layout) -> nn.Module:
+def parallelize_moe_block(block: nn.Module, mesh: DeviceMesh, layout: Layout,
+                          ep_mesh: DeviceMesh | None = None) -> nn.Module:
     """TP attention (+ SP norms for ``sp_ep_sp``) and EP experts of one decoder block, in place.
 
     The block has ``attention_norm``, ``attention`` (wq/wk/wv/wo), ``ffn_norm``, ``moe`` (with
-    ``expert_parallel(group)``) and a ``mesh`` attribute its forward uses to leave SP."""
+    ``expert_parallel(group)``) and a ``mesh`` attribute its forward uses to leave SP.
+
+    ``ep_mesh``: the experts split over this 1-D mesh's group instead of ``mesh``'s -- the other
+    dim of a 2-D mesh (``mesh2d["tp"]`` for TP, ``mesh2d["ep"]`` for EP), so TP and EP are
+    separate mesh dims. The TP contract then holds per TP group: the ranks of one TP group get
+    the same input (``tp_ep``) or shards of one sequence (``sp_ep_sp``); the EP peers (one TP
+    position in each TP group) route their own tokens, as data-parallel ranks do."""
     if layout not in ("tp_ep", "sp_ep_sp"):
         raise ValueError(f"layout must be 'tp_ep' or 'sp_ep_sp', got {layout!r}")
     sp = layout == "sp_ep_sp"
@@ -141,7 +149,7 @@ def parallelize_moe_block(block: nn.Module, mesh: DeviceMesh, layout: Layout) ->
         })
         block.mesh = mesh
     parallelize_module(block, mesh, plan, src_data_rank=None)
-    block.moe.expert_parallel(mesh.get_group())
+    block.moe.expert_parallel((mesh if ep_mesh is None else ep_mesh).get_group())
     return block
 
 
