@@ -20,7 +20,7 @@ def _loss(out):
     return out[0].pow(2).mean() + 0.1 * out[1]
 
 
-def moe_block_on_2x2_mesh(style: str, layout: str, **config: Any) -> dict[str, Any]:
+def moe_block_on_2x2_mesh(style: str, layout: str, seq: int = SEQ, **config: Any) -> dict[str, Any]:
     """4 gloo ranks as a 2 x 2 mesh ``("ep", "tp")`` declared with ``commfuse.setup(mesh=)``: one
     decoder block of :mod:`commfuse.models.moe_styles` (``style``: "gshard" or "dropless") with
     attention TP over ``mesh["tp"]`` (ranks {0, 1}, {2, 3}) and the experts split over
@@ -30,7 +30,8 @@ def moe_block_on_2x2_mesh(style: str, layout: str, **config: Any) -> dict[str, A
     outputs, losses, gradients and parameters close. Returns, per compiled graph, the collectives
     before and after commfuse's pipeline, their wire bytes per rank, the counts of the passes and
     fuse_collectives' refusals; and the bytes the runtime recorder saw this rank hand to c10d per
-    collective kind and mesh dim (``"all_to_all@ep"``) in a second (already compiled) step."""
+    collective kind and mesh dim (``"all_to_all@ep"``) in a second (already compiled) step.
+    ``seq``: tokens per sequence (each TP group's batch is ``[2, seq, 16]``)."""
     rank = dist.get_rank()
     _forget_earlier_meshes()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
@@ -47,7 +48,7 @@ def moe_block_on_2x2_mesh(style: str, layout: str, **config: Any) -> dict[str, A
         # the TP contract: one TP group's ranks see one batch (tp_ep: the same tokens; sp_ep_sp:
         # shards of one sequence); the EP peers, one per TP group, see different batches
         gen = torch.Generator().manual_seed(1000 * step + 10 * ep_index)
-        x = torch.randn(BATCH, SEQ, DIM, generator=gen)
+        x = torch.randn(BATCH, seq, DIM, generator=gen)
         return x.chunk(2, dim=1)[mesh.get_coordinate()[1]].contiguous() if sp else x
 
     session.reset()

@@ -29,8 +29,8 @@ from commfuse.testing.fake_pg import fake_mesh, fake_process_group
 from commfuse.testing.graphs import _copy, capture_aot_graphs
 from commfuse.ops.moe_layer.comm_volume import chunks_of
 from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
-from commfuse.transforms.expert_exchange_partition import (DROPLESS, _expert_compute_us, _moe_exchange_us,
-                                                           pipeline_us, plan_exchange_partition, plan_token_chunks)
+from commfuse.ops.moe_layer import cost as moe_cost
+from commfuse.transforms.expert_exchange_partition import DROPLESS, plan_exchange_partition, plan_token_chunks
 from commfuse.transforms.partition_search import score_graph
 
 PASS = "expert_exchange_partition"
@@ -229,13 +229,15 @@ def test_dropless_token_chunks_from_the_cost_model():
             plan = plan_token_chunks(ctx, node)
             assert not isinstance(plan, str) and plan.chunks > 2 and "predicted fastest" in plan.why, plan
             est = ctx.cost.model
-            compute = _expert_compute_us(est, node)
 
-            def exposed(k):
-                dispatch, combine = _moe_exchange_us(est, node, k)
-                return pipeline_us(dispatch, compute, combine, k) - compute
+            def exposed(k):  # the op's predicted time beyond its compute
+                return moe_cost.time_us(est, node, k) - moe_cost.compute_us(est, node)
 
             assert exposed(plan.chunks) < exposed(2) < exposed(1)
+            # the simulator (and so the step-time gate) prices the op as the pass does
+            before = est.compute_time_us(node)
+            _run(big, topology=topo)
+            assert est.compute_time_us(node) == moe_cost.time_us(est, node, plan.chunks) < before
 
 
 @pytest.mark.parametrize("mix", ["softmax", "sum"])

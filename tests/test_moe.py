@@ -269,3 +269,46 @@ def test_other_expert_parallel_group_is_refused():
         rec = commfuse.last_report(gm).passes[0]
         assert not rec.changed
         assert any("expert-parallel group" in r for r in rec.refusals), rec.refusals
+
+
+def test_op_moves_onto_sequence_shards_when_its_expert_group_is_the_other_mesh_dim():
+    """SP+EP+SP with TP and EP on the two dims of a 2 x 2 mesh (TP = {0, 1}, EP = {0, 2}): each
+    rank's EP peers hold the shard with its own TP position, so the op runs on the shard with
+    its EP group unchanged. The expert-weight gradients become partial over TP (each TP position
+    saw its shards of every EP peer's tokens: all-reduced), the expert gradient scale stays 1
+    (with EP over the TP group itself it would be N). Refused without the mesh: the groups are
+    then not known to cross."""
+    from commfuse import session
+    from commfuse.models.moe_tp import MoETPConfig, build_moe_tp, parallelize_moe_tp
+
+    seq = 128  # enough tokens that the shard's smaller exchange outweighs the gradients' all-reduce
+    with fake_mesh(4, (2, 2), ("ep", "tp")) as mesh:
+        cfg = MoETPConfig(n_layers=1, dim=H, n_heads=4, num_experts=4, ffn_dim=32, top_k=K)
+        model = parallelize_moe_tp(build_moe_tp(cfg), mesh["tp"], "sp_ep_sp", ep_mesh=mesh["ep"])
+        joint = capture_aot_graphs(model, torch.randn(B, seq // 2, H), loss=lambda o: o[0].float().mean() + o[1]).joint
+
+        def moe_nodes(gm):
+            return [n for n in gm.graph.nodes if n.target in (torch.ops.commfuse.moe_layer.default,
+                                                                torch.ops.commfuse.moe_layer_backward.default)]
+
+        tp = mesh["tp"].get_group().group_name
+        session.reset()
+        gm = capture_aot_graphs(model, torch.randn(B, seq // 2, H), loss=lambda o: o[0].float().mean() + o[1]).joint
+        rec = _chimera(gm, step_time_gate=False)
+        assert any(f"is not the gathered group {tp} and does not cross it" in r for r in rec.refusals), rec.refusals
+        assert [tuple(n.args[0].meta["val"].shape) for n in moe_nodes(gm)[:1]] == [(B, seq, H)]
+        try:
+            commfuse.setup(mesh=mesh)
+            rec = _chimera(joint, step_time_gate=False)
+        finally:
+            session.reset()
+        assert rec.changed and rec.counts["collective_motion.ops_on_shards"] > 0, "\n".join(rec.refusals)
+        fwd, bwd = moe_nodes(joint)
+        assert tuple(fwd.args[0].meta["val"].shape) == (B, seq // 2, H)  # the op on this rank's shard
+        assert fwd.args[8] == bwd.args[11] == mesh["ep"].get_group().group_name  # its EP group unchanged
+        assert bwd.args[12] == 1.0
+        # the expert-weight gradients (w1, w3 [2 local, H, ffn], w2 [2, ffn, H]; H = ffn = 32)
+        # all-reduced over TP
+        reduced = [tuple(c.input_shapes[0]) for c in CollectiveIR(joint).collectives
+                   if c.kind.value == "all_reduce" and c.group.name == tp]
+        assert reduced.count((2, 32, 32)) == 3, reduced

@@ -12,8 +12,11 @@ dispatch sit between them.
 
 * Default pipeline: ``moe_recognition`` turns each layer into one ``commfuse::moe_layer`` op, so
   the expert exchange is inside that op, not a collective of the graph. Under SP+EP+SP chimera's
-  collective_motion would run the op on sequence shards (the gather gone) but refuses: "moe_layer
-  stays on full tokens: its expert-parallel group <ep> is not the gathered group <tp>". Under
+  collective_motion runs the op on sequence shards (the gather gone; the EP group crosses TP as
+  the other mesh dim, so each rank's EP peers hold the shards with its TP position) when the
+  shard's smaller exchange outweighs the all-reduce of the expert gradients it makes partial:
+  not at 4 tokens per sequence ("would ... all-reduce 6436 B to save ..."), at 64 (the last
+  test, gate off). Under
   TP+EP chimera splits the TP all_reduces and moves the gathers, and the step-time gate reverts
   it at this size ("rewrite reverted: predicted ... with it vs ... without").
 * Recognition off (the user's all_to_alls stay in the graph, on ``ep``): the TP gather cannot move
@@ -88,3 +91,21 @@ def test_plain_gshard_exchange_on_the_ep_dim_next_to_tp_collectives_trains_like_
         assert r["recorded_sent"]["all_to_all@ep"] == 4 * (4 * 16) * 16 * FLOAT, r["recorded_sent"]
         kinds = {c[0] for d in r["graphs"].values() for c in d["collectives"]}
         assert "all_to_all" in kinds and ({"all_reduce", "all_gather"} & kinds), kinds
+
+
+def test_moe_op_runs_on_sequence_shards_when_its_expert_group_is_the_other_mesh_dim(rank_pool_4):
+    """SP+EP+SP, dropless, 64 tokens per sequence: chimera's collective_motion drops the gather
+    in front of the MoE op, which runs on this rank's sequence shard with its EP group (the
+    other mesh dim) unchanged: each rank's EP peers hold the shard with its own TP position.
+    The step-time gate is off (at this size gloo's model predicts the 7 new all-reduces slower,
+    1959 vs 1242 us): this checks the rewrite's numbers, not its price.
+
+    Recorded: the gathers of x's shard [2, 32, 16] fp32 (4096 B) go from 4 (attention and MoE
+    input, forward and backward) to 2; the partial sums all-reduced over TP once (bucketed): the
+    expert-weight gradients 3 x [2, 16, 16] (6144 B), the router's [4, 16] (256 B) and the router
+    statistics (4 + 4 + 1 floats, 36 B): 6436 B."""
+    results = _run(rank_pool_4, "dropless", "sp_ep_sp", seq=64, step_time_gate=False)
+    for r in results:
+        assert r["counts"].get("joint:chimera.collective_motion.ops_on_shards", 0) > 0, r["refusals"]
+        assert r["recorded_sent"]["all_gather@tp"] == 2 * 4096, r["recorded_sent"]
+        assert r["recorded_sent"]["all_reduce@tp"] == 6144 + 256 + 36, r["recorded_sent"]

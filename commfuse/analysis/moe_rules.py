@@ -22,10 +22,19 @@ Backward (``moe_layer_backward``) with the output gradient and the tokens both
   (``group_name == ""``) each rank has all experts and the gradients are
   ``Partial`` instead.
 
+The op's EP group may also be the *other* dim of a 2-D mesh whose first dim is the
+region's group (TP x EP on separate dims, ``RuleEnv.crossing``): the EP peers of a rank
+all hold the shard with that rank's index, so each runs the op on its shard and the
+experts see, per TP position, that position's shards of every EP peer's tokens. Outputs
+and statistics as above; the expert-weight gradients are ``Partial`` over the region's
+group (its TP positions together saw every token once, as each rank did before) and
+``expert_grad_scale`` stays.
+
 Refused (the op stays on full tokens):
 
-* the op's EP group is another group than the region's (the token exchange
-  would mix shards of different groups);
+* the op's EP group is another group than the region's that does not cross it as the
+  dims of a mesh every rank knows (the token exchange would mix shards of different
+  groups);
 * the sharded dim is the hidden dim, or router/weights are not replicated;
 * capacity that can drop tokens (``capacity_can_bind``) when the shards split a
   token group: drops depend on the group's other tokens. Exact when
@@ -68,15 +77,19 @@ def _token_groups(x: fx.Node, d: int, top_k: int, capacity_factor: float, groups
 
 
 def _common(node: fx.Node, x: fx.Node, router_w: fx.Node, state: StateOf, env: RuleEnv,
-            top_k: int, capacity_factor: float, groups: int, group_name: str) -> Optional[tuple[int, int]]:
-    """(sharded dim, token_groups on the shard) when the op can run on x's shard."""
+            top_k: int, capacity_factor: float, groups: int, group_name: str) -> Optional[tuple[int, int, bool]]:
+    """(sharded dim, token_groups on the shard, whether the EP group crosses the region's) when
+    the op can run on x's shard."""
     s = state(x)
     shape = shape_of(x)
     why = None
+    crossing = group_name not in ("", env.group)
+    not_crossing = env.crossing(group_name) if crossing else None
     if not isinstance(s, Sharded) or shape is None or s.dim >= len(shape) - 1:
         why = f"tokens are not sharded along a leading dim ({s})"
-    elif group_name not in ("", env.group):
-        why = f"its expert-parallel group {group_name} is not the gathered group {env.group}"
+    elif not_crossing:
+        why = (f"its expert-parallel group {group_name} is not the gathered group {env.group} and does not cross "
+               f"it as a mesh dim ({not_crossing})")
     elif state(router_w) is not None or not env.replicated(router_w):
         why = "router weight not known to be identical on every rank"
     else:
@@ -86,7 +99,7 @@ def _common(node: fx.Node, x: fx.Node, router_w: fx.Node, state: StateOf, env: R
         elif (math.prod(shape[:-1]) // env.n) % g:
             why = f"{math.prod(shape[:-1]) // env.n} tokens per shard do not split into {g} groups"
         else:
-            return s.dim, g
+            return s.dim, g, crossing
     env.refusals[node] = f"{node.name} stays on full tokens: {why}"
     return None
 
@@ -100,7 +113,7 @@ def moe_forward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | N
     got = _common(node, x, router_w, state, env, top_k, capacity_factor, groups, group_name)
     if got is None:
         return None
-    d, g = got
+    d, g, _ = got
     args = (x, router_w, w1, w3, w2, top_k, capacity_factor, g, group_name, *rest)
     return LocalOp(args, {}, (Sharded(d), Partial(), Partial(), Partial()), wire_saved=_wire_saved(node, d, g, env.n))
 
@@ -119,8 +132,8 @@ def moe_backward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | 
     got = _common(node, x, router_w, state, env, top_k, capacity_factor, groups, group_name)
     if got is None:
         return None
-    d, g = got
-    if group_name:
+    d, g, crossing = got
+    if group_name and not crossing:
         scale, weights = scale * env.n, Complete()
     else:
         weights = Partial()

@@ -57,13 +57,18 @@ Replicated = Callable[[fx.Node], bool]
 class RuleEnv:
     """What the rules may know besides the graph: the region's group, its size, this
     rank's index in it (None: unknown, rank-specific rules are off), which values are
-    identical on every rank, and the MoE capacity-regrouping opt-in."""
+    identical on every rank, the MoE capacity-regrouping opt-in, and which other groups
+    cross the region's as mesh dims."""
 
     group: str
     n: int
     replicated: Replicated
     rank: Optional[int] = None
     moe_capacity_regroup: bool = False
+    # group name -> None when that group and the region's cross as the two dims of a mesh known
+    # to every rank (a rank's position in the region's group is the same for all its members),
+    # else why not
+    crossing: Callable[[str], Optional[str]] = lambda group: "no mesh declared to compare the groups"
     # node -> why a rule that knows the op refused it (for the pass report's "why not")
     refusals: dict[fx.Node, str] = field(default_factory=dict)
 

@@ -42,6 +42,12 @@ def _resolve_group(name: str, size_hint: int | None) -> GroupInfo:
     return GroupInfo(name=name, size=pg.size(), ranks=ranks)
 
 
+def resolve_group_info(name: str) -> GroupInfo:
+    """The group registered under ``name`` in this process: its size and global ranks (None
+    when it is not registered here)."""
+    return _resolve_group(name, None)
+
+
 def _flatten_nodes(x) -> list[fx.Node]:
     if isinstance(x, fx.Node):
         return [x]

@@ -153,11 +153,13 @@ def parallelize_moe_block(block: nn.Module, mesh: DeviceMesh, layout: Layout,
     return block
 
 
-def parallelize_moe_tp(model: MoETransformer, mesh: DeviceMesh, layout: Layout) -> MoETransformer:
-    """TP attention + EP experts over the 1-D ``mesh`` in place (see the module docstring)."""
+def parallelize_moe_tp(model: MoETransformer, mesh: DeviceMesh, layout: Layout,
+                       ep_mesh: DeviceMesh | None = None) -> MoETransformer:
+    """TP attention + EP experts over the 1-D ``mesh`` in place (see the module docstring);
+    ``ep_mesh``: the experts over that mesh instead (:func:`parallelize_moe_block`)."""
     sp = layout == "sp_ep_sp"
     for block in model.layers:
-        parallelize_moe_block(block, mesh, layout)
+        parallelize_moe_block(block, mesh, layout, ep_mesh=ep_mesh)
     if model.config.vocab:
         if sp:
             raise ValueError("the vocab head is only built for layout 'tp_ep'")

@@ -40,10 +40,12 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
+from commfuse.analysis.mesh_grid import find_grid
 from commfuse.analysis.shard_layouts import Complete, Layout, LocalOp, RuleEnv, Sharded
 from commfuse.analysis.shard_rules import local_rule, value_bytes
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective, ParallelRole
+from commfuse.ir.graph_ir import resolve_group_info
 from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
@@ -141,6 +143,16 @@ def replicated_values(gm: fx.GraphModule, group: str, collectives: list[Collecti
     return rep
 
 
+def _crossing(ctx: PassContext, seed: Collective, group: str) -> Optional[str]:
+    """None when ``group`` and ``seed``'s group cross as the two dims of a mesh every rank knows
+    (``ctx.partitions``: DTensor meshes, ``setup(mesh=)``, ``setup(groups=)``), else why not."""
+    other = resolve_group_info(group)
+    if seed.group.ranks is None or other.ranks is None:
+        return "the groups' ranks are unknown"
+    grid = find_grid(seed.group.ranks, other.ranks, ctx.partitions)
+    return grid if isinstance(grid, str) else None
+
+
 def _group_rank(c: Collective, rank: Optional[int]) -> Optional[int]:
     """Global ``rank``'s index in ``c``'s group (rank-specific rules need it; every rank passes its
     own, and the decision it feeds is the same on every rank). None: unknown."""
@@ -153,7 +165,11 @@ def _group_rank(c: Collective, rank: Optional[int]) -> Optional[int]:
 def plan_regions(gm: fx.GraphModule, collectives: list[Collective], refusals: list[str],
                  trust_inputs: Callable[[str], bool] = lambda group: False,
                  only_group: Optional[str] = None, moe_capacity_regroup: bool = False,
-                 rank: Optional[int] = None) -> list[RegionPlan]:
+                 rank: Optional[int] = None,
+                 crossing: Optional[Callable[[Collective, str], Optional[str]]] = None) -> list[RegionPlan]:
+    """The regions of every gathered group (``only_group``: of that one). ``crossing(seed, group)``:
+    None when ``group`` crosses the seed collective's group as the dims of a mesh, else why not
+    (for ops that communicate on another group, e.g. the MoE op's expert exchange)."""
     mutated = _mutated_roots(gm)
     by_group: dict[str, RegionPlan] = {}
     for c in collectives:
@@ -168,7 +184,9 @@ def plan_regions(gm: fx.GraphModule, collectives: list[Collective], refusals: li
     plans = [by_group[g] for g in sorted(by_group)]
     for plan in plans:
         plan.replicated = replicated_values(gm, plan.group, collectives, trust_inputs(plan.group))
-        env = RuleEnv(plan.group, plan.n, plan.replicated.__contains__, plan.rank, moe_capacity_regroup)
+        seed = next(iter(plan.seeds.values())).collective
+        env = RuleEnv(plan.group, plan.n, plan.replicated.__contains__, plan.rank, moe_capacity_regroup,
+                      **({} if crossing is None else {"crossing": lambda g, seed=seed: crossing(seed, g)}))
         _grow(gm, plan, env)
         refusals.extend(f"group {plan.group}: {why}" for node, why in env.refusals.items() if node not in plan.ops)
         _prune(plan)
@@ -402,7 +420,7 @@ class CollectiveMotion(GraphPass):
                 applied = False
                 for plan in plan_regions(ctx.gm, colls, round_refusals, lambda g: _tp_contract(ctx, colls, g),
                                          only_group=group, moe_capacity_regroup=ctx.config.moe_capacity_regroup,
-                                         rank=ctx.rank):
+                                         rank=ctx.rank, crossing=lambda c, g: _crossing(ctx, c, g)):
                     for members in _components(plan).values():
                         if self._apply_component(ctx, plan, members, totals, round_refusals):
                             applied = True

@@ -62,12 +62,13 @@ Dropless dispatch (data-dependent split sizes)
   chunks, one count exchange for all of them, every chunk's rows sent asynchronously and each
   chunk's expert outputs sent back while the next chunk's experts compute.
 - Does: sets the node's ``chunks``. k = ``Config.workload_chunks`` if set; without a topology
-  2 (graph_trainer's split); else Algorithm 1 with the exchange's time (dispatch plus combine,
-  balanced routing: :mod:`commfuse.ops.moe_layer.comm_volume`) and no independent compute
-  (the op waits for its own exchanges) bounds it at ``Config.max_chunks``, and among 2..k the
-  count whose chunk pipeline (:func:`pipeline_us`; expert compute from the expert matmuls'
-  FLOPs on the compute model) is predicted fastest is taken; refused when none beats the
-  whole exchange. Works wherever the op sits: under tensor or sequence parallelism the op
+  2 (graph_trainer's split); else Algorithm 1 with the exchange's time (counts, dispatch and
+  combine at balanced routing: :mod:`commfuse.ops.moe_layer.comm_volume`) and no independent
+  compute (the op waits for its own exchanges) bounds it at ``Config.max_chunks``, and among
+  2..k the count with the fastest op (:func:`commfuse.ops.moe_layer.cost.time_us`: the chunk
+  pipeline with the router's and experts' FLOPs on the compute model -- what the simulator,
+  and so the step-time gate, prices the op with) is taken; refused when none beats the whole
+  exchange. Works wherever the op sits: under tensor or sequence parallelism the op
   sees its rank's tokens and the cut is along them.
 - Guarantees: dropless routing makes every token's output depend on that token alone, so the
   chunked call computes the same values (expert weight gradients summed over chunks); the
@@ -87,7 +88,6 @@ graph_trainer experiment (ep_chunk_pass / ep_overlap_pass).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -99,11 +99,12 @@ from commfuse.analysis.chains import Chain, ChainStep, Partial, Split
 from commfuse.analysis.chunking import independent_compute_us, operation_level_plan
 from commfuse.costmodel.collectives import concrete
 from commfuse.costmodel.compute import OpCost
+from commfuse.costmodel.pipeline import pipeline_us
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind
-from commfuse.ir.shapes import shape_of
 from commfuse.ops.moe_layer import comm_volume
+from commfuse.ops.moe_layer import cost as moe_cost
 from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
@@ -291,23 +292,6 @@ def _exchange_us(est, c: Collective, k: int) -> float:
     return t + extra if t > 0 else t
 
 
-def pipeline_us(dispatch_us: float, compute_us: float, combine_us: float, k: int, tail_us: float = 0.0) -> float:
-    """Predicted span of the chunked exchange: the k dispatches queue on one communication
-    stream, chunk i's compute starts when its dispatch arrived and chunk i-1's compute ended,
-    its combine queues behind the earlier transfers (k = 1: the unpartitioned exchange);
-    ``tail_us`` of compute follows the last chunk's, under the last combines."""
-    comm_end = 0.0
-    arrived = []
-    for _ in range(k):
-        comm_end += dispatch_us
-        arrived.append(comm_end)
-    comp_end = 0.0
-    for i in range(k):
-        comp_end = max(comp_end, arrived[i]) + compute_us / k
-        comm_end = max(comm_end, comp_end) + combine_us
-    return max(comm_end, comp_end + tail_us)
-
-
 def reassembly_us(est, chain: Chain) -> float:
     """What the cut adds after the chunk pipeline: each chain value used outside the chain put
     back together -- a copy of its chunks into one buffer, or ``k - 1`` adds of partial sums
@@ -388,32 +372,6 @@ class TokenChunkPlan:
     why: str
 
 
-def _expert_compute_us(est, node: fx.Node) -> float:
-    """The expert matmuls of one call, balanced routing (each rank's experts see ``T * k`` rows):
-    SwiGLU's 3 matmuls forward; 9 backward (the forward recomputed, then the input and weight
-    gradients)."""
-    backward = node.target is MOE_LAYER_BACKWARD
-    off = 3 if backward else 0
-    x, w1, top_k = node.args[off], node.args[off + 2], node.args[off + 5]
-    shape, (local, h, f) = shape_of(x), shape_of(w1)
-    rows = math.prod(shape[:-1]) * top_k
-    matmuls = 9 if backward else 3
-    elt = x.meta["val"].element_size()
-    dtype = "bf16" if x.meta["val"].dtype in (torch.bfloat16, torch.float16) else "fp32"
-    cost = OpCost(flops=matmuls * 2 * rows * h * f, bytes=elt * (rows * 2 * (h + f) + 3 * local * h * f),
-                  family="matmul", dtype_family=dtype, out_numel=rows * h)
-    return est.compute.estimate_cost(cost).time_us
-
-
-def _moe_exchange_us(est, node: fx.Node, k: int) -> tuple[float, float]:
-    """Predicted (dispatch, combine) time of one of ``k`` token chunks of ``node``'s exchange."""
-    ways = [t for t in comm_volume.node_transfers(node) if t.what != "counts"]
-    extra = est.runtime.collective_in_graph_us or 0.0
-    dispatch, combine = (est.collectives.time(CollectiveKind.ALL_TO_ALL, t.logged_bytes // k, t.group_size).time_us
-                         + extra for t in ways)
-    return dispatch, combine
-
-
 def plan_token_chunks(ctx: PassContext, node: fx.Node) -> TokenChunkPlan | str:
     """How many token chunks the dropless MoE op ``node`` is cut into, or why it is left whole."""
     off = 3 if node.target is MOE_LAYER_BACKWARD else 0
@@ -433,24 +391,18 @@ def plan_token_chunks(ctx: PassContext, node: fx.Node) -> TokenChunkPlan | str:
     if est is None:
         k = min(DEFAULT_CHUNKS, cfg.max_chunks)
         return TokenChunkPlan(node.name, k, f"no topology: {k} chunks") if k >= 2 else "max_chunks < 2"
-    whole = _moe_exchange_us(est, node, 1)
-    bound = operation_level_plan(0.0, sum(whole), 0.0, cfg.max_chunks)
-    compute = _expert_compute_us(est, node)
-    base = pipeline_us(whole[0], compute, whole[1], 1)
-    timed = [(pipeline_us(*_exchange_pair(est, node, kk, compute), kk), kk) for kk in range(2, bound.num_chunks + 1)]
+    exchange = moe_cost.time_us(est, node, 1) - moe_cost.compute_us(est, node)
+    bound = operation_level_plan(0.0, exchange, 0.0, cfg.max_chunks)
+    whole = moe_cost.time_us(est, node, 1)
+    timed = [(moe_cost.time_us(est, node, k), k) for k in range(2, bound.num_chunks + 1)]
     if not timed:
         return f"Algorithm 1: {bound.why}"
     span, k = min(timed)
-    if span >= base:
+    if span >= whole:
         return (f"Algorithm 1: {bound.why}; every chunk count predicted slower than the whole exchange "
-                f"({span:.1f} us >= {base:.1f} us: per-chunk launch and latency outweigh the overlap)")
+                f"({span:.1f} us >= {whole:.1f} us: per-chunk launch and latency outweigh the overlap)")
     return TokenChunkPlan(node.name, k, f"Algorithm 1: {bound.why}; {k} chunks predicted fastest "
-                                        f"({span:.1f} us vs {base:.1f} us whole)")
-
-
-def _exchange_pair(est, node: fx.Node, k: int, compute: float) -> tuple[float, float, float]:
-    dispatch, combine = _moe_exchange_us(est, node, k)
-    return dispatch, compute, combine
+                                        f"({span:.1f} us vs {whole:.1f} us whole)")
 
 
 def _set_chunks(node: fx.Node, k: int) -> None:

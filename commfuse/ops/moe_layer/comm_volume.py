@@ -64,14 +64,15 @@ def backward_widths(hidden: int) -> dict[str, int]:
     return {"dispatch (token, grad, gate)": 2 * hidden + 1, "return (grad, gate grad)": hidden + 1}
 
 
-def node_transfers(node: fx.Node, x_shape: tuple[int, ...] | None = None, token_groups: int | None = None
-                   ) -> list[EmbeddedTransfer]:
-    """Transfers of a moe_layer / moe_layer_backward node; ``x_shape`` and ``token_groups``
-    override the node's (what the same call would send on a token shard)."""
+def node_transfers(node: fx.Node, x_shape: tuple[int, ...] | None = None, token_groups: int | None = None,
+                   chunks: int | None = None) -> list[EmbeddedTransfer]:
+    """Transfers of a moe_layer / moe_layer_backward node; ``x_shape``, ``token_groups`` and
+    ``chunks`` override the node's (what the same call would send on a token shard, or cut
+    into that many token chunks)."""
     backward = node.target is MOE_LAYER_BACKWARD
     args = node.args[3:12] if backward else node.args[:9]
     x, router_w, w1, _w3, _w2, top_k, capacity_factor, groups, group_name = args
-    chunks = chunks_of(node)
+    chunks = chunks_of(node) if chunks is None else chunks
     if (x_shape is None and shape_of(x) is None) or shape_of(router_w) is None or shape_of(w1) is None:
         return []  # no fake-tensor metadata (e.g. the Dynamo graph before AOTAutograd): bytes unknown
     shape = tuple(x_shape or shape_of(x))
