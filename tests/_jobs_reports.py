@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import commfuse
+from commfuse.lowering.recorder import KERNEL_GRAPH
 from commfuse.reports import predict_timelines
 from commfuse.reports.validate import validate_run
 
@@ -59,7 +60,9 @@ def record_example(name: str, out_dir: str, steps: int = 2, predict: bool = Fals
         for i in range(1, steps + 1):
             step(i)
     mem = validate_run(rec, be, profile=profile)
-    return {"rank": rank, "calls": len(rec.collectives), "in_memory_mismatches": [m.describe() for m in mem.mismatches],
+    planned_calls = [c for c in rec.collectives if c.graph != KERNEL_GRAPH]  # not the MoE op's own exchanges
+    return {"rank": rank, "calls": len(planned_calls), "kernel_calls": len(rec.collectives) - len(planned_calls),
+            "in_memory_mismatches": [m.describe() for m in mem.mismatches],
             "in_memory_checks": len(mem.checks), "losses": losses, "seconds": time.perf_counter() - t0,
             "planned": sum(len(p.collectives) for p in be.plans)}
 

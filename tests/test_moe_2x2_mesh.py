@@ -60,22 +60,38 @@ def _run(pool, style, layout, **config):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("style", STYLES)
 def test_moe_block_with_tp_and_ep_on_separate_mesh_dims_trains_like_eager(rank_pool_4, style, layout):
-    """The default pipeline: each layer recognised as one MoE op (its expert exchange on ``ep``
-    inside the op, which the runtime recorder does not see: it records the collectives the
-    runtime issues); the TP collectives on ``tp`` as the shapes say. x: [2, 4, 16] fp32 per TP
-    group (512 B), a sequence shard [2, 2, 16] (256 B) under SP.
+    """The default pipeline: each layer recognised as one MoE op, its expert exchange on ``ep``
+    inside the op (which announces its all_to_alls to the recorder); the TP collectives on ``tp``
+    as the shapes say. x: [2, 4, 16] fp32 per TP group (512 B), a sequence shard [2, 2, 16]
+    (256 B) under SP.
 
     tp_ep: forward, wo's all_reduce of x (512 B); backward, the all_reduces of the gradient of x
     for wq, wk, wv (3 x 512 B, bucketed into one [384]): 2048 B.
     sp_ep_sp: forward and backward each gather the shard twice (attention, MoE input: 2 x 256 B)
     and reduce_scatter wo's output [2, 4, 16] once, which gloo runs as an all_to_all of the whole
-    512 B buffer: all_gather 1024 B, all_to_all 1024 B."""
+    512 B buffer: all_gather 1024 B, all_to_all 1024 B.
+
+    The op's exchange on ``ep``, 8 tokens of 16 values, top-2, 4 experts: the rows out carry H
+    (forward dispatch), 2H + 1 (backward: token, output gradient, gate), and back H (combine),
+    H + 1 (input and gate gradients). GShard: static buffers of 4 experts x 16 slots
+    (ceil(4.0 * 2 * 8 / 4)), so every rank hands c10d 64 x (16 + 16 + 33 + 17) x 4 = 20992 B.
+    Dropless: the 16 kept rows out and a count per expert (4 int64) before each direction;
+    the rows back are those this rank's experts received (the routing decides), which over the
+    EP group are the rows sent: over the 4 ranks 4 x (2 x 32 + 16 x (16 + 33) x 4) +
+    4 x 16 x (16 + 17) x 4 = 21248 B."""
     results = _run(rank_pool_4, style, layout)
     expected = ({"all_reduce@tp": 512 + 3 * 512} if layout == "tp_ep"
                 else {"all_gather@tp": 4 * 256, "all_to_all@tp": 2 * 512})
     for r in results:
         assert r["counts"].get(f"dynamo:moe_recognition.{style}_rewritten") == 1, r["counts"]
-        assert r["recorded_sent"] == expected, r["recorded_sent"]
+        sent = dict(r["recorded_sent"])
+        exchange = sent.pop("all_to_all@ep")
+        assert sent == expected, r["recorded_sent"]
+        if style == "gshard":
+            assert exchange == 4 * 16 * (16 + 16 + 33 + 17) * FLOAT, r["recorded_sent"]
+    if style == "dropless":
+        total = sum(r["recorded_sent"]["all_to_all@ep"] for r in results)
+        assert total == 4 * (2 * 32 + 16 * (16 + 33) * FLOAT) + 4 * 16 * (16 + 17) * FLOAT, total
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

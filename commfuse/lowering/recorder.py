@@ -14,6 +14,8 @@ gloo events show a reduce_scatter as an all_reduce):
   *issued* and the time its ``Work`` completed (the work future's callback, which on
   gloo fires on the transport thread when the transfer is done) -- so its in-flight
   interval is measured, not inferred;
+* the collectives an op issues inside its kernel (commfuse's MoE layer's all_to_alls,
+  announced through :mod:`commfuse.core.kernel_collectives`), under the graph ``"kernel"``;
 * every wait: the interval the compute thread was blocked in it;
 * compute regions: the intervals between consecutive runtime calls of one graph run
   (the graph's compute ran there). On CUDA these are host-side launch intervals; a
@@ -43,8 +45,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from commfuse.core.errors import ConfigError
+from commfuse.core.kernel_collectives import set_listener
 
 RECORD_DIR_ENV = "COMMFUSE_RECORD_DIR"
+# the graph name of collectives an op issued inside its kernel (no lowering plan issued them)
+KERNEL_GRAPH = "kernel"
 
 
 @dataclass
@@ -130,6 +135,15 @@ class Recorder:
                 w.get_future().add_done_callback(done)
             except (AttributeError, RuntimeError):
                 return  # no future on this backend: the wait's end stands in
+
+    def kernel_collective(self, kind: str, group: str, sent_bytes: int, received_bytes: int, work: Any,
+                          op: str) -> None:
+        """A collective an op issued inside its kernel (:mod:`commfuse.core.kernel_collectives`):
+        recorded under the graph :data:`KERNEL_GRAPH`, its logged bytes the buffer it handed to c10d."""
+        rec = CollectiveRecord(index=-1, name=op, graph=KERNEL_GRAPH, kind=kind, group=group, issue_group=group,
+                               logged_bytes=sent_bytes, sent_bytes=sent_bytes, received_bytes=received_bytes,
+                               issued_ns=time.perf_counter_ns())
+        self.collective(rec, [work] if work is not None else [])
 
     def wait(self, rec: Optional[CollectiveRecord], graph: str, begin_ns: int) -> None:
         end = time.perf_counter_ns()
@@ -245,11 +259,13 @@ class record:
         if self.directory is not None:
             _check_writable(self.directory)
         self.recorder = _ACTIVE = Recorder(rank=_rank())
+        set_listener(self.recorder.kernel_collective)
         return self.recorder
 
     def __exit__(self, *exc: Any) -> None:
         global _ACTIVE
         _ACTIVE = None
+        set_listener(None)
         if self.directory is not None and self.recorder is not None:
             self.recorder.write(self.directory)
 
@@ -272,6 +288,7 @@ def start_from_env() -> None:
         return
     _check_writable(directory)
     _ACTIVE = Recorder(rank=_rank())
+    set_listener(_ACTIVE.kernel_collective)
     import atexit
 
     rec = _ACTIVE

@@ -25,9 +25,10 @@ Contract
       given, else the uncalibrated ``cpu-gloo`` preset).
 
     On gloo, counts and bytes are expected to be exactly equal; any difference is a mismatch.
-    Not seen by the recorder, so not validated (and said so): collectives issued inside an op's
-    kernel (the MoE layer's token exchange) and bytes sent by ops the runtime runs through the
-    graph's own op (in-place variants, point-to-point: their sent bytes read 0).
+    Not validated (and said so): collectives issued inside an op's kernel (the MoE layer's token
+    exchange; the recorder has them under the graph ``"kernel"``, no plan issued them) and bytes
+    sent by ops the runtime runs through the graph's own op (in-place variants, point-to-point:
+    their sent bytes read 0).
 
 Guarantees
     Reads only. Every rank is judged against its own plans (the plans are the same on every
@@ -52,6 +53,7 @@ import torch
 from commfuse.core.errors import InputFileError
 from commfuse.core.jsonfile import read_json_object, read_model_file
 from commfuse.ir.kinds import CollectiveKind
+from commfuse.lowering.recorder import KERNEL_GRAPH
 from commfuse.passmgr.report import AnalysisReport, PipelineReport
 from commfuse.reports.timeline import cost_model
 from commfuse.reports.volume import graph_dirs, rank_dirs
@@ -351,7 +353,8 @@ def validate_rank(rank: int, records: Sequence[RecordedCollective], plans: Seque
     """Checks and mismatches for one rank; the third value maps plan name -> runs (cross-rank check)."""
     by_label: dict[str, list[RecordedCollective]] = defaultdict(list)
     for r in records:
-        by_label[r.graph].append(r)
+        if r.graph != KERNEL_GRAPH:  # an op's own collectives: no lowering plan issued them
+            by_label[r.graph].append(r)
     checks: list[CollectiveCheck] = []
     mismatches: list[Mismatch] = []
     runs_of: dict[str, int] = defaultdict(int)
@@ -463,7 +466,7 @@ def validate(records_by_rank: dict[int, Sequence[RecordedCollective]],
     if embedded:
         rep.notes.append("collectives issued inside ops (e.g. the MoE layer's token exchange: "
                          + ", ".join(f"{n}: {k}" for n, k in sorted(embedded))
-                         + " per graph) are not seen by the runtime recorder and are not validated")
+                         + " per graph) are recorded under the graph \"kernel\" and not validated against a plan")
     unsent = sum(1 for c in rep.checks if c.runs and c.measured_sent is None)
     if unsent:
         rep.notes.append(f"{unsent} collective(s) ran through the graph's own op (no native issuer): "

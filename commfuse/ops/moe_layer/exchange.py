@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from commfuse.core.kernel_collectives import announce
 from commfuse.ops.moe_layer.routing import Assignments
 
 
@@ -138,6 +139,8 @@ def _start_a2a(rows: torch.Tensor, group: Optional[dist.ProcessGroup], out_split
     shape = rows.shape if out_splits is None else (sum(out_splits), *rows.shape[1:])
     out = rows.new_empty(shape)
     work = dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    announce("all_to_all", group.group_name, rows.numel() * rows.element_size(), out.numel() * out.element_size(),
+             work, "commfuse::moe_layer")
     return out, work
 
 
