@@ -391,9 +391,8 @@ def plan_token_chunks(ctx: PassContext, node: fx.Node) -> TokenChunkPlan | str:
     if est is None:
         k = min(DEFAULT_CHUNKS, cfg.max_chunks)
         return TokenChunkPlan(node.name, k, f"no topology: {k} chunks") if k >= 2 else "max_chunks < 2"
-    exchange = moe_cost.time_us(est, node, 1) - moe_cost.compute_us(est, node)
-    bound = operation_level_plan(0.0, exchange, 0.0, cfg.max_chunks)
     whole = moe_cost.time_us(est, node, 1)
+    bound = operation_level_plan(0.0, whole - moe_cost.compute_us(est, node), 0.0, cfg.max_chunks)
     timed = [(moe_cost.time_us(est, node, k), k) for k in range(2, bound.num_chunks + 1)]
     if not timed:
         return f"Algorithm 1: {bound.why}"
