@@ -230,6 +230,7 @@ class CommfuseBaseline(Baseline):
 
     passes: tuple[str, ...] | None = None
     lowering: str = "commfuse"
+    options: tuple[tuple[str, Any], ...] = ()  # further Config fields
 
     @contextlib.contextmanager
     def session(self, built):
@@ -239,6 +240,7 @@ class CommfuseBaseline(Baseline):
                                   "lowering": self.lowering}
         if self.passes is not None:
             kwargs["passes"] = list(self.passes)
+        kwargs.update(self.options)
         be = commfuse.backend(**kwargs)
 
         def graphs() -> list[CompiledGraph]:
@@ -286,6 +288,13 @@ def _register_builtin() -> None:
     register_baseline(CommfuseBaseline(
         "commfuse:whole-graph", "commfuse default pipeline; Inductor compiles the whole graph and issues "
         "its collectives (lowering='inductor')", inner="inductor", uses_inductor=True, lowering="inductor"))
+    # torchtitan graph_trainer's expert-parallel split (ep_chunk_pass + ep_overlap_pass: two even
+    # chunks, chunk 0's exchange under chunk 1's compute), whatever the cost model says: the
+    # exchange partition forced to two chunks, the step-time gate off
+    register_baseline(CommfuseBaseline(
+        "commfuse-eager:ep-two-chunks", "expert_exchange_partition forced to two chunks (graph_trainer's split: "
+        "Config.workload_chunks=2, step-time gate off), eager inner compiler", inner="eager",
+        passes=("expert_exchange_partition",), options=(("workload_chunks", 2), ("step_time_gate", False))))
     for inner in ("inductor", "eager"):
         prefix = "commfuse" if inner == "inductor" else "commfuse-eager"
         register_baseline(CommfuseBaseline(prefix, f"commfuse default pipeline, {inner} inner compiler",

@@ -10,7 +10,8 @@ The op computes and communicates inside its kernel, so the cost model asks it
 * communication: the transfers of :mod:`.comm_volume` on the collective model -- the counts
   exchange (dropless), then the dispatch and the combine;
 * together: ``counts + pipeline_us(dispatch, compute, combine, k)``, ``k`` the op's token chunks
-  (1: each transfer waited for before the compute that needs it, as the kernel does).
+  (1: each transfer waited for before the compute that needs it, as the kernel does; more: the
+  compute slowed by the contention model, as it runs beside the other chunks' transfers).
 """
 
 from __future__ import annotations
@@ -49,15 +50,22 @@ def compute_cost(node: fx.Node) -> Optional[OpCost]:
     return OpCost(flops, nbytes, "matmul", dtype, tokens * hidden)
 
 
-def compute_us(model: Any, node: fx.Node) -> float:
+def _compute(model: Any, node: fx.Node):
     cost = compute_cost(node)
-    return model.compute.estimate(node).time_us if cost is None else model.compute.estimate_cost(cost).time_us
+    return model.compute.estimate(node) if cost is None else model.compute.estimate_cost(cost)
+
+
+def compute_us(model: Any, node: fx.Node) -> float:
+    return _compute(model, node).time_us
 
 
 def time_us(model: Any, node: fx.Node, chunks: Optional[int] = None) -> float:
     """The call's time on ``model`` (an :class:`~commfuse.costmodel.analytic.AnalyticCostModel`),
-    its exchange cut into ``chunks`` (default: the node's)."""
-    compute = compute_us(model, node)
+    its exchange cut into ``chunks`` (default: the node's). Cut, the experts compute while other
+    chunks' rows are on the wire, slowed as the contention model says (gloo: its threads take
+    the same cores, ``1 + kappa``; NCCL: the channels' SMs and memory traffic)."""
+    est = _compute(model, node)
+    compute = est.time_us
     transfers = node_transfers(node, chunks=chunks_of(node) if chunks is None else chunks)
     if not transfers:
         return compute
@@ -69,6 +77,8 @@ def time_us(model: Any, node: fx.Node, chunks: Optional[int] = None) -> float:
     counts = sum(wire_us(t) for t in transfers if t.what == "counts")
     ways = [t for t in transfers if t.what != "counts"]  # k dispatch transfers, then k combines
     k = len(ways) // 2
+    if k > 1:
+        compute *= model.slowdown(est, ways[0])
     return counts + pipeline_us(wire_us(ways[0]), compute, wire_us(ways[k]), k)
 
 
