@@ -30,7 +30,8 @@ from commfuse.testing.graphs import _copy, capture_aot_graphs
 from commfuse.ops.moe_layer.comm_volume import chunks_of
 from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
 from commfuse.ops.moe_layer import cost as moe_cost
-from commfuse.transforms.expert_exchange_partition import DROPLESS, plan_exchange_partition, plan_token_chunks
+from commfuse.transforms.expert_exchange_partition import (DROPLESS, TokenChunkPlan, plan_exchange_partition,
+                                                           plan_token_chunks)
 from commfuse.transforms.partition_search import score_graph
 
 PASS = "expert_exchange_partition"
@@ -347,3 +348,38 @@ def test_dropless_moe_under_tensor_parallelism_trains_like_eager(rank_pool_2, la
     for graph in ("forward", "backward"):
         assert got[graph]["counts"].get("moe_ops_chunked") == 1, got[graph]
         assert "2 token chunks" in got[graph]["decisions"][0], got[graph]
+
+
+def test_token_chunks_are_not_priced_from_sizes_ranks_may_not_share():
+    """The count is priced from this rank's tokens, and ranks that chose different counts would
+    mismatch the op's count exchange: symbolic token counts (rank-local hints) are refused with
+    the reason and the op is priced as an unknown op without crashing; a count never exceeds
+    the tokens, and an empty chunk exchange is priced at its latency, not free."""
+    topo = Topology.preset("dgx-h100", num_nodes=1)
+    g = None
+    with fake_process_group(N):
+        g = dist.group.WORLD.group_name
+        ins = [torch.randn(12, 8), torch.randn(2 * N, 8), *(torch.randn(2, 8, 16) for _ in range(2)),
+               torch.randn(2, 16, 8)]
+        gm = make_fx(lambda x, rw, w1, w3, w2: list(MOE_LAYER(x, rw, w1, w3, w2, 2, 0.0, 1, g)),
+                     tracing_mode="symbolic")(*ins)
+        ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo)
+        (node,) = [n for n in gm.graph.nodes if n.target is MOE_LAYER]
+        assert ctx.cost.model.compute_time_us(node) > 0
+        assert isinstance(plan_token_chunks(ctx, node), str)
+
+        def uneven_then_moe(x, rw, w1, w3, w2):  # tokens arrive with per-rank split sizes
+            y = funcol.all_to_all_single(x, [2, 6, 4, 4], [2, 6, 4, 4], dist.group.WORLD)
+            return list(MOE_LAYER(y, rw, w1, w3, w2, 2, 0.0, 1, g))
+
+        gm = make_fx(uneven_then_moe, tracing_mode="fake")(torch.randn(16, 8), *ins[1:])
+        ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo)
+        (node,) = [n for n in gm.graph.nodes if n.target is MOE_LAYER]
+        why = plan_token_chunks(ctx, node)
+        assert isinstance(why, str) and "sizes that may differ between ranks" in why, why
+        one = _moe_trace(0.0, tokens=1)
+        ctx = PassContext(one, commfuse.Config(topology=topo), topology=topo)
+        (node,) = [n for n in one.graph.nodes if n.target is MOE_LAYER]
+        assert not isinstance(plan_token_chunks(ctx, node), TokenChunkPlan)
+        est = ctx.cost.model
+        assert moe_cost.time_us(est, node, 3) > moe_cost.time_us(est, node, 1)

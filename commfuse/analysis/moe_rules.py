@@ -28,7 +28,8 @@ all hold the shard with that rank's index, so each runs the op on its shard and 
 experts see, per TP position, that position's shards of every EP peer's tokens. Outputs
 and statistics as above; the expert-weight gradients are ``Partial`` over the region's
 group (its TP positions together saw every token once, as each rank did before) and
-``expert_grad_scale`` stays.
+``expert_grad_scale`` stays. The expert weights must be known identical across the region's
+group (a shard's tokens now meet another TP rank's copy of each expert).
 
 Refused (the op stays on full tokens):
 
@@ -76,7 +77,7 @@ def _token_groups(x: fx.Node, d: int, top_k: int, capacity_factor: float, groups
             "(set Config.moe_capacity_regroup to regroup per shard)")
 
 
-def _common(node: fx.Node, x: fx.Node, router_w: fx.Node, state: StateOf, env: RuleEnv,
+def _common(node: fx.Node, x: fx.Node, router_w: fx.Node, experts: tuple, state: StateOf, env: RuleEnv,
             top_k: int, capacity_factor: float, groups: int, group_name: str) -> Optional[tuple[int, int, bool]]:
     """(sharded dim, token_groups on the shard, whether the EP group crosses the region's) when
     the op can run on x's shard."""
@@ -90,6 +91,9 @@ def _common(node: fx.Node, x: fx.Node, router_w: fx.Node, state: StateOf, env: R
     elif not_crossing:
         why = (f"its expert-parallel group {group_name} is not the gathered group {env.group} and does not cross "
                f"it as a mesh dim ({not_crossing})")
+    elif crossing and not all(env.replicated(w) for w in experts):
+        # across mesh dims a shard's tokens meet another TP rank's copy of each expert
+        why = "its expert weights are not known to be identical on every rank of the gathered group"
     elif state(router_w) is not None or not env.replicated(router_w):
         why = "router weight not known to be identical on every rank"
     else:
@@ -110,7 +114,7 @@ def moe_forward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | N
     if any(state(w) is not None for w in (w1, w3, w2)):
         env.refusals[node] = f"{node.name} stays on full tokens: expert weights computed in the region"
         return None
-    got = _common(node, x, router_w, state, env, top_k, capacity_factor, groups, group_name)
+    got = _common(node, x, router_w, (w1, w3, w2), state, env, top_k, capacity_factor, groups, group_name)
     if got is None:
         return None
     d, g, _ = got
@@ -129,7 +133,7 @@ def moe_backward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | 
             any(not env.replicated(a) for a in (grad_probs_sum, grad_z_sum)):
         env.refusals[node] = f"{node.name} stays full: statistics gradients not replicated"
         return None
-    got = _common(node, x, router_w, state, env, top_k, capacity_factor, groups, group_name)
+    got = _common(node, x, router_w, (w1, w3, w2), state, env, top_k, capacity_factor, groups, group_name)
     if got is None:
         return None
     d, g, crossing = got

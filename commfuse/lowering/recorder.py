@@ -164,7 +164,8 @@ class Recorder:
             k["logged_bytes"] += c.logged_bytes or 0
             k["sent_bytes"] += c.sent_bytes
             end = c.end_ns
-            if end is None or end <= c.issued_ns:
+            # an op's own collectives run inside a compute region, which waits for them
+            if end is None or end <= c.issued_ns or c.graph == KERNEL_GRAPH:
                 continue
             inflight += end - c.issued_ns
             overlapped += sum(max(0, min(end, b) - max(c.issued_ns, a)) for a, b in compute)

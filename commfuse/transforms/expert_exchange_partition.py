@@ -89,6 +89,7 @@ graph_trainer experiment (ep_chunk_pass / ep_overlap_pass).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+import math
 from typing import Any, Optional
 
 import torch
@@ -97,12 +98,14 @@ import torch.fx as fx
 from commfuse.analysis import chains
 from commfuse.analysis.chains import Chain, ChainStep, Partial, Split
 from commfuse.analysis.chunking import independent_compute_us, operation_level_plan
+from commfuse.analysis.rank_local import rank_local_reason
 from commfuse.costmodel.collectives import concrete
 from commfuse.costmodel.compute import OpCost
 from commfuse.costmodel.pipeline import pipeline_us
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind
+from commfuse.ir.shapes import shape_of
 from commfuse.ops.moe_layer import comm_volume
 from commfuse.ops.moe_layer import cost as moe_cost
 from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
@@ -391,9 +394,16 @@ def plan_token_chunks(ctx: PassContext, node: fx.Node) -> TokenChunkPlan | str:
     if est is None:
         k = min(DEFAULT_CHUNKS, cfg.max_chunks)
         return TokenChunkPlan(node.name, k, f"no topology: {k} chunks") if k >= 2 else "max_chunks < 2"
+    # the count is priced from this rank's token count: every rank of the group must see the same
+    # (chunk counts that differ between ranks would mismatch the count exchange)
+    local = rank_local_reason(ctx.ir.collectives, ctx.gm)
+    if local:
+        return f"the count would be priced from sizes that may differ between ranks: {local}"
     whole = moe_cost.time_us(est, node, 1)
     bound = operation_level_plan(0.0, whole - moe_cost.compute_us(est, node), 0.0, cfg.max_chunks)
-    timed = [(moe_cost.time_us(est, node, k), k) for k in range(2, bound.num_chunks + 1)]
+    tokens = math.prod(shape_of(node.args[off])[:-1])
+    # at most one chunk per token: more would only add empty exchanges
+    timed = [(moe_cost.time_us(est, node, k), k) for k in range(2, min(bound.num_chunks, tokens) + 1)]
     if not timed:
         return f"Algorithm 1: {bound.why}"
     span, k = min(timed)

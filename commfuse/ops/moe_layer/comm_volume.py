@@ -33,7 +33,7 @@ def transfers(x_shape: tuple[int, ...], elt: int, num_experts: int, n: int, top_
               ) -> list[EmbeddedTransfer]:
     """The exchanges of one call on tokens ``x_shape``; ``widths``: values per row of each
     exchange, in issue order; ``chunks``: token chunks of a dropless call (one transfer per
-    chunk and way, the rows shared evenly)."""
+    chunk and way, the chunks' rows as the kernel cuts them)."""
     if not group_name or n < 2:
         return []
     tokens, experts = math.prod(x_shape[:-1]), num_experts
@@ -49,7 +49,9 @@ def transfers(x_shape: tuple[int, ...], elt: int, num_experts: int, n: int, top_
         chunks = 1
     for what, width in widths.items():
         for i in range(chunks):
-            logged = (rows * (i + 1) // chunks - rows * i // chunks) * width * elt
+            # the kernel's token chunks: tensor_split, the first ``tokens % chunks`` one token longer
+            chunk_tokens = tokens // chunks + (1 if i < tokens % chunks else 0)
+            logged = (rows if chunks == 1 else chunk_tokens * top_k) * width * elt
             label = what if chunks == 1 else f"{what} {i + 1}/{chunks}"
             out.append(EmbeddedTransfer(CollectiveKind.ALL_TO_ALL, group_name, n, logged, logged * (n - 1) // n,
                                         label, estimated=dropless))
@@ -78,6 +80,8 @@ def node_transfers(node: fx.Node, x_shape: tuple[int, ...] | None = None, token_
     shape = tuple(x_shape or shape_of(x))
     widths = (backward_widths if backward else forward_widths)(shape[-1])
     num_experts = shape_of(router_w)[0]
+    if not isinstance(num_experts, int) or not isinstance(shape_of(w1)[0], int):
+        return []  # symbolic expert counts: the group size, and so the bytes, are unknown
     return transfers(shape, x.meta["val"].element_size(), num_experts, num_experts // shape_of(w1)[0], top_k,
                      capacity_factor, groups if token_groups is None else token_groups, group_name, widths,
                      token_chunk_count(chunks, math.prod(shape[:-1]), capacity_factor))

@@ -39,6 +39,8 @@ def compute_cost(node: fx.Node) -> Optional[OpCost]:
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     if any(s is None for s in shapes) or not isinstance(val, torch.Tensor):
         return None
+    if not all(isinstance(d, int) for shape in shapes for d in shape):
+        return None  # symbolic sizes: their hints are rank-local; priced as an unknown op
     x_shape, (experts, hidden), (local, _, ffn) = shapes
     tokens = math.prod(x_shape[:-1])
     rows = tokens * top_k
@@ -66,16 +68,19 @@ def time_us(model: Any, node: fx.Node, chunks: Optional[int] = None) -> float:
     the same cores, ``1 + kappa``; NCCL: the channels' SMs and memory traffic)."""
     est = _compute(model, node)
     compute = est.time_us
+    if compute_cost(node) is None:
+        return compute  # no static shapes: the transfers are not priced either
     transfers = node_transfers(node, chunks=chunks_of(node) if chunks is None else chunks)
     if not transfers:
         return compute
     extra = model.runtime.collective_in_graph_us or 0.0
 
-    def wire_us(t) -> float:
-        return model.collectives.time(t.kind, t.logged_bytes, t.group_size).time_us + extra
+    def wire_us(t) -> float:  # an empty exchange still pays the call's latency
+        return model.collectives.time(t.kind, max(t.logged_bytes, 1), t.group_size).time_us + extra
 
     counts = sum(wire_us(t) for t in transfers if t.what == "counts")
-    ways = [t for t in transfers if t.what != "counts"]  # k dispatch transfers, then k combines
+    # k dispatch transfers, then k combines; the first chunk is the largest (tensor_split)
+    ways = [t for t in transfers if t.what != "counts"]
     k = len(ways) // 2
     if k > 1:
         compute *= model.slowdown(est, ways[0])
