@@ -312,3 +312,34 @@ def test_op_moves_onto_sequence_shards_when_its_expert_group_is_the_other_mesh_d
         reduced = [tuple(c.input_shapes[0]) for c in CollectiveIR(joint).collectives
                    if c.kind.value == "all_reduce" and c.group.name == tp]
         assert reduced.count((2, 32, 32)) == 3, reduced
+
+
+def test_across_mesh_dims_the_expert_weights_must_be_known_identical_over_the_gathered_group():
+    """Across mesh dims a shard's tokens meet another TP rank's copy of each expert: without the
+    weights known identical over TP (here: no input trusted), the op stays on full tokens and
+    says why; with them it runs on the shard."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from commfuse.ops.moe_layer.op import MOE_LAYER
+    from commfuse.transforms.collective_motion import plan_regions
+
+    with fake_mesh(4, (2, 2), ("ep", "tp")) as mesh:
+        tp, ep = mesh["tp"].get_group(), mesh["ep"].get_group()
+
+        def f(x, rw, w1, w3, w2):
+            full = funcol.all_gather_tensor(x, 0, tp)
+            return list(MOE_LAYER(full, rw, w1, w3, w2, 2, 0.0, 1, ep.group_name))
+
+        gm = make_fx(f, tracing_mode="fake")(torch.randn(8, H), torch.randn(4, H), torch.randn(2, H, 16),
+                                             torch.randn(2, H, 16), torch.randn(2, 16, H))
+        for trusted in (False, True):
+            refusals: list[str] = []
+            plans = plan_regions(gm, CollectiveIR(gm).collectives, refusals, lambda g: trusted,
+                                 crossing=lambda seed, group: None)
+            moved = [n for p in plans for n in p.ops if n.target is MOE_LAYER]
+            if trusted:
+                assert moved, refusals
+            else:
+                assert not moved and any("expert weights are not known to be identical" in r for r in refusals), \
+                    refusals
