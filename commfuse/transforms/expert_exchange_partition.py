@@ -108,7 +108,7 @@ from commfuse.ir.kinds import CollectiveKind
 from commfuse.ir.shapes import shape_of
 from commfuse.ops.moe_layer import comm_volume
 from commfuse.ops.moe_layer import cost as moe_cost
-from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
+from commfuse.ops.moe_layer.op import CHUNKS_ARG, MOE_LAYER, MOE_LAYER_BACKWARD
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms.workload_partition import DEFAULT_CHUNKS, FACTS, _Builder, _Emitter, cuttable_reason
@@ -382,8 +382,9 @@ def plan_token_chunks(ctx: PassContext, node: fx.Node) -> TokenChunkPlan | str:
     if capacity_factor > 0:
         return ("capacity routing inside commfuse::moe_layer: token chunks would change which rows are dropped "
                 "(capacity exchanges written as graph all_to_alls are cut by this pass)")
-    if comm_volume.chunks_of(node) > 1:
-        return f"already cut into {comm_volume.chunks_of(node)} token chunks"
+    cut = comm_volume.chunks_of(node)
+    if cut > 1:
+        return f"already cut into {cut} token chunks"
     ways = [t for t in comm_volume.node_transfers(node) if t.what != "counts"]
     if not group_name or not ways:
         return "no expert-parallel group (or no shapes): nothing is exchanged"
@@ -415,7 +416,7 @@ def plan_token_chunks(ctx: PassContext, node: fx.Node) -> TokenChunkPlan | str:
 
 
 def _set_chunks(node: fx.Node, k: int) -> None:
-    at = 13 if node.target is MOE_LAYER_BACKWARD else 9
+    at = CHUNKS_ARG[node.target]
     args = list(node.args)
     if len(args) > at:
         args[at] = k

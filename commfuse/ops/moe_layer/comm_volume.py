@@ -24,7 +24,7 @@ import torch.fx as fx
 from commfuse.ir.embedded import EmbeddedTransfer, register_embedded_comm
 from commfuse.ir.kinds import CollectiveKind
 from commfuse.ir.shapes import shape_of
-from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD, token_chunk_count
+from commfuse.ops.moe_layer.op import CHUNKS_ARG, MOE_LAYER, MOE_LAYER_BACKWARD, token_chunk_count
 from commfuse.ops.moe_layer.routing import capacity
 
 
@@ -38,6 +38,7 @@ def transfers(x_shape: tuple[int, ...], elt: int, num_experts: int, n: int, top_
         return []
     tokens, experts = math.prod(x_shape[:-1]), num_experts
     dropless = capacity_factor <= 0
+    chunks = token_chunk_count(chunks, capacity_factor)
     out: list[EmbeddedTransfer] = []
     if dropless:
         rows = tokens * top_k
@@ -46,7 +47,6 @@ def transfers(x_shape: tuple[int, ...], elt: int, num_experts: int, n: int, top_
                                     "counts"))
     else:
         rows = experts * token_groups * capacity(capacity_factor, top_k, tokens // token_groups, experts)
-        chunks = 1
     for what, width in widths.items():
         for i in range(chunks):
             # the kernel's token chunks: tensor_split, the first ``tokens % chunks`` one token longer
@@ -83,13 +83,12 @@ def node_transfers(node: fx.Node, x_shape: tuple[int, ...] | None = None, token_
     if not isinstance(num_experts, int) or not isinstance(shape_of(w1)[0], int):
         return []  # symbolic expert counts: the group size, and so the bytes, are unknown
     return transfers(shape, x.meta["val"].element_size(), num_experts, num_experts // shape_of(w1)[0], top_k,
-                     capacity_factor, groups if token_groups is None else token_groups, group_name, widths,
-                     token_chunk_count(chunks, math.prod(shape[:-1]), capacity_factor))
+                     capacity_factor, groups if token_groups is None else token_groups, group_name, widths, chunks)
 
 
 def chunks_of(node: fx.Node) -> int:
     """The ``chunks`` argument of a moe_layer / moe_layer_backward node (1 when not given)."""
-    at = 13 if node.target is MOE_LAYER_BACKWARD else 9
+    at = CHUNKS_ARG[node.target]
     if len(node.args) > at:
         return int(node.args[at])
     return int(node.kwargs.get("chunks", 1))

@@ -52,13 +52,9 @@ def compute_cost(node: fx.Node) -> Optional[OpCost]:
     return OpCost(flops, nbytes, "matmul", dtype, tokens * hidden)
 
 
-def _compute(model: Any, node: fx.Node):
-    cost = compute_cost(node)
-    return model.compute.estimate(node) if cost is None else model.compute.estimate_cost(cost)
-
-
 def compute_us(model: Any, node: fx.Node) -> float:
-    return _compute(model, node).time_us
+    cost = compute_cost(node)
+    return (model.compute.estimate(node) if cost is None else model.compute.estimate_cost(cost)).time_us
 
 
 def time_us(model: Any, node: fx.Node, chunks: Optional[int] = None) -> float:
@@ -66,10 +62,11 @@ def time_us(model: Any, node: fx.Node, chunks: Optional[int] = None) -> float:
     its exchange cut into ``chunks`` (default: the node's). Cut, the experts compute while other
     chunks' rows are on the wire, slowed as the contention model says (gloo: its threads take
     the same cores, ``1 + kappa``; NCCL: the channels' SMs and memory traffic)."""
-    est = _compute(model, node)
+    cost = compute_cost(node)
+    if cost is None:  # no static shapes: priced as an unknown op, the transfers not at all
+        return model.compute.estimate(node).time_us
+    est = model.compute.estimate_cost(cost)
     compute = est.time_us
-    if compute_cost(node) is None:
-        return compute  # no static shapes: the transfers are not priced either
     transfers = node_transfers(node, chunks=chunks_of(node) if chunks is None else chunks)
     if not transfers:
         return compute

@@ -109,10 +109,10 @@ def _route(x: Tensor, router_w: Tensor, top_k: int, capacity_factor: float, toke
     return logits, probs, gates, experts, assign(experts, router_w.shape[0], capacity_factor, token_groups)
 
 
-def token_chunk_count(chunks: int, tokens: int, capacity_factor: float) -> int:
+def token_chunk_count(chunks: int, capacity_factor: float) -> int:
     """The exchanges a call is cut into: ``chunks`` for dropless routing, else 1 -- capacity
     slots are counted over a token group, and cutting it would change which assignments are
-    dropped. Not bounded by ``tokens``: ranks may hold different token counts and must issue
+    dropped. Not bounded by the tokens: ranks may hold different token counts and must issue
     the same all_to_alls (a chunk without tokens exchanges empty buffers)."""
     return max(1, chunks) if capacity_factor <= 0 else 1
 
@@ -139,7 +139,7 @@ def moe_forward(x: Tensor, router_w: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
     _check(x, router_w, w1, top_k, 1 if group is None else dist.get_world_size(group))
     shape, x = x.shape, x.reshape(-1, x.shape[-1])
     logits, probs, gates, experts, a = _route(x, router_w, top_k, capacity_factor, token_groups)
-    chunks = token_chunk_count(chunks, x.shape[0], capacity_factor)
+    chunks = token_chunk_count(chunks, capacity_factor)
     exchanges = _exchanges(a, x.shape[0], router_w.shape[0], group, chunks)
     rows = x[a.token].split([ex.a.token.numel() for ex in exchanges])
     y = _pipelined(exchanges, rows, lambda received: [swiglu(r, w1[e], w3[e], w2[e])
@@ -156,7 +156,7 @@ def moe_backward(grad_out: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor, x
     shape, h = x.shape, x.shape[-1]
     x, grad_out = x.reshape(-1, h), grad_out.reshape(-1, h)
     logits, probs, gates, experts, a = _route(x, router_w, top_k, capacity_factor, token_groups)
-    chunks = token_chunk_count(chunks, x.shape[0], capacity_factor)
+    chunks = token_chunk_count(chunks, capacity_factor)
     exchanges = _exchanges(a, x.shape[0], router_w.shape[0], group, chunks)
     gate = gates[a.token, a.choice].to(x.dtype)
     payload = torch.cat([x[a.token], grad_out[a.token], gate.unsqueeze(1)], dim=1)
@@ -232,3 +232,5 @@ def _backward(ctx, grad_out, grad_probs_sum, grad_top1, grad_z_sum):
 moe_layer.register_autograd(_backward, setup_context=_setup_context)
 MOE_LAYER = torch.ops.commfuse.moe_layer.default
 MOE_LAYER_BACKWARD = torch.ops.commfuse.moe_layer_backward.default
+# the position of each op's ``chunks`` argument
+CHUNKS_ARG = {MOE_LAYER: 9, MOE_LAYER_BACKWARD: 13}
