@@ -49,6 +49,7 @@ Refused (the op stays on full tokens):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Optional
 
 import torch.fx as fx
@@ -56,7 +57,7 @@ import torch.fx as fx
 from commfuse.analysis.shard_layouts import Complete, LocalOp, Partial, RuleEnv, Sharded, StateOf
 from commfuse.ir.shapes import shape_of
 from commfuse.ops.moe_layer.comm_volume import node_transfers
-from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
+from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD, MoeOperands
 from commfuse.ops.moe_layer.routing import capacity_can_bind
 
 
@@ -109,46 +110,47 @@ def _common(node: fx.Node, x: fx.Node, router_w: fx.Node, experts: tuple, state:
 
 
 def moe_forward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
-    x, router_w, w1, w3, w2, top_k, capacity_factor, groups, group_name = node.args[:9]
-    rest = node.args[9:]  # token chunks of the exchange: unchanged on a shard
-    if any(state(w) is not None for w in (w1, w3, w2)):
+    ops = MoeOperands.of(node)  # its token chunks stay as they are on a shard
+    experts = (ops.w1, ops.w3, ops.w2)
+    if any(state(w) is not None for w in experts):
         env.refusals[node] = f"{node.name} stays on full tokens: expert weights computed in the region"
         return None
-    got = _common(node, x, router_w, (w1, w3, w2), state, env, top_k, capacity_factor, groups, group_name)
+    got = _common(node, ops.x, ops.router_w, experts, state, env, ops.top_k, ops.capacity_factor,
+                  ops.token_groups, ops.group_name)
     if got is None:
         return None
     d, g, _ = got
-    args = (x, router_w, w1, w3, w2, top_k, capacity_factor, g, group_name, *rest)
+    args = replace(ops, token_groups=g).args()
     return LocalOp(args, {}, (Sharded(d), Partial(), Partial(), Partial()), wire_saved=_wire_saved(node, d, g, env.n))
 
 
 def moe_backward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
-    (grad_out, grad_probs_sum, grad_z_sum, x, router_w, w1, w3, w2,
-     top_k, capacity_factor, groups, group_name, scale) = node.args[:13]
-    rest = node.args[13:]
-    if state(grad_out) != state(x):
-        env.refusals[node] = f"{node.name} stays full: output gradient is {state(grad_out)}, tokens {state(x)}"
+    ops = MoeOperands.of(node)
+    x, experts = ops.x, (ops.w1, ops.w3, ops.w2)
+    stats = (ops.grad_probs_sum, ops.grad_z_sum)
+    if state(ops.grad_out) != state(x):
+        env.refusals[node] = f"{node.name} stays full: output gradient is {state(ops.grad_out)}, tokens {state(x)}"
         return None
-    if any(state(a) is not None for a in (grad_probs_sum, grad_z_sum, w1, w3, w2)) or \
-            any(not env.replicated(a) for a in (grad_probs_sum, grad_z_sum)):
+    if any(state(a) is not None for a in (*stats, *experts)) or any(not env.replicated(a) for a in stats):
         env.refusals[node] = f"{node.name} stays full: statistics gradients not replicated"
         return None
-    got = _common(node, x, router_w, (w1, w3, w2), state, env, top_k, capacity_factor, groups, group_name)
+    got = _common(node, x, ops.router_w, experts, state, env, ops.top_k, ops.capacity_factor,
+                  ops.token_groups, ops.group_name)
     if got is None:
         return None
     d, g, crossing = got
-    if group_name and not crossing:
+    scale = ops.expert_grad_scale
+    if ops.group_name and not crossing:
         scale, weights = scale * env.n, Complete()
     else:
         weights = Partial()
-    args = (grad_out, grad_probs_sum, grad_z_sum, x, router_w, w1, w3, w2, top_k, capacity_factor, g,
-            group_name, scale, *rest)
+    args = replace(ops, token_groups=g, expert_grad_scale=scale).args()
     return LocalOp(args, {}, (Sharded(d), Partial(), weights, weights, weights),
                    wire_saved=_wire_saved(node, d, g, env.n))
 
 
 def _wire_saved(node: fx.Node, d: int, groups: int, n: int) -> int:
-    shape = list(shape_of(node.args[3] if node.target is MOE_LAYER_BACKWARD else node.args[0]))
+    shape = list(shape_of(MoeOperands.of(node).x))
     full = sum(t.wire_bytes for t in node_transfers(node))
     shape[d] //= n
     return full - sum(t.wire_bytes for t in node_transfers(node, tuple(shape), groups))

@@ -24,7 +24,7 @@ import torch.fx as fx
 from commfuse.ir.embedded import EmbeddedTransfer, register_embedded_comm
 from commfuse.ir.kinds import CollectiveKind
 from commfuse.ir.shapes import shape_of
-from commfuse.ops.moe_layer.op import CHUNKS_ARG, MOE_LAYER, MOE_LAYER_BACKWARD, token_chunk_count
+from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD, MoeOperands, token_chunk_count
 from commfuse.ops.moe_layer.routing import capacity
 
 
@@ -71,27 +71,24 @@ def node_transfers(node: fx.Node, x_shape: tuple[int, ...] | None = None, token_
     """Transfers of a moe_layer / moe_layer_backward node; ``x_shape``, ``token_groups`` and
     ``chunks`` override the node's (what the same call would send on a token shard, or cut
     into that many token chunks)."""
-    backward = node.target is MOE_LAYER_BACKWARD
-    args = node.args[3:12] if backward else node.args[:9]
-    x, router_w, w1, _w3, _w2, top_k, capacity_factor, groups, group_name = args
-    chunks = chunks_of(node) if chunks is None else chunks
+    ops = MoeOperands.of(node)
+    x, router_w, w1 = ops.x, ops.router_w, ops.w1
+    chunks = int(ops.chunks) if chunks is None else chunks
     if (x_shape is None and shape_of(x) is None) or shape_of(router_w) is None or shape_of(w1) is None:
         return []  # no fake-tensor metadata (e.g. the Dynamo graph before AOTAutograd): bytes unknown
     shape = tuple(x_shape or shape_of(x))
-    widths = (backward_widths if backward else forward_widths)(shape[-1])
+    widths = (backward_widths if ops.backward else forward_widths)(shape[-1])
     num_experts = shape_of(router_w)[0]
     if not isinstance(num_experts, int) or not isinstance(shape_of(w1)[0], int):
         return []  # symbolic expert counts: the group size, and so the bytes, are unknown
-    return transfers(shape, x.meta["val"].element_size(), num_experts, num_experts // shape_of(w1)[0], top_k,
-                     capacity_factor, groups if token_groups is None else token_groups, group_name, widths, chunks)
+    return transfers(shape, x.meta["val"].element_size(), num_experts, num_experts // shape_of(w1)[0], ops.top_k,
+                     ops.capacity_factor, ops.token_groups if token_groups is None else token_groups,
+                     ops.group_name, widths, chunks)
 
 
 def chunks_of(node: fx.Node) -> int:
     """The ``chunks`` argument of a moe_layer / moe_layer_backward node (1 when not given)."""
-    at = CHUNKS_ARG[node.target]
-    if len(node.args) > at:
-        return int(node.args[at])
-    return int(node.kwargs.get("chunks", 1))
+    return int(MoeOperands.of(node).chunks)
 
 
 def register() -> None:

@@ -26,16 +26,15 @@ from commfuse.costmodel.analytic import register_op_time
 from commfuse.costmodel.compute import OpCost
 from commfuse.costmodel.pipeline import pipeline_us
 from commfuse.ir.shapes import shape_of
-from commfuse.ops.moe_layer.comm_volume import chunks_of, node_transfers
-from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
+from commfuse.ops.moe_layer.comm_volume import node_transfers
+from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD, MoeOperands
 
 
 def compute_cost(node: fx.Node) -> Optional[OpCost]:
     """The router's and the experts' work of one call (None without shapes)."""
-    backward = node.target is MOE_LAYER_BACKWARD
-    off = 3 if backward else 0
-    x, router_w, w1, top_k = node.args[off], node.args[off + 1], node.args[off + 2], node.args[off + 5]
-    shapes = shape_of(x), shape_of(router_w), shape_of(w1)
+    ops = MoeOperands.of(node)
+    x, top_k = ops.x, ops.top_k
+    shapes = shape_of(x), shape_of(ops.router_w), shape_of(ops.w1)
     val = x.meta.get("val") if isinstance(x, fx.Node) else None
     if any(s is None for s in shapes) or not isinstance(val, torch.Tensor):
         return None
@@ -44,7 +43,7 @@ def compute_cost(node: fx.Node) -> Optional[OpCost]:
     x_shape, (experts, hidden), (local, _, ffn) = shapes
     tokens = math.prod(x_shape[:-1])
     rows = tokens * top_k
-    matmuls, router = (9, 3) if backward else (3, 1)
+    matmuls, router = (9, 3) if ops.backward else (3, 1)
     flops = matmuls * 2 * rows * hidden * ffn + router * 2 * tokens * hidden * experts
     elt = val.element_size()
     nbytes = elt * (rows * 2 * (hidden + ffn) + 3 * local * hidden * ffn + 2 * tokens * hidden)
@@ -67,7 +66,7 @@ def time_us(model: Any, node: fx.Node, chunks: Optional[int] = None) -> float:
         return model.compute.estimate(node).time_us
     est = model.compute.estimate_cost(cost)
     compute = est.time_us
-    transfers = node_transfers(node, chunks=chunks_of(node) if chunks is None else chunks)
+    transfers = node_transfers(node, chunks=chunks)  # None: the node's own
     if not transfers:
         return compute
     extra = model.runtime.collective_in_graph_us or 0.0

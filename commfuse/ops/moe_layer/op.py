@@ -37,11 +37,14 @@ passes 1 (the pass that moves the op onto shards changes it, see moe_rules).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.node import Argument
 
 from commfuse.ops.moe_layer.exchange import Exchange, token_chunk_exchanges, token_chunks
 from commfuse.ops.moe_layer.routing import Assignments, assign, router_probs, router_statistics, top_k_gates
@@ -232,5 +235,80 @@ def _backward(ctx, grad_out, grad_probs_sum, grad_top1, grad_z_sum):
 moe_layer.register_autograd(_backward, setup_context=_setup_context)
 MOE_LAYER = torch.ops.commfuse.moe_layer.default
 MOE_LAYER_BACKWARD = torch.ops.commfuse.moe_layer_backward.default
+MOE_OPS = (MOE_LAYER, MOE_LAYER_BACKWARD)
+
+
+def arg_names(op: torch._ops.OpOverload) -> tuple[str, ...]:
+    """The op's argument names, in schema order (a graph node's positional order)."""
+    return tuple(a.name for a in op._schema.arguments)
+
+
 # the position of each op's ``chunks`` argument
-CHUNKS_ARG = {MOE_LAYER: 9, MOE_LAYER_BACKWARD: 13}
+CHUNKS_ARG = {op: arg_names(op).index("chunks") for op in MOE_OPS}
+
+
+@dataclass(frozen=True)
+class MoeOperands:
+    """The arguments of one ``moe_layer`` / ``moe_layer_backward`` call, by their schema names.
+
+    The fields are named as the ops' schemas name their arguments, and :meth:`of` fills them by
+    those names, so no reader of a graph node counts positions. Tensor operands are what the
+    node holds (``fx.Node``\\ s in a graph); ``chunks`` is the schema default when the node
+    omits it. ``grad_out``, ``grad_probs_sum``, ``grad_z_sum`` and ``expert_grad_scale`` are
+    the backward op's alone (None for the forward op).
+    """
+
+    op: torch._ops.OpOverload
+    x: Argument  # the tokens, [..., H]
+    router_w: Argument  # [E, H]
+    w1: Argument  # this rank's experts: [E/N, H, F]
+    w3: Argument  # [E/N, H, F]
+    w2: Argument  # [E/N, F, H]
+    top_k: int
+    capacity_factor: float
+    token_groups: int
+    group_name: str
+    chunks: int = 1
+    grad_out: Argument = None
+    grad_probs_sum: Argument = None
+    grad_z_sum: Argument = None
+    expert_grad_scale: Optional[float] = None
+
+    @property
+    def backward(self) -> bool:
+        return self.op is MOE_LAYER_BACKWARD
+
+    @classmethod
+    def of(cls, node: fx.Node) -> "MoeOperands":
+        """The operands of ``node``, a call of either op (positional or keyword arguments);
+        TypeError for any other node."""
+        if node.op != "call_function" or node.target not in MOE_OPS:
+            raise TypeError(f"{node.name} ({node.op} {node.target}) is not a call of commfuse::moe_layer "
+                            "or commfuse::moe_layer_backward")
+        schema = node.target._schema.arguments
+        unknown = sorted(set(node.kwargs) - {a.name for a in schema})
+        if len(node.args) > len(schema) or unknown:
+            raise TypeError(f"{node.name}: {len(node.args)} positional arguments and keywords {unknown} do "
+                            f"not fit {node.target}'s schema {list(arg_names(node.target))}")
+        values = {}
+        for i, a in enumerate(schema):
+            if i < len(node.args):
+                values[a.name] = node.args[i]
+            elif a.name in node.kwargs:
+                values[a.name] = node.kwargs[a.name]
+            elif a.has_default_value():
+                values[a.name] = a.default_value
+            else:
+                raise TypeError(f"{node.name}: {node.target} without its {a.name!r} argument")
+        return cls(node.target, **values)
+
+    def args(self) -> tuple:
+        """Positional arguments of a call of the op with these operands (e.g. after
+        ``dataclasses.replace``); trailing arguments at their schema default are left out,
+        as tracing leaves them out."""
+        schema = self.op._schema.arguments
+        values = [getattr(self, a.name) for a in schema]
+        end = len(values)
+        while end and schema[end - 1].has_default_value() and values[end - 1] == schema[end - 1].default_value:
+            end -= 1
+        return tuple(values[:end])
