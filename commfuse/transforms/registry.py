@@ -21,6 +21,7 @@ from commfuse.transforms.expert_exchange_partition import ExpertExchangePartitio
 from commfuse.transforms.fuse_collectives import FuseCollectives
 from commfuse.transforms.gloo_reduce_scatter import GlooReduceScatter
 from commfuse.transforms.group_partition import GroupPartition
+from commfuse.transforms.hidden_exchange_partition import HiddenExchangePartition
 from commfuse.transforms.lagom_tune import LagomTune
 from commfuse.transforms.moe_recognition import MoERecognition
 from commfuse.transforms.partition_search import CentauriPartition
@@ -46,6 +47,7 @@ BUILTIN_PASSES: tuple[Type[GraphPass], ...] = (
     BoundaryFusion,
     WorkloadPartition,
     ExpertExchangePartition,
+    HiddenExchangePartition,
     PrimitiveSubstitution,
     PrimitiveSubstitutionForced,
     GroupPartition,
