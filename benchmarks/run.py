@@ -311,6 +311,12 @@ _REPORTS = {
                         "mesh_transitions_tables", "mesh_transitions",
         "only the TP->EP transition on 2-D meshes [2,2], [4,2], [2,4]: bytes per rank before/after "
         "fuse_collectives across groups vs the closed form and Table 2's range (counted)"),
+    # predicted (fake process group, one process): torchtitan's dropless exchange cut along the hidden dim
+    "hidden_exchange": SingleReport("benchmarks.hidden_exchange", "run_hidden_exchange",
+                        "hidden_exchange_tables", "hidden_exchange",
+        "only hidden_exchange_partition on a torchtitan-style dropless MoE block (8 EP ranks, one and "
+        "two DGX-H100 nodes): per exchange the decision, the graph's makespan and exposed "
+        "communication whole / with the pass / forced to two blocks (predicted)"),
     # decided (compiled on 2 gloo ranks): the passes' decisions with and without a calibrated profile
     "calibrated_decisions": SingleReport("benchmarks.calibrated_decisions", "run_calibrated_decisions",
                         "calibrated_decisions_tables", "calibrated_decisions",

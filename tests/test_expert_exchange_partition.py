@@ -383,3 +383,175 @@ def test_token_chunks_are_not_priced_from_sizes_ranks_may_not_share():
         assert not isinstance(plan_token_chunks(ctx, node), TokenChunkPlan)
         est = ctx.cost.model
         assert moe_cost.time_us(est, node, 3) > moe_cost.time_us(est, node, 1)
+
+
+# ---------------------------------------------------------------- uneven chunks (Algorithm 1's granularity)
+def _exchange_on(n: int, experts: int, C: int, D: int = D, H: int = H):
+    """``_exchange`` on ``n`` ranks, traced."""
+    local = experts // n
+
+    def f(x, w1, w2):
+        g = dist.group.WORLD
+        recv = funcol.all_to_all_single(x.reshape(experts * C, D), None, None, g)
+        h = recv.view(n, local, C, D).transpose(0, 1).reshape(local, n * C, D)
+        y = torch.bmm(F.gelu(torch.bmm(h, w1)), w2)
+        back = y.view(local, n, C, D).transpose(0, 1).reshape(experts * C, D)
+        return funcol.all_to_all_single(back, None, None, g)
+
+    return make_fx(f, tracing_mode="fake")(torch.randn(experts, C, D), torch.randn(local, D, H),
+                                           torch.randn(local, H, D))
+
+
+def _chunk_rows(gm) -> list[int]:
+    return [c.input_shapes[0][0] for c in _a2a_starts(gm)]
+
+
+def _uneven_priced_fastest(monkeypatch) -> None:
+    """Make the pipeline model price Algorithm 1's uneven cut below any even one (1 us), so the
+    pass takes it: what a cost model that saw the gain would decide."""
+    from commfuse.transforms import expert_exchange_partition as xp
+
+    monkeypatch.setattr(xp, "_uneven_span", lambda *a, **k: 1.0)
+
+
+@pytest.fixture
+def two_nodes():
+    """A session with the 2 nodes x 2 (4 ranks) or 2 x 4 (8 ranks) sub-groups set up, as
+    ``commfuse.setup(topology=...)`` on every rank; yields (world size -> (topology, session))."""
+    from commfuse.session import reset
+    from commfuse.transforms.group_partition import GroupPartition
+    from _jobs_group_partition import TOPO_2x2
+
+    reset()
+    topos = {4: TOPO_2x2, 8: GroupPartition.fuzz.topology}
+
+    def make(n: int):
+        topo = topos[n]
+        return topo, commfuse.setup(topology=topo)
+
+    try:
+        yield make
+    finally:
+        reset()
+
+
+def test_chunk_pipeline_of_uneven_chunks():
+    from commfuse.costmodel.pipeline import pipeline_us
+    from commfuse.transforms.expert_exchange_partition import chunk_pipeline_us
+
+    for k in (1, 2, 3, 5):
+        assert chunk_pipeline_us([4.0] * k, [9.0 / k] * k, [2.0] * k, 1.5) == pipeline_us(4.0, 9.0, 2.0, k, 1.5)
+    # 2:1:1: dispatches arrive at 2, 3, 4; compute 4, 2, 2 ends at 6, 8, 10; combines 2, 1, 1
+    # end at 8, 9, 11
+    assert chunk_pipeline_us([2.0, 1.0, 1.0], [4.0, 2.0, 2.0], [2.0, 1.0, 1.0]) == 11.0
+
+
+def test_algorithm1_uneven_sizes_cut_into_the_chunk_exchanges(two_nodes, monkeypatch):
+    """4 ranks as 2 nodes x 2, slow inter-node links, little expert compute: Algorithm 1 on the
+    two-level exchange picks its third branch (intra-node step first, 2:1:1). The pipeline
+    model prices the uneven cut above the best even one, so the pass keeps the even cut and
+    says why; priced below it, the pass cuts 2:1:1: the chunk all_to_alls carry 32 / 16 / 16 of
+    the 64 capacity rows (every expert's 8 slots cut 4 / 2 / 2), each still an equal split on
+    the world, and the values equal the unpartitioned program's on every rank."""
+    from commfuse.transforms.expert_exchange_partition import two_level_granularity
+
+    with fake_process_group(N):
+        topo, s = two_nodes(N)
+        gm = _exchange_on(N, 8, C=8)
+        ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo, session=s)
+        c = _a2a_starts(gm)[0]
+        _, chain, c2, _ = plan_exchange_partition(ctx, c, chunks=2)
+        granularity, why = two_level_granularity(ctx, c, c2, chain)
+        assert granularity == (0.5, 0.25, 0.25) and "intra-node step first" in why, why
+        # the real pipeline model on this latency-bound exchange: no cut pays, the uneven one
+        # (a third chunk's launch and latency) least of all
+        why = plan_exchange_partition(ctx, c)
+        assert isinstance(why, str) and "predicted slower than the whole exchange" in why, why
+        assert "uneven 2:1:1 not taken" in why and "slower than 2 even chunks'" in why, why
+        # a bandwidth-bound one: two even chunks pay, the uneven cut is predicted slower than them
+        big = _exchange_on(N, 8, C=32, D=256, H=1024)
+        ctx = PassContext(big, commfuse.Config(topology=topo), topology=topo, session=s)
+        plan = plan_exchange_partition(ctx, _a2a_starts(big)[0])[0]
+        assert (plan.units, plan.granularity, plan.chunks) == (None, "even", 2), plan
+        assert "uneven 2:1:1 not taken" in plan.why and "slower than 2 even chunks'" in plan.why, plan.why
+        # without the sub-groups there are no level times: the same even plan, no uneven note
+        bare = PassContext(big, commfuse.Config(topology=topo), topology=topo)
+        flat = plan_exchange_partition(bare, _a2a_starts(big)[0])[0]
+        assert (flat.chunks, flat.sizes) == (plan.chunks, plan.sizes) and "two-level" not in flat.why
+
+        before = _copy(gm)
+        _uneven_priced_fastest(monkeypatch)
+        rec = _run(gm, topology=topo)
+        (d,) = rec.decisions
+        assert (d["chunks"], d["granularity"], d["sizes"], d["blocks"]) == (3, "2:1:1", [32, 16, 16], 8), d
+        assert "(uneven, 2:1:1)" in d["decision"] and "uneven 2:1:1 taken" in d["decision"], d
+        starts = _a2a_starts(gm)
+        assert _chunk_rows(gm) == [32, 16, 16, 32, 16, 16]
+        assert all(c.extra.get("equal_splits") and c.group.name == "0" for c in starts)
+        # dispatches first, then per chunk: wait, expert compute, combine issued
+        (FileCheck().check(A2A).check(A2A).check(A2A).check(WAIT).check("aten.bmm").check(A2A)
+         .check(WAIT).check("aten.bmm").check(A2A).check(WAIT).check("aten.bmm").check(A2A).run(gm.code))
+        check_equivalent(before, gm, N, groups={"0": "world", **s.reference_groups()})
+
+
+def test_uneven_granularity_rounded_or_left_even_with_the_reason(two_nodes, monkeypatch):
+    """8 ranks as 2 nodes x 4: Algorithm 1 picks 4:1:3 (8 units of every expert's slots). Four
+    slots per expert take no 8 units: rounded to fewer, the decision says so and the graph
+    carries the rounded sizes; two slots per expert take no uneven rounding: the even cut,
+    with the reason."""
+    _uneven_priced_fastest(monkeypatch)
+    with fake_process_group(8):
+        topo, s = two_nodes(8)
+        gm = _exchange_on(8, 8, C=4)
+        before = _copy(gm)
+        rec = _run(gm, topology=topo)
+        (d,) = rec.decisions
+        assert "granularity 0.5, 0.125, 0.375" in d["decision"], d
+        assert "granularity 4:1:3 rounded to" in d["decision"] and "(8 units: " in d["decision"], d
+        units = [int(u) for u in d["granularity"].split(":")]
+        assert len(units) == 3 and len(set(units)) > 1 and sum(units) < 8, d
+        assert d["sizes"] == [32 // sum(units) * u for u in units] and _chunk_rows(gm) == d["sizes"] * 2, d
+        check_equivalent(before, gm, 8, groups={"0": "world", **s.reference_groups()})
+
+        gm = _exchange_on(8, 8, C=2)
+        ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo, session=s)
+        got = plan_exchange_partition(ctx, _a2a_starts(gm)[0])
+        why = got if isinstance(got, str) else got[0].why
+        assert "uneven granularity not applied (granularity 4:1:3" in why, why
+        assert isinstance(got, str) or got[0].units is None
+
+
+@pytest.mark.slow(reason="trains the MoE block eagerly and compiled on 4 gloo ranks")
+@pytest.mark.multirank
+def test_uneven_exchange_trains_like_eager_on_4_ranks(rank_pool_4):
+    """4 gloo ranks as 2 nodes x 2, the uneven cut priced fastest: Algorithm 1 picks 2:1:1 for
+    the forward and the backward exchange (20 capacity slots per expert cut 10 / 5 / 5), the
+    chunk all_to_alls run on real process groups, and losses, gradients and parameters equal
+    eager's on every rank (asserted in the job)."""
+    import _jobs_uneven_exchange as jobs
+
+    results = rank_pool_4.run(jobs.uneven_moe_matches_eager, timeout=300)
+    got = results[0]
+    assert all(r == got for r in results)  # every rank decided the same
+    for graph in ("forward", "backward"):  # the backward's weight gradients: uneven partial sums
+        (d,) = got[graph]["decisions"]
+        assert (d["chunks"], d["granularity"], d["sizes"]) == (3, "2:1:1", [80, 40, 40]), (graph, d)
+        assert "uneven 2:1:1 taken" in d["decision"], d
+        assert got[graph]["kinds"]["all_to_all"] == 6, got[graph]
+
+
+def test_forced_pass_cuts_wherever_algorithm1_is_uneven(two_nodes):
+    """``expert_exchange_partition_forced`` (what the fuzzer checks the uneven rewrite with)
+    takes Algorithm 1's 2:1:1 where the pass itself keeps the even cut, without any pricing
+    patched: the chunk exchanges carry 32 / 16 / 16 rows and the values are unchanged."""
+    with fake_process_group(N):
+        topo, _ = two_nodes(N)
+        gm = _exchange_on(N, 8, C=8)
+        before = _copy(gm)
+        commfuse.optimize(gm, commfuse.Config(passes=["expert_exchange_partition_forced"], topology=topo,
+                                              strict=True))
+        rec = commfuse.last_report(gm).passes[-1]
+        assert rec.counts["exchanges_cut_unevenly"] == 1, rec.refusals
+        assert rec.decisions[0]["sizes"] == [32, 16, 16]
+        assert _chunk_rows(gm) == [32, 16, 16] * 2
+        check_equivalent(before, gm, N)

@@ -22,6 +22,7 @@ Sources / assumptions
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Optional
 
 import torch.fx as fx
@@ -31,6 +32,7 @@ from commfuse.costmodel.compute import ComputeEstimate, ComputeModel, ComputePar
 from commfuse.costmodel.contention import ContentionModel
 from commfuse.costmodel.estimator import CollectiveEstimate
 from commfuse.costmodel.step import RuntimeParams
+from commfuse.costmodel.symbol_hints import SymbolHints
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.collective import Collective
 
@@ -76,6 +78,19 @@ class AnalyticCostModel:
         return est
 
     # ---- extras
+
+    @property
+    def symbol_hint(self) -> "int | SymbolHints":
+        """What a size the graph cannot know is priced at (see :mod:`.symbol_hints`)."""
+        return self.collectives.symbol_hint
+
+    def with_symbol_hints(self, hints: SymbolHints) -> "AnalyticCostModel":
+        """This model (same topology, parameters and calibration) pricing symbols by ``hints``."""
+        other = copy.copy(self)
+        other.collectives = copy.copy(self.collectives)
+        other.compute = copy.copy(self.compute)
+        other.collectives.symbol_hint = other.compute.symbol_hint = hints
+        return other
 
     def compute_estimate(self, node: fx.Node) -> ComputeEstimate:
         return self.compute.estimate(node)

@@ -80,6 +80,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFlo
 
 from commfuse.core.errors import ConfigError
 from commfuse.costmodel.estimator import CollectiveEstimate
+from commfuse.costmodel.symbol_hints import SymbolHints
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind
@@ -113,8 +114,9 @@ def busbw_GBps(kind: CollectiveKind, size_bytes: float, n: int, time_us: float) 
     return algbw_GBps(size_bytes, time_us) * bus_factor(kind, n)
 
 
-def concrete(x: Any, symbol_hint: int = 4096) -> Optional[int]:
-    """An int for a size that may be a sympy expression (symbols -> `symbol_hint`)."""
+def concrete(x: Any, symbol_hint: "int | SymbolHints" = 4096) -> Optional[int]:
+    """An int for a size that may be a sympy expression (symbols -> `symbol_hint`: one value for
+    all, or a :class:`~commfuse.costmodel.symbol_hints.SymbolHints` per symbol)."""
     if x is None:
         return None
     if isinstance(x, bool):
@@ -123,14 +125,20 @@ def concrete(x: Any, symbol_hint: int = 4096) -> Optional[int]:
         return x
     if isinstance(x, float):
         return int(x)
+    hints = symbol_hint if isinstance(symbol_hint, SymbolHints) else SymbolHints({}, symbol_hint)
     if isinstance(x, sympy.Expr):
         if x.free_symbols:
-            x = x.subs({s: symbol_hint for s in x.free_symbols})
+            x = hints.substitute(x)
         return int(x)
     try:  # SymInt and friends
         from torch.fx.experimental.symbolic_shapes import has_hint, hint_int
 
-        return int(hint_int(x)) if has_hint(x) else symbol_hint
+        if has_hint(x):
+            return int(hint_int(x))
+        expr = getattr(getattr(x, "node", None), "expr", None)
+        if hints.values and isinstance(expr, sympy.Expr):
+            return int(hints.substitute(expr))
+        return int(hints)
     except Exception:  # noqa: BLE001 - anything unexpected: no size
         return None
 

@@ -166,7 +166,7 @@ class _Sizes:
         if isinstance(s, int):
             return s
         v = concrete(s, self.hint)
-        return self.hint if v is None else v
+        return int(self.hint) if v is None else v
 
     def numel(self, t: torch.Tensor) -> int:
         return math.prod(self.shape(t))

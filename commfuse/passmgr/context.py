@@ -97,7 +97,7 @@ class PassContext:
         self.partitions: list[list[tuple[int, ...]]] = [
             [tuple(int(r) for r in b) for b in part]
             for part in [*getattr(self.session, "partitions", []), *partitions]]
-        self.cost = CostPolicy(topology, model=cost_model)
+        self.cost = CostPolicy(topology, model=cost_model, graph=gm)
         self._ir_options = IRBuildOptions(group_roles=group_roles or {}, role_sources=role_sources or {})
         self._analyses: dict[Analysis, Any] = {}
         self._named: dict[str, Analysis] = {}

@@ -20,7 +20,10 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch.fx as fx
+
 from commfuse.costmodel.analytic import AnalyticCostModel
+from commfuse.costmodel.symbol_hints import SymbolHints, balanced_exchange_hints
 from commfuse.costmodel.topology import PRESETS, Topology
 from commfuse.ir.graph_ir import CollectiveIR
 
@@ -38,12 +41,22 @@ def graph_world(ir: CollectiveIR) -> int:
 
 
 class CostPolicy:
-    def __init__(self, topology: Optional[Topology], *, model: Optional[AnalyticCostModel] = None) -> None:
+    def __init__(self, topology: Optional[Topology], *, model: Optional[AnalyticCostModel] = None,
+                 graph: Optional[fx.GraphModule] = None) -> None:
         """``model``: price with this estimator (e.g. one built from a calibrated profile) instead of
-        the topology's analytic model."""
+        the topology's analytic model. ``graph``: the graph priced; the split sizes of its
+        data-dependent token exchanges are priced at balanced routing
+        (:func:`~commfuse.costmodel.symbol_hints.balanced_exchange_hints`)."""
         self.topology = topology
-        self._model: Optional[AnalyticCostModel] = model
+        self._graph = graph
+        self._model: Optional[AnalyticCostModel] = self._hinted(model)
         self._defaults: dict[tuple[str, int], AnalyticCostModel] = {}
+
+    def _hinted(self, model: Optional[AnalyticCostModel]) -> Optional[AnalyticCostModel]:
+        if model is None or self._graph is None:
+            return model
+        hints = balanced_exchange_hints(self._graph)
+        return model.with_symbol_hints(SymbolHints(hints, int(model.symbol_hint))) if hints else model
 
     @property
     def backend(self) -> str:
@@ -59,7 +72,7 @@ class CostPolicy:
         if self._model is None and self.topology is None:
             return None
         if self._model is None:
-            self._model = AnalyticCostModel(self.topology, backend=self.backend)
+            self._model = self._hinted(AnalyticCostModel(self.topology, backend=self.backend))
         return self._model
 
     def default_model(self, ir: CollectiveIR, *, backend: str = "nccl") -> tuple[AnalyticCostModel, str]:
@@ -69,13 +82,14 @@ class CostPolicy:
         if backend == "gloo":
             key = ("gloo", 0)
             if key not in self._defaults:
-                self._defaults[key] = AnalyticCostModel(DEFAULT_GLOO_TOPOLOGY, backend="gloo")
+                self._defaults[key] = self._hinted(AnalyticCostModel(DEFAULT_GLOO_TOPOLOGY, backend="gloo"))
             return self._defaults[key], f"default:{DEFAULT_GLOO_TOPOLOGY.name}"
         preset = Topology.preset(DEFAULT_PRESET)
         nodes = max(1, math.ceil(graph_world(ir) / preset.ranks_per_node))
         key = ("nccl", nodes)
         if key not in self._defaults:
-            self._defaults[key] = AnalyticCostModel(Topology.preset(DEFAULT_PRESET, num_nodes=nodes), backend="nccl")
+            self._defaults[key] = self._hinted(AnalyticCostModel(Topology.preset(DEFAULT_PRESET, num_nodes=nodes),
+                                                                 backend="nccl"))
         return self._defaults[key], f"default {DEFAULT_PRESET} x{nodes}"
 
 

@@ -36,7 +36,17 @@ Contract
   elsewhere back together, :func:`reassembly_us`, under the last combines); without a
   topology 2 chunks (torchtitan
   graph_trainer's fixed split); at most ``Config.max_chunks``, lowered until the shapes
-  divide. Chunks are even. With
+  divide. Chunks are even, except on a group spanning nodes whose intra- and inter-node
+  sub-groups ``commfuse.setup`` created: there Algorithm 1 is also run as for the two-level
+  exchange (:func:`two_level_granularity`: ``group_partition``'s level times of both
+  all_to_alls), and when its granularity is uneven (``2:1:1`` on 2 nodes x 2, ``4:1:3`` on
+  2 x 4) every block of the cut is split into ``U`` equal units and chunk i takes ``u_i`` of
+  each (whole capacity slots of every expert, so every chunk exchange is still an
+  equal-split all_to_all), rounded as ``workload_partition`` rounds (coarser units when the
+  shapes do not divide, else the even cut, with the reason); the uneven cut is taken only
+  where the pipeline model (:func:`chunk_pipeline_us`, each chunk priced at its bytes) does
+  not predict it slower than the best even count nor the whole exchange, and the decision
+  says which was taken and why. With
   ``workload_chunks=2`` the pass is the faithful graph_trainer baseline (ep_chunk_pass +
   ep_overlap_pass: two chunks, chunk 0's exchange under chunk 1's compute).
 - Guarantees: values equal to the unoptimised program up to floating-point rounding (weight
@@ -82,7 +92,8 @@ Dropless dispatch (data-dependent split sizes)
 Stage: SCHEDULE (the partitioned forward and backward graphs, as ``workload_partition``).
 
 Source: Centauri (ASPLOS '24) §3.1 "workload partition" (the collective cut with its compute
-chain) and Algorithm 1 §3.2 (the chunk count); the exchange pairing follows torchtitan's
+chain) and Algorithm 1 §3.2 (the chunk count; its group-partitioned branch, the uneven
+granularity); the exchange pairing follows torchtitan's
 graph_trainer experiment (ep_chunk_pass / ep_overlap_pass).
 """
 
@@ -97,7 +108,7 @@ import torch.fx as fx
 
 from commfuse.analysis import chains
 from commfuse.analysis.chains import Chain, ChainStep, Partial, Split
-from commfuse.analysis.chunking import independent_compute_us, operation_level_plan
+from commfuse.analysis.chunking import GroupCosts, independent_compute_us, operation_level_plan, rounded_units
 from commfuse.analysis.rank_local import rank_local_reason
 from commfuse.costmodel.collectives import concrete
 from commfuse.costmodel.compute import OpCost
@@ -111,13 +122,17 @@ from commfuse.ops.moe_layer import cost as moe_cost
 from commfuse.ops.moe_layer.op import CHUNKS_ARG, MOE_LAYER, MOE_LAYER_BACKWARD
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
-from commfuse.transforms.workload_partition import DEFAULT_CHUNKS, FACTS, _Builder, _Emitter, cuttable_reason
+from commfuse.transforms.group_partition import plan_group_partition
+from commfuse.transforms.workload_partition import (DEFAULT_CHUNKS, FACTS, MAX_UNITS, _Builder, _Emitter,
+                                                    cuttable_reason)
 
 DROPLESS = ("dropless dispatch with data-dependent split sizes written as graph all_to_alls: recognise the layer "
             "into commfuse::moe_layer (moe_recognition), whose exchange this pass cuts")
 MOE_OPS = (MOE_LAYER, MOE_LAYER_BACKWARD)
 # Bounds the blocks tried along an all_to_all_single's dim (each is one chain search).
 MAX_BLOCK_CANDIDATES = 16
+# Why Algorithm 1 has no two-level costs for an exchange (then the even decision stands as is).
+NO_LEVEL_TIMES = "no level times"
 
 
 @dataclass(frozen=True)
@@ -132,11 +147,19 @@ class ExchangePlan:
     chain: tuple[str, ...]
     sizes: tuple[int, ...]  # elements of the dispatch's output along ``dim`` in each chunk
     why: str  # how the chunk count was chosen
+    # Uneven chunks: chunk i holds units[i] of sum(units) equal units of every block (None: even).
+    units: Optional[tuple[int, ...]] = None
+
+    @property
+    def granularity(self) -> str:
+        """``"2:1:1"`` for an uneven cut, ``"even"`` otherwise."""
+        return ":".join(map(str, self.units)) if self.units else "even"
 
     def describe(self) -> str:
         cut = f"dim {self.dim}" + (f" in {self.blocks} blocks" if self.blocks > 1 else "")
-        return (f"{self.dispatch} -> {self.combine}: {self.chunks} chunks of sizes {list(self.sizes)} along {cut} "
-                f"with a chain of {len(self.chain)} ops ({self.why})")
+        uneven = f" (uneven, {self.granularity})" if self.units else ""
+        return (f"{self.dispatch} -> {self.combine}: {self.chunks} chunks of sizes {list(self.sizes)}{uneven} along "
+                f"{cut} with a chain of {len(self.chain)} ops ({self.why})")
 
 
 # ---------------------------------------------------------------------------- matching
@@ -287,19 +310,22 @@ def _chunk_count(ctx: PassContext, c: Collective) -> tuple[int, str]:
     return max(plan.num_chunks, min(DEFAULT_CHUNKS, cfg.max_chunks)), f"Algorithm 1: {plan.why}"
 
 
-def _exchange_us(est, c: Collective, k: int) -> float:
-    """Predicted time of one of ``k`` even chunks of the exchange ``c`` (launch included)."""
+def _exchange_us(est, c: Collective, k: int, units: int = 1) -> float:
+    """Predicted time of a chunk of ``units`` of ``k`` equal units of the exchange ``c`` (launch
+    included; the default: one of ``k`` even chunks)."""
     size = concrete(c.input_bytes) or 0
-    t = est.collectives.time(CollectiveKind.ALL_TO_ALL, size // k, c.group.size, ranks=c.group.ranks).time_us
+    t = est.collectives.time(CollectiveKind.ALL_TO_ALL, size * units // k, c.group.size, ranks=c.group.ranks).time_us
     extra = est.runtime.collective_in_graph_us or 0.0
     return t + extra if t > 0 else t
 
 
-def reassembly_us(est, chain: Chain) -> float:
+def reassembly_us(est, chain: Chain, parts: Optional[int] = None) -> float:
     """What the cut adds after the chunk pipeline: each chain value used outside the chain put
-    back together -- a copy of its chunks into one buffer, or ``k - 1`` adds of partial sums
-    (a weight gradient contracted over the cut tokens)."""
+    back together -- a copy of its chunks into one buffer, or ``parts - 1`` adds of partial sums
+    (a weight gradient contracted over the cut tokens). ``parts``: the chunks (default: the
+    chain's, which counts units when the cut is uneven)."""
     layout = {s.node: s.out for s in chain.steps}
+    k = parts or chain.chunks
     total = 0.0
     for node in chain.outputs:
         val = node.meta.get("val")
@@ -309,21 +335,110 @@ def reassembly_us(est, chain: Chain) -> float:
         dtype = "bf16" if val.dtype in (torch.bfloat16, torch.float16) else "fp32"
         if isinstance(layout.get(node), Partial):
             add = OpCost(numel, 3 * nbytes, "pointwise", dtype, numel)
-            total += (chain.chunks - 1) * est.compute.estimate_cost(add).time_us
+            total += (k - 1) * est.compute.estimate_cost(add).time_us
         else:
             total += est.compute.estimate_cost(OpCost(0, 2 * nbytes, "memory", dtype, numel)).time_us
     return total
 
 
-def plan_exchange_partition(ctx: PassContext, c: Collective, chunks: Optional[int] = None
+def chunk_pipeline_us(dispatch: list[float], compute: list[float], combine: list[float], tail_us: float = 0.0) -> float:
+    """:func:`pipeline_us` for chunks of different sizes (per-chunk dispatch, compute and combine
+    times); equal lists give ``pipeline_us``'s span."""
+    comm_end, arrived = 0.0, []
+    for d in dispatch:
+        comm_end += d
+        arrived.append(comm_end)
+    comp_end = 0.0
+    for a, w, b in zip(arrived, compute, combine):
+        comp_end = max(comp_end, a) + w
+        comm_end = max(comm_end, comp_end) + b
+    return max(comm_end, comp_end + tail_us)
+
+
+def _fmt(units) -> str:
+    return ":".join(map(str, units))
+
+
+def two_level_granularity(ctx: PassContext, c: Collective, c2: Collective, chain: Chain
+                          ) -> tuple[Optional[tuple[float, ...]], str]:
+    """Centauri's Algorithm 1 for the exchange ``c`` -> ``chain`` -> ``c2`` as if run as the
+    two-level exchange (``group_partition``'s plan of both all_to_alls: ``cost_inter`` /
+    ``cost_intra`` their inter- and intra-node levels' predicted times, the chain's compute,
+    the independent compute around the dispatch): its granularity when uneven, else None; and
+    why. None too where the group does not span nodes with sub-groups set up (no level times)."""
+    est = ctx.cost.model
+    if est is None:
+        return None, f"{NO_LEVEL_TIMES} (no topology)"
+    plans = [plan_group_partition(ctx, x) for x in (c, c2)]
+    bad = next((p for p in plans if isinstance(p, str)), None)
+    if bad is not None:
+        return None, f"{NO_LEVEL_TIMES} (no two-level exchange: {bad})"
+
+    def level_us(inter: bool) -> float:
+        return sum(lv.predicted_us for p in plans for lv in p.levels
+                   if (lv.group == p.inter_group) == inter)
+
+    costs = GroupCosts(cost_inter=level_us(True), cost_intra=level_us(False),
+                       inter_size=plans[0].nodes, intra_size=plans[0].local)
+    comp = sum(est.compute_time_us(n) for n in chain.compute_nodes)
+    comm = est.collective(c).time_us + est.collective(c2).time_us
+    op = operation_level_plan(comp, comm, independent_compute_us(ctx.gm, ctx.ir, c, est), ctx.config.max_chunks,
+                              group=costs)
+    why = f"Algorithm 1 on the two-level exchange: {op.why}, granularity {', '.join(f'{g:.3g}' for g in op.granularity)}"
+    if op.num_chunks < 2 or len(set(op.granularity)) == 1:
+        return None, why
+    return op.granularity, why
+
+
+def _uneven_cut(ctx: PassContext, c: Collective, granularity: tuple[float, ...]
+                ) -> tuple[tuple[int, ...], tuple[Chain, Collective, Split], str] | str:
+    """Chunks in the proportions ``granularity``: every block of the exchange cut into ``U``
+    equal units (a chain found for ``U`` even chunks) and chunk i taking ``units[i]`` of each,
+    so every chunk exchange is again an equal-split all_to_all. The exact proportions first,
+    then coarser roundings (``workload_partition``'s); (units, the cut, a note on rounding), or
+    why none divides the shapes."""
+    if len(granularity) > ctx.config.max_chunks:
+        return f"granularity of {len(granularity)} chunks exceeds max_chunks={ctx.config.max_chunks}"
+    candidates = rounded_units(granularity, MAX_UNITS)
+    if not candidates:
+        return f"no rounding to at most {MAX_UNITS} units keeps it uneven"
+    first_why = None
+    for units in candidates:
+        best = _best(ctx, c, sum(units))
+        if not isinstance(best, str):
+            note = "" if units == candidates[0] else (f"granularity {_fmt(candidates[0])} rounded to {_fmt(units)} "
+                                                       f"({sum(candidates[0])} units: {first_why})")
+            return units, best, note
+        first_why = first_why or best
+    return f"granularity {_fmt(candidates[0])}: {first_why}"
+
+
+def _uneven_span(ctx: PassContext, c: Collective, units: tuple[int, ...], best) -> float:
+    """The chunk pipeline of the uneven cut ``units`` (each chunk priced at its bytes)."""
+    est, total = ctx.cost.model, sum(units)
+    chain, c2, _ = best
+    comp = sum(est.compute_time_us(n) for n in chain.compute_nodes)
+    return chunk_pipeline_us([_exchange_us(est, c, total, u) for u in units], [comp * u / total for u in units],
+                             [_exchange_us(est, c2, total, u) for u in units], reassembly_us(est, chain, len(units)))
+
+
+def plan_exchange_partition(ctx: PassContext, c: Collective, chunks: Optional[int] = None,
+                            units: Optional[tuple[int, ...]] = None
                             ) -> tuple[ExchangePlan, Chain, Collective, Split] | str:
     """The chunked exchange with dispatch ``c``, or why there is none. ``chunks``: the count
     (default: ``Config.workload_chunks``, else the count in 2..Algorithm 1's whose pipeline the
     cost model predicts fastest, refused when none beats the unpartitioned exchange; without a
-    topology 2), lowered until a cut divides. Pure."""
+    topology 2), lowered until a cut divides; on a group spanning nodes, Algorithm 1's uneven
+    granularity instead where the pipeline model does not predict it slower. ``units``: that
+    uneven cut, requested. Pure."""
     why = why_not_exchange(ctx, c)
     if why:
         return why
+    if units:
+        best = _best(ctx, c, sum(units))
+        if isinstance(best, str):
+            return best
+        return (_plan(c, best, tuple(units), "requested"), *best)
     if chunks:
         k, how = min(chunks, ctx.config.max_chunks), "requested"
     else:
@@ -352,10 +467,15 @@ def plan_exchange_partition(ctx: PassContext, c: Collective, chunks: Optional[in
         timed = [(pipeline_us(_exchange_us(est, c, kk), comp, _exchange_us(est, c2, kk), kk, reassembly_us(est, b[0])),
                   kk, kk, b) for kk, b in options]  # ties: fewer chunks
         span, _, kk, best = min(timed, key=lambda t: t[:2])
+        uneven = _uneven_choice(ctx, c, chain, c2, span, kk, whole)
+        if isinstance(uneven, tuple):
+            cut, ubest, unote = uneven
+            return (_plan(c, ubest, cut, f"{how}; {unote}"), *ubest)
+        tail = f"; {uneven}" if uneven else ""
         if span >= whole:
             return (f"{how}; every chunk count predicted slower than the whole exchange ({span:.1f} us >= "
-                    f"{whole:.1f} us: per-chunk launch and latency outweigh the overlap)")
-        note = f"{how}; {kk} chunks predicted fastest ({span:.1f} us vs {whole:.1f} us whole)"
+                    f"{whole:.1f} us: per-chunk launch and latency outweigh the overlap){tail}")
+        note = f"{how}; {kk} chunks predicted fastest ({span:.1f} us vs {whole:.1f} us whole){tail}"
     else:
         kk, best = options[0]
         if kk != k:
@@ -365,6 +485,37 @@ def plan_exchange_partition(ctx: PassContext, c: Collective, chunks: Optional[in
     plan = ExchangePlan(c.name, c2.name, chain.dim, chain.out_split.blocks, kk, chain.node_names,
                         (length // kk,) * kk, note)
     return (plan, *best)
+
+
+def _uneven_choice(ctx: PassContext, c: Collective, chain: Chain, c2: Collective, even_us: float, even_k: int,
+                   whole_us: float) -> tuple[tuple[int, ...], tuple, str] | str:
+    """Algorithm 1's uneven cut when it applies and the pipeline model predicts it no slower
+    than the best even cut (``even_k`` chunks, ``even_us``) and faster than the whole exchange:
+    (units, the cut, the decision's note); else why not ("" where the group gives Algorithm 1
+    no level times: the even decision stands as it is)."""
+    granularity, why = two_level_granularity(ctx, c, c2, chain)
+    if granularity is None:
+        return "" if why.startswith(NO_LEVEL_TIMES) else why
+    cut = _uneven_cut(ctx, c, granularity)
+    if isinstance(cut, str):
+        return f"{why}; uneven granularity not applied ({cut})"
+    units, best, rounding = cut
+    span = _uneven_span(ctx, c, units, best)
+    what = f"{why}{'; ' + rounding if rounding else ''}"
+    if span > even_us or span >= whole_us:
+        slower = (f"{even_k} even chunks' {even_us:.1f} us" if span > even_us
+                  else f"the whole exchange's {whole_us:.1f} us")
+        return f"{what}; uneven {_fmt(units)} not taken: predicted {span:.1f} us, slower than {slower}"
+    return units, best, (f"{what}; uneven {_fmt(units)} taken: predicted {span:.1f} us, not slower than "
+                         f"{even_k} even chunks ({even_us:.1f} us; {whole_us:.1f} us whole)")
+
+
+def _plan(c: Collective, best: tuple[Chain, Collective, Split], units: tuple[int, ...], why: str) -> ExchangePlan:
+    """The plan of the uneven cut ``units`` (chunk i: units[i] of sum(units) units of every block)."""
+    chain, c2, _ = best
+    length = chains.static_shape(c.logical_output)[chain.dim]
+    return ExchangePlan(c.name, c2.name, chain.dim, chain.out_split.blocks, len(units), chain.node_names,
+                        tuple(length // sum(units) * u for u in units), why, tuple(units))
 
 
 # ---------------------------------------------------------------------------- dropless MoE op
@@ -428,9 +579,12 @@ def _set_chunks(node: fx.Node, k: int) -> None:
 
 
 # ---------------------------------------------------------------------------- rewriting
-def _emit(gm: fx.GraphModule, mode: Any, chain: Chain, c2: Collective, split2: Split) -> list[fx.Node]:
-    c, k = chain.collective, chain.chunks
-    sizes = (1,) * k
+def _emit(gm: fx.GraphModule, mode: Any, chain: Chain, c2: Collective, split2: Split,
+          units: Optional[tuple[int, ...]] = None) -> list[fx.Node]:
+    """``units``: chunk i takes units[i] of the chain's ``chain.chunks`` equal units (None: even)."""
+    c = chain.collective
+    sizes = tuple(units) if units else (1,) * chain.chunks
+    k = len(sizes)
     n, group = c.group.size, c.group.name
     head = _Builder(gm, mode, c.start)
     dispatched = []
@@ -476,11 +630,12 @@ def _emit(gm: fx.GraphModule, mode: Any, chain: Chain, c2: Collective, split2: S
 def apply_exchange_partition(ctx: PassContext, c: Collective, plan: ExchangePlan) -> list[fx.Node]:
     """Rewrite ``ctx.gm`` as ``plan`` says; returns the chunk exchanges' start nodes (dispatches,
     then combines). Raises ValueError if the plan does not match the graph."""
-    best = plan_exchange_partition(ctx, c, plan.chunks)
-    if isinstance(best, str) or best[0].chain != plan.chain or best[0].combine != plan.combine:
+    best = plan_exchange_partition(ctx, c, plan.chunks, units=plan.units)
+    if isinstance(best, str) or best[0].chain != plan.chain or best[0].combine != plan.combine \
+            or best[0].sizes != plan.sizes:
         raise ValueError(f"plan for {c.name} does not match the graph: {best if isinstance(best, str) else best[0]}")
     _, chain, c2, split2 = best
-    return _emit(ctx.gm, rewrite.fake_mode_of(ctx.gm), chain, c2, split2)
+    return _emit(ctx.gm, rewrite.fake_mode_of(ctx.gm), chain, c2, split2, plan.units)
 
 
 class ExpertExchangePartition(GraphPass):
@@ -512,7 +667,7 @@ class ExpertExchangePartition(GraphPass):
                 refusals.append(f"{name}: not partitioned: {best}")
                 continue
             plan, chain, c2, split2 = best
-            starts = _emit(ctx.gm, rewrite.fake_mode_of(ctx.gm), chain, c2, split2)
+            starts = _emit(ctx.gm, rewrite.fake_mode_of(ctx.gm), chain, c2, split2, plan.units)
             gone.add(c2.name)
             changed = True
             ctx.invalidate()  # the next exchange is planned on the rewritten graph
@@ -521,7 +676,7 @@ class ExpertExchangePartition(GraphPass):
             counts["chain_ops"] += len(plan.chain)
             decisions.append({"collective": plan.dispatch, "combine": plan.combine, "dim": plan.dim,
                               "blocks": plan.blocks, "chunks": plan.chunks, "sizes": list(plan.sizes),
-                              "decision": plan.describe()})
+                              "granularity": plan.granularity, "decision": plan.describe()})
         for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in MOE_OPS]:
             token_plan = plan_token_chunks(ctx, node)
             if isinstance(token_plan, str):

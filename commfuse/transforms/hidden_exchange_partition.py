@@ -31,9 +31,11 @@ Contract
   along the hidden dim. Consumer: every block's exchange issued where the exchange was (the
   input's column blocks), then, once the chain's other inputs are ready, for each block its
   wait and its chain; results concatenated (output dims) or added (contractions). So block i's
-  exchange is on the wire while block i - 1 / i + 1 is multiplied. k = ``Config.workload_chunks``,
-  else 2 (torchtitan graph_trainer's split count; the sizes are not known when compiling, so
-  no cost model can choose), at most ``Config.max_chunks``.
+  exchange is on the wire while block i - 1 / i + 1 is multiplied. k = ``Config.workload_chunks``
+  if set; else, with a cost model, the count of 2, 4, .. ``Config.max_chunks`` whose rewritten
+  graph (a copy) the simulator predicts fastest, kept only if faster than the whole exchange
+  (the split sizes priced at balanced routing, :mod:`commfuse.costmodel.symbol_hints`); without
+  one, 2 (torchtitan graph_trainer's split count).
 - Guarantees: the same rows cross the wire in the same order with the same split sizes, on the
   same group; the chunk exchanges together move exactly the exchange's bytes. Column blocks of
   a matmul's output are exact (the same dot products); contractions are cut only in float32 /
@@ -41,10 +43,10 @@ Contract
   whose partial sums would each be rounded. Decided from the graph and the config alone: every
   rank cuts the same exchanges into the same blocks. No process group is created.
 - Leaves alone, one refusal line per all_to_all: exchanges of other ranks or dims, hidden sizes
-  k does not divide, buffers read or written outside the chain (e.g. a value saved for
-  backward in the producer chain), chains with no matmul (e.g. a dispatch whose only matmuls
-  contract over the hidden dim in bfloat16), and chain inputs computed after a value of the
-  chain is read elsewhere.
+  k does not divide, cuts the simulator does not predict faster, producer values also read
+  outside the chain (e.g. saved for backward), chains with no matmul (e.g. a dispatch whose only
+  matmuls contract over the hidden dim in bfloat16), and matmul operands computed from the
+  exchanged rows or by ops that cannot move before the chain.
 
 Stage: SCHEDULE (the partitioned forward and backward graphs).
 
@@ -68,6 +70,7 @@ from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
+from commfuse.transforms.partition_search import _copy_context, score_graph
 from commfuse.transforms.workload_partition import DEFAULT_CHUNKS, cuttable_reason
 
 aten = torch.ops.aten
@@ -137,6 +140,7 @@ class Plan:
     # consumer: pure nodes computing the chain's other inputs after the exchange's wait, moved to
     # just after it (in graph order) so that every block's chain can follow its wait
     hoist: list[fx.Node] = field(default_factory=list)
+    why: str = ""  # how the block count was chosen
 
     def describe(self) -> str:
         mats = sum(s.kind.startswith("matmul") for s in self.steps)
@@ -403,11 +407,9 @@ def _replay(em: _Emit, step: Step, env: dict[fx.Node, fx.Node], k: int, i: int) 
         args = fx.node.map_arg(n.args, sub)
         return em(n.target, *args, **n.kwargs)
     if step.kind in ("matmul_out", "matmul_contract"):
-        w = em.block(step.weight, step.weight_dim, k, i)
+        w = _matmul_ready(em, em.block(step.weight, step.weight_dim, k, i), n)
         if step.kind == "matmul_out":  # producer: the weight's output columns
-            w = em(aten.clone.default, w, memory_format=torch.contiguous_format) if n.target is _GROUPED_MM else w
             return em(n.target, n.args[0], w, *n.args[2:], **n.kwargs)
-        w = em(aten.clone.default, w, memory_format=torch.contiguous_format) if n.target is _GROUPED_MM else w
         args = list(fx.node.map_arg(n.args, sub))
         args[1] = w
         return em(n.target, *args, **n.kwargs)
@@ -425,6 +427,16 @@ def _replay(em: _Emit, step: Step, env: dict[fx.Node, fx.Node], k: int, i: int) 
             fresh = em(base.target, size_args, *base.args[1:], **base.kwargs)
         return em(n.target, fresh, n.args[1], env[n.args[2]], *n.args[3:], **n.kwargs)
     raise AssertionError(step.kind)
+
+
+def _matmul_ready(em: _Emit, w: fx.Node, mm: fx.Node) -> fx.Node:
+    """A weight block as ``_grouped_mm`` takes it: one of its last two dims of stride 1 (a column
+    block of a row-major weight is still row-major, of a column-major one column-major); else a
+    copy."""
+    v = _val(w)
+    if mm.target is not _GROUPED_MM or 1 in tuple(v.stride())[-2:]:
+        return w
+    return em(aten.clone.default, w, memory_format=torch.contiguous_format)
 
 
 def _contiguous_block(em: _Emit, x: fx.Node, k: int, i: int) -> fx.Node:
@@ -529,7 +541,7 @@ class HiddenExchangePartition(GraphPass):
             c = next((x for x in ctx.ir.collectives if x.name == name), None)
             if c is None:
                 continue
-            plan = plan_hidden_partition(ctx, c)
+            plan = self._choose(ctx, c)
             if isinstance(plan, str):
                 refusals.append(f"{name}: not partitioned: {plan}")
                 continue
@@ -540,9 +552,43 @@ class HiddenExchangePartition(GraphPass):
             counts["chunk_collectives"] += len(starts)
             counts["chain_ops"] += len(plan.steps)
             decisions.append({"collective": name, "direction": plan.direction, "chunks": plan.chunks, "dim": 1,
-                              "decision": plan.describe()})
+                              "decision": plan.describe() + (f" ({plan.why})" if plan.why else "")})
         if changed:
             ctx.gm.graph.lint()
             ctx.gm.recompile()
         return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=decisions)
+
+    @staticmethod
+    def _choose(ctx: PassContext, c: Collective) -> Plan | str:
+        """``Config.workload_chunks`` (or 2 without a cost model) as planned; with a cost model, the
+        block count whose graph the simulator predicts fastest, if faster than the whole
+        exchange (each candidate applied to a copy of the graph and scored)."""
+        if ctx.config.workload_chunks is not None or ctx.cost.model is None:
+            return plan_hidden_partition(ctx, c)
+        whole = score_graph(_copy_context(ctx)).makespan_us
+        best: Optional[tuple[float, Plan]] = None
+        reasons = []
+        k = 2
+        while k <= ctx.config.max_chunks:
+            plan = plan_hidden_partition(ctx, c, chunks=k)
+            if isinstance(plan, str):
+                reasons.append(plan)
+            else:
+                trial = _copy_context(ctx)
+                twin = next(x for x in trial.ir.collectives if x.name == c.name)
+                apply_hidden_partition(trial.gm, plan_hidden_partition(trial, twin, chunks=k))
+                trial.gm.recompile()
+                trial.invalidate()
+                t = score_graph(trial).makespan_us
+                if best is None or t < best[0]:
+                    best = (t, plan)
+            k *= 2
+        if best is None:
+            return "; ".join(dict.fromkeys(reasons))
+        t, plan = best
+        if t >= whole:
+            return (f"predicted slower than the whole exchange: {plan.chunks} blocks {t:.1f} us, whole "
+                    f"{whole:.1f} us (the fastest count of 2..{ctx.config.max_chunks})")
+        plan.why = f"predicted {t:.1f} us, whole {whole:.1f} us, the fastest count of 2..{ctx.config.max_chunks}"
+        return plan
 

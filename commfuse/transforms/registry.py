@@ -18,6 +18,7 @@ from commfuse.transforms.chimera import Chimera
 from commfuse.transforms.collective_motion import CollectiveMotion
 from commfuse.transforms.dhelix_interleave import DHelixInterleave
 from commfuse.transforms.expert_exchange_partition import ExpertExchangePartition
+from commfuse.transforms.expert_exchange_partition_forced import ExpertExchangePartitionForced
 from commfuse.transforms.fuse_collectives import FuseCollectives
 from commfuse.transforms.gloo_reduce_scatter import GlooReduceScatter
 from commfuse.transforms.group_partition import GroupPartition
@@ -47,6 +48,7 @@ BUILTIN_PASSES: tuple[Type[GraphPass], ...] = (
     BoundaryFusion,
     WorkloadPartition,
     ExpertExchangePartition,
+    ExpertExchangePartitionForced,
     HiddenExchangePartition,
     PrimitiveSubstitution,
     PrimitiveSubstitutionForced,
