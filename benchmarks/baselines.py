@@ -295,6 +295,12 @@ def _register_builtin() -> None:
         "commfuse-eager:ep-two-chunks", "expert_exchange_partition forced to two chunks (graph_trainer's split: "
         "Config.workload_chunks=2, step-time gate off), eager inner compiler", inner="eager",
         passes=("expert_exchange_partition",), options=(("workload_chunks", 2), ("step_time_gate", False))))
+    # torchtitan's dropless exchange cut into two column blocks of the hidden dim wherever the
+    # pass can, whatever the cost model says (on gloo it predicts no cut faster)
+    register_baseline(CommfuseBaseline(
+        "commfuse-eager:hidden-two-blocks", "hidden_exchange_partition forced to two column blocks "
+        "(Config.workload_chunks=2), eager inner compiler", inner="eager",
+        passes=("hidden_exchange_partition",), options=(("workload_chunks", 2),)))
     for inner in ("inductor", "eager"):
         prefix = "commfuse" if inner == "inductor" else "commfuse-eager"
         register_baseline(CommfuseBaseline(prefix, f"commfuse default pipeline, {inner} inner compiler",

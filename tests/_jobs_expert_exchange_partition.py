@@ -21,31 +21,45 @@ from commfuse.reference.numerics import assert_close_tree, train_step_outputs
 PASS = "expert_exchange_partition"
 
 
-def moe_matches_eager(**cfg: Any) -> dict[str, Any]:
+def moe_matches_eager(passes: tuple[str, ...] = (PASS,), seq: int = 16, two_nodes: bool = False,
+                      **cfg: Any) -> dict[str, Any]:
+    """commfuse.models.moe's block (capacity dispatch, experts over the world) trained two SGD
+    steps eagerly and compiled with ``passes`` (eager inner compiler, strict); ``two_nodes``: the
+    4 ranks declared as 2 nodes x 2 (``commfuse.setup`` creates the sub-groups Algorithm 1's
+    two-level exchange needs). Returns what the passes did per graph."""
     from commfuse.models import moe
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    batch = moe.make_inputs(8, 16, 32, rank=rank, world_size=world)
+    if two_nodes:
+        from _jobs_group_partition import TOPO_2x2
 
-    def model():
-        return moe.parallelize_moe(moe.build_moe(dim=32, num_experts=8, ffn_dim=64, seed=0), mesh)
+        commfuse.setup(topology=TOPO_2x2)
+        cfg = {"topology": TOPO_2x2, **cfg}
+    try:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        batch = moe.make_inputs(8, seq, 32, rank=rank, world_size=world)
 
-    def inputs():
-        return batch.inputs
+        def model():
+            return moe.parallelize_moe(moe.build_moe(dim=32, num_experts=8, ffn_dim=64, seed=0), mesh)
 
-    def loss(out):
-        return moe.loss_fn(out[0], out[1], batch)
+        def inputs():
+            return batch.inputs
 
-    torch._dynamo.reset()
-    ref = train_step_outputs(model, inputs, steps=2, lr=0.05, loss_fn=loss)
-    be = commfuse.backend(commfuse.Config(passes=[PASS], inner_compiler="eager", strict=True, **cfg))
-    got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=loss)
-    assert_close_tree(got, ref, dtype=torch.float32, msg=f"rank {rank}")
+        def loss(out):
+            return moe.loss_fn(out[0], out[1], batch)
+
+        torch._dynamo.reset()
+        ref = train_step_outputs(model, inputs, steps=2, lr=0.05, loss_fn=loss)
+        be = commfuse.backend(commfuse.Config(passes=list(passes), inner_compiler="eager", strict=True, **cfg))
+        got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=loss)
+        assert_close_tree(got, ref, dtype=torch.float32, msg=f"rank {rank}")
+    finally:
+        if two_nodes:
+            commfuse.session.reset()
     out: dict[str, Any] = {}
     for r in be.reports:
         for p in r.passes:
-            if p.name == PASS:
+            if p.name in passes:
                 out[r.graph] = {"changed": p.changed, "counts": dict(p.counts), "refusals": list(p.refusals),
                                 "decisions": [d["decision"] for d in p.decisions],
                                 "kinds": {k: t.count for k, t in r.analysis.by_kind.items()} if r.analysis else {}}

@@ -524,19 +524,22 @@ def test_uneven_granularity_rounded_or_left_even_with_the_reason(two_nodes, monk
 @pytest.mark.slow(reason="trains the MoE block eagerly and compiled on 4 gloo ranks")
 @pytest.mark.multirank
 def test_uneven_exchange_trains_like_eager_on_4_ranks(rank_pool_4):
-    """4 gloo ranks as 2 nodes x 2, the uneven cut priced fastest: Algorithm 1 picks 2:1:1 for
+    """4 gloo ranks as 2 nodes x 2, the uneven cut forced: Algorithm 1 picks 2:1:1 for
     the forward and the backward exchange (20 capacity slots per expert cut 10 / 5 / 5), the
     chunk all_to_alls run on real process groups, and losses, gradients and parameters equal
     eager's on every rank (asserted in the job)."""
-    import _jobs_uneven_exchange as jobs
+    import _jobs_expert_exchange_partition as jobs
 
-    results = rank_pool_4.run(jobs.uneven_moe_matches_eager, timeout=300)
+    # 64 tokens per rank: 20 capacity slots per expert (top-2 of 8, factor 1.25), which the 4
+    # units of 2:1:1 divide; the forced pass takes Algorithm 1's cut (the pass itself keeps the
+    # even one on this pipeline model)
+    results = rank_pool_4.run(jobs.moe_matches_eager, ("expert_exchange_partition_forced",), seq=32,
+                              two_nodes=True, timeout=300)
     got = results[0]
     assert all(r == got for r in results)  # every rank decided the same
     for graph in ("forward", "backward"):  # the backward's weight gradients: uneven partial sums
         (d,) = got[graph]["decisions"]
-        assert (d["chunks"], d["granularity"], d["sizes"]) == (3, "2:1:1", [80, 40, 40]), (graph, d)
-        assert "uneven 2:1:1 taken" in d["decision"], d
+        assert "3 chunks of sizes [80, 40, 40] (uneven, 2:1:1)" in d, (graph, d)
         assert got[graph]["kinds"]["all_to_all"] == 6, got[graph]
 
 
