@@ -644,3 +644,31 @@ def test_group_pairs_catch_a_wrong_same_members(monkeypatch, wrong, kinds):
             if caught == kinds:
                 break
     assert caught == kinds, f"the wrong same_members ({wrong}) went unnoticed on {sorted(kinds - caught)} programs"
+
+
+# -- the moe family's dropless exchange ------------------------------------------------------
+def test_moe_family_dropless_exchange_gives_hidden_exchange_partition_both_chains():
+    """The moe family's dropless exchange (an uneven dispatch, a row gather, up and down matmuls,
+    the rows scattered back into a fresh buffer, the inverse exchange) traces to the chains
+    hidden_exchange_partition cuts: on every rank's graph the dispatch is cut with its consumer
+    chain and the combine with its producer chain (the index_put into new_zeros replayed per
+    column block), and the cut program passes the check."""
+    from commfuse.fuzz.check import REPORTS_META, prepare
+
+    aten = torch.ops.aten
+    p = program_for(0, 1, family="moe")
+    ops = [o["op"] for o in p.ops]
+    assert {"gather_rows", "scatter_rows"} <= set(ops) and p.per_rank and not p.joint, \
+        f"{p.summary()} (generator changed? pick another index)"
+    pipe = single_pass_pipeline("hidden_exchange_partition")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prep = prepare(p, [pipe])
+        for before, gm in zip(prep.traced.graphs, prep.optimised[pipe.name]):
+            dirs = sorted(d["direction"] for rep in gm.meta.get(REPORTS_META, []) for rec in rep.passes
+                          for d in rec.decisions)
+            assert dirs == ["consumer", "producer"], dirs
+            puts = [sum(n.target is aten.index_put.default for n in g.graph.nodes) for g in (before, gm)]
+            assert puts == [1, 2], puts
+        res = check_program(p, [pipe], check_ir=True)
+    assert res.ok and res.pipelines_changed == [pipe.name], [f.headline() for f in res.failures]

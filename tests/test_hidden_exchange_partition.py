@@ -157,6 +157,22 @@ def test_combine_buffer_read_elsewhere_refused():
     check_equivalent(before, gm, N, inputs=_inputs(3))
 
 
+def test_matmul_operand_read_from_the_exchanged_rows_refused():
+    """``rows.T @ relu(rows)``: the hidden dim is an output dim of the matmul, but its other
+    operand is computed from the whole exchanged rows, so it cannot be ready before the blocks
+    are: refused with the reason (the rewrite once read a concatenation before it was made)."""
+    def f(x):
+        r = funcol.all_to_all_single(x, None, None, dist.group.WORLD)
+        return r.t() @ torch.relu(r)
+
+    with fake_process_group(2):
+        gm = trace_static(f, [torch.randn(8, 16)])
+        code = gm.code
+        rec = _run(gm)
+    assert not rec.changed and gm.code == code
+    assert "computed from the exchanged rows" in rec.refusals[0], rec.refusals
+
+
 def test_hidden_size_not_divisible_refused():
     with fake_process_group(N):
         gm = _trace(_dropless())

@@ -14,7 +14,9 @@ divisible where the collective needs it, in fp32 or bf16, forward-only or joint
 :mod:`.targets`). commfuse's boundary ops (``commfuse::m2ms``, ``commfuse::stage_transfer``)
 appear in ``mixed`` and, next to gathers and scatters they could fuse with, in ``pp``
 (:meth:`_Gen.b_m2ms`, :meth:`_Gen.b_stage_transfer`). ``moe_layer`` programs put commfuse's MoE layer op behind token
-gathers on the group that is also its expert-parallel group (:meth:`_Gen.b_moe_layer`).
+gathers on the group that is also its expert-parallel group (:meth:`_Gen.b_moe_layer`). ``moe``
+programs also build a dropless expert exchange from graph ops: uneven all_to_alls around a row
+gather, expert matmuls and a row scatter into a fresh buffer (:meth:`_Gen.b_dropless_exchange`).
 
 ``group_pairs`` programs (:meth:`_Gen._pair_groups`, :meth:`_Gen.b_adjacent_pair`) run
 adjacent collectives (the second reads only the first's result) on two groups a pass must
@@ -46,7 +48,7 @@ FAMILIES: dict[str, dict[str, float]] = {
     "sp": {"unary": 1, "residual": 1, "matmul": 2, "layer_norm": 2, "softmax": 1, "scores": 1, "view": 3,
            "all_gather": 4, "reduce_scatter": 4, "sp_block": 4, "all_to_all": 1},
     "moe": {"unary": 1, "matmul": 2, "router_topk": 3, "all_to_all": 3, "dispatch": 3, "combine": 4,
-            "moe_block": 4, "residual": 1, "capacity_exchange": 3},
+            "moe_block": 4, "residual": 1, "capacity_exchange": 3, "dropless_exchange": 3},
     "fsdp": {"unary": 1, "matmul": 1, "layer_norm": 1, "fsdp_linear": 5, "reduce_scatter": 2, "all_reduce": 1,
              "residual": 1, "mutate": 1, "update_after_collective": 1},
     "pp": {"unary": 2, "matmul": 2, "layer_norm": 1, "p2p": 4, "residual": 1, "all_reduce": 1,
@@ -666,6 +668,47 @@ class _Gen:
         if not y or y[0].shape[c] % n:
             return False
         return bool(self.emit("all_to_all", y, group=role, split_dim=c, concat_dim=s))
+
+    def b_dropless_exchange(self) -> bool:
+        """A dropless expert exchange as graph ops (torchtitan's token dispatcher): an uneven
+        all_to_all of ``[tokens, hidden]`` rows, the received rows regrouped (``gather_rows``),
+        an up matmul (contracts the hidden dim), an activation, a down matmul (output columns =
+        the hidden dim), sometimes a scale, the rows put back into a fresh buffer
+        (``scatter_rows``) and the inverse all_to_all on the same group: the consumer and producer
+        chains of hidden_exchange_partition. In 15% each the gather or the scatter is left out
+        (a matmul reads the received rows / writes the combined buffer directly)."""
+        rng = self.rng
+        x = self.pick(lambda v: v.vary is None and len(v.shape) == 2)
+        if x is None:
+            x = self.pick(lambda v: v.vary is None and len(v.shape) == 3)
+            x = x and self.emit("merge_dims", [x], dim=0)
+            if not x:
+                return False
+            x = x[0]
+        if not self.b_dispatch_of(x):
+            return False
+        y = [self.vals[-1]]
+        if rng.random() < 0.85:
+            y = self.emit("gather_rows", y)
+        h = x.shape[-1]
+        f = rng.choice([h, 2 * h, self.unit()])
+        y = y and self.emit("matmul", [y[0], self.new_input((h, f), "weight")])
+        y = y and self.emit("unary", y, fn=rng.choice(["gelu", "relu", "silu"]))
+        y = y and self.emit("matmul", [y[0], self.new_input((f, h), "weight")])
+        if y and rng.random() < 0.25:
+            y = self.emit("unary", y, fn="scale")
+        if y and rng.random() < 0.85:
+            y = self.emit("scatter_rows", y)
+        return bool(y) and self._combine_of(y[0])
+
+    def _combine_of(self, x: Val) -> bool:
+        """The inverse of the uneven all_to_all ``x`` came from, on its group."""
+        role, splits = self.vary_info[x.vary]
+        outs = self.emit("all_to_all_uneven", [x], bounded=x.bounded, group=role, splits=splits, inverse=True)
+        if outs:
+            outs[0].vary = None
+            outs[0].shape = (sum(splits[0]), *x.shape[1:])
+        return bool(outs)
 
     def b_dispatch_of(self, x: Val) -> bool:
         role = self.group(lambda n: n >= 2)

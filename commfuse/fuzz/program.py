@@ -217,6 +217,23 @@ def _cat(ctx, op, a, b):
     return [torch.cat([a, b], dim=op["dim"])]
 
 
+def _row_perm(x):
+    # the rows reversed: a fixed permutation of dim 0 (as a dropless MoE's sort by expert is) that
+    # needs no data and is valid for every rank's row count, an uneven all_to_all's included
+    return torch.arange(x.shape[0] - 1, -1, -1, device=x.device)
+
+
+def _gather_rows(ctx, op, x):
+    # a row gather (aten.index on dim 0): the received tokens regrouped by expert
+    return [x[_row_perm(x)]]
+
+
+def _scatter_rows(ctx, op, x):
+    # the inverse of gather_rows: rows put back into a fresh buffer (aten.index_put into
+    # new_zeros), as a dropless MoE unsorts its expert outputs before the combine
+    return [torch.index_put(x.new_zeros(x.shape), (_row_perm(x),), x)]
+
+
 def _moe_layer(ctx, op, x, router_w, w1, w3, w2):
     # commfuse's expert-parallel MoE layer as a model calls it (MoELayer.forward): tokens are
     # every leading dim flattened; the EP group is the op's "group" ("ep": false -> no EP, all
@@ -425,6 +442,8 @@ OPS: dict[str, OpDef] = {
     "merge_dims": OpDef(_merge_dims),
     "contiguous": OpDef(_contiguous),
     "cat": OpDef(_cat),
+    "gather_rows": OpDef(_gather_rows),
+    "scatter_rows": OpDef(_scatter_rows),
     "mutate": OpDef(_mutate, inplace=True),
     "moe_layer": OpDef(_moe_layer),  # communicates inside (synchronously), not a functional collective
     "moe_aux_loss": OpDef(_moe_aux_loss),

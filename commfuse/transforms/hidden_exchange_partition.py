@@ -256,7 +256,8 @@ def _late_inputs(side: list[fx.Node], root: fx.Node, chain_nodes: set[fx.Node],
                 or is_wait(n.target):
             return f"a matmul's other operand needs {n.name}, which cannot move before the chain"
         late.add(n)
-        todo.extend(a for a in n.all_input_nodes if order[a] > order[root] and not
+        # the wait itself too: an operand read from the exchanged rows cannot move before the chain
+        todo.extend(a for a in n.all_input_nodes if (a is root or order[a] > order[root]) and not
                     (a is root and _reads_rows(n)))
     return sorted(late, key=order.__getitem__)
 
