@@ -124,7 +124,6 @@ class Step:
     node: fx.Node
     dim: int
     kind: str  # "same" | "transpose" | "matmul_out" | "matmul_contract" | "index_put"
-    arg: int = 0  # the operand that carries the cut (matmuls)
     weight: Optional[fx.Node] = None  # the side operand sliced per block (matmuls)
     weight_dim: int = 0
 
@@ -156,10 +155,10 @@ def _matmul_out(node: fx.Node, carrier: fx.Node, dim: int) -> Optional[Step]:
         return None
     # a [H, rows] cut on dim 0 -> out [E, H, F] (grouped) / [H, F] (mm), dim 1 / 0
     if carrier is a and b is not carrier and dim == 0:
-        return Step(node, 1 if node.target is _GROUPED_MM else 0, "matmul_out", arg=0)
+        return Step(node, 1 if node.target is _GROUPED_MM else 0, "matmul_out")
     # b [rows, H] cut on dim 1 -> out [E, F, H] / [F, H], last dim
     if carrier is b and a is not carrier and dim == 1:
-        return Step(node, 2 if node.target is _GROUPED_MM else 1, "matmul_out", arg=1)
+        return Step(node, 2 if node.target is _GROUPED_MM else 1, "matmul_out")
     return None
 
 
@@ -175,7 +174,7 @@ def _matmul_contract(node: fx.Node, carrier: fx.Node, dim: int) -> Optional[Step
     wdim = 1 if (node.target is _GROUPED_MM and vb.dim() == 3) else 0 if node.target is _MM else None
     if wdim is None:
         return None
-    return Step(node, -1, "matmul_contract", arg=0, weight=b, weight_dim=wdim)
+    return Step(node, -1, "matmul_contract", weight=b, weight_dim=wdim)
 
 
 def _consumer_step(node: fx.Node, carrier: fx.Node, dim: int) -> Optional[Step]:
@@ -293,7 +292,7 @@ def _producer_step(node: fx.Node, dim: int) -> Step | str:
         b = node.args[1]
         vb = _val(b)
         if isinstance(vb, torch.Tensor) and vb.dim() in (2, 3) and v.dim() == 2 and dim == 1:
-            return Step(node, dim, "matmul_out", arg=1, weight=b, weight_dim=vb.dim() - 1)
+            return Step(node, dim, "matmul_out", weight=b, weight_dim=vb.dim() - 1)
         return f"{node.name}: a matmul whose output columns are not its weight's last dim"
     if t in _CASTS and not any(isinstance(a, fx.Node) for a in node.args[1:]):
         return Step(node, dim, "same")
