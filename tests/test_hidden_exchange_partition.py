@@ -215,13 +215,7 @@ def test_block_count_from_the_simulator():
 
 
 # ---------------------------------------------------------------- torchtitan on 2 gloo ranks
-@pytest.mark.multirank
-@pytest.mark.slow(reason="third-party model: torchtitan deepseek_v3 compiled on 2 gloo ranks")
-def test_deepseek_v3_dropless_exchange_cut_and_trains_like_eager(rank_pool_2):
-    """torchtitan's deepseek_v3 (TP 2, EP 2, its dropless token dispatcher, bfloat16 grouped
-    experts), compiled per block with the pass: the forward combine and both backward exchanges
-    cut into column blocks, the forward dispatch left whole (bfloat16 contraction); loss and
-    every gradient equal to eager on both ranks."""
+def _titan_trains_like_eager_with_the_pass(pool, degrees: dict[str, int], shapes) -> list[dict]:
     import json
 
     pytest.importorskip("torchtitan", reason="the conformance extra is not installed")
@@ -230,13 +224,36 @@ def test_deepseek_v3_dropless_exchange_cut_and_trains_like_eager(rank_pool_2):
     passes = [*DEFAULT_PIPELINE[:3], PASS, *DEFAULT_PIPELINE[3:]]
     # forced to graph_trainer's two blocks: on this machine's gloo model no cut is predicted faster
     config = json.dumps({"inner_compiler": "eager", "passes": passes, "workload_chunks": 2})
-    results = rank_pool_2.run(titan_trains_like_eager, "deepseek_v3", {"tp": 2, "ep": 2}, [(2, 16)],
-                              env_config=config, timeout=600)
+    results = pool.run(titan_trains_like_eager, "deepseek_v3", degrees, shapes, env_config=config, timeout=600)
     for rank, r in enumerate(results):
         assert_close_tree(r["loss"], r["ref_loss"], rtol=1e-5, atol=1e-6, msg=f"loss on rank {rank}")
         assert_close_tree(r["grads"], r["ref_grads"], rtol=1e-5, atol=1e-6, msg=f"gradients on rank {rank}")
         assert r["warnings"] == [], r["warnings"]
         assert PASS in r["passes_changed"], r["passes_changed"]
-        # per graph pair: forward 3 -> 4 all_to_alls (combine cut), backward 2 -> 4
-        assert r["collectives"]["all_to_all"] == r["collectives_before"]["all_to_all"] + 7, r["collectives"]
-    assert results[0]["collectives"] == results[1]["collectives"]
+    assert all(r["collectives"] == results[0]["collectives"] for r in results)  # every rank decided the same
+    return results
+
+
+@pytest.mark.multirank
+@pytest.mark.slow(reason="third-party model: torchtitan deepseek_v3 compiled on 2 gloo ranks")
+def test_deepseek_v3_dropless_exchange_cut_and_trains_like_eager(rank_pool_2):
+    """torchtitan's deepseek_v3 (TP 2, EP 2, its dropless token dispatcher, bfloat16 grouped
+    experts), compiled per block with the pass: the forward combine and both backward exchanges
+    cut into column blocks, the forward dispatch left whole (bfloat16 contraction); loss and
+    every gradient equal to eager on both ranks."""
+    (r, _) = _titan_trains_like_eager_with_the_pass(rank_pool_2, {"tp": 2, "ep": 2}, [(2, 16)])
+    # per graph pair: forward 3 -> 4 all_to_alls (combine cut), backward 2 -> 4
+    assert r["collectives"]["all_to_all"] == r["collectives_before"]["all_to_all"] + 7, r["collectives"]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow(reason="third-party model: torchtitan deepseek_v3 compiled on 4 gloo ranks")
+def test_deepseek_v3_sharded_tp_ep_exchange_cut_on_4_ranks(rank_pool_4):
+    """deepseek_v3 with SimpleFSDP 2 x TP 2 x EP 2 on 4 gloo ranks (graph_trainer's SimpleFSDP;
+    EP on the TP ranks, as torchtitan places it): the same three exchanges cut, loss and every
+    gradient equal to eager on every rank."""
+    results = _titan_trains_like_eager_with_the_pass(rank_pool_4, {"dp_shard": 2, "tp": 2, "ep": 2}, [(2, 32)])
+    r = results[0]
+    # gloo_reduce_scatter lowers each reduce_scatter it takes to an all_to_all; the rest are the cuts
+    lowered = r["collectives_before"]["reduce_scatter"] - r["collectives"]["reduce_scatter"]
+    assert r["collectives"]["all_to_all"] == r["collectives_before"]["all_to_all"] + lowered + 3, r["collectives"]
