@@ -125,10 +125,10 @@ def concrete(x: Any, symbol_hint: "int | SymbolHints" = 4096) -> Optional[int]:
         return x
     if isinstance(x, float):
         return int(x)
-    hints = symbol_hint if isinstance(symbol_hint, SymbolHints) else SymbolHints({}, symbol_hint)
+    hints = symbol_hint if isinstance(symbol_hint, SymbolHints) else None
     if isinstance(x, sympy.Expr):
         if x.free_symbols:
-            x = hints.substitute(x)
+            x = hints.substitute(x) if hints else x.subs({s: symbol_hint for s in x.free_symbols})
         return int(x)
     try:  # SymInt and friends
         from torch.fx.experimental.symbolic_shapes import has_hint, hint_int
@@ -136,9 +136,9 @@ def concrete(x: Any, symbol_hint: "int | SymbolHints" = 4096) -> Optional[int]:
         if has_hint(x):
             return int(hint_int(x))
         expr = getattr(getattr(x, "node", None), "expr", None)
-        if hints.values and isinstance(expr, sympy.Expr):
+        if hints and hints.values and isinstance(expr, sympy.Expr):
             return int(hints.substitute(expr))
-        return int(hints)
+        return int(symbol_hint)
     except Exception:  # noqa: BLE001 - anything unexpected: no size
         return None
 

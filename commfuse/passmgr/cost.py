@@ -49,7 +49,8 @@ class CostPolicy:
         (:func:`~commfuse.costmodel.symbol_hints.balanced_exchange_hints`)."""
         self.topology = topology
         self._graph = graph
-        self._model: Optional[AnalyticCostModel] = self._hinted(model)
+        self._given = model  # hinted for the graph on first use (most contexts never price)
+        self._model: Optional[AnalyticCostModel] = None
         self._defaults: dict[tuple[str, int], AnalyticCostModel] = {}
 
     def _hinted(self, model: Optional[AnalyticCostModel]) -> Optional[AnalyticCostModel]:
@@ -62,17 +63,17 @@ class CostPolicy:
     def backend(self) -> str:
         """The collective library candidates are priced as ("nccl" or "gloo"): a given model's, else
         NCCL on GPU topologies and gloo on CPU ones."""
-        if self._model is not None:
-            return self._model.backend
+        if self._given is not None:
+            return self._given.backend
         return "nccl" if self.topology is not None and self.topology.is_gpu else "gloo"
 
     @property
     def model(self) -> Optional[AnalyticCostModel]:
         """The topology's model (None without a topology: callers refuse with "no topology")."""
-        if self._model is None and self.topology is None:
+        if self._model is None and self._given is None and self.topology is None:
             return None
         if self._model is None:
-            self._model = self._hinted(AnalyticCostModel(self.topology, backend=self.backend))
+            self._model = self._hinted(self._given or AnalyticCostModel(self.topology, backend=self.backend))
         return self._model
 
     def default_model(self, ir: CollectiveIR, *, backend: str = "nccl") -> tuple[AnalyticCostModel, str]:

@@ -71,7 +71,7 @@ from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms.partition_search import _copy_context, score_graph
-from commfuse.transforms.workload_partition import DEFAULT_CHUNKS, cuttable_reason
+from commfuse.transforms.workload_partition import DEFAULT_CHUNKS, _Builder, cuttable_reason
 
 aten = torch.ops.aten
 _A2A = torch.ops._c10d_functional.all_to_all_single.default
@@ -228,10 +228,10 @@ def consumer_plan(c: Collective, k: int) -> Plan | str:
     # matmul results are put back together by the steps themselves; views/casts read outside
     # the chain are concatenated
     steps = _prune(steps, outside)
-    if any(u not in {s.node for s in steps} and not _reads_rows(u) for u in root.users):
+    chain_nodes = {s.node for s in steps}
+    if any(u not in chain_nodes and not _reads_rows(u) for u in root.users):
         outside[root] = 1
     order = {n: i for i, n in enumerate(root.graph.nodes)}
-    chain_nodes = {s.node for s in steps}
     side = [a for s in steps for a in s.node.all_input_nodes if a not in chain_nodes and a is not root]
     hoist = _late_inputs(side, root, chain_nodes, order)
     if isinstance(hoist, str):
@@ -374,22 +374,16 @@ def plan_hidden_partition(ctx: PassContext, c: Collective, chunks: Optional[int]
 
 
 # ---------------------------------------------------------------------------- emitting
-class _Emit:
-    """Appends nodes before ``before``, each with its fake value."""
+class _Emit(_Builder):
+    """``workload_partition``'s builder (nodes inserted before ``before``, each with its fake
+    value), every node taking ``meta_from``'s metadata."""
 
     def __init__(self, gm: fx.GraphModule, before: fx.Node, meta_from: fx.Node) -> None:
-        self.gm, self.before, self.meta_from = gm, before, meta_from
-        self.mode = rewrite.fake_mode_of(gm)
+        super().__init__(gm, rewrite.fake_mode_of(gm), before)
+        self.meta_from = meta_from
 
     def __call__(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        with self.gm.graph.inserting_before(self.before):
-            node = self.gm.graph.call_function(target, args, kwargs)
-        rewrite.inherit_meta(self.meta_from, node)
-        vals = fx.node.map_arg((args, kwargs), _val)
-        if self.mode is not None:
-            with self.mode:
-                node.meta["val"] = target(*vals[0], **vals[1])
-        return node
+        return self.call(target, args, self.meta_from, kwargs)
 
     def block(self, x: fx.Node, dim: int, k: int, i: int) -> fx.Node:
         size = _val(x).shape[dim]
@@ -400,12 +394,9 @@ class _Emit:
 def _replay(em: _Emit, step: Step, env: dict[fx.Node, fx.Node], k: int, i: int) -> fx.Node:
     n = step.node
     sub = lambda a: env.get(a, a) if isinstance(a, fx.Node) else a  # noqa: E731
-    if step.kind in ("same", "transpose"):
-        args = fx.node.map_arg(n.args, sub)
-        return em(n.target, *args, **n.kwargs)
-    if step.kind == "matmul_out" and step.weight is None:  # consumer: the cut operand is in env
-        args = fx.node.map_arg(n.args, sub)
-        return em(n.target, *args, **n.kwargs)
+    # views, casts and a consumer's output-dim matmul: the cut operand is in env
+    if step.kind in ("same", "transpose") or (step.kind == "matmul_out" and step.weight is None):
+        return em(n.target, *fx.node.map_arg(n.args, sub), **n.kwargs)
     if step.kind in ("matmul_out", "matmul_contract"):
         w = _matmul_ready(em, em.block(step.weight, step.weight_dim, k, i), n)
         if step.kind == "matmul_out":  # producer: the weight's output columns
@@ -415,16 +406,12 @@ def _replay(em: _Emit, step: Step, env: dict[fx.Node, fx.Node], k: int, i: int) 
         return em(n.target, *args, **n.kwargs)
     if step.kind == "index_put":
         base = n.args[0]
-        shape = list(_val(base).shape)
-        shape[step.dim] = shape[step.dim] // k
-        size_args = list(base.args[1]) if base.target in (aten.new_zeros.default, aten.new_empty.default) \
-            else list(base.args[0])
-        size_args[step.dim] = shape[step.dim]
-        if base.target in (aten.new_zeros.default, aten.new_empty.default):
-            # new_* reads its self operand for dtype and device only: the block's value serves
-            fresh = em(base.target, sub(base.args[0]), size_args, *base.args[2:], **base.kwargs)
-        else:
-            fresh = em(base.target, size_args, *base.args[1:], **base.kwargs)
+        # new_* take (self, size, ...), reading self for dtype and device only: the block's value
+        # serves; zeros / empty / full take (size, ...)
+        lead = [sub(base.args[0])] if base.target in (aten.new_zeros.default, aten.new_empty.default) else []
+        size_args = list(base.args[len(lead)])
+        size_args[step.dim] = _val(base).shape[step.dim] // k
+        fresh = em(base.target, *lead, size_args, *base.args[len(lead) + 1:], **base.kwargs)
         return em(n.target, fresh, n.args[1], env[n.args[2]], *n.args[3:], **n.kwargs)
     raise AssertionError(step.kind)
 
@@ -437,10 +424,6 @@ def _matmul_ready(em: _Emit, w: fx.Node, mm: fx.Node) -> fx.Node:
     if mm.target is not _GROUPED_MM or 1 in tuple(v.stride())[-2:]:
         return w
     return em(aten.clone.default, w, memory_format=torch.contiguous_format)
-
-
-def _contiguous_block(em: _Emit, x: fx.Node, k: int, i: int) -> fx.Node:
-    return em(aten.clone.default, em.block(x, 1, k, i), memory_format=torch.contiguous_format)
 
 
 def _issue(em: _Emit, c: Collective, x: fx.Node) -> fx.Node:
@@ -471,7 +454,7 @@ def emit_consumer(gm: fx.GraphModule, plan: Plan) -> list[fx.Node]:
     c, k = plan.collective, plan.chunks
     head = _Emit(gm, c.start, c.start)
     x = c.start.args[0]
-    starts = [_issue(head, c, _contiguous_block(head, x, k, i)) for i in range(k)]
+    starts = [_issue(head, c, head.contiguous(head.block(x, 1, k, i), c.start, force=True)) for i in range(k)]
     root = c.waits[0]
     at = root
     for n in plan.hoist:
@@ -537,16 +520,18 @@ class HiddenExchangePartition(GraphPass):
         decisions: list[dict] = []
         names = [c.name for c in ctx.ir.collectives if c.kind is CollectiveKind.ALL_TO_ALL]
         changed = False
+        whole: list[float] = []  # the current graph's predicted makespan, once priced
         for name in names:
             c = next((x for x in ctx.ir.collectives if x.name == name), None)
             if c is None:
                 continue
-            plan = self._choose(ctx, c)
+            plan = self._choose(ctx, c, whole)
             if isinstance(plan, str):
                 refusals.append(f"{name}: not partitioned: {plan}")
                 continue
             starts = apply_hidden_partition(ctx.gm, plan)
             changed = True
+            whole.clear()
             ctx.invalidate()
             counts["exchanges_partitioned"] += 1
             counts["chunk_collectives"] += len(starts)
@@ -559,13 +544,16 @@ class HiddenExchangePartition(GraphPass):
         return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=decisions)
 
     @staticmethod
-    def _choose(ctx: PassContext, c: Collective) -> Plan | str:
+    def _choose(ctx: PassContext, c: Collective, priced: list[float]) -> Plan | str:
         """``Config.workload_chunks`` (or 2 without a cost model) as planned; with a cost model, the
         block count whose graph the simulator predicts fastest, if faster than the whole
-        exchange (each candidate applied to a copy of the graph and scored)."""
+        exchange (each candidate applied to a copy of the graph and scored). ``priced``: the
+        current graph's makespan when already priced (filled here)."""
         if ctx.config.workload_chunks is not None or ctx.cost.model is None:
             return plan_hidden_partition(ctx, c)
-        whole = score_graph(_copy_context(ctx)).makespan_us
+        if not priced:
+            priced.append(score_graph(_copy_context(ctx)).makespan_us)
+        whole = priced[0]
         best: Optional[tuple[float, Plan]] = None
         reasons = []
         k = 2
