@@ -436,8 +436,7 @@ def two_nodes():
 
 
 def test_chunk_pipeline_of_uneven_chunks():
-    from commfuse.costmodel.pipeline import pipeline_us
-    from commfuse.transforms.expert_exchange_partition import chunk_pipeline_us
+    from commfuse.costmodel.pipeline import chunk_pipeline_us, pipeline_us
 
     for k in (1, 2, 3, 5):
         assert chunk_pipeline_us([4.0] * k, [9.0 / k] * k, [2.0] * k, 1.5) == pipeline_us(4.0, 9.0, 2.0, k, 1.5)

@@ -428,15 +428,7 @@ class _Gen:
 
     def b_combine(self) -> bool:
         x = self.pick(lambda v: v.vary is not None)
-        if x is None:
-            return False
-        role, splits = self.vary_info[x.vary]
-        rows = sum(splits[0])
-        outs = self.emit("all_to_all_uneven", [x], bounded=x.bounded, group=role, splits=splits, inverse=True)
-        if outs:
-            outs[0].vary = None
-            outs[0].shape = (rows, *x.shape[1:])
-        return bool(outs)
+        return x is not None and self._combine_of(x)
 
     def b_broadcast(self) -> bool:
         x = self.pick(lambda v: v.vary is None)

@@ -112,7 +112,7 @@ from commfuse.analysis.chunking import GroupCosts, independent_compute_us, opera
 from commfuse.analysis.rank_local import rank_local_reason
 from commfuse.costmodel.collectives import concrete
 from commfuse.costmodel.compute import OpCost
-from commfuse.costmodel.pipeline import pipeline_us
+from commfuse.costmodel.pipeline import chunk_pipeline_us, pipeline_us
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind
@@ -123,7 +123,7 @@ from commfuse.ops.moe_layer.op import CHUNKS_ARG, MOE_LAYER, MOE_LAYER_BACKWARD
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms.group_partition import plan_group_partition
-from commfuse.transforms.workload_partition import (DEFAULT_CHUNKS, FACTS, MAX_UNITS, _Builder, _Emitter,
+from commfuse.transforms.workload_partition import (DEFAULT_CHUNKS, FACTS, MAX_UNITS, _Builder, _Emitter, _fmt,
                                                     cuttable_reason)
 
 DROPLESS = ("dropless dispatch with data-dependent split sizes written as graph all_to_alls: recognise the layer "
@@ -153,7 +153,7 @@ class ExchangePlan:
     @property
     def granularity(self) -> str:
         """``"2:1:1"`` for an uneven cut, ``"even"`` otherwise."""
-        return ":".join(map(str, self.units)) if self.units else "even"
+        return _fmt(self.units) if self.units else "even"
 
     def describe(self) -> str:
         cut = f"dim {self.dim}" + (f" in {self.blocks} blocks" if self.blocks > 1 else "")
@@ -339,24 +339,6 @@ def reassembly_us(est, chain: Chain, parts: Optional[int] = None) -> float:
         else:
             total += est.compute.estimate_cost(OpCost(0, 2 * nbytes, "memory", dtype, numel)).time_us
     return total
-
-
-def chunk_pipeline_us(dispatch: list[float], compute: list[float], combine: list[float], tail_us: float = 0.0) -> float:
-    """:func:`pipeline_us` for chunks of different sizes (per-chunk dispatch, compute and combine
-    times); equal lists give ``pipeline_us``'s span."""
-    comm_end, arrived = 0.0, []
-    for d in dispatch:
-        comm_end += d
-        arrived.append(comm_end)
-    comp_end = 0.0
-    for a, w, b in zip(arrived, compute, combine):
-        comp_end = max(comp_end, a) + w
-        comm_end = max(comm_end, comp_end) + b
-    return max(comm_end, comp_end + tail_us)
-
-
-def _fmt(units) -> str:
-    return ":".join(map(str, units))
 
 
 def two_level_granularity(ctx: PassContext, c: Collective, c2: Collective, chain: Chain
