@@ -160,7 +160,7 @@ def test_combine_buffer_read_elsewhere_refused():
 def test_matmul_operand_read_from_the_exchanged_rows_refused():
     """``rows.T @ relu(rows)``: the hidden dim is an output dim of the matmul, but its other
     operand is computed from the whole exchanged rows, so it cannot be ready before the blocks
-    are: refused with the reason (the rewrite once read a concatenation before it was made)."""
+    are: refused with the reason (hoisted, it would read the blocks' concatenation before it exists)."""
     def f(x):
         r = funcol.all_to_all_single(x, None, None, dist.group.WORLD)
         return r.t() @ torch.relu(r)
