@@ -5,7 +5,7 @@ transformers does it (``DistributedConfig``: the model's own ``tp_plan``), train
 step per input shape eagerly and compiled with ``backend="commfuse"``, and compared loss by loss
 and gradient by gradient (fp32, rtol 1e-4). Each case also checks what commfuse did to the
 collectives, so that "nothing rewritten" fails as loudly as a crash. Needs the ``conformance``
-extra (``pip install -e '.[conformance]' -c .ci/constraints-conformance.txt``).
+extra (``pip install -e '.[conformance]' -c .ci/lock.txt``).
 """
 
 from __future__ import annotations

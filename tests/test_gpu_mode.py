@@ -5,8 +5,10 @@ What needs a GPU (NCCL, streams, CUDA events) runs only in ``run.py --gpu`` on t
 from __future__ import annotations
 
 import json
+import re
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,14 +148,30 @@ def test_wheels_are_unpacked_into_a_directory_first_on_sys_path(tmp_path, monkey
         wheels.ensure_wheels(tmp_path / "unpacked", names=("commfuse_not_there",))
 
 
-def test_carried_wheels_match_the_pinned_pydantic():
-    import pydantic
-    import pydantic_core
+def _lock_pins() -> dict[str, str]:
+    """The lock's pins by normalised distribution name (PEP 503: case and ``-_.`` folded)."""
+    lock = Path(__file__).resolve().parent.parent / ".ci" / "lock.txt"
+    pins = {}
+    for line in lock.read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
 
-    names = {p.name for p in wheels.WHEEL_DIR.glob("*.whl")}
-    assert f"pydantic-{pydantic.VERSION}-py3-none-any.whl" in names
-    core = [n for n in names if n.startswith(f"pydantic_core-{pydantic_core.__version__}-")]
-    assert core and "cp312" in core[0] and "manylinux" in core[0] and "x86_64" in core[0]
+
+def test_carried_wheels_are_the_locked_versions():
+    # One source of truth: scripts/gpu_wheels.sh downloads the carried wheels at the lock's versions.
+    pins = _lock_pins()
+    carried = {}
+    for whl in wheels.WHEEL_DIR.glob("*.whl"):
+        name, version, *tags = whl.stem.split("-")
+        carried[re.sub(r"[-_.]+", "-", name).lower()] = (version, tags)
+    assert set(carried) == {"pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+                            "typing-extensions"}
+    assert {n: v for n, (v, _) in carried.items()} == {n: pins[n] for n in carried}, \
+        "the carried wheels differ from .ci/lock.txt: run `bash scripts/gpu_wheels.sh`"
+    core_tags = "-".join(carried["pydantic-core"][1])
+    assert "cp312" in core_tags and "manylinux" in core_tags and "x86_64" in core_tags
     assert sum(p.stat().st_size for p in wheels.WHEEL_DIR.glob("*.whl")) < 10 * 2 ** 20
 
 
