@@ -6,10 +6,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError,
+                      field_validator, model_validator)
 
 from commfuse._version import __version__
 from commfuse.core.errors import ConfigError
@@ -131,6 +131,15 @@ class Config(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    if not TYPE_CHECKING:  # type checkers keep the typed __init__ pydantic's plugin derives from the fields
+        def __init__(self, **fields: Any) -> None:
+            """A bad value is a :class:`ConfigError` naming the field (``Config.passes: ...``),
+            as every invalid option of commfuse is, not pydantic's ValidationError."""
+            try:
+                super().__init__(**fields)
+            except ValidationError as e:
+                raise ConfigError(_named_problems(e)) from e
 
     passes: Optional[list[str]] = None
     inner_compiler: Literal["inductor", "eager"] = "inductor"
@@ -274,6 +283,16 @@ class Config(BaseModel):
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def _named_problems(e: ValidationError) -> str:
+    """One clause per problem, each naming its field: ``Config.passes: unknown pass name(s) ...``
+    (``Config: ...`` for a check across fields)."""
+    clauses = []
+    for err in e.errors():
+        field = ".".join(["Config", *(str(part) for part in err.get("loc", ()))])
+        clauses.append(f"{field}: {err.get('msg', 'invalid value').removeprefix('Value error, ')}")
+    return "; ".join(clauses)
+
+
 def _file_digest(path: Optional[str]) -> Optional[str]:
     """What a compile cache must key on for a profile file: its content, not its name."""
     if path is None:
@@ -315,8 +334,6 @@ def config_with_options(config: Config, options: Optional[dict[str, Any]],
     Inductor's options) laid over it: what ``torch.compile(..., options={...})`` means for
     commfuse. An unknown name is refused with the valid ones listed; a bad value with the
     validation error, which names the field."""
-    from pydantic import ValidationError
-
     if not options:
         return config
     if not isinstance(options, dict):
@@ -332,15 +349,13 @@ def config_with_options(config: Config, options: Optional[dict[str, Any]],
         update[name] = value
     try:
         return Config(**{**config.model_dump(), **update})
-    except ValidationError as e:
+    except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from e
 
 
 def config_from_text(text: str, source: str = CONFIG_ENV) -> Config:
     """A Config from a JSON object, or from the JSON file ``text`` names. Errors name ``source``,
     the file and the field."""
-    from pydantic import ValidationError
-
     where = source
     if not text.startswith("{"):
         where = f"{source} (file {text})"
@@ -356,5 +371,5 @@ def config_from_text(text: str, source: str = CONFIG_ENV) -> Config:
         raise ConfigError(f"{where}: expected a JSON object of Config fields, got {type(doc).__name__}")
     try:
         return Config(**doc)
-    except ValidationError as e:
+    except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from e

@@ -11,7 +11,12 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import commfuse
+from commfuse.fuzz.forced import register_forced_passes
 from commfuse.reference.numerics import assert_close_tree, train_step_outputs
+
+# A rank-pool worker imports this module to unpickle a job; the jobs may name a forced variant,
+# which only the fuzzer and the tests register.
+register_forced_passes()
 
 FORCED = "primitive_substitution_forced"
 

@@ -28,6 +28,11 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from commfuse.testing import RankPool, get_pool  # noqa: E402
+from commfuse.fuzz.forced import register_forced_passes  # noqa: E402
+
+# The tests run the forced pass variants by name, as the fuzzer does; registered before any test,
+# so every test of the session sees the same pass table whichever files it collected.
+register_forced_passes()
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from commfuse.config import Config
+from commfuse.core.errors import ConfigError
+from commfuse.fuzz.forced import FORCED_PASS_NAMES, FORCED_PASSES, is_registered, register_forced_passes
 from commfuse.fuzz.generator import FEATURES
 from commfuse.fuzz import (
     FAMILIES,
@@ -76,6 +79,27 @@ def test_every_registered_pass_has_a_fuzz_entry_or_a_note():
         assert len(note.split()) >= 8, f"the fuzz note of {name!r} must say why ({note!r})"
     for name in available_passes():
         fuzz_target(name)
+
+
+def test_forced_variants_are_fuzz_targets_not_product_passes():
+    """The forced variants (commfuse.fuzz.forced) are not product passes: with their registration
+    undone, as in a process that never imported the fuzzer (tests/test_import_graph.py keeps the
+    product from importing it), the pass table lists none of them and ``Config`` refuses their
+    names with a ConfigError naming the field. The fuzzer's targets include every one of them,
+    and registering them again changes nothing."""
+    assert FORCED_PASS_NAMES <= set(registered_targets())
+    assert all(registered_targets()[name].registered for name in FORCED_PASS_NAMES)
+    try:
+        for name in FORCED_PASS_NAMES:
+            unregister_pass(name)
+        assert FORCED_PASS_NAMES.isdisjoint(available_passes())
+        with pytest.raises(ConfigError, match=r"^Config\.passes: unknown pass name\(s\) \['centauri_partition_forced'\]"):
+            Config(passes=["centauri_partition_forced"])
+    finally:
+        register_forced_passes()
+    register_forced_passes()
+    assert all(is_registered(cls) for cls in FORCED_PASSES)
+    assert Config(passes=sorted(FORCED_PASS_NAMES)).passes == sorted(FORCED_PASS_NAMES)
 
 
 def test_unregistered_pass_is_reported_missing():

@@ -7,6 +7,8 @@
 * No function-local import of a commfuse module: an import inside a function hides a cycle
   or an upward dependency. Optional heavy third-party dependencies may be imported inside
   functions (they are not commfuse modules, so this test does not look at them).
+* Only commfuse.fuzz imports commfuse.fuzz: importing the fuzzer registers the test-only forced
+  passes, which the product's pass table never holds.
 """
 
 from __future__ import annotations
@@ -164,6 +166,20 @@ def test_layers_import_only_downward():
 def test_no_function_local_import_of_a_commfuse_module():
     _, local = imports()
     assert not local, "function-local imports of commfuse modules:\n" + "\n".join(local)
+
+
+def test_only_the_fuzzer_imports_the_fuzzer():
+    """Importing the fuzzer registers the test-only forced passes (commfuse.fuzz.forced), so no
+    module outside commfuse.fuzz imports it: ``import commfuse`` (or commfuse.testing) leaves
+    them out of the product's pass table."""
+    graph, _ = imports()
+    bad = [f"{m} imports {t}" for m, ts in sorted(graph.items()) for t in sorted(ts)
+           if _in_fuzzer(t) and not _in_fuzzer(m)]
+    assert not bad, "modules outside the fuzzer import it:\n" + "\n".join(bad)
+
+
+def _in_fuzzer(module: str) -> bool:
+    return module == "commfuse.fuzz" or module.startswith("commfuse.fuzz.")
 
 
 @pytest.mark.parametrize("source, expected", [

@@ -5,6 +5,8 @@
 
 See docs/reliability.md (what it checks, how failures shrink and are saved) and
 docs/contributing.md (registering a pass with the fuzzer, adding a regression case).
+Importing the fuzzer registers the test-only forced pass variants (:mod:`commfuse.fuzz.forced`)
+with the pass table, so it fuzzes them with the product passes.
 """
 
 from commfuse.fuzz.campaign import CampaignReport, FoundBug, program_for, run_campaign, run_parallel, shrink_failure

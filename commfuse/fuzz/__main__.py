@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--programs", "-n", type=int, default=500, help="programs to check (default 500)")
     ap.add_argument("--seed", type=int, default=0, help="campaign seed (program i: random.Random(f'{seed}:{i}'))")
     ap.add_argument("--start", type=int, default=0, help="first program index")
-    ap.add_argument("--jobs", type=int, default=1, help="worker processes (built-in passes only)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="worker processes (the passes a fresh process knows: built-in and forced variants)")
     ap.add_argument("--time-limit", type=float, default=None, help="stop after this many seconds")
     ap.add_argument("--passes", default=None, help="comma-separated pass names (default: every registered pass)")
     ap.add_argument("--no-default", action="store_true", help="do not also check the default pipeline")

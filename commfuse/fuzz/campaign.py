@@ -225,7 +225,7 @@ def run_campaign(
     return report
 
 
-# -- parallel campaigns (separate processes; built-in passes only) ----------------------------
+# -- parallel campaigns (separate processes: built-in passes and the forced variants) -----------------
 def _worker(args: tuple) -> dict:
     seed, indices, pipe_names, include_default, shrink_failures, save_dir, time_limit, features, check_ir, family, \
         frozen = args

@@ -1,13 +1,15 @@
 """Which passes the fuzzer checks, and with what knowledge.
 
 Every pass in :func:`commfuse.transforms.registry.available_passes` is fuzzed alone (and the
-default pipeline as a whole). A built-in pass declares how with its class attribute ``fuzz``
+default pipeline as a whole): the product passes and, registered when this module is imported,
+the forced variants (:mod:`commfuse.fuzz.forced`), which only the fuzzer and the tests run. A
+pass class declares how with its class attribute ``fuzz``
 (:class:`commfuse.passmgr.base.FuzzSpec`: families, joint only, topology, exact or tolerance
 compare, world sizes, order contract, micro-batches), or why the fuzzer cannot check it
 (``FuzzSpec(not_fuzzed=...)``); this module reads the specs from the registry table. A pass
-written elsewhere (tests, users) is registered here with :func:`register_fuzz_target`.
-tests/test_fuzz.py fails when a pass has neither, so a new pass cannot land without its author
-deciding.
+written elsewhere (tests, users) without a spec is registered here with
+:func:`register_fuzz_target`. tests/test_fuzz.py fails when a pass has neither, so a new pass
+cannot land without its author deciding.
 """
 
 from __future__ import annotations
@@ -17,10 +19,15 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from commfuse.costmodel.topology import Topology
+from commfuse.fuzz.forced import register_forced_passes
 from commfuse.fuzz.generator import FAMILIES, FAMILY_WEIGHTS, generate_program
 from commfuse.fuzz.program import Program
 from commfuse.passmgr.base import FuzzSpec
 from commfuse.transforms.registry import available_passes
+
+# Every way into the fuzzer imports this module (the CLI, run_campaign, the workers run_parallel
+# spawns, replaying a saved regression), so the forced variants are targets wherever it runs.
+register_forced_passes()
 
 
 @dataclass(frozen=True)

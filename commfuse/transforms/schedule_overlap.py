@@ -125,7 +125,8 @@ class ScheduleOverlap(GraphPass):
     # has backward nodes (tangent inputs or phase tags); the fuzzer's micro-batched joint programs are
     # the first fuzzed graphs with them, so the order contract is not claimed.
     fuzz = FuzzSpec(exact=True)
-    # schedule_overlap_layer_forced: every graph is one backward; only the layer-level order is tried
+    # True in the fuzzer's schedule_overlap_layer_forced (commfuse.fuzz.forced): every graph is one
+    # backward; only the layer-level order is tried
     force_layer_level = False
 
     def run(self, ctx: PassContext) -> PassResult:

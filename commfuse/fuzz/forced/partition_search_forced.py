@@ -13,8 +13,8 @@ Contract
 - Why it exists: the search applies an uneven leaf only when the simulator prices it
   cheapest, which the fuzzer's small programs rarely make happen; this name runs the
   same building blocks (``apply_scheme``) on every collective Algorithm 1 cuts unevenly,
-  so the fuzzer and the multi-rank tests check the uneven rewrite. A building block and
-  exploration tool, not a default.
+  so the fuzzer and the multi-rank tests check the uneven rewrite. Test-only: not in the
+  product pass table (registered by :func:`commfuse.fuzz.forced.register_forced_passes`).
 - Guarantees: those of ``centauri_partition`` (values equal up to reduction order; the
   decision is a function of the graph, config and topology, the same on every rank).
 - Leaves alone (one line each): collectives Algorithm 1 does not cut unevenly (even

@@ -14,8 +14,8 @@ Contract
 - Why it exists: that pass takes the uneven cut only where the pipeline model predicts it no
   slower than the best even cut, which flat chunk exchanges (one more launch) almost never
   are; this name runs the same building blocks on every exchange Algorithm 1 cuts unevenly,
-  so the fuzzer checks the uneven rewrite. A building block and exploration tool, not a
-  default.
+  so the fuzzer checks the uneven rewrite. Test-only: not in the product pass table
+  (registered by :func:`commfuse.fuzz.forced.register_forced_passes`).
 - Guarantees: those of ``expert_exchange_partition`` (values equal up to floating-point
   rounding; the same bytes on the same group; decided from the graph, config and topology).
 - Leaves alone (one line each): exchanges the pass would refuse, groups inside one node (no

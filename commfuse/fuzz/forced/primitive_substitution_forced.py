@@ -5,9 +5,9 @@ Contract
   same refusals, one line each).
 - Does: applies the scalable substitute of every feasible collective (``rs_ag``,
   ``rooted_broadcasts``, ``rooted_reduces``) whatever the cost model predicts; the
-  predictions are still reported in ``decisions``. Like ``split_all_reduce``, it is a
-  building block and an exploration tool, not a default: standalone the substitutes are
-  predicted slower (the same bytes in more launches).
+  predictions are still reported in ``decisions``. Standalone the substitutes are
+  predicted slower (the same bytes in more launches), so it is test-only: not in the
+  product pass table (registered by :func:`commfuse.fuzz.forced.register_forced_passes`).
 - Why it exists: ``primitive_substitution`` almost never fires on its own, so neither
   the fuzzer nor a compiled program would exercise the rooted forms through the ordinary
   pipeline. This name does, with the same code (``substitute_all(force=True)``).

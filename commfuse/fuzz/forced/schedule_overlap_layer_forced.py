@@ -11,6 +11,8 @@ Contract
 - Why it exists: the layer level only runs on backward graphs (nodes that depend on a tangent
   input), which the fuzzer's programs do not have; this name lets the fuzzer exercise the
   preferred order, the re-chained collectives and the scheduler on arbitrary graphs.
+  Test-only: not in the product pass table (registered by
+  :func:`commfuse.fuzz.forced.register_forced_passes`).
 - Guarantees: those of ``schedule_overlap`` except the kept issue order: a pure reorder
   (values bitwise equal), every dependency respected, decided from the graph only.
 
