@@ -37,21 +37,24 @@ import collections
 import hashlib
 import json
 import logging
+import time
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
-from commfuse.agreement import FrameRecord, wrap_first_call
+from commfuse.agreement import (Exchange, FirstRunChoice, FrameRecord, Verdict, group_entries,
+                                report_verdict)
 from commfuse.api import pipeline_for
 from commfuse.config import Config, config_with_options, default_config
 from commfuse.core import torch_private as priv
 from commfuse.core.errors import ConfigError
 from commfuse.core.ranks import warn_rank0
 from commfuse.dhelix.fused_partition import fused_partition
+from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.lowering import LoweringPlan, lower_eager, lower_runtime
 from commfuse.passmgr.base import Stage
-from commfuse.passmgr.pipeline import Pipeline, ReportTo
+from commfuse.passmgr.pipeline import Instrumentation, Pipeline, ReportTo
 from commfuse.passmgr.report import PipelineReport
 from commfuse.session import current_session, mesh_partitions, roles_from_meshes
 
@@ -116,6 +119,8 @@ class CommfuseBackend:
         self.plans: list[LoweringPlan] = []
         # Config(dhelix=True): per joint graph, "fused" or why it was partitioned as usual.
         self.partitions: list[str] = []
+        # The cross-rank agreement's verdict of every compiled frame at its first execution, in order.
+        self.agreements: list[Verdict] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor], *, mode: Optional[str] = None,
                  options: Optional[dict[str, Any]] = None):
@@ -131,6 +136,10 @@ class CommfuseBackend:
                 roots.append(root)
         pipeline = pipeline_for(self.config, dtensor_roles=roles_from_meshes(meshes) if meshes else {},
                                 dtensor_partitions=[part for m in [*meshes, *roots] for part in mesh_partitions(m)])
+        net = self.config.check_agreement != "off" and _real_multi_rank()
+        # the program as written, for the agreement's fallback: before any pass rewrites gm in place
+        written = _copy_module(gm) if net else None
+        frame = _frame_identity(gm) if net else ""
         record = FrameRecord()
         if any(p.stage is Stage.PRE_AUTOGRAD for p in pipeline.passes):
             # Recognition before AOTAutograd traces the graph, so the ops it introduces are
@@ -139,14 +148,55 @@ class CommfuseBackend:
             rep = pipeline.run(gm, graph_kind="dynamo", stages={Stage.PRE_AUTOGRAD}, dump_if_changed=True)
             if any(p.changed or p.refusals or p.error for p in rep.passes):
                 self.dynamo_reports.append(rep)
-        pipeline.instruments.append(ReportTo(lambda r: (self.reports.append(r), _RECENT_REPORTS.append(r), record.add(r))))
-        if self.config.inner_compiler == "eager":
-            compiled = self._compile_eager(gm, example_inputs, pipeline)
-        else:
-            compiled = self._compile_inductor(gm, example_inputs, pipeline)
-        if self.config.agreement_enabled() and _real_multi_rank():
-            compiled = wrap_first_call(compiled, record, timeout_s=self.config.agreement_timeout_s)
+        pipeline.instruments.append(ReportTo(lambda r: (self.reports.append(r), _RECENT_REPORTS.append(r))))
+        pipeline.instruments.append(_CollectivesInto(record))
+        started = time.perf_counter()
+        # the net compares the backward graph too at the first execution: AOTAutograd compiles it
+        # now instead of at the first backward (what it does anyway for graphs with symbolic sizes)
+        with priv.eager_backward_compile(net):
+            if self.config.inner_compiler == "eager":
+                compiled = self._compile_eager(gm, example_inputs, pipeline)
+            else:
+                compiled = self._compile_inductor(gm, example_inputs, pipeline)
+            if written is not None:
+                compiled = self._with_agreement(compiled, written, example_inputs, record, pipeline, frame=frame,
+                                                compile_s=time.perf_counter() - started)
         return compiled
+
+    def _with_agreement(self, compiled: Callable, written: fx.GraphModule, example_inputs: list,
+                        record: FrameRecord, pipeline: Pipeline, *, frame: str, compile_s: float) -> Callable:
+        """``compiled``, choosing at its first call between itself and the program as written
+        (compiled now, so nothing is compiled once ranks wait on each other) by the cross-rank
+        agreement exchange (commfuse/agreement.py)."""
+        import torch.distributed as dist
+
+        started = time.perf_counter()
+        fallback, as_written = _compile_as_written(written, example_inputs)
+        as_written_s = time.perf_counter() - started
+        entries = group_entries(record, as_written)
+        if not entries:  # no collective on a group whose ranks are known: nothing to agree on
+            return compiled
+        session = current_session().fingerprint()
+        digest = hashlib.sha256(f"{self.config.cache_key(pipeline.topology)}:{session}:"
+                                f"{_layout_digest(pipeline)}".encode()).hexdigest()[:16]
+        summary = {**self.config.model_dump(mode="json", exclude={"dump_dir", "strict", "verify", "debug",
+                                                                  "svg_max_nodes", "check_agreement",
+                                                                  "agreement_timeout_s"}),
+                   "topology (in use)": pipeline.topology.model_dump(mode="json") if pipeline.topology else None,
+                   "session": session, "mesh layout": _layout_digest(pipeline)}
+        rank, timeout_s = dist.get_rank(), self.config.agreement_timeout_s
+
+        def decide() -> Verdict:
+            verdict = Exchange(priv.default_store(), frame=frame, config_digest=digest, config_summary=summary,
+                               rank=rank, timeout_s=timeout_s).run(entries)
+            verdict.frame, verdict.compile_s, verdict.compile_as_written_s = frame, compile_s, as_written_s
+            return verdict
+
+        def on_verdict(verdict: Verdict) -> None:
+            self.agreements.append(verdict)
+            report_verdict(verdict, frame)
+
+        return FirstRunChoice(compiled, fallback, decide, mode=self.config.check_agreement, on_verdict=on_verdict)
 
     def with_compile_args(self, *, mode: Optional[str] = None,
                           options: Optional[dict[str, Any]] = None) -> "CommfuseBackend":
@@ -264,6 +314,64 @@ class CommfuseBackend:
                 return priv.inductor_compile_fx_inner(g, example_inputs, **kw)
 
         return inner
+
+
+class _CollectivesInto(Instrumentation):
+    """Records each finished graph's collectives (its IR after the pipeline) for the agreement
+    exchange; a later stage of the same graph replaces what an earlier one recorded."""
+
+    def __init__(self, record: FrameRecord) -> None:
+        self.record = record
+
+    def after_pipeline(self, gm: fx.GraphModule, ctx, report: PipelineReport) -> None:
+        self.record.add(report.graph, ctx.ir)
+
+
+def _copy_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with a graph of its own (passes and Inductor's pre-grad passes rewrite graphs in
+    place); the modules and parameters it holds are shared."""
+    copy = fx.GraphModule(gm, priv.copy_graph(gm.graph))
+    copy.meta = dict(gm.meta)
+    return copy
+
+
+def _compile_as_written(gm: fx.GraphModule, example_inputs: list) -> tuple[Callable, FrameRecord]:
+    """The program as written: no commfuse pass, AOTAutograd's partition, every graph run op by
+    op with functional collectives in graph order (the eager inner compiler's own fallback), and
+    the collectives of its graphs."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    record = FrameRecord()
+
+    def compile_stage(kind: str):
+        def compiler(g: fx.GraphModule, _inputs):
+            record.add(kind, CollectiveIR(g))
+            return lower_eager(g)
+
+        return compiler
+
+    fn = priv.aot_autograd(fw_compiler=compile_stage("forward"), bw_compiler=compile_stage("backward"),
+                           inference_compiler=compile_stage("inference"),
+                           partition_fn=min_cut_rematerialization_partition,
+                           keep_inference_input_mutations=True)(gm, example_inputs)
+    return fn, record
+
+
+# The number of graphs the backend compiled so far in each Dynamo compile (a frame with a graph
+# break inside an inlined call, or split by DDPOptimizer, hands the backend several).
+_GRAPHS_IN_COMPILE: dict[str, int] = {}
+
+
+def _frame_identity(gm: fx.GraphModule) -> str:
+    """The same on every rank for the same graph of the same frame, whatever was compiled
+    before (a recompile on some ranks only must meet its peers' entries): the Dynamo code object
+    (file, line, name) and the graph's position in this compile; the graph's code outside Dynamo."""
+    where = priv.dynamo_frame()
+    if where is None:
+        return "graph " + hashlib.sha256(gm.code.encode()).hexdigest()[:16]
+    code, compile_id = where
+    n = _GRAPHS_IN_COMPILE[compile_id] = _GRAPHS_IN_COMPILE.get(compile_id, -1) + 1
+    return f"{code}#{n}"
 
 
 def _warn_lowering_failed(kind: str, e: Exception, instead: str) -> None:

@@ -53,13 +53,29 @@ class Config(BaseModel):
         tangents) as identical on every rank of the group -- the tensor-parallel contract.
         Collective motion needs it to run a norm with its weight on shards; without it
         only values the graph proves replicated (collective outputs, constants) qualify.
+    uniform_batches: every rank of every group holds a local batch of the same shape (fixed-size
+        batches, never an uneven last one, no token-budget packing). Off (default): a decision that
+        changes which collectives run or their order prices only the sizes every rank shares --
+        parameters, collective operands, the config and topology -- and not the compute and
+        activations that follow from a data-parallel, FSDP or expert-parallel rank's local batch,
+        so ranks whose batches differ decide alike (docs/architecture.md, "Same decision on every
+        rank"). On: that compute is priced too (overlap scheduling and bucketing weigh it); ranks
+        whose batch shapes then differ may decide differently.
     moe_capacity_regroup: let collective motion run a capacity-limited MoE layer
         (``commfuse.moe``) on token shards that split its token groups: each shard then
         becomes one token group, which changes which tokens are dropped (the numbers equal
         the unoptimised program with ``token_groups = N``). Off: such layers stay on full tokens.
-    check_agreement: compare every rank's collective sequence at the first execution of
-        each compiled frame and raise instead of hanging (default: on when `debug`).
-    agreement_timeout_s: how long a rank waits for the others in that check.
+    check_agreement: the cross-rank safety net (``commfuse/agreement.py``; on by default wherever
+        more than one real rank runs). At the first execution of each compiled frame every rank
+        compares, through the c10d Store and never through a collective, a hash of the collectives
+        it is about to issue on each process group with the group's other members. "fallback"
+        (default): on a mismatch or a timeout every rank linked to the mismatching group runs the
+        program as written (compiled without commfuse's passes, alongside the optimised one),
+        with one warning naming the first differing collective. "raise": raise ``AgreementError``
+        instead. "off" (or False): no exchange, no second compile.
+    agreement_timeout_s: how long a rank waits for the other members of its groups in that
+        exchange before it gives up and falls back (so must cover the difference in compile time
+        between ranks); a rank that gives up releases every rank waiting with it.
     svg_max_nodes: larger graphs are drawn condensed (compute runs collapsed; Graphviz is slow).
     moe_recognition: when the ``moe_recognition`` pass rewrites a hand-written MoE layer into
         ``commfuse::moe_layer``. "auto": only when the layer's tokens come from tensor/sequence
@@ -151,12 +167,13 @@ class Config(BaseModel):
     topology: Optional[Topology] = None
     group_roles: dict[str, ParallelRole] = Field(default_factory=dict)
     tp_inputs_replicated: bool = True
+    uniform_batches: bool = False
     moe_capacity_regroup: bool = False
     moe_recognition: Literal["auto", "always", "off"] = "auto"
     svg_max_nodes: PositiveInt = 250
-    check_agreement: Optional[bool] = None
+    check_agreement: Literal["fallback", "raise", "off"] = "fallback"
     step_time_gate: Optional[bool] = None
-    agreement_timeout_s: PositiveFloat = 120.0
+    agreement_timeout_s: PositiveFloat = 300.0
     workload_chunks: Optional[PositiveInt] = None
     max_chunks: PositiveInt = 8
     partition_search_budget: PositiveInt = 400
@@ -216,8 +233,18 @@ class Config(BaseModel):
             raise ValueError(f"workload_chunks={self.workload_chunks} exceeds max_chunks={self.max_chunks}")
         return self
 
+    @field_validator("check_agreement", mode="before")
+    @classmethod
+    def _agreement_off(cls, v: Any) -> Any:
+        if v is False:  # the natural way to switch it off
+            return "off"
+        if v is True:
+            raise ValueError('check_agreement takes "fallback" (the default: on), "raise" or "off"; True no longer '
+                             'names one of them (it used to mean "raise")')
+        return v
+
     def agreement_enabled(self) -> bool:
-        return self.debug if self.check_agreement is None else self.check_agreement
+        return self.check_agreement != "off"
 
     @field_validator("passes")
     @classmethod
@@ -278,6 +305,8 @@ class Config(BaseModel):
         }
         if self.step_time_gate is not None:
             payload["step_time_gate"] = self.step_time_gate
+        if self.uniform_batches:  # keys of configs without it stay as they were
+            payload["uniform_batches"] = True
         if self.cost_profile is not None:  # keys of configs without a profile stay as they were
             payload["cost_profile"] = _file_digest(self.cost_profile)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

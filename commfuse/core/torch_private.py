@@ -362,3 +362,37 @@ def profiler_active() -> bool:
     Private: `torch._C._autograd._profiler_enabled` (one C call, the check record_function's
     users make; `torch.autograd.profiler._is_profiler_enabled` misses profilers started from C++)."""
     return torch._C._autograd._profiler_enabled()
+
+
+def dynamo_frame() -> "Optional[tuple[str, str]]":
+    """The frame Dynamo is compiling, as ``("dir/file.py:line:qualname", compile id)``; None outside a
+    Dynamo compile. The path keeps its last two parts, so ranks whose checkouts sit in different
+    directories name the frame alike.
+
+    Private: `torch._guards.TracingContext.traced_code` (the root frame's code object first) and
+    `torch._guards.CompileContext.current_compile_id`."""
+    import os
+
+    from torch._guards import CompileContext, TracingContext
+
+    ctx = TracingContext.try_get()
+    if ctx is None or not ctx.traced_code:
+        return None
+    code = ctx.traced_code[0]
+    path = os.path.join(*os.path.normpath(code.co_filename).split(os.sep)[-2:])
+    name = getattr(code, "co_qualname", code.co_name)
+    return f"{path}:{code.co_firstlineno}:{name}", str(CompileContext.current_compile_id())
+
+
+def eager_backward_compile(on: bool = True):
+    """While active (and ``on``), AOTAutograd compiles a training graph's backward with its forward
+    instead of at the first backward.
+
+    Private: `torch._functorch.config.force_non_lazy_backward_lowering`."""
+    import contextlib
+
+    if not on:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(force_non_lazy_backward_lowering=True)
