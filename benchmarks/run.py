@@ -328,6 +328,12 @@ _REPORTS = {
         "only DHelix strand interleaving: a TP=8 Llama layer, sequential vs Eq. 2 plan time on "
         "DGX-A100 and A40-PCIe (predicted, illustrative OEF) next to the paper's gains; the "
         "training step with and without interleaving on 4 gloo ranks (measured)"),
+    # measured on 2 and 4 gloo ranks, counted at 1024 simulated ranks: the cross-rank agreement net
+    "agreement_cost": SingleReport("benchmarks.agreement_cost", "run_agreement_cost",
+                        "agreement_cost_tables", "agreement_cost",
+        "only the agreement net's cost per compiled graph at its first execution: time and Store "
+        "requests and bytes on 2 and 4 gloo ranks (measured), and the Store traffic at 1024 ranks "
+        "(counted on simulated ranks)"),
 }
 
 

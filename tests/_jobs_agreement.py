@@ -158,8 +158,8 @@ def _run_once(fn, *args, **config: Any) -> dict:
 
 
 class Rank3SplitsAllReduce(GraphPass):
-    """Test-only, deliberately WRONG: ``split_all_reduce`` on rank 3 only (its TP all_reduce
-    becomes reduce_scatter + all_gather; its TP partner, rank 2, keeps the all_reduce)."""
+    """Test-only, deliberately WRONG: ``split_all_reduce`` on rank 3 only (an all_reduce it
+    splits becomes reduce_scatter + all_gather; the group's other member keeps the all_reduce)."""
 
     name = "test_rank3_splits_all_reduce"
     stage = Stage.JOINT
@@ -175,8 +175,8 @@ class Rank3SplitsAllReduce(GraphPass):
 def agreement_on_a_2x2_mesh(plant: bool) -> dict:
     """TP x DP on a 2 x 2 mesh: an all_reduce on the TP group, then one on the DP group. Each TP
     group has its own name on its members. ``plant``: rank 3's compiled program issues a
-    reduce_scatter where its TP partner issues the all_reduce; the mismatch is on the group {2, 3},
-    and ranks 0 and 1 are linked to it through the DP groups: all four fall back."""
+    reduce_scatter where its partner on a group issues the all_reduce; ranks that share no group
+    with rank 3 are linked to it through their other groups: all four fall back."""
     import torch.distributed._functional_collectives as funcol
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

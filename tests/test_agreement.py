@@ -5,6 +5,7 @@ a planted divergence the net catches and falls back from without a hang."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -238,6 +239,25 @@ def test_store_cost_per_rank_is_flat_in_the_world_size():
         cost[n] = (max(v.store_ops for v in out.values()), max(v.store_bytes for v in out.values()))
     assert cost[64][0] == cost[4][0]  # Store requests per rank do not grow with the group
     assert cost[64][1] <= cost[4][1] * 1.1
+
+
+def test_the_cost_report_is_registered_and_its_stored_counts_are_flat():
+    from pathlib import Path
+
+    from benchmarks.agreement_cost import agreement_cost_tables
+    from benchmarks.run import _REPORTS
+
+    assert _REPORTS["agreement_cost"].module == "benchmarks.agreement_cost"
+    stored = Path(__file__).resolve().parents[1] / "benchmarks/results/agreement-cost-2026-11-29.json"
+    report = json.loads(stored.read_text())["agreement_cost"]
+    assert "| DP 1024 | 1 | 15 |" in agreement_cost_tables(report)
+    # Store requests per rank by groups per rank, at 2 and 4 real ranks and 1024 simulated ones
+    per_groups = {}
+    for row in report["rows"]:
+        per_groups.setdefault(len(row["groups"]), set()).add(row["exchange_ops_max"])
+    for sim in report["simulated"]:
+        per_groups.setdefault(sim["groups_per_rank"], set()).add(sim["ops_per_rank_max"])
+    assert all(len(ops) == 1 for ops in per_groups.values()), per_groups
 
 
 # -- real ranks --------------------------------------------------------------------------------
