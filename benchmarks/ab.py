@@ -212,7 +212,7 @@ def speedup_ratios(baseline_s: Sequence[float], candidate_s: Sequence[float]) ->
     The two lists are the same rounds, in order."""
     if len(baseline_s) != len(candidate_s):
         raise ValueError(f"{len(baseline_s)} baseline rounds but {len(candidate_s)} candidate rounds")
-    return [b / c for b, c in zip(baseline_s, candidate_s)]
+    return [b / c for b, c in zip(baseline_s, candidate_s, strict=True)]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -279,8 +279,8 @@ def _loss_spread(first_losses: dict[str, list[list[float]]]) -> float | None:
     """Largest |loss - candidate's loss| of any executor's first step on any rank (None:
     no two executors recorded comparable losses)."""
     (_, reference), *others = first_losses.items()
-    diffs = [abs(a - b) for _, per_rank in others for ref, got in zip(reference, per_rank)
-             if ref and len(ref) == len(got) for a, b in zip(ref, got)]
+    diffs = [abs(a - b) for _, per_rank in others for ref, got in zip(reference, per_rank, strict=True)
+             if ref and len(ref) == len(got) for a, b in zip(ref, got, strict=True)]
     return max(diffs) if diffs else None
 
 

@@ -74,7 +74,7 @@ def run_alignment_f1(*, seed: int = 0, configs=CONFIGS, models: Optional[list[st
         gaps = []
         for run in runs.values():
             ts = [lau.t_log_us for lau in run.ranks[0].launches]
-            gaps.extend(b - a for a, b in zip(ts, ts[1:]))
+            gaps.extend(b - a for a, b in zip(ts, ts[1:], strict=False))
         gaps.sort()
         for sc in SCENARIOS:
             total = Counts()

@@ -47,8 +47,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from commfuse.models.pipeline_models import (DPBlock, PipelineModelConfig, ShardedBlock, SPBlock, TPBlock,  # noqa: E402
-                                             _rms_norm, make_full_data, make_loss_fn, position_view)
+from commfuse.models.pipeline_models import (  # noqa: E402
+    DPBlock, PipelineModelConfig, ShardedBlock, SPBlock, TPBlock, _rms_norm, make_full_data, make_loss_fn, position_view)
 from commfuse.analysis.boundary import BoundaryFusionOptions  # noqa: E402
 from commfuse.pipeline.collectives import all_gather, all_to_all, copy_to_group, reduce_scatter  # noqa: E402
 

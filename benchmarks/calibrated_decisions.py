@@ -63,7 +63,7 @@ def decisions_job(workloads: Sequence[str], profile: str) -> dict[str, dict[str,
 
 def _differences(nominal: list[dict[str, Any]], calibrated: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"graph": a["graph"], "pass": a["pass"], "nominal": a, "calibrated": b}
-            for a, b in zip(nominal, calibrated) if a != b]
+            for a, b in zip(nominal, calibrated, strict=True) if a != b]
 
 
 def run_calibrated_decisions(workloads: Sequence[str] = WORKLOADS, profile: Optional[str] = None) -> dict[str, Any]:

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     step_errs = []
     for w in WORKLOADS:
         res = pool.run(step_job, w, profile.model_dump_json(), 3, a.steps, timeout=900)
-        times = [max(ts) for ts in zip(*(r["times_us"] for r in res))]
+        times = [max(ts) for ts in zip(*(r["times_us"] for r in res), strict=True)]
         med, pred = statistics.median(times), res[0]["predicted_us"]
         err = (pred - med) / med
         step_errs.append(abs(err))

@@ -201,7 +201,7 @@ def run_gloo_reduce_scatter(sizes: Sequence[int] = SIZES, worlds: Sequence[int] 
         for i, size in enumerate(sizes):
             row: dict[str, Any] = {"world": world, "size": size, "variants": {}}
             for v in VARIANTS:
-                slowest = [max(ts) for ts in zip(*(r[i]["times_us"][v] for r in per_rank))]
+                slowest = [max(ts) for ts in zip(*(r[i]["times_us"][v] for r in per_rank), strict=True)]
                 med, iqr = _q(slowest)
                 row["variants"][v] = {"median_us": med, "iqr_us": iqr, "times_us": slowest,
                                       "inner": per_rank[0][i]["inner"][v]}

@@ -80,7 +80,7 @@ def compute_metrics(record: RunRecord) -> dict[str, Any]:
 
 def step_times(record: RunRecord) -> list[float]:
     """Per measured step, the slowest rank's time (a step is over when every rank is)."""
-    return [max(ts) for ts in zip(*(r.step_s for r in record.ranks))]
+    return [max(ts) for ts in zip(*(r.step_s for r in record.ranks), strict=True)]
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:

@@ -129,9 +129,9 @@ def _rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 
 def _fixed(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
     out = [line, "-" * len(line)]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(out)
 
 
@@ -281,7 +281,7 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
         width_in = min(18.0, max(8.0, 0.25 * len(workloads) * max(1, len(baselines))))
         fig, axes = plt.subplots(len(panels), 1, figsize=(width_in, 11))
         width = 0.8 / max(1, len(baselines))
-        for ax, (key, title, err_key, scale) in zip(axes, panels):
+        for ax, (key, title, err_key, scale) in zip(axes, panels, strict=True):
             for j, b in enumerate(baselines):
                 xs, ys, errs = [], [], []
                 for i, w in enumerate(workloads):
@@ -295,7 +295,7 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
                 ax.bar(xs, ys, width, yerr=errs if err_key else None, label=b, capsize=2)
                 if key in ("wire_bytes", "logged_bytes"):
                     # Bytes of ops the IR does not recognise are missing: say so on the bar.
-                    for x, y, w in zip(xs, ys, [w for w in workloads if _metric(results, w, b, key) is not None]):
+                    for x, y, w in zip(xs, ys, [w for w in workloads if _metric(results, w, b, key) is not None], strict=True):
                         if (_metric(results, w, b, "unrecognised_collectives") or 0) > 0:
                             ax.annotate("*", (x, y), ha="center", va="bottom", fontsize=12, color="red")
             ax.set_title(title)

@@ -225,7 +225,7 @@ def run_scaling(plan: tuple[tuple[str, tuple[int, ...]], ...], world: int, timeo
 
 def growth_exponent(xs: list[int], ys: list[float]) -> float | None:
     """Least-squares slope of log(y) on log(x): 1.0 is linear growth, 2.0 quadratic."""
-    pairs = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y and y > 0]
+    pairs = [(math.log(x), math.log(y)) for x, y in zip(xs, ys, strict=True) if x > 0 and y and y > 0]
     if len(pairs) < 2:
         return None
     mx = sum(p[0] for p in pairs) / len(pairs)

@@ -69,7 +69,7 @@ def make_estimator():
         from commfuse.costmodel import analytic  # type: ignore[attr-defined]
         from commfuse.costmodel.topology import Topology
 
-        cls = getattr(analytic, "AnalyticCostModel", None) or getattr(analytic, "AnalyticEstimator")
+        cls = getattr(analytic, "AnalyticCostModel", None) or analytic.AnalyticEstimator
         return cls(Topology.preset("dgx-h100")), f"{cls.__name__}(dgx-h100)"
     except Exception as e:  # noqa: BLE001 - the analytic model is built concurrently; fall back
         return ShapeEstimator(), f"shape stand-in ({type(e).__name__}: analytic estimator unavailable)"
@@ -132,6 +132,39 @@ def median_time(fn, repeat: int) -> float:
     return statistics.median(ts)
 
 
+def time_layer(est, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, repeat: int):
+    """Median seconds of (full joint, full f+b, incremental joint, incremental f+b, incremental
+    joint without memory/record, joint with contention), and the joint's incremental simulation."""
+    def full(gms):
+        for gm in gms:
+            Simulator(gm, est).simulate()
+
+    t_full_j = median_time(lambda: full((joint,)), repeat)
+    t_full_fb = median_time(lambda: full((fw, bw)), repeat)
+    sims = {id(gm): Simulator(gm, est) for gm in (joint, fw, bw)}
+    changes = {id(gm): LocalChange(gm) for gm in (joint, fw, bw)}
+
+    def incr(gms, **kw):
+        for gm in gms:
+            changes[id(gm)]()
+            sims[id(gm)].simulate(**kw)
+
+    t_incr_j = median_time(lambda: incr((joint,)), repeat)
+    t_incr_fb = median_time(lambda: incr((fw, bw)), repeat)
+    t_lean_j = median_time(lambda: incr((joint,), memory=False, record=False), repeat)
+    t_cont_j = float("nan")
+    if hasattr(est, "slowdown"):  # the analytic model's contention (Lagom) through the hook
+        def hook(node, concurrent):
+            return max(est.slowdown(node, c) for c in concurrent)
+
+        t_cont_j = median_time(lambda: Simulator(joint, est, slowdown=hook).simulate(), repeat)
+    # incremental == full after the local changes
+    a = sims[id(joint)].simulate()
+    b = Simulator(joint, est).simulate()
+    assert a.summary() == b.summary(), (a.summary(), b.summary())
+    return [t_full_j, t_full_fb, t_incr_j, t_incr_fb, t_lean_j, t_cont_j], a
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
@@ -148,37 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     for layers in args.layers:
         g = capture(layers, args.world)
         joint, fw, bw = g["joint"], g["forward"], g["backward"]
-
-        def full(gms=(joint,)):
-            for gm in gms:
-                Simulator(gm, est).simulate()
-
-        t_full_j = median_time(lambda: full((joint,)), args.repeat)
-        t_full_fb = median_time(lambda: full((fw, bw)), args.repeat)
-        sims = {id(gm): Simulator(gm, est) for gm in (joint, fw, bw)}
-        changes = {id(gm): LocalChange(gm) for gm in (joint, fw, bw)}
-
-        def incr(gms, **kw):
-            for gm in gms:
-                changes[id(gm)]()
-                sims[id(gm)].simulate(**kw)
-
-        t_incr_j = median_time(lambda: incr((joint,)), args.repeat)
-        t_incr_fb = median_time(lambda: incr((fw, bw)), args.repeat)
-        t_lean_j = median_time(lambda: incr((joint,), memory=False, record=False), args.repeat)
-        t_cont_j = float("nan")
-        if hasattr(est, "slowdown"):  # the analytic model's contention (Lagom) through the hook
-            def hook(node, concurrent):
-                return max(est.slowdown(node, c) for c in concurrent)
-
-            t_cont_j = median_time(lambda: Simulator(joint, est, slowdown=hook).simulate(), args.repeat)
-        # incremental == full after the local changes
-        a = sims[id(joint)].simulate()
-        b = Simulator(joint, est).simulate()
-        assert a.summary() == b.summary(), (a.summary(), b.summary())
+        times, a = time_layer(est, joint, fw, bw, args.repeat)
+        t_full_j, t_full_fb = times[0], times[1]
         worst_full = max(worst_full, t_full_j, t_full_fb)
         nodes = f"{len(joint.graph.nodes)}/{len(fw.graph.nodes) + len(bw.graph.nodes)}"
-        ms = [1e3 * x for x in (t_full_j, t_full_fb, t_incr_j, t_incr_fb, t_lean_j, t_cont_j)]
+        ms = [1e3 * x for x in times]
         print(f"{layers:>6} {nodes:>12} {ms[0]:>8.1f} ms {ms[1]:>7.1f} ms {ms[2]:>8.2f} ms {ms[3]:>7.2f} ms "
               f"{ms[4]:>9.2f} ms {ms[5]:>10.1f} ms {float(a.makespan_us):>9.1f} us", flush=True)
     ok = worst_full < 0.5

@@ -357,7 +357,7 @@ def setup(
                 dist.get_world_size(), session.communicator_ctas, mesh=mesh, groups=groups))
         else:
             warnings.warn("commfuse.setup: communicator_ctas is ignored: no process group is initialized "
-                          "(call init_process_group first); no pool groups were created")
+                          "(call init_process_group first); no pool groups were created", stacklevel=2)
     if mesh is not None:
         for name, group, role in mesh_dim_roles(mesh):
             if role is None:

@@ -102,7 +102,7 @@ def _differences(a, b, where: str = "") -> list[str]:
                 out += _differences(a[k], b[k], f"{where}/{k}")
         return out
     if isinstance(a, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{where}[{i}]")]
     return [] if a == b else [f"{where}: {json.dumps(a, default=str)[:300]} -> {json.dumps(b, default=str)[:300]}"]
 
 

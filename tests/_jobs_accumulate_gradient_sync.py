@@ -44,7 +44,7 @@ def simple_fsdp_matches_loop() -> dict[str, Any]:
     torch._dynamo.reset()
     ref = simple_fsdp.data_parallel(llama.build_llama(CFG, seed=0), mesh, "fully_shard")
     ref_loss = None
-    for xi, yi in zip(x.tensor_split(M), y.tensor_split(M)):
+    for xi, yi in zip(x.tensor_split(M), y.tensor_split(M), strict=True):
         loss = _mse(ref(xi), yi) / M
         loss.backward()
         ref_loss = loss.detach() if ref_loss is None else ref_loss + loss.detach()
@@ -82,7 +82,7 @@ def _check_by_hand(world: int, rank: int) -> None:
     workload = get_workload("simple_fsdp_ga:s")
     ref = workload.build(world, rank)
     ref_loss = None
-    for xs in zip(*(t.tensor_split(ref.microbatches) for t in ref.inputs)):
+    for xs in zip(*(t.tensor_split(ref.microbatches) for t in ref.inputs), strict=True):
         loss = ref.loss(ref.model(*xs))
         loss.backward()
         ref_loss = loss.detach() if ref_loss is None else ref_loss + loss.detach()

@@ -94,7 +94,7 @@ def step_times(workload: str, microbatches: int = 4, schedule: str = "1f1b", ste
         runs[kind] = (stages, PipelineRunner(layout, stages, loss_fn, microbatches, schedule,
                                              forward_passes=[hook] if hook else ()), [], [None])
     for k in range(steps + 1):
-        for kind, (stages, runner, times, last) in runs.items():
+        for stages, runner, times, last in runs.values():
             for st in stages:
                 st.zero_grad(set_to_none=True)
             dist.barrier()
@@ -103,7 +103,7 @@ def step_times(workload: str, microbatches: int = 4, schedule: str = "1f1b", ste
             if k:
                 times.append(time.perf_counter() - t0)
     out = {}
-    for kind, (stages, runner, times, last) in runs.items():
+    for kind, (stages, _runner, times, last) in runs.items():
         out[kind] = {"times": times, "loss": last[0],
                      "grads": {n: p.grad.clone() for n, p in stages[layout.stage].named_parameters()
                                if p.grad is not None}}

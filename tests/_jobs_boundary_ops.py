@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from commfuse.core.torch_private import c10d_functional
-from commfuse.ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, m2ms, stage_transfer
+from commfuse.ops import M2MS, STAGE_TRANSFER, m2ms, stage_transfer
 
 # name, src, dst, splits matrix (rows: src, columns: dst)
 M2MS_CASES: list[tuple[str, list[int], list[int], list[list[int]]]] = [

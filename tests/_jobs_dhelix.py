@@ -77,7 +77,7 @@ def plain_loop(model: torch.nn.Module, loss_fn, x: torch.Tensor, y, m: int) -> t
     """The reference: gradient accumulation written the ordinary way, eagerly."""
     total = None
     ys = y.tensor_split(m) if y is not None else [None] * m
-    for xi, yi in zip(x.tensor_split(m), ys):
+    for xi, yi in zip(x.tensor_split(m), ys, strict=True):
         loss = (loss_fn(model(xi), yi) if yi is not None else loss_fn(model(xi))) / m
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
@@ -95,7 +95,7 @@ def dhelix_step_matches_loop(layout: str, microbatches: list[int], n_layers: int
         ref = _train(ref_model, batch, lambda x, y, mod=ref_model, m=m: plain_loop(mod, loss_fn, x, y, m))
         model = make_model()
         step = compile_train_step(model, loss_fn, microbatches=m, config=cfg)
-        got = _train(model, batch, lambda x, y: step(x, targets=y))
+        got = _train(model, batch, lambda x, y: step(x, targets=y))  # noqa: B023 - _train runs it now
         assert_close_tree(got, ref, dtype=torch.float32, msg=f"{where}, {layout}, dhelix, microbatches={m}")
         ran = [(r.graph, p) for r in step.reports for p in r.passes if p.name == "dhelix_interleave"]
         fused = [p for g, p in ran if g == "forward"]
@@ -138,7 +138,7 @@ def step_times(layout: str, microbatches: int, steps: int, n_layers: int = 4) ->
                       "times": []}
     x, y = batch(0)
     for k in range(steps + 1):
-        for kind, r in runs.items():
+        for r in runs.values():
             for p in r["model"].parameters():
                 p.grad = None
             dist.barrier()

@@ -49,7 +49,7 @@ def lowered_matches_functional() -> dict[str, Any]:
     ref = gm(x, y)
     with record() as rec:
         got = fn([x, y])
-    for i, (r, g) in enumerate(zip(ref, got)):
+    for i, (r, g) in enumerate(zip(ref, got, strict=True)):
         # Bitwise except the coalesced "avg" (functional collectives divide it in another order).
         tol = 1e-6 if i in (8, 9) else 0
         torch.testing.assert_close(g, r, rtol=tol, atol=tol, msg=f"output {i} on rank {rank}")
@@ -139,7 +139,7 @@ def regions_fall_back_to_eager() -> dict[str, Any]:
         second = fn([x, w])
     ref = gm(x, w)
     for got in (first, second):
-        for r, g in zip(ref, got):
+        for r, g in zip(ref, got, strict=True):
             torch.testing.assert_close(g, r, rtol=0, atol=0)
     return {"regions_compiled": len(seen),
             "warnings": [str(c.message) for c in caught if "commfuse:" in str(c.message)]}
@@ -186,7 +186,7 @@ def a_graph_that_fails_to_lower_falls_back(inner_compiler: str) -> dict[str, Any
         warnings.simplefilter("always")
         got = run(torch.compile(_tp_mlp_step, backend=be, fullgraph=True))
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
-    for g, r in zip(got[1], ref[1]):
+    for g, r in zip(got[1], ref[1], strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
     return {"warnings": [str(c.message) for c in caught if "commfuse:" in str(c.message)]}
 

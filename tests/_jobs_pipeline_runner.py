@@ -26,7 +26,7 @@ def eager_pipeline_reference(layout: PipelineLayout, stages: Sequence[nn.Module]
     s, last = layout.stage, layout.num_stages - 1
     mod = stages[s]
     total = None
-    for xi, ti in zip(x.tensor_split(microbatches), target.tensor_split(microbatches)):
+    for xi, ti in zip(x.tensor_split(microbatches), target.tensor_split(microbatches), strict=True):
         if s == 0:
             inp = xi
         else:

@@ -67,7 +67,7 @@ def simple_fsdp_mlp_matches_eager(mode: str, grad_reduction: str = "mean", steps
                   for r in be.reports if r.analysis},
         "counts": [p.counts for r in be.reports for p in r.passes if p.name == FORCED],
         "refusals": [x for r in be.reports for p in r.passes if p.name == FORCED for x in p.refusals],
-        "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got["grads"].values(), ref["grads"].values())
+        "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got["grads"].values(), ref["grads"].values(), strict=True)
                             if a is not None),
     }
 

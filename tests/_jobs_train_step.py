@@ -80,7 +80,7 @@ def _state(model: torch.nn.Module) -> dict[str, Any]:
 def _plain_loop(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> torch.Tensor:
     """The reference: gradient accumulation written the ordinary way, eagerly."""
     total = None
-    for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
+    for xi, yi in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
         loss = _mse(model(xi), yi) / m
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
@@ -113,7 +113,7 @@ def train_step_matches_loop(layout: str, microbatches: list[int]) -> dict[str, A
         ref = _train(ref_model, batch, lambda x, y, mod=ref_model, m=m: _plain_loop(mod, x, y, m))
         model = make_model()
         step = compile_train_step(model, _mse, microbatches=m, config=cfg)
-        got = _train(model, batch, lambda x, y: step(x, targets=y))
+        got = _train(model, batch, lambda x, y: step(x, targets=y))  # noqa: B023 - _train runs it now
         assert_close_tree(got, ref, dtype=torch.float32, msg=f"{where}, microbatches={m}")
         # Equal micro-batches of a mean loss: accumulation gives the full batch's gradient.
         if m == 1:

@@ -248,7 +248,7 @@ def moe_op_matches_unsharded(capacity_factor: float, top_k: int) -> float:
     experts = slice(r * 2, r * 2 + 2)
     pairs = [(got, out[mine]), (xl.grad, x2_grad[mine]), (ep.w1.grad, full.w1.grad[experts]),
              (ep.w3.grad, full.w3.grad[experts]), (ep.w2.grad, full.w2.grad[experts]),
-             *zip(glob, ref_stats)]
+             *zip(glob, ref_stats, strict=True)]
     worst = 0.0
     for a, b in pairs:
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)

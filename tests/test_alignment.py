@@ -469,7 +469,7 @@ def _fake_alignment(rank, comm, ends_ns, starts_ns):
     lg = NcclProcessLog("h", 100 + rank, "t", devices={rank})
     lg.calls = [_c("AllReduce", i, comm=comm, pid=100 + rank) for i in range(len(ends_ns))]
     lau = launches(lg.calls)
-    ks = [KernelRecord("AllReduce", "AllReduce", int(s), int(e)) for s, e in zip(starts_ns, ends_ns)]
+    ks = [KernelRecord("AllReduce", "AllReduce", int(s), int(e)) for s, e in zip(starts_ns, ends_ns, strict=True)]
     return RankAlignment(rank, lau, ks, [(i, i) for i in range(len(ks))], [True] * len(ks), 0.0, None, log=lg), lg
 
 
@@ -486,7 +486,7 @@ def test_clock_sync_recovers_offsets_within_200ns():
         ra, lg = _fake_alignment(r, f"0x{r}", [e + sh + rng.uniform(-50, 50) for e in ends], starts)
         ras.append(ra)
         logs.append(lg)
-    for lg, r in zip(logs, shifts):
+    for lg, r in zip(logs, shifts, strict=True):
         lg.inits[f"0x{r}"] = CommInit(f"0x{r}", r, 3, "h", 100 + r, comm_id="0xc", complete=True)
     cm = map_communicators(logs)
     off = synchronize_clocks(ras, cm)
@@ -584,7 +584,7 @@ def test_two_streams_align_in_launch_order():
     lg = NcclProcessLog("h", 1, "t", calls=calls)
     starts = [t0 + 500, t0 + 40, t0 + 900, t0 + 100]  # the AllGathers start before the AllReduces
     ks = [KernelRecord(op, op, int(s * 1e3), int(s * 1e3) + 5000, launch_ns=int((t + 4) * 1e3), correlation=c)
-          for c, (op, s, t) in enumerate(zip(["AllReduce", "AllGather"] * 2, starts, [c.time_us for c in calls]))]
+          for c, (op, s, t) in enumerate(zip(["AllReduce", "AllGather"] * 2, starts, [c.time_us for c in calls], strict=True))]
     ra = align_rank(lg, KernelTrace("x", ks, absolute=True))
     assert [(ra.launches[i].op_count, ra.launches[i].comm, ra.kernels[j].correlation) for i, j in ra.pairs] == [
         (0, "0xa", 0), (0, "0xb", 1), (1, "0xa", 2), (1, "0xb", 3)]

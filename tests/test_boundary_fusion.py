@@ -69,7 +69,7 @@ def test_each_rule_fires_and_the_fused_program_partitions(name, position):
     trace_joint(program, inputs)
     fw_m, bw_m = _calls(program.joint, M2MS)
     pf, pb = parse_m2ms(fw_m), parse_m2ms(bw_m)
-    assert (pb.src, pb.dst) == (pf.dst, pf.src) and pb.splits == tuple(zip(*pf.splits))
+    assert (pb.src, pb.dst) == (pf.dst, pf.src) and pb.splits == tuple(zip(*pf.splits, strict=True))
     floating = [n for n in _calls(program.forward, STAGE_TRANSFER_AUTOGRAD) if n.meta["val"].is_floating_point()]
     # each transfer, and the backward of each floating one (the top-k indices have no gradient)
     assert len(_calls(program.joint, STAGE_TRANSFER)) == len(transfers) + len(floating)
@@ -338,7 +338,7 @@ def test_random_boundary_cases_match_unfused(rank_pool_4):
     seeds = list(range(100, 115))
     out = rank_pool_4.run(jobs.random_cases, seeds, timeout=300)
     applied = {}
-    for k, seed in enumerate(seeds):
+    for k in range(len(seeds)):
         case = out[0][k]["case"]
         for r in range(4):
             plain, fused = out[r][k]["plain"], out[r][k]["fused"]

@@ -143,7 +143,7 @@ def test_joint_trace_backward_is_the_reverse_scatter(rank):
         p_fw, p_bw = parse_m2ms(fw), parse_m2ms(bw)
         assert (p_fw.src, p_fw.dst, p_fw.dim) == (tuple(SRC), tuple(DST), 1)
         assert (p_bw.src, p_bw.dst, p_bw.dim) == (tuple(DST), tuple(SRC), 1)
-        assert p_bw.splits == tuple(zip(*p_fw.splits))  # transposed
+        assert p_bw.splits == tuple(zip(*p_fw.splits, strict=True))  # transposed
         assert tuple(fw.meta["val"].shape) == (2, COL[rank])
         assert tuple(bw.meta["val"].shape) == (2, ROW[rank])  # the gradient has x's shape
         s_fw, s_bw = _calls(gm, STAGE_TRANSFER_AUTOGRAD)

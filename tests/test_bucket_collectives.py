@@ -35,7 +35,7 @@ def _rs(x, g, op="sum", dim=0):
 
 def _trace(fn, shapes, dtypes=None):
     dtypes = dtypes or [torch.float32] * len(shapes)
-    return make_fx(fn, tracing_mode="fake")(*[torch.randn(s).to(d) for s, d in zip(shapes, dtypes)])
+    return make_fx(fn, tracing_mode="fake")(*[torch.randn(s).to(d) for s, d in zip(shapes, dtypes, strict=True)])
 
 
 def _run(gm, **cfg):
@@ -252,7 +252,7 @@ def test_cap_from_the_cost_model():
     est = AnalyticCostModel(topo, backend="nccl")
     for kind, n in ((CollectiveKind.ALL_GATHER, 8), (CollectiveKind.REDUCE_SCATTER, 16), (CollectiveKind.ALL_REDUCE, 16)):
         cap = latency_bound_cap(est, kind, n)
-        t = lambda s: est.collectives.time(kind, s, n).time_us  # noqa: E731
+        t = lambda s, kind=kind, n=n: est.collectives.time(kind, s, n).time_us  # noqa: E731
         assert t(cap) >= t(1) / LATENCY_SHARE > t(int(cap * 0.99)), (kind, n, cap)
         assert 1 << 20 < cap < 1 << 30
     # the pass uses it when a topology is given

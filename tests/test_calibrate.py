@@ -52,5 +52,5 @@ def test_the_committed_profile_changes_decisions_and_every_rank_makes_the_same(r
     per_rank = rank_pool_2.run(decisions_job, ["llama_tp:s"], str(PROFILE), timeout=300)
     assert per_rank[0] == per_rank[1]
     runs = per_rank[0]["llama_tp:s"]
-    differ = [(a["graph"], a["pass"]) for a, b in zip(runs["nominal"], runs["calibrated"]) if a != b]
+    differ = [(a["graph"], a["pass"]) for a, b in zip(runs["nominal"], runs["calibrated"], strict=True) if a != b]
     assert ("backward", "schedule_overlap") in differ, differ

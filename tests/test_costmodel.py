@@ -221,6 +221,18 @@ def test_concrete_sizes():
     assert concrete(4 * s + 8, symbol_hint=10) == 48 and concrete(7) == 7 and concrete(None) is None
 
 
+def test_concrete_symint_sizes():
+    """A SymInt has a size, an unbacked one the flat hint (torch 2.13 renamed the symbolic-shape
+    hint functions concrete() imported: the import failed and every SymInt was "unknown")."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    s = env.create_symintnode(env.create_symbol(8, ConstantSource("s")), hint=8)
+    assert isinstance(concrete(2 * s + 1), int)
+    assert concrete(env.create_unbacked_symint(), symbol_hint=4096) == 4096
+
+
 # --------------------------------------------------------------------------- compute
 
 

@@ -17,7 +17,7 @@ CASES = [(2, 2), (2, 5), (3, 3), (3, 8), (4, 4), (4, 12), (5, 7)]
 def test_folded_layer_map_is_u_shaped():
     # DHelix Sec. 4.1: 32 layers on 4 GPUs, G0 hosts L0-L3 and L28-L31
     m = folded_layer_map(32, 4)
-    assert [l for l, s in enumerate(m) if s == 0] == [0, 1, 2, 3, 28, 29, 30, 31]
+    assert [layer for layer, s in enumerate(m) if s == 0] == [0, 1, 2, 3, 28, 29, 30, 31]
     assert [m.count(s) for s in range(4)] == [8] * 4
     assert m == tuple(reversed(m))
     with pytest.raises(ValueError, match="multiple of 2 \\* num_stages"):
@@ -67,7 +67,7 @@ def test_every_dependency_respected_with_random_durations(make):
     for stages, mbs in CASES:
         sched = make(stages, mbs)
         table = {}
-        dur = lambda b: table.setdefault(b, rng.uniform(0.5, 3.0))  # noqa: E731
+        dur = lambda b, table=table: table.setdefault(b, rng.uniform(0.5, 3.0))  # noqa: E731
         lat = rng.uniform(0.0, 0.5)
         tl = simulate(sched, dur, latency=lat)
         end = tl.action_end

@@ -15,7 +15,7 @@ PAIRS = [(a, b) for i, a in enumerate(SEGMENT_KINDS) for b in SEGMENT_KINDS[i:]]
 
 
 def _oef(values) -> OEFTable:
-    return OEFTable.from_mapping(dict(zip(PAIRS, values)))
+    return OEFTable.from_mapping(dict(zip(PAIRS, values, strict=True)))
 
 
 def brute_force(fwd, bwd, oef, budget, mem_start):
@@ -117,7 +117,7 @@ def test_memory_budget_changes_plan():
 
 def test_plan_is_deterministic_and_independent_of_dict_order():
     rng = random.Random(7)
-    items = list(zip(PAIRS, [0.1, 0.9, 0.9, 0.1, 0.8, 0.1]))
+    items = list(zip(PAIRS, [0.1, 0.9, 0.9, 0.1, 0.8, 0.1], strict=True))
     fwd = _random_strand(rng, 5, "f", 1)
     bwd = _random_strand(rng, 5, "b", -1)
     plans = set()

@@ -38,7 +38,7 @@ def test_measured_table_identical_on_every_rank_and_sane(rank_pool_2):
         # no bounds on the times themselves: on a shared machine load comes and goes between the
         # solo and co-run timings (timing numbers are the profile's output, not test assertions)
     table = oef_table(p)
-    for (a, b), v in table.factors:
+    for _pair, v in table.factors:
         assert 0.0 <= v <= 1.0
 
 

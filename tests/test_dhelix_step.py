@@ -110,7 +110,7 @@ def test_fused_interleaved_step_equals_plain_loop(m):
     assert d["kept"] == "interleaved" and d["plan"]["pairs"] > 0
     # The accumulation runs in micro-batch order, as the loop adds into .grad: bit-identical here.
     assert torch.equal(got, want)
-    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+    for (name, p), q in zip(ref.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
 
 
@@ -230,5 +230,5 @@ def test_over_the_memory_budget_the_non_interleaved_order_is_kept(monkeypatch):
     refusals = [p for r in step.reports for p in r.passes if p.name == "dhelix_interleave"][0].refusals
     assert "exceeds schedule_memory_budget=1.0" in refusals[0]
     assert torch.equal(got, want)
-    for p, q in zip(ref.parameters(), model.parameters()):
+    for p, q in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)

@@ -194,7 +194,7 @@ def test_chunked_moe_op_equals_the_whole_one_on_one_rank():
 
     whole = run(1)
     for chunks in (2, 3, 13, 20):
-        for a, b in zip(whole, run(chunks)):
+        for a, b in zip(whole, run(chunks), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 

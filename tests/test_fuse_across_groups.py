@@ -220,7 +220,7 @@ def test_two_gathers_or_two_scatters_on_two_mesh_dims_are_one_collective_on_the_
     assert before == after
     shape = (2, 2 * n1 * n2, 2 * n2)
     for op in ("sum", "avg", "max"):
-        (before, after), gm, rec = _fuse(n1, n2, lambda ga, gb: (lambda x: RS(RS(x, op, d1, ga), op, d2, gb)), shape)
+        (before, after), gm, rec = _fuse(n1, n2, lambda ga, gb, op=op: (lambda x: RS(RS(x, op, d1, ga), op, d2, gb)), shape)
         assert rec.counts["plane_rs_rs"] == 1 and _kinds(gm) == Counter({"reduce_scatter": 1}), rec.refusals
         assert before == after
     _, gm, rec = _fuse(n1, n2, lambda ga, gb: (lambda x: RS(RS(x, "sum", d1, ga), "max", d2, gb)), shape)

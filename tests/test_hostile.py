@@ -79,4 +79,4 @@ def test_activation_checkpointing_around_collectives(rank_pool_2, selective):
 def test_inplace_collective_in_user_code(rank_pool_2):
     a, b = rank_pool_2.run(inplace_all_reduce_matches_eager, timeout=120)
     # The all-reduced part is the same on both ranks; x.sum() differs by 12 (x = arange + rank).
-    assert all(vb - va == 12.0 for ra, rb in zip(a, b) for va, vb in zip(ra, rb))
+    assert all(vb - va == 12.0 for ra, rb in zip(a, b, strict=True) for va, vb in zip(ra, rb, strict=True))

@@ -86,7 +86,7 @@ def imports() -> tuple[dict[str, set[str]], list[str]]:
     for module, path in known.items():
         tree = ast.parse(path.read_text())
 
-        def visit(node: ast.AST, in_function: bool) -> None:
+        def visit(node: ast.AST, in_function: bool, module: str = module, path: Path = path) -> None:
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
                     for t in _targets(module, child, path.name == "__init__.py", known):

@@ -72,7 +72,7 @@ def _two(kinds, n, sizes, ncomp, world):
 
     def f(x, a, b):
         h, cs = x, []
-        for i, (k, t) in enumerate(zip(kinds, (a, b))):
+        for i, (k, t) in enumerate(zip(kinds, (a, b), strict=True)):
             if k == "ag":
                 cs.append(c10d.all_gather_into_tensor(t, world, g))
             elif k == "ar":
@@ -86,7 +86,7 @@ def _two(kinds, n, sizes, ncomp, world):
         w = [c10d.wait_tensor(c) for c in cs]
         return h, w[0].sum() + w[1].sum()
 
-    rows = [s // (world if k == "ag" else 1) for k, s in zip(kinds, sizes)]
+    rows = [s // (world if k == "ag" else 1) for k, s in zip(kinds, sizes, strict=True)]
     return make_fx(f, tracing_mode="fake")(torch.randn(n, n), torch.randn(rows[0], sizes[0]),
                                            torch.randn(rows[1], sizes[1]))
 
@@ -103,10 +103,10 @@ def test_time_model_fewer_resources_slower_collective_faster_compute():
         lad = ladder_for(c, 16, H100.num_sms, None)
         times = [model.comm_time_us(c, s) for s in lad]
         assert [s.channels for s in lad] == [1, 2, 4, 8, 16, 32]
-        assert all(a > b for a, b in zip(times, times[1:]))  # more channels: faster, to the link's limit
+        assert all(a > b for a, b in zip(times, times[1:], strict=False))  # more channels: faster, to the link's limit
         mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
         slow = [model.slowdown(mm, ((s.channels, s.chunk_bytes),)) for s in lad]
-        assert all(a < b for a, b in zip(slow, slow[1:])) and slow[0] > 1.0
+        assert all(a < b for a, b in zip(slow, slow[1:], strict=False)) and slow[0] > 1.0
         # the objective: the first collective at NC=1 runs longer but slows the matmuls less
         lo = evaluate_settings(gm, est, {c.name: lad[0]})
         hi = evaluate_settings(gm, est, {c.name: lad[-1]})
@@ -151,11 +151,11 @@ def test_reused_simulator_equals_a_fresh_one():
                 compute_time_us = staticmethod(est.compute_time_us)
 
                 @staticmethod
-                def collective(c):
+                def collective(c, picks=picks):
                     e = est.collective(c)
                     return CollectiveEstimate(model.comm_time_us(c, picks[c.name]), e.wire_bytes, e.algorithm)
 
-            def slow(node, conc):
+            def slow(node, conc, picks=picks):
                 return model.slowdown(node, tuple(sorted((picks[c.name].channels, picks[c.name].chunk_bytes)
                                                          for c in conc)))
 

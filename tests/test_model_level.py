@@ -8,7 +8,6 @@ import itertools
 import random
 
 import pytest
-import torch
 import torch.fx as fx
 from torch.fx.traceback import annotate
 

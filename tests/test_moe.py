@@ -28,7 +28,7 @@ def _autograd_reference(x, layer):
     gates, experts = top_k_gates(probs, layer.top_k)
     a = assign(experts, layer.num_experts, layer.capacity_factor, layer.token_groups)
     out = torch.zeros_like(x)
-    for t, e, j in zip(a.token.tolist(), a.expert.tolist(), a.choice.tolist()):
+    for t, e, j in zip(a.token.tolist(), a.expert.tolist(), a.choice.tolist(), strict=True):
         y = gates[t, j] * swiglu(x[t:t + 1], layer.w1[e], layer.w3[e], layer.w2[e])
         out = out.index_add(0, torch.tensor([t]), y)
     return out, probs.sum(0), torch.logsumexp(logits, -1).pow(2).sum()
@@ -48,7 +48,7 @@ def test_op_forward_and_backward_match_autograd(capacity_factor, top_k):
     ref_grads = torch.autograd.grad((ref_out * up).sum() + ref_probs.pow(2).sum() + 0.1 * ref_z,
                                     [x, *layer.parameters()])
     torch.testing.assert_close(out, ref_out)
-    for g, r in zip(grads, ref_grads):
+    for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)  # router math runs in float32
 
 
@@ -57,7 +57,7 @@ def test_capacity_rule():
     experts = torch.tensor([[0, 1], [0, 1], [0, 2], [1, 0]])
     a = assign(experts, 4, capacity_factor=0.5, token_groups=1)  # C = ceil(0.5*2*4/4) = 1
     assert capacity(0.5, 2, 4, 4) == 1
-    kept = sorted(zip(a.token.tolist(), a.choice.tolist()))
+    kept = sorted(zip(a.token.tolist(), a.choice.tolist(), strict=True))
     # first choices: t0 takes e0's slot, t3 e1's; second choices come after: only t2 -> e2 fits
     assert kept == [(0, 0), (2, 1), (3, 0)]
     assert not capacity_can_bind(4.0, 2, 8) and capacity_can_bind(1.0, 2, 8)
@@ -335,7 +335,7 @@ def test_across_mesh_dims_the_expert_weights_must_be_known_identical_over_the_ga
                                              torch.randn(2, H, 16), torch.randn(2, 16, H))
         for trusted in (False, True):
             refusals: list[str] = []
-            plans = plan_regions(gm, CollectiveIR(gm).collectives, refusals, lambda g: trusted,
+            plans = plan_regions(gm, CollectiveIR(gm).collectives, refusals, lambda g, trusted=trusted: trusted,
                                  crossing=lambda seed, group: None)
             moved = [n for p in plans for n in p.ops if n.target is MOE_LAYER]
             if trusted:

@@ -84,7 +84,7 @@ def test_moe_cases_cover_the_semantics():
     for name in cc.MOE_CASES:
         graphs, _, inputs = cc.trace_case(name)
         gm = graphs[0] if isinstance(graphs, list) else graphs
-        env = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs[0]))
+        env = dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], inputs[0], strict=True))
         for n in gm.graph.nodes:
             if n.target not in (MOE_LAYER, MOE_LAYER_BACKWARD):
                 continue
@@ -114,7 +114,7 @@ def test_forward_is_the_single_process_layer_with_all_experts():
     full = [torch.cat([ins[r][i] for r in range(4)]) for i in (2, 3, 4)]
     for r in range(4):
         expected = moe_forward(ins[r][0], ins[r][1], *full, 2, 1.0, 2, "")
-        for a, e in zip(outs[r], expected):
+        for a, e in zip(outs[r], expected, strict=True):
             assert torch.equal(a, e)
     # no expert parallelism: every rank alone, its own (full) experts
     full_ins = [[ins[r][0], ins[r][1], *full] for r in range(4)]

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
-import torch.fx as fx
 from torch.testing import FileCheck
 
 import commfuse
@@ -359,7 +357,6 @@ def test_dump_dir_from_environment(all_kinds_gm, tmp_path, monkeypatch):
 
 
 def test_after_pass_dump_written_for_changing_pass(tmp_path):
-    import torch.distributed as dist
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def f(x, w):

@@ -176,7 +176,7 @@ def test_rooted_reduce_in_the_ir():
         gm = _trace(_rs_dim0_sum, (8, 3))
         _run(gm, [FORCED])
         ir = CollectiveIR(gm)
-        for r, c in enumerate(ir.collectives):
+        for c in ir.collectives:
             assert (c.kind, c.group.size, c.reduce_op, len(c.waits)) == (K.REDUCE, N, "sum", 1)
             assert c.input_bytes == 2 * 3 * 4 and c.wire_bytes == c.logged_bytes == c.input_bytes
         # one total order, the roots in rank order: every rank issues the same sequence

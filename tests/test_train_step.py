@@ -52,7 +52,7 @@ def _batch(n: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _plain_loop(model, x, y, m: int, *, divide: bool = True) -> torch.Tensor:
     total = None
-    for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
+    for xi, yi in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
         loss = _mse(model(xi), yi)
         if divide:
             loss = loss / m

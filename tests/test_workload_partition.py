@@ -80,7 +80,7 @@ def test_identity_slice_after_a_parameter_gather_stays_in_the_chain():
 
     for end, dim in ((16, 0), (12, 1)):
         with fake_process_group(4):
-            gm = make_fx(lambda w, x: f(w, x, end), tracing_mode="fake")(torch.randn(4, 8), torch.randn(6, 8))
+            gm = make_fx(lambda w, x: f(w, x, end), tracing_mode="fake")(torch.randn(4, 8), torch.randn(6, 8))  # noqa: B023 - traced now
             before = _copy(gm)
             plan = _plan(gm)
             assert plan.chain[0].startswith("slice") and "mm" in plan.chain and plan.dim == dim, plan
@@ -342,7 +342,8 @@ def test_chain_choice_follows_the_centauri_rule(monkeypatch):
     with fake_process_group(4):
         gm = make_fx(f, tracing_mode="fake")(torch.randn(8, 8))
         for comm_us, dim in ((10.0, 1), (50.0, 0), (1000.0, 0)):
-            monkeypatch.setattr(CostPolicy, "model", property(lambda self, e=Est(comm_us): e))
+            est = Est(comm_us)
+            monkeypatch.setattr(CostPolicy, "model", property(lambda self, e=est: e))
             plan = _plan(gm)
             assert plan.dim == dim and plan.comm_us == comm_us, (comm_us, plan)
             assert plan.compute_us == (61.0 if dim == 0 else 22.0)

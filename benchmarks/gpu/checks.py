@@ -82,7 +82,7 @@ def max_abs_diff(a: Any, b: Any) -> float:
     from torch.utils._pytree import tree_leaves
 
     diffs = [(p.detach().float() - q.detach().float()).abs().max().item()
-             for p, q in zip(tree_leaves(a), tree_leaves(b)) if isinstance(p, torch.Tensor)]
+             for p, q in zip(tree_leaves(a), tree_leaves(b), strict=True) if isinstance(p, torch.Tensor)]
     return max(diffs, default=0.0)
 
 
@@ -257,7 +257,7 @@ def check_inductor_regions(device: str, *, tol: float = 1e-4) -> dict[str, Any]:
 def plain_loop(model: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> torch.Tensor:
     """The reference: ``m`` micro-batches, each loss divided by ``m`` and back-propagated into ``.grad``."""
     total = torch.zeros((), device=x.device)
-    for xi, yi in zip(x.chunk(m), y.chunk(m)):
+    for xi, yi in zip(x.chunk(m), y.chunk(m), strict=True):
         loss = F.mse_loss(model(xi), yi) / m
         loss.backward()
         total = total + loss.detach()

@@ -184,7 +184,7 @@ def time_graph_nodes(graphs: list[tuple[str, torch.fx.GraphModule]], estimator: 
             row = NodeTiming(kind, n.name, str(n.target), est.family, est.bound, est.flops, est.bytes, est.time_us)
             try:
                 args, kwargs = _real_args(n, device, gen)
-                row.measured_us = timer(lambda: n.target(*args, **kwargs), reps=reps, repeats=repeats)
+                row.measured_us = timer(lambda: n.target(*args, **kwargs), reps=reps, repeats=repeats)  # noqa: B023 - timed now
             except Exception as e:  # noqa: BLE001 - one op that cannot run alone must not lose the others
                 row.error = f"{type(e).__name__}: {e}"[:200]
             finally:
@@ -201,7 +201,7 @@ def time_graphs(graphs: list[tuple[str, torch.fx.GraphModule]], device: Any, *, 
     for kind, gm in graphs:
         try:
             args = [materialize(n.meta.get("val"), device, gen) for n in gm.graph.nodes if n.op == "placeholder"]
-            out[kind] = timer(lambda: gm(*args), reps=reps, repeats=repeats)
+            out[kind] = timer(lambda: gm(*args), reps=reps, repeats=repeats)  # noqa: B023 - timed now
         except Exception as e:  # noqa: BLE001 - reported next to the per-node numbers
             out[kind] = f"{type(e).__name__}: {e}"[:200]
     return out
@@ -224,7 +224,7 @@ def holdout_check(graphs: list[tuple[str, torch.fx.GraphModule]], nominal: Any, 
     """Nodes of ``graphs`` (not those the fit saw) timed once and predicted by both models."""
     rows = time_graph_nodes(graphs, fitted, device, timer=timer)
     nominal_rows = [NodeTiming(**{**asdict(r), "predicted_us": p})
-                    for r, p in zip(rows, predict_graph_nodes(graphs, nominal))]
+                    for r, p in zip(rows, predict_graph_nodes(graphs, nominal), strict=True)]
     return {"nominal": aggregate(nominal_rows), "fitted": aggregate(rows)}
 
 

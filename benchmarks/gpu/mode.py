@@ -217,7 +217,7 @@ def write(doc: dict[str, Any], out_dir: Path, json_path: Optional[Path] = None) 
     if profile is not None:
         paths.append(out_dir / f"gpu-profile-{date}.json")
         texts.append(profile.model_dump_json(indent=2) + "\n")
-    for path, text in zip(paths, texts):
+    for path, text in zip(paths, texts, strict=True):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(text)
@@ -271,7 +271,7 @@ def run_gpu_mode(out_dir: Path = RESULTS, *, device: str = "cuda", parts: tuple[
                 results[name] = run_part(lambda: kernels.calibrate_layer(env["device"], seq=seq, device=device,
                                                                          sizes=layer_sizes))
             else:
-                results[name] = run_part(lambda: checks.CHECKS[name](device))
+                results[name] = run_part(lambda: checks.CHECKS[name](device))  # noqa: B023 - run_part runs it now
             log(f"gpu mode: {name}: {'ok' if results[name]['ok'] else 'FAILED'} in {results[name]['wall_s']} s"
                 + (f" ({results[name]['error'].splitlines()[0][:200]})" if results[name].get("error") else ""))
             doc = assemble(env, results, command=command, wheels=wheels, wall_s=time.perf_counter() - t0)

@@ -166,7 +166,7 @@ def _mutated_roots(gm: fx.GraphModule) -> set[fx.Node]:
     for n in gm.graph.nodes:
         if n.op != "call_function" or not rewrite.mutates(n):
             continue
-        for a, arg in zip(n.args, n.target._schema.arguments):
+        for a, arg in zip(n.args, n.target._schema.arguments, strict=False):  # args may omit trailing defaults
             if not (isinstance(a, fx.Node) and arg.alias_info is not None and arg.alias_info.is_write):
                 continue
             while True:  # the written memory is also the memory of every view's base

@@ -13,7 +13,12 @@ commfuse's post-grad hook inside Inductor) and the profiler's `kineto_results`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Optional, cast
+
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 # Functional collectives: the ops Dynamo/AOTAutograd put in graphs for every
 # c10d collective issued by DTensor or `torch.distributed._functional_collectives`.
@@ -63,7 +68,7 @@ def resolve_process_group(group_name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     try:
-        return _resolve_process_group(group_name)
+        return _resolve_process_group(cast("GroupName", group_name))
     except (ValueError, RuntimeError, KeyError):
         return None
 
@@ -75,8 +80,8 @@ def register_process_group_alias(name: str, pg) -> None:
     functional collectives resolve a graph's group name."""
     from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 
-    _unregister_process_group(name)  # a no-op when the name is free
-    _register_process_group(name, pg)
+    _unregister_process_group(cast("GroupName", name))  # a no-op when the name is free
+    _register_process_group(cast("GroupName", name), pg)
 
 
 def fake_tensor_mode_of(gm: torch.fx.GraphModule):
@@ -150,6 +155,7 @@ def process_group_with_members(ranks) -> "tuple[str, tuple[int, ...]] | None":
         return None
     want = set(int(r) for r in ranks)
     world = dist.group.WORLD
+    assert world is not None  # initialized (checked above)
     if want == set(range(dist.get_world_size())):
         return world.group_name, tuple(range(dist.get_world_size()))
     for pg, name in process_group_names().items():
@@ -274,7 +280,7 @@ def extract_fwd_bwd_modules(joint: torch.fx.GraphModule, saved_values: list, sav
     from torch._functorch.partitioners import _extract_fwd_bwd_modules
 
     params = inspect.signature(_extract_fwd_bwd_modules).parameters
-    kwargs = {"num_fwd_outputs": num_fwd_outputs}
+    kwargs: dict[str, Any] = {"num_fwd_outputs": num_fwd_outputs}
     if "ignore_must_be_in_fw_bw" in params:
         kwargs["ignore_must_be_in_fw_bw"] = True
     if "saved_opaque_nodes" in params:
@@ -283,6 +289,20 @@ def extract_fwd_bwd_modules(joint: torch.fx.GraphModule, saved_values: list, sav
         raise NotImplementedError(f"torch {torch.__version__}: _extract_fwd_bwd_modules cannot pass opaque values "
                                   f"({len(saved_opaque)}) from forward to backward")
     return _extract_fwd_bwd_modules(joint, saved_values, [], **kwargs)
+
+
+def symint_hint(x) -> Optional[int]:
+    """The hint (example value) of a SymInt, None when it has none (unbacked).
+
+    Semi-private: `torch.fx.experimental.symbolic_shapes`, whose names changed: torch 2.13 has
+    ``has_guarding_hint`` / ``guarding_hint_or_throw``, earlier releases ``has_hint`` / ``hint_int``."""
+    from torch.fx.experimental import symbolic_shapes as ss
+
+    has = getattr(ss, "has_guarding_hint", None) or getattr(ss, "has_hint", None)
+    get = getattr(ss, "guarding_hint_or_throw", None) or getattr(ss, "hint_int", None)
+    if has is None or get is None:  # another rename: sizes unknown, as for an unbacked symbol
+        return None
+    return int(get(x)) if has(x) else None
 
 
 def is_tangent_placeholder(node: torch.fx.Node) -> bool:

@@ -78,6 +78,7 @@ from typing import Any, Literal, Optional, Sequence
 import sympy
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
+from commfuse.core import torch_private
 from commfuse.core.errors import ConfigError
 from commfuse.costmodel.estimator import CollectiveEstimate
 from commfuse.costmodel.symbol_hints import SymbolHints
@@ -131,10 +132,9 @@ def concrete(x: Any, symbol_hint: "int | SymbolHints" = 4096) -> Optional[int]:
             x = hints.substitute(x) if hints else x.subs({s: symbol_hint for s in x.free_symbols})
         return int(x)
     try:  # SymInt and friends
-        from torch.fx.experimental.symbolic_shapes import has_hint, hint_int
-
-        if has_hint(x):
-            return int(hint_int(x))
+        hint = torch_private.symint_hint(x)
+        if hint is not None:
+            return hint
         expr = getattr(getattr(x, "node", None), "expr", None)
         if hints and hints.values and isinstance(expr, sympy.Expr):
             return int(hints.substitute(expr))
@@ -143,7 +143,7 @@ def concrete(x: Any, symbol_hint: "int | SymbolHints" = 4096) -> Optional[int]:
         return None
 
 
-def message_bytes(c: Collective, symbol_hint: int = 4096) -> int:
+def message_bytes(c: Collective, symbol_hint: "int | SymbolHints" = 4096) -> int:
     """The nccl-tests size of collective `c` (see module docstring), 0 if unknown."""
     n = c.group.size or (len(c.group.ranks) if c.group.ranks else 1)
     inb = concrete(c.input_bytes, symbol_hint)
@@ -162,7 +162,7 @@ def message_bytes(c: Collective, symbol_hint: int = 4096) -> int:
     return inb if inb is not None else (outb or 0)
 
 
-def m2ms_pieces(c: Collective, symbol_hint: int = 4096) -> Optional[list[int]]:
+def m2ms_pieces(c: Collective, symbol_hint: "int | SymbolHints" = 4096) -> Optional[list[int]]:
     """Bytes this rank sends to each peer, from ``c.extra["m2ms_send_bytes"]`` (self excluded)."""
     raw = c.extra.get("m2ms_send_bytes")
     if raw is None:
@@ -269,7 +269,7 @@ class CollectiveModel:
     """
 
     def __init__(self, topology: Topology, backend: str = "nccl", params: Optional[CollectiveParams] = None,
-                 *, symbol_hint: int = 4096) -> None:
+                 *, symbol_hint: "int | SymbolHints" = 4096) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"collective model: backend must be one of {BACKENDS}, got {backend!r}")
         self.topology = topology

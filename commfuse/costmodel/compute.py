@@ -50,6 +50,7 @@ import torch.fx as fx
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, field_validator
 
 from commfuse.costmodel.collectives import concrete
+from commfuse.costmodel.symbol_hints import SymbolHints
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.kinds import collective_spec, is_wait
 
@@ -156,13 +157,13 @@ def _out_tensors(v: Any) -> list[torch.Tensor]:
 
 
 class _Sizes:
-    def __init__(self, symbol_hint: int) -> None:
+    def __init__(self, symbol_hint: "int | SymbolHints") -> None:
         self.hint = symbol_hint
 
     def shape(self, t: torch.Tensor) -> tuple[int, ...]:
-        return tuple(self.int(s) for s in t.shape)
+        return tuple(self.size(s) for s in t.shape)
 
-    def int(self, s: Any) -> int:
+    def size(self, s: Any) -> int:
         if isinstance(s, int):
             return s
         v = concrete(s, self.hint)
@@ -318,7 +319,7 @@ def _packet_name(target: Any) -> Optional[str]:
     return None
 
 
-def op_cost(node: fx.Node, symbol_hint: int = 4096) -> OpCost:
+def op_cost(node: fx.Node, symbol_hint: "int | SymbolHints" = 4096) -> OpCost:
     """FLOPs, bytes and family of one node (device-independent)."""
     free = OpCost(0, 0, "free", "fp32", 0)
     if node.op != "call_function":
@@ -371,7 +372,8 @@ def op_cost(node: fx.Node, symbol_hint: int = 4096) -> OpCost:
 class ComputeModel:
     """Roofline compute model over a topology's device, with calibration."""
 
-    def __init__(self, topology: Topology, params: Optional[ComputeParams] = None, *, symbol_hint: int = 4096):
+    def __init__(self, topology: Topology, params: Optional[ComputeParams] = None, *,
+                 symbol_hint: "int | SymbolHints" = 4096):
         self.topology = topology
         self.params = params or ComputeParams()
         self.symbol_hint = symbol_hint

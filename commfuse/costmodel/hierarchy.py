@@ -69,7 +69,7 @@ def mesh_blocks(parent: Ranks, a: int, b: int) -> tuple[list[Ranks], list[Ranks]
     """The parent's intra-node blocks (a of b ranks) and inter-node blocks (b of a ranks):
     Centauri's ``index(j) = (j // b % a, j % b)`` on group rank j."""
     intra = [parent[i * b:(i + 1) * b] for i in range(a)]
-    inter = [tuple(parent[i * b + l] for i in range(a)) for l in range(b)]
+    inter = [tuple(parent[i * b + j] for i in range(a)) for j in range(b)]
     return intra, inter
 
 
@@ -79,7 +79,7 @@ def ranks_label(ranks: Sequence[int]) -> str:
     ranks = tuple(ranks)
     if len(ranks) >= 2:
         step = ranks[1] - ranks[0]
-        if step > 0 and all(y - x == step for x, y in zip(ranks, ranks[1:])):
+        if step > 0 and all(y - x == step for x, y in zip(ranks, ranks[1:], strict=False)):
             stop = ranks[-1] + 1
             return f"{ranks[0]}:{stop}" if step == 1 else f"{ranks[0]}:{stop}:{step}"
     if len(ranks) <= 16:

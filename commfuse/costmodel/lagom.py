@@ -297,14 +297,15 @@ def ladder_for(c: Collective, nc0: int, num_sms: int, pool: Optional[Communicato
         ncs = sorted({1 << k for k in range(cap.bit_length()) if (1 << k) <= cap} | {nc0})
         return [default if nc == nc0 else
                 CommSetting(nc, tied_chunk(nc, nc0), min_ctas=nc, max_ctas=nc, source="advisory") for nc in ncs]
-    if not pool.covers(c.group.ranks):
+    ranks = c.group.ranks
+    if ranks is None or not pool.covers(ranks):
         return [default]
     by_nc: dict[int, CommSetting] = {nc0: default}  # equal channels: the graph's own communicator wins
     for mn, mx in pool.ctas:
         nc = min(effective_channels(mn, mx, nc0), num_sms - 1)
         if nc not in by_nc:
             by_nc[nc] = CommSetting(nc, NCCL_DEFAULT_CHUNK, min_ctas=mn, max_ctas=mx,
-                                    pool_group_alias=pool_alias(mn, mx, c.group.ranks), source="pool")
+                                    pool_group_alias=pool_alias(mn, mx, ranks), source="pool")
     return [by_nc[nc] for nc in sorted(by_nc)]
 
 
@@ -718,7 +719,7 @@ def brute_force(gm: fx.GraphModule, estimator: AnalyticCostModel, *, pool: Optio
     best: Optional[tuple[Evaluation, int, dict[str, CommSetting]]] = None
     names = [c.name for c in p.collectives]
     for combo in itertools.product(*(p.ladders[n] for n in names)):
-        settings = dict(zip(names, combo))
+        settings = dict(zip(names, combo, strict=True))
         ev = judge.evaluate({**p.fixed, **settings})
         channels = sum(s.channels for s in combo)
         if best is None or _better(ev.makespan_us, best[0].makespan_us) or (

@@ -25,7 +25,7 @@ def chunk_pipeline_us(dispatch: list[float], compute: list[float], combine: list
         comm_end += d
         arrived.append(comm_end)
     comp_end = 0.0
-    for a, w, b in zip(arrived, compute, combine):
+    for a, w, b in zip(arrived, compute, combine, strict=True):
         comp_end = max(comp_end, a) + w
         comm_end = max(comm_end, comp_end) + b
     return max(comm_end, comp_end + tail_us)

@@ -79,7 +79,7 @@ import json
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -202,7 +202,7 @@ class SimResult:
     @property
     def node_times(self) -> dict[str, tuple[str, float, float]]:
         out = {n: (self.streams[s], a, b) for n, s, a, b in
-               zip(self.node_names, self.node_streams, self.node_starts, self.node_ends)}
+               zip(self.node_names, self.node_streams, self.node_starts, self.node_ends, strict=True)}
         for c in self.collectives:
             out[c.name] = (c.stream, c.start_us, c.end_us)
         return out
@@ -231,7 +231,7 @@ class SimResult:
             ev.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": s}})
             ev.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
         for name, code, st, a, b in zip(self.node_names, self.node_codes, self.node_streams,
-                                        self.node_starts, self.node_ends):
+                                        self.node_starts, self.node_ends, strict=True):
             if code == _COMPUTE or (code == _FREE and include_free):
                 ev.append({"name": name, "cat": "compute", "ph": "X", "pid": 0, "tid": st,
                            "ts": float(a), "dur": float(b - a)})
@@ -294,7 +294,7 @@ def _alias_source(node: fx.Node) -> Optional[fx.Node]:
     ret = schema.returns[0].alias_info
     if ret is None:
         return None
-    for arg, a in zip(schema.arguments, node.args):
+    for arg, a in zip(schema.arguments, node.args, strict=False):  # args may omit trailing defaults
         if isinstance(a, fx.Node) and arg.alias_info is not None and \
                 set(arg.alias_info.before_set) & set(ret.before_set):
             return a
@@ -476,11 +476,12 @@ class Simulator:
                     exposed += end - t
                     t = end
             elif code == _WAIT:
-                end = coll_end.get(e.start)  # type: ignore[arg-type]
+                start = cast(fx.Node, e.start)  # a wait's entry names its collective's start
+                end = coll_end.get(start)
                 if end is None:
-                    if e.start in table and e.start not in nodes:
-                        raise ValueError(f"{n.name} waits on {e.start.name}, which is not in the order")
-                    raise ValueError(f"{n.name} waits on {e.start.name}, which is issued after it")
+                    if start in table and start not in nodes:
+                        raise ValueError(f"{n.name} waits on {start.name}, which is not in the order")
+                    raise ValueError(f"{n.name} waits on {start.name}, which is issued after it")
                 if end > t:
                     exposed += end - t
                     t = end
@@ -495,7 +496,7 @@ class Simulator:
         exposed += makespan - t
         # hidden communication: overlap of each collective with the compute busy intervals
         prefix: list[Any] = [0]
-        for a, b in zip(busy_starts, busy_ends):
+        for a, b in zip(busy_starts, busy_ends, strict=True):
             prefix.append(prefix[-1] + (b - a))
 
         def covered(x: Any) -> Any:

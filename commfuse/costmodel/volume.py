@@ -69,7 +69,7 @@ Table 2 ranges
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
 import sympy
 
@@ -112,7 +112,7 @@ def tp_all_reduce_wire(B: Num, S: Num, H: Num, N: Num, elt: Num = 1) -> sympy.Ex
     return 2 * _frac(N) * _s(B) * S * H * elt
 
 
-def tp_all_reduce_logged(B: Num, S: Num, H: Num, N: Num = None, elt: Num = 1) -> sympy.Expr:  # type: ignore[assignment]
+def tp_all_reduce_logged(B: Num, S: Num, H: Num, N: Optional[Num] = None, elt: Num = 1) -> sympy.Expr:
     """NCCL count of the TP all_reduce: the whole buffer, BSH (independent of N)."""
     return _s(B) * S * H * elt
 
@@ -315,7 +315,7 @@ def tp_wire(layers: Num, b: Num, s: Num, h: Num, n_tp: Num, elt: Num = 1, micro_
     return _s(micro_batches) * layers * per_layer
 
 
-def tp_logged(layers: Num, b: Num, s: Num, h: Num, n_tp: Num = None, elt: Num = 1,  # type: ignore[assignment]
+def tp_logged(layers: Num, b: Num, s: Num, h: Num, n_tp: Optional[Num] = None, elt: Num = 1,
               micro_batches: Num = 1, forward_all_reduces: Num = 2, backward_all_reduces: Num = 2) -> sympy.Expr:
     """NCCL counts of Megatron TP: every all_reduce logs the whole b·s·h buffer."""
     return (_s(micro_batches) * layers * (_s(forward_all_reduces) + backward_all_reduces)
@@ -394,8 +394,8 @@ def megatron_param_count(layers: Num, h: Num, vocab: Num, seq: Num) -> sympy.Exp
 
     For GPT blocks (4h MLP, biases, LayerNorms, learned positions); not
     Llama's SwiGLU blocks: use :func:`llama_param_count` there."""
-    l, h = _s(layers), _s(h)
-    return sympy.expand(12 * l * h**2 * (1 + sympy.Rational(13, 12) / h + (_s(vocab) + seq) / (12 * l * h)))
+    L, h = _s(layers), _s(h)  # L: the formula's l (layers)
+    return sympy.expand(12 * L * h**2 * (1 + sympy.Rational(13, 12) / h + (_s(vocab) + seq) / (12 * L * h)))
 
 
 def llama_param_count(layers: Num, dim: Num, ffn_dim: Num, vocab: Num | None = None) -> sympy.Expr:

@@ -163,7 +163,7 @@ def _accumulate_in_microbatch_order(g: fx.Graph, out: fx.Node, num_fwd_outputs: 
         tags = [microbatch_of(t) for t in terms]
         if None in tags or len(set(tags)) != len(tags):
             continue
-        ordered = [t for _, t in sorted(zip(tags, terms), key=lambda x: x[0])]
+        ordered = [t for _, t in sorted(zip(tags, terms, strict=True), key=lambda x: x[0])]
         if ordered == terms and _is_left_chain(root, len(terms)):
             continue
         acc = ordered[0]

@@ -90,7 +90,7 @@ class InterleavePlan:
     def digest(self) -> str:
         """Hash of the chosen order as positions in the input order, with each node's op: equal on
         ranks that chose the same order for the same graph (node names may differ per rank)."""
-        items = [f"{k}:{n.op}:{getattr(n.target, '__name__', n.target)}" for k, n in zip(self.positions, self.order)]
+        items = [f"{k}:{n.op}:{getattr(n.target, '__name__', n.target)}" for k, n in zip(self.positions, self.order, strict=True)]
         return hashlib.sha256("\n".join(items).encode()).hexdigest()[:16]
 
     @property
@@ -153,7 +153,7 @@ class _Side:
                                         prefix=f"{prefix}{k}.", split={n.name for n in movable},
                                         comm_kind=planner.comm_kind)
             # per original segment its nodes; a merged segment is named "a+b+..." after its members
-            parts = {s.name: [planner.by_name[x] for x in c] for s, c in zip(segs, covers)}
+            parts = {s.name: [planner.by_name[x] for x in c] for s, c in zip(segs, covers, strict=True)}
             planner.comm_segments.update(s.name for s in segs if s.kind != "compute")
             merged = merge_overlapping(segs, _self_overlaps(segs, parts, planner), planner.oef)
             self.candidates.append((merged, parts))

@@ -258,7 +258,7 @@ def run_parallel(programs: int, seed: int, jobs: int, *, passes: Optional[Sequen
         parts_of = [None] * jobs
         chunks = [list(range(start + j, start + programs, jobs)) for j in range(jobs)]
     args = [(seed, c, list(passes) if passes is not None else None, include_default, shrink_failures, save_dir,
-             time_limit, tuple(features), check_ir, family, part) for c, part in zip(chunks, parts_of)]
+             time_limit, tuple(features), check_ir, family, part) for c, part in zip(chunks, parts_of, strict=True)]
     with mp.get_context("spawn").Pool(jobs) as pool:
         parts = pool.map(_worker, args)
     report = CampaignReport(seed=seed)

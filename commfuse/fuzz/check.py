@@ -82,7 +82,7 @@ def ir_problems(program: Program, gm: fx.GraphModule) -> list[str]:
     if len(cs) < len(expected):
         return [f"the IR finds {len(cs)} collectives, the program issues at least {len(expected)}"]
     problems = []
-    for (op, kind), c in zip(expected, cs):
+    for (op, kind), c in zip(expected, cs, strict=False):  # the IR may find more (checked above)
         part = program.groups[op["group"]]
         n = len(part[0])
         where = f"{c.name} (program op {op['op']} {op['out']})"
@@ -308,10 +308,10 @@ def prepare(program: Program, pipelines: Sequence[PipelineSpec] = (), *, check_i
         return Prepared(traced, reference, optimised, failures, nodes)
     failed: set[str] = set()
     changed: set[str] = set()
-    for r, gm, pre in zip(ranks, graphs, pre_reports):
+    for r, gm, pre in zip(ranks, graphs, pre_reports, strict=True):
         with fake_process_group(n, rank=r):
             create_groups(program, r)  # the same names as at trace time: passes may resolve them
-            for k, p in enumerate(pipelines):
+            for p in pipelines:
                 if p.name in failed:
                     continue
                 # a copy: the traced graph stays the unoptimised program (the rounding-only check
@@ -348,7 +348,7 @@ def _bitwise_equal(a: Any, b: Any) -> bool:
     fa, fb = _flat(a), _flat(b)
     if len(fa) != len(fb):
         return False
-    for x, y in zip(fa, fb):
+    for x, y in zip(fa, fb, strict=True):
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
             if x.shape != y.shape or x.dtype != y.dtype:
                 return False
@@ -363,10 +363,18 @@ def _bitwise_equal(a: Any, b: Any) -> bool:
     return True
 
 
+def _same_leaves(a: Any, b: Any) -> bool:
+    """As many leaves, and tensors where the other has tensors, of the same shapes."""
+    fa, fb = _flat(a), _flat(b)
+    return len(fa) == len(fb) and all(
+        isinstance(x, torch.Tensor) == isinstance(y, torch.Tensor)
+        and (not isinstance(x, torch.Tensor) or x.shape == y.shape) for x, y in zip(fa, fb, strict=True))
+
+
 def _normalised(a: Any, e: Any) -> tuple[list, list]:
     """Both outputs' leaves, floating tensors divided by max(1, max|expected leaf|)."""
     fa, fe = _flat(a), _flat(e)
-    for i, (x, y) in enumerate(zip(fa, fe)):
+    for i, (x, y) in enumerate(zip(fa, fe, strict=False)):  # leaf counts may differ: reported by the caller
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
             s = max(1.0, float(y.detach().abs().float().max()))
             fa[i], fe[i] = x / s, y / s
@@ -537,7 +545,7 @@ def _with_random_rounding(gm: fx.GraphModule, sample: int, groups: GroupTable) -
             with g.inserting_after(n):
                 p = g.call_function(_mca_perturb, (n, us, sample))
             p.meta["val"] = n.meta.get("val")
-            n.replace_all_uses_with(p, delete_user_cb=lambda user: user is not p)
+            n.replace_all_uses_with(p, delete_user_cb=lambda user: user is not p)  # noqa: B023 - called during the replace
             continue
         spec = collective_spec(n.target) if n.op == "call_function" else None
         if spec is None or spec.kind.value not in ("all_reduce", "reduce_scatter"):
@@ -585,6 +593,8 @@ def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list
     dtype = traced.program.torch_dtype
     if dtype not in _FUZZ_FLOATS:
         return False
+    if not all(_same_leaves(a, e) for a, e in zip(actual, expected, strict=True)):
+        return False  # other outputs (a leaf missing, another shape) are never rounding
     ins64 = [[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in r]
              for r in traced.inputs]
     n = traced.program.world_size
@@ -602,12 +612,12 @@ def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list
 
     def errors(outs: list, r: int) -> list[float]:  # per floating leaf: max |out - truth| / magnitude
         return [float((o.double() - t.double()).abs().max()) / max(1.0, float(t.abs().max()))
-                for t, o in zip(_flat(truth[r]), _flat(outs[r]))
+                for t, o in zip(_flat(truth[r]), _flat(outs[r]), strict=True)
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
 
     suspect = []  # ranks the unoptimised run's own noise does not explain
     for r in range(len(truth)):
-        for t, o64 in zip(_flat(truth[r]), _flat(opt64[r])):
+        for t, o64 in zip(_flat(truth[r]), _flat(opt64[r]), strict=True):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and \
                     float((o64.double() - t.double()).abs().max()) > 1e-9 * max(1.0, float(t.abs().max())):
                 return False
@@ -638,7 +648,7 @@ def compare_outputs(actual: list, expected: list, *, exact: bool, program: Progr
     (``scaled``: leaves normalised by their magnitude first)."""
 
     problems = []
-    for r, (a, e) in enumerate(zip(actual, expected)):
+    for r, (a, e) in enumerate(zip(actual, expected, strict=True)):
         if _bitwise_equal(a, e):
             continue
         if scaled and not exact:

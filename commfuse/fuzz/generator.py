@@ -251,7 +251,7 @@ class _Gen:
         self.step += 1
         outs = [Val(name, tuple(s), vary=vary, bounded=bounded, grad=grad, step=self.step,
                     root=ins[0].root if op in _VIEW_OPS else name)
-                for name, s in zip(spec["out"], shapes)]
+                for name, s in zip(spec["out"], shapes, strict=True)]
         self.vals.extend(outs)
         return outs
 
@@ -926,7 +926,7 @@ def _numel(shape: tuple) -> int:
 def _broadcasts(src: tuple, dst: tuple) -> bool:
     if len(src) > len(dst):
         return False
-    return all(s == d or s == 1 for s, d in zip(src[::-1], dst[::-1]))
+    return all(s == d or s == 1 for s, d in zip(src[::-1], dst[::-1], strict=False))  # trailing dims: src may have fewer
 
 
 def _composition(rng: random.Random, total: int, parts: int) -> list[int]:

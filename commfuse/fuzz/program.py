@@ -486,12 +486,12 @@ def build_callable(program: Program, ctx: Ctx) -> Callable[..., list]:
     names = [i["name"] for i in program.inputs]
 
     def body(*args) -> list:
-        env: dict[str, Any] = dict(zip(names, args))
+        env: dict[str, Any] = dict(zip(names, args, strict=True))
         for op in program.ops:
             outs = OPS[op["op"]].fn(ctx, op, *[env[v] for v in op["in"]])
             if len(outs) != len(op["out"]):
                 raise ValueError(f"op {op['op']} produced {len(outs)} values for outputs {op['out']}")
-            env.update(zip(op["out"], outs))
+            env.update(zip(op["out"], outs, strict=True))
         return [env[v] for v in program.outputs]
 
     def fn(*args):
@@ -521,7 +521,7 @@ def build_callable(program: Program, ctx: Ctx) -> Callable[..., list]:
                 continue
             with annotate({MICROBATCH_META_KEY: k, MICROBATCH_PHASE: "backward"}):
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
-            total = [g if t is None else (t if g is None else t + g) for t, g in zip(total, grads)]
+            total = [g if t is None else (t if g is None else t + g) for t, g in zip(total, grads, strict=True)]
         return all_outs + [g for g in total if g is not None]
 
     return microbatched if program.joint and program.microbatches > 1 else fn
@@ -647,7 +647,7 @@ def value_shapes(program: Program) -> dict[str, tuple]:
             outs = _shape_rule(program, op, [shapes[v] for v in op["in"]])
         except Exception:  # noqa: BLE001 - unknown shape: the shrinker then drops dependents instead
             return shapes
-        shapes.update(zip(op["out"], outs))
+        shapes.update(zip(op["out"], outs, strict=True))
     return shapes
 
 

@@ -149,7 +149,7 @@ class CollectiveIR:
         send_bytes = None
         if spec.kind is CollectiveKind.BATCH_P2P:
             ops = node.args[0]
-            send_bytes = _sum_sizes([nbytes(t) for op, t in zip(ops, inputs) if op == "isend"])
+            send_bytes = _sum_sizes([nbytes(t) for op, t in zip(ops, inputs, strict=True) if op == "isend"])
         c = Collective(
             index=index,
             start=node,

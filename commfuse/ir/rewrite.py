@@ -174,7 +174,7 @@ def splice(gm: fx.GraphModule, fn: Callable[..., Any], args: Sequence[fx.Node], 
     """
     template = trace(fn, args, consts, fake_mode_of(gm))
     placeholders = [n for n in template.graph.nodes if n.op == "placeholder"]
-    val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, args))
+    val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, args, strict=True))
     with gm.graph.inserting_before(before):
         out = gm.graph.graph_copy(template.graph, val_map)
     if meta_from is not None:

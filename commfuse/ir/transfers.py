@@ -41,7 +41,7 @@ class BoundaryTransfers:
         if self.unit_bytes is None:
             return []
         if self.op == STAGE_TRANSFER_OP:
-            return [(s, d, self.unit_bytes) for s, d in zip(self.src, self.dst) if self.unit_bytes != 0]
+            return [(s, d, self.unit_bytes) for s, d in zip(self.src, self.dst, strict=True) if self.unit_bytes != 0]
         out = []
         for i, s in enumerate(self.src):
             for j, d in enumerate(self.dst):
@@ -84,7 +84,7 @@ class BoundaryTransfers:
 
     def describe(self) -> str:
         if self.op == STAGE_TRANSFER_OP:
-            pairs = ", ".join(f"{s}->{d}" for s, d in zip(self.src, self.dst))
+            pairs = ", ".join(f"{s}->{d}" for s, d in zip(self.src, self.dst, strict=True))
             return f"stage_transfer [{pairs}] on group {self.group_name}"
         return (f"m2ms dim {self.dim} src {list(self.src)} -> dst {list(self.dst)} splits "
                 f"{[list(r) for r in self.splits or ()]} on group {self.group_name}")

@@ -42,7 +42,7 @@ _F_OPS = {
 class Issued:
     outputs: list[Tensor]
     works: list[Any]
-    finish: Optional[Callable[[Tensor], None]] = None  # applied in place to each output after its wait
+    finish: Optional[Callable[[Tensor], object]] = None  # applied in place to each output after its wait
     sent_bytes: int = 0  # bytes of the tensors handed to c10d on this rank (input side)
     received_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -55,7 +55,7 @@ def _backend(pg) -> str:
         return ""
 
 
-def _reduce_op(name: str, pg) -> tuple[Any, Optional[Callable[[Tensor], None]]]:
+def _reduce_op(name: str, pg) -> tuple[Any, Optional[Callable[[Tensor], object]]]:
     import torch.distributed as dist
 
     key = str(name).lower()

@@ -187,7 +187,7 @@ def _plan_barriers(gm: fx.GraphModule, streams: dict[fx.Node, int], plan: Loweri
             intervals.append({})
             label = b
         intervals[-1].setdefault(streams[n], []).append(n)
-    for prev, nxt in zip(intervals, intervals[1:]):
+    for prev, nxt in zip(intervals, intervals[1:], strict=False):
         for src, done in sorted(prev.items()):
             for dst, todo in sorted(nxt.items()):
                 if src != dst:  # one stream is ordered by itself

@@ -132,7 +132,7 @@ def _expected_layout(val: Any) -> Any:
     for size in reversed(val.shape):
         exprs.append(expect)
         expect = expect * size
-    contiguous = all(_expr(a) == _expr(b) for a, b in zip(stride, reversed(exprs)))
+    contiguous = all(_expr(a) == _expr(b) for a, b in zip(stride, reversed(exprs), strict=True))
     return CONTIGUOUS if contiguous else None
 
 
@@ -244,7 +244,7 @@ def _hold_attribute_outputs(gm: fx.GraphModule) -> dict[int, str]:
     values = out.args[0]
     if not isinstance(values, (tuple, list)):
         return {}
-    held = {i: v.target for i, v in enumerate(values) if isinstance(v, fx.Node) and v.op == "get_attr"}
+    held = {i: str(v.target) for i, v in enumerate(values) if isinstance(v, fx.Node) and v.op == "get_attr"}
     if held:
         out.args = (type(values)(None if i in held else v for i, v in enumerate(values)),)
         for n in list(gm.graph.nodes):

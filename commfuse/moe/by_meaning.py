@@ -345,7 +345,7 @@ def _probe_inputs(tokens: fx.Node, router: Router, experts: list[fx.Node], ranks
             x = randn(t, h)
         ws = [randn(*static_shape(w)) * static_shape(w)[-1] ** -0.5 for w in experts]
         inputs.append([x.reshape(shape).to(value(tokens).dtype), rw.clone(),
-                       *[w.to(value(e).dtype) for w, e in zip(ws, experts)]])
+                       *[w.to(value(e).dtype) for w, e in zip(ws, experts, strict=True)]])
     return inputs
 
 
@@ -469,7 +469,7 @@ def _prove(gm: fx.GraphModule, r: Router, tokens: fx.Node, out: fx.Node) -> Mean
         for inputs, got in probes:
             local_weights = [[_build(w, inp, names) for w in recipe] for inp in inputs]
             full = [torch.cat([lw[i] for lw in local_weights]) for i in range(3)]
-            for inp, y in zip(inputs, got):
+            for inp, y in zip(inputs, got, strict=True):
                 router_w = inp[1].t() if r.weight_transposed else inp[1]
                 want = moe_forward(inp[0].reshape(t, h), router_w, *full, r.top_k, cf, groups, "")[0]
                 if not _close(y, want):
@@ -498,7 +498,7 @@ def _candidates(recipes, region, t, k) -> Iterator[tuple[tuple[WeightRecipe, ...
 
 
 def _build(recipe: WeightRecipe, inputs: list[torch.Tensor], names: list[fx.Node]) -> torch.Tensor:
-    by_node = dict(zip(names, inputs[1:]))
+    by_node = dict(zip(names, inputs[1:], strict=True))
     return recipe.build(by_node.__getitem__, lambda f, *a: f(*a))
 
 

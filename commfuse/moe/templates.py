@@ -600,7 +600,7 @@ class Matcher:
                 if tok is not info.x or tl[:2] != g + t or len(set(ml + tl[2])) != 5 or \
                         sorted(out) != sorted(g + e + cc + tl[2]):
                     return None
-                sizes = dict(zip(ml, shape(ops[0] if mask is fa else ops[1])))
+                sizes = dict(zip(ml, shape(ops[0] if mask is fa else ops[1]), strict=True))
                 sizes[tl[2]] = info.hidden
                 names = {g: "g", e: "e", cc: "c", tl[2]: "d"}
                 dims = tuple(((names[ch], sizes[ch]),) if sizes[ch] != 1 else () for ch in out)
@@ -617,7 +617,7 @@ class Matcher:
                 want = {g: "g", e: "e", cc: "c", d: "d"}
                 if set(bl) != {g, e, cc, d} or out != g + t + d:
                     return None
-                for ch, atoms in zip(bl, buf["dims"]):
+                for ch, atoms in zip(bl, buf["dims"], strict=True):
                     if any(name != want[ch] for name, _ in atoms) or len(atoms) > 1:
                         return None
                 if self.region(comb).x is not buf["x"]:

@@ -15,7 +15,7 @@ form -- a rank's own chunk -- never whether to rewrite. Passes never read global
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Generic, Optional, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Mapping, Optional, Protocol, Sequence, TypeVar
 
 import torch.fx as fx
 
@@ -69,6 +69,8 @@ class NoSession:
 
 
 class PassContext:
+    gm: fx.GraphModule  # declared here: COLLECTIVE_IR's builder above reads it
+
     def __init__(
         self,
         gm: fx.GraphModule,
@@ -76,8 +78,8 @@ class PassContext:
         *,
         graph_kind: str = "graph",
         topology: Optional[Topology] = None,
-        group_roles: Optional[dict[str, str]] = None,
-        role_sources: Optional[dict[str, str]] = None,
+        group_roles: Optional[Mapping[str, str]] = None,
+        role_sources: Optional[Mapping[str, str]] = None,
         session: Optional[SessionState] = None,
         cost_model: Optional[AnalyticCostModel] = None,
         rank: Optional[int] = None,

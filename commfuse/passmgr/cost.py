@@ -53,8 +53,8 @@ class CostPolicy:
         self._model: Optional[AnalyticCostModel] = None
         self._defaults: dict[tuple[str, int], AnalyticCostModel] = {}
 
-    def _hinted(self, model: Optional[AnalyticCostModel]) -> Optional[AnalyticCostModel]:
-        if model is None or self._graph is None:
+    def _hinted(self, model: AnalyticCostModel) -> AnalyticCostModel:
+        if self._graph is None:
             return model
         hints = balanced_exchange_hints(self._graph)
         return model.with_symbol_hints(SymbolHints(hints, int(model.symbol_hint))) if hints else model
@@ -70,10 +70,11 @@ class CostPolicy:
     @property
     def model(self) -> Optional[AnalyticCostModel]:
         """The topology's model (None without a topology: callers refuse with "no topology")."""
-        if self._model is None and self._given is None and self.topology is None:
-            return None
         if self._model is None:
-            self._model = self._hinted(self._given or AnalyticCostModel(self.topology, backend=self.backend))
+            if self._given is not None:
+                self._model = self._hinted(self._given)
+            elif self.topology is not None:
+                self._model = self._hinted(AnalyticCostModel(self.topology, backend=self.backend))
         return self._model
 
     def default_model(self, ir: CollectiveIR, *, backend: str = "nccl") -> tuple[AnalyticCostModel, str]:

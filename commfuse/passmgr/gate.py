@@ -55,6 +55,7 @@ class GateVerdict:
             out["gate"] = "kept (not priced)"
             out["why"] = self.unpriced
             return out
+        assert self.before_us is not None and self.after_us is not None  # priced (unpriced is None)
         out["predicted_before_us"] = round(self.before_us, 3)
         out["predicted_after_us"] = round(self.after_us, 3)
         return out

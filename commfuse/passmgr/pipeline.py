@@ -46,6 +46,7 @@ from commfuse.passmgr.base import GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext, SessionState
 from commfuse.passmgr.dumps import DumpWriter
 from commfuse.passmgr.gate import judge
+from commfuse.passmgr.instrument import Instrumentation
 from commfuse.passmgr.report_facts import ReportFacts
 from commfuse.passmgr.report import PassRecord, PipelineReport, build_analysis_report
 from commfuse.passmgr.verifier import verify_graph
@@ -92,6 +93,7 @@ def run_step(p: GraphPass, ctx: PassContext, *, where: Optional[str] = None,
             if not v.ok:
                 raise VerificationError(v.problems, after_pass=where or p.name)
         if gated:
+            assert snapshot is not None  # taken above when gated
             before = fx.GraphModule(ctx.gm, snapshot)
             verdict = judge(ctx, before, CollectiveIR(before, ctx.ir_options))
             result.decisions = [*result.decisions, verdict.decision()]
@@ -136,26 +138,6 @@ class PassPipeline(GraphPass):
 
     def run(self, ctx: PassContext) -> PassResult:
         return self.combine(self.run_steps(ctx))
-
-
-class Instrumentation:
-    """Hooks the pipeline calls around its passes; each does nothing unless overridden.
-
-    ``before_pipeline`` sees the input graph (before any pass), ``before_pass`` /
-    ``after_pass`` every pass that runs (``after_pass`` also when it failed and the graph was
-    restored: ``record.error`` says so), ``after_pipeline`` the final graph and report."""
-
-    def before_pipeline(self, gm: fx.GraphModule, ctx: PassContext, report: PipelineReport) -> None:
-        pass
-
-    def before_pass(self, p: GraphPass, record: PassRecord) -> None:
-        pass
-
-    def after_pass(self, p: GraphPass, record: PassRecord, gm: fx.GraphModule, ctx: PassContext) -> None:
-        pass
-
-    def after_pipeline(self, gm: fx.GraphModule, ctx: PassContext, report: PipelineReport) -> None:
-        pass
 
 
 class PassTimer(Instrumentation):
@@ -381,6 +363,7 @@ class Pipeline:
             report.passes.append(record)
             if snapshot is None:
                 snapshot = snapshot_graph(gm.graph)
+            restore_to = snapshot  # the graph before this pass, whatever the pass does to `snapshot`
             for ins in instruments:
                 ins.before_pass(p, record)
             try:
@@ -392,7 +375,7 @@ class Pipeline:
             except Exception as e:  # noqa: BLE001 - any pass failure falls back (or re-raises when strict)
                 record.changed, record.error = False, f"{type(e).__name__}: {e}"
                 if not cfg.strict:
-                    restore_graph(gm.graph, snapshot)
+                    restore_graph(gm.graph, restore_to)
                     gm.recompile()
                     ctx.invalidate()
                 for ins in instruments:

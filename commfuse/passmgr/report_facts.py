@@ -36,6 +36,7 @@ from commfuse.costmodel.profile import CostProfile
 from commfuse.costmodel.simulator import Simulator
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.passmgr.instrument import Instrumentation
 from commfuse.schedule.layer_level import layer_name
 
 PREDICTED_TRACE = "predicted_trace.json"
@@ -140,10 +141,9 @@ def _summary(trace: dict[str, Any]) -> dict[str, float]:
             if isinstance(o.get(k), (int, float))}
 
 
-class ReportFacts:
+class ReportFacts(Instrumentation):
     """Pipeline instrument (``Pipeline`` adds it when graphs are dumped): see the module docstring.
-
-    Hooks as :class:`commfuse.passmgr.pipeline.Instrumentation`; every failure is caught."""
+    Every failure is caught."""
 
     def __init__(self, graph_kind: str) -> None:
         self.kind = graph_kind

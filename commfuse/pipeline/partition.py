@@ -162,7 +162,7 @@ def analyze(joint: fx.GraphModule, specs: list[InputSpec], layout: PipelineLayou
     phase: dict[str, str] = {}
     transfers: list[Transfer] = []
     transfer_of: dict[fx.Node, tuple[int, int]] = {}
-    for n, spec in zip(placeholders, specs):
+    for n, spec in zip(placeholders, specs, strict=True):
         stage[n] = spec.stage
         phase[n.name] = BW if spec.kind == "grad_seed" else FW
     for n in nodes:
@@ -338,7 +338,7 @@ def partition(program: PipelineProgram) -> PartitionedProgram:
         raise PartitionError(f"joint graph returns {len(grads)} gradients, the program names {len(program.grad_names)}")
     spec_stage = {s.name: s.stage for s in specs}
     grad_outputs: dict[int, list[tuple[PartOutput, fx.Node]]] = {s: [] for s in range(layout.num_stages)}
-    for name, g in zip(program.grad_names, grads):
+    for name, g in zip(program.grad_names, grads, strict=True):
         want = spec_stage[name]
         if not isinstance(g, fx.Node):
             raise PartitionError(f"gradient of {name} is not a graph value ({g!r})")

@@ -159,7 +159,7 @@ class PipelineRunner:
             if a.phase == "F":
                 outs = self._run(fw, i, xs, ts, seed, saved)
                 saved[i] = {}
-                for o, v in zip(fw.outputs, outs):
+                for o, v in zip(fw.outputs, outs, strict=True):
                     if o.kind == "loss":
                         losses[i] = v
                     elif o.kind == "saved":
@@ -168,7 +168,7 @@ class PipelineRunner:
                         pending.append(v)
             else:
                 outs = self._run(bw, i, xs, ts, seed, saved)
-                for o, v in zip(bw.outputs, outs):
+                for o, v in zip(bw.outputs, outs, strict=True):
                     if o.kind == "grad":
                         p = params[o.key.split(".", 1)[1]]
                         if p.grad is None:

@@ -132,7 +132,7 @@ def forward_function(layout: PipelineLayout, stages: Sequence[nn.Module], specs:
     def whole_model(*flat: torch.Tensor) -> torch.Tensor:
         per_stage: list[dict[str, torch.Tensor]] = [{} for _ in range(num)]
         x = target = None
-        for spec, t in zip(specs, flat):
+        for spec, t in zip(specs, flat, strict=True):
             if spec.kind in (PARAM, BUFFER):
                 per_stage[spec.stage][spec.local_name] = t
             elif spec.kind == X:
@@ -183,7 +183,7 @@ def trace_joint(program: PipelineProgram, example_inputs: Sequence[torch.Tensor]
         with torch.enable_grad():
             loss = fwd(*inputs)
             grads = torch.autograd.grad(loss, [inputs[i] for i in diff_idx], grad_outputs=seed, allow_unused=True)
-        used[:] = [i for i, g in zip(diff_idx, grads) if g is not None]
+        used[:] = [i for i, g in zip(diff_idx, grads, strict=True) if g is not None]
         return (loss, *[g for g in grads if g is not None])
 
     args = []

@@ -231,7 +231,7 @@ class ReferenceInterpreter:
             phs = [i for i, ins in enumerate(prog) if ins.kind == _PLACEHOLDER]
             if len(vals) != len(phs):
                 raise ValueError(f"rank {r}: the graph has {len(phs)} placeholders but {len(vals)} inputs were given")
-            for i, v in zip(phs, vals):
+            for i, v in zip(phs, vals, strict=True):
                 env[i] = v.clone() if clone_inputs and isinstance(v, torch.Tensor) else v
             ranks.append(_Rank(r, prog, env))
         self._rv: dict[tuple, dict[int, tuple[_Rank, RankCall]]] = {}
@@ -337,7 +337,7 @@ class ReferenceInterpreter:
             return False
         calls = [c for _, c in members]
         results = self._apply(ins.sem.fn, ins.sem.name, calls)
-        for (mst, c), res in zip(members, results):
+        for (mst, c), res in zip(members, results, strict=True):
             if c.spec.inplace:
                 res = _write_inplace(c, res)
             else:
@@ -402,7 +402,7 @@ class ReferenceInterpreter:
         if members is None:
             return False
         results = self._apply(ins.sync.fn, ins.sync.name, [c for _, c in members])
-        for (mst, _c), res in zip(members, results):
+        for (mst, _c), res in zip(members, results, strict=True):
             self._deliver(st, mst, res)
         return True
 
@@ -429,7 +429,7 @@ class ReferenceInterpreter:
         if any(len(self._mail.get(key, ())) < cnt for key, cnt in need.items()):
             return False
         got = []
-        for key, (_peer, _tag, buf) in zip(keys, plan.recvs):
+        for key, (_peer, _tag, buf) in zip(keys, plan.recvs, strict=True):
             msg = self._mail[key].popleft()
             if msg.shape != buf.shape or msg.dtype != buf.dtype:
                 raise CollectiveMismatchError(
@@ -500,7 +500,7 @@ def _sent_tensors(call: RankCall) -> list[torch.Tensor]:
         a, k = call.raw_args, call.raw_kwargs
         ops = a[0] if len(a) > 0 else k["op_list"]
         tensors = a[3] if len(a) > 3 else k["tensors"]
-        return [t if op == "isend" else None for op, t in zip(ops, tensors)]
+        return [t if op == "isend" else None for op, t in zip(ops, tensors, strict=True)]
     return [call.tensors[0]]
 
 
@@ -508,7 +508,7 @@ def _watch(st: _Rank, call: RankCall, result: Any, read: list) -> None:
     """Remember what the collective reads, to check at its wait(s) that nobody modified it."""
     results = list(result) if isinstance(result, (list, tuple)) else [result]
     if len(results) == len(read):  # coalesced: result i is waited separately and covers input i
-        pairs = [(r, [t]) for r, t in zip(results, read)]
+        pairs = [(r, [t]) for r, t in zip(results, read, strict=True)]
     else:
         pairs = [(r, list(read)) for r in results]
     for r, ts in pairs:
@@ -527,7 +527,7 @@ def _write_inplace(call: RankCall, result: Any) -> Any:
     res = list(result) if isinstance(result, (list, tuple)) else [result]
     if len(res) != len(bufs):
         raise ReferenceSemanticsError(f"{call.where()}: {len(res)} results for {len(bufs)} in-place buffers")
-    for b, r in zip(bufs, res):
+    for b, r in zip(bufs, res, strict=True):
         b.copy_(r)
     return list(bufs) if call.spec.coalesced else bufs[0]
 

@@ -352,7 +352,7 @@ def all_to_all(calls: list[RankCall]) -> list[Any]:
     ins = [c.tensors[0] for c in calls]
     _check_meta(calls, ins, shapes=False)
     in_splits, out_splits = [], []
-    for c, t in zip(calls, ins):
+    for c, t in zip(calls, ins, strict=True):
         isz, osz = c.args.input_split_sizes, c.args.output_split_sizes
         if (isz is None) != (osz is None):
             raise _mismatch(calls, f"{c.where()} gives only one of input/output split sizes")
@@ -373,7 +373,7 @@ def all_to_all(calls: list[RankCall]) -> list[Any]:
                 raise _mismatch(calls, f"rank {calls[j].rank} sends {in_splits[j][g]} rows to rank {calls[g].rank}, "
                                        f"which expects {out_splits[g][j]} (input splits {in_splits}, output splits "
                                        f"{out_splits})")
-    pieces = [list(t.split(s, dim=0)) for t, s in zip(ins, in_splits)]
+    pieces = [list(t.split(s, dim=0)) for t, s in zip(ins, in_splits, strict=True)]
     return [torch.cat([pieces[j][g] for j in range(n)], dim=0) for g in range(n)]
 
 
@@ -436,7 +436,7 @@ def batch_p2p(call: RankCall) -> P2PPlan:
         raise CollectiveMismatchError(f"{call.where()}: op/peer/tag/tensor lists have different lengths")
     plan = P2PPlan()
     kinds = []
-    for op, peer, tag, t in zip(ops, peers, tags, tensors):
+    for op, peer, tag, t in zip(ops, peers, tags, tensors, strict=True):
         if op == "isend":
             plan.sends.append((int(peer), int(tag), t.clone()))
         elif op == "irecv":
@@ -447,7 +447,7 @@ def batch_p2p(call: RankCall) -> P2PPlan:
 
     def finish(got: list[torch.Tensor]) -> list[torch.Tensor]:
         it = iter(got)
-        return [next(it) if op == "irecv" else _empty_like_sent(t) for op, t in zip(kinds, tensors)]
+        return [next(it) if op == "irecv" else _empty_like_sent(t) for op, t in zip(kinds, tensors, strict=True)]
 
     plan.finish = finish
     return plan

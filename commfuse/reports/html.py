@@ -277,7 +277,7 @@ def _summary_rows(runs: Sequence[RunGraph]) -> list[dict[str, Any]]:
         rows.append({"label": "step (" + " + ".join(r.label for r in runs) + ")", "total": True, "cells": [
             {"id": f"{what}-step", "fmt": c["fmt"], "b": _total([row["cells"][i]["b"] for row in rows]),
              "a": _total([row["cells"][i]["a"] for row in rows])}
-            for i, (what, c) in enumerate(zip(("time", "exposed", "wire", "count"), rows[0]["cells"]))]})
+            for i, (what, c) in enumerate(zip(("time", "exposed", "wire", "count"), rows[0]["cells"], strict=True))]})
     return rows
 
 

@@ -393,7 +393,7 @@ def _check_runs(rank: int, pg: PlannedGraph, label: str, runs: list[list[Recorde
             mismatches.append(Mismatch(rank, gname, "extra", extra[0], "", expected=f"indices < {len(pcs)}",
                                        got=f"indices {extra}", run=ri))
         if got != sorted(got):
-            first = next(a for a, b in zip(got, sorted(got)) if a != b)
+            first = next(a for a, b in zip(got, sorted(got), strict=True) if a != b)
             mismatches.append(Mismatch(rank, gname, "order", first, pcs[first]["start"] if first < len(pcs) else "",
                                        expected="the plan's issue order", got=f"indices {got}", run=ri))
         for r in run:

@@ -205,7 +205,7 @@ def window_memory(p: ScheduleProblem, order: list[int], lo: int, hi: int, live: 
 
 def _worst_wait(p: ScheduleProblem, order: list[int], r: SimResult, tried: set[int]) -> int | None:
     best = None
-    for pos, (code, s, e) in enumerate(zip(r.node_codes, r.node_starts, r.node_ends)):
+    for pos, (code, s, e) in enumerate(zip(r.node_codes, r.node_starts, r.node_ends, strict=True)):
         i = order[pos]
         if code == NODE_WAIT and e > s and i not in tried and p.segment[i] >= 0 \
                 and p.segment[i] not in p.barrier_segments:

@@ -170,7 +170,7 @@ def backward_layers(p: ScheduleProblem, ir: CollectiveIR, *, every_node: bool = 
     coll_of = {idx[c.start]: c for c in ir.collectives if c.start in idx}
     for lay in layers.values():
         _classify(p, lay, layer_of, coll_of)
-    return sorted(layers.values(), key=lambda l: l.position)
+    return sorted(layers.values(), key=lambda lay: lay.position)
 
 
 def _classify(p: ScheduleProblem, lay: BackwardLayer, layer_of: dict[int, str], coll_of: dict) -> None:
@@ -232,7 +232,7 @@ def preferred_order(p: ScheduleProblem, layers: list[BackwardLayer]) -> Optional
     key: list[tuple[int, int, int, int]] = [
         (len(p.segments) if i in tail else p.segment[i], -1, 0, i) for i in range(p.size)]
     decided = False
-    for k, lay in enumerate(layers):
+    for lay in layers:
         choice = lay.choice
         ranks = RANKS[choice] if choice else None
         decided |= choice is not None

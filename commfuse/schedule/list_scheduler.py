@@ -162,10 +162,10 @@ def build_problem(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, *,
     infos = [sim.node_info(n) for n in nodes]
     code = [i.code for i in infos]
     colls = sorted(idx[c.start] for c in ir.collectives) if chain is None else list(chain)
-    for a, b in zip(colls, colls[1:]):  # the total issue order is kept
+    for a, b in zip(colls, colls[1:], strict=False):  # the total issue order is kept
         preds[b].append(a)
     rand = [i for i, n in enumerate(nodes) if _draws_random(n)]
-    for a, b in zip(rand, rand[1:]):  # random ops keep their order: the same numbers drawn
+    for a, b in zip(rand, rand[1:], strict=False):  # random ops keep their order: the same numbers drawn
         preds[b].append(a)
     wait_of = {i: idx[infos[i].start] for i in range(len(nodes))
                if code[i] == NODE_WAIT and infos[i].start is not None}
@@ -264,7 +264,7 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
     inflight = [0] * max(p.n_streams, 1)
     inflight_of: dict[int, int] = {}  # collective start -> bytes still counted (until its last wait)
     waits_left: dict[int, int] = {}
-    for w, c in p.wait_of.items():
+    for c in p.wait_of.values():
         waits_left[c] = waits_left.get(c, 0) + 1
 
     # memory: owners are freed when every node touching them is scheduled

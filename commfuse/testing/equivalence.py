@@ -95,7 +95,7 @@ def check_equivalent(before: fx.GraphModule, after: fx.GraphModule, world_size: 
         inputs = random_inputs(before, world_size, seed, replicated=replicated_inputs)
     expected = run_reference(before, inputs, groups=groups)
     actual = run_reference(after, inputs, groups=groups)
-    for rank, (a, e) in enumerate(zip(actual, expected)):
+    for rank, (a, e) in enumerate(zip(actual, expected, strict=True)):
         if exact:
             assert_bitwise_equal_tree(a, e, msg=f"rank {rank}")
         else:

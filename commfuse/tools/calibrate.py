@@ -42,6 +42,7 @@ import argparse
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -148,9 +149,9 @@ def _agree(n: int) -> int:
 def merge_ranks(per_rank: list[list[list]]) -> list[Sample]:
     """A collective ends when its slowest rank does: per repetition, the max over ranks."""
     samples = []
-    for rows in zip(*per_rank):
+    for rows in zip(*per_rank, strict=True):
         kind, size = rows[0][0], rows[0][1]
-        times = [max(ts) for ts in zip(*(r[2] for r in rows))]
+        times = [max(ts) for ts in zip(*(r[2] for r in rows), strict=True)]
         samples.append(Sample(kind, float(size), times))
     return samples
 
@@ -160,33 +161,30 @@ def _compute_cases() -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     """(family, builder) pairs; a builder returns the zero-argument call to time."""
     aten = torch.ops.aten
     cases: list[tuple[str, Callable[[], Callable[[], object]]]] = []
+    # A builder makes the inputs (outside the timed region) and returns the call on them.
     for m, k, n in [(16, 32, 32), (64, 64, 64), (64, 128, 256), (256, 128, 128), (128, 256, 512),
                     (256, 512, 512), (512, 512, 512), (512, 1024, 512)]:
-        cases.append(("matmul", lambda m=m, k=k, n=n: (lambda a=torch.randn(m, k), b=torch.randn(k, n):
-                                                       aten.mm.default(a, b))))
+        cases.append(("matmul", lambda m=m, k=k, n=n: partial(aten.mm.default, torch.randn(m, k), torch.randn(k, n))))
     for b, m, k, n in [(4, 16, 16, 16), (8, 64, 32, 64), (8, 128, 64, 128)]:
-        cases.append(("matmul", lambda b=b, m=m, k=k, n=n: (
-            lambda x=torch.randn(b, m, k), y=torch.randn(b, k, n): aten.bmm.default(x, y))))
+        cases.append(("matmul", lambda b=b, m=m, k=k, n=n: partial(
+            aten.bmm.default, torch.randn(b, m, k), torch.randn(b, k, n))))
     for numel in [256, 4096, 65536, 262144, 1048576]:
-        cases.append(("pointwise", lambda numel=numel: (
-            lambda x=torch.randn(numel), y=torch.randn(numel): aten.add.Tensor(x, y))))
-        cases.append(("pointwise", lambda numel=numel: (lambda x=torch.randn(numel): aten.silu.default(x))))
-        cases.append(("reduction", lambda numel=numel: (
-            lambda x=torch.randn(numel // 64, 64): aten.sum.dim_IntList(x, [-1], True))))
-        cases.append(("softmax", lambda numel=numel: (
-            lambda x=torch.randn(numel // 64, 64): aten._softmax.default(x, -1, False))))
-        cases.append(("norm", lambda numel=numel: (
-            lambda x=torch.randn(numel // 64, 64), w=torch.ones(64), b=torch.zeros(64):
-            aten.native_layer_norm.default(x, [64], w, b, 1e-5))))
-        cases.append(("embedding", lambda numel=numel: (
-            lambda w=torch.randn(512, 64), i=torch.randint(0, 512, (max(1, numel // 64),)):
-            aten.embedding.default(w, i))))
+        cases.append(("pointwise", lambda numel=numel: partial(aten.add.Tensor, torch.randn(numel), torch.randn(numel))))
+        cases.append(("pointwise", lambda numel=numel: partial(aten.silu.default, torch.randn(numel))))
+        cases.append(("reduction", lambda numel=numel: partial(
+            aten.sum.dim_IntList, torch.randn(numel // 64, 64), [-1], True)))
+        cases.append(("softmax", lambda numel=numel: partial(
+            aten._softmax.default, torch.randn(numel // 64, 64), -1, False)))
+        cases.append(("norm", lambda numel=numel: partial(
+            aten.native_layer_norm.default, torch.randn(numel // 64, 64), [64], torch.ones(64), torch.zeros(64), 1e-5)))
+        cases.append(("embedding", lambda numel=numel: partial(
+            aten.embedding.default, torch.randn(512, 64), torch.randint(0, 512, (max(1, numel // 64),)))))
     for b, h, s, d in [(1, 2, 16, 8), (2, 4, 32, 16), (2, 8, 64, 16), (2, 8, 128, 32)]:
-        cases.append(("attention", lambda b=b, h=h, s=s, d=d: (
-            lambda q=torch.randn(b, h, s, d), k=torch.randn(b, h, s, d), v=torch.randn(b, h, s, d):
-            aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, True))))
+        cases.append(("attention", lambda b=b, h=h, s=s, d=d: partial(
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.randn(b, h, s, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d), 0.0, True)))
         cases.append(("attention_bw", lambda b=b, h=h, s=s, d=d: _sdpa_backward_call(b, h, s, d)))
-    cases.append(("view", lambda: (lambda x=torch.randn(64, 64): aten.view.default(x, [4096]))))
+    cases.append(("view", lambda: partial(aten.view.default, torch.randn(64, 64), [4096])))
     return cases
 
 
@@ -457,10 +455,10 @@ class InGraphSample:
 
 def merge_in_graph(per_rank: list[list[list]], count: int = IN_GRAPH_COLLECTIVES) -> list[InGraphSample]:
     out = []
-    for rows in zip(*per_rank):
+    for rows in zip(*per_rank, strict=True):
         kind, size, gap = rows[0][:3]
-        out.append(InGraphSample(kind, size, gap, [max(ts) for ts in zip(*(r[3] for r in rows))],
-                                 [max(ts) for ts in zip(*(r[4] for r in rows))], count))
+        out.append(InGraphSample(kind, size, gap, [max(ts) for ts in zip(*(r[3] for r in rows), strict=True)],
+                                 [max(ts) for ts in zip(*(r[4] for r in rows), strict=True)], count))
     return out
 
 
@@ -536,14 +534,14 @@ def measure_step_runtime_job(reps: int, counts: Sequence[int] = STEP_PARAM_COUNT
                 def run(*a):
                     t0 = time.perf_counter()
                     r = gm(*a)
-                    inside[0] += time.perf_counter() - t0
+                    inside[0] += time.perf_counter() - t0  # noqa: B023 - compiled and run within this iteration
                     return r
                 return priv.make_boxed_func(run)
 
             compiled = torch.compile(model, backend=priv.aot_autograd(
                 fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition))
 
-            def step():
+            def step(model=model, compiled=compiled, x=x):  # bound, though only called in this iteration
                 for p in model.parameters():
                     p.grad = None
                 compiled(x).sum().backward()
@@ -568,9 +566,9 @@ def fit_step_runtime(per_rank: list[list[list]]) -> tuple[float, float, float]:
     time outside the graphs: per configuration the median over reps of step - graphs on
     each rank, the slowest rank's."""
     rows = []
-    for cfg in zip(*per_rank):
+    for cfg in zip(*per_rank, strict=True):
         dtensor, n = cfg[0][0], cfg[0][1]
-        outside = max(statistics.median(t - g for t, g in zip(r[2], r[3])) for r in cfg)
+        outside = max(statistics.median(t - g for t, g in zip(r[2], r[3], strict=True)) for r in cfg)
         rows.append((1.0, 0.0 if dtensor else float(n), float(n) if dtensor else 0.0, outside))
     return _nnls3(rows)
 
@@ -590,7 +588,7 @@ def _nnls3(rows: Sequence[tuple[float, float, float, float]]) -> tuple[float, fl
             sol = _lstsq(A, y)
             if sol is None or any(v < 0 for v in sol):
                 continue
-            for i, v in zip(idx, sol):
+            for i, v in zip(idx, sol, strict=True):
                 coef[i] = v
         err = sum((r[3] - sum(c * r[i] for i, c in enumerate(coef))) ** 2 for r in rows)
         if err < best_err:
@@ -612,7 +610,7 @@ def _lstsq(A: Sequence[Sequence[float]], y: Sequence[float]) -> Optional[list[fl
         for r in range(m):
             if r != c:
                 f = M[r][c] / M[c][c]
-                M[r] = [a - f * b for a, b in zip(M[r], M[c])]
+                M[r] = [a - f * b for a, b in zip(M[r], M[c], strict=True)]
     return [M[i][m] / M[i][i] for i in range(m)]
 
 
@@ -621,10 +619,10 @@ def fit_alpha_beta(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, flo
     """Least squares of ``y = a + b x`` on relative error, a, b >= 0."""
     w = [1.0 / (y * y) for y in ys]
     sw = sum(w)
-    sx = sum(wi * x for wi, x in zip(w, xs))
-    sy = sum(wi * y for wi, y in zip(w, ys))
-    sxx = sum(wi * x * x for wi, x in zip(w, xs))
-    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    sx = sum(wi * x for wi, x in zip(w, xs, strict=True))
+    sy = sum(wi * y for wi, y in zip(w, ys, strict=True))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs, strict=True))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys, strict=True))
     det = sw * sxx - sx * sx
     b = (sw * sxy - sx * sy) / det if det else 0.0
     a = (sy - b * sx) / sw

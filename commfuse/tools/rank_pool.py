@@ -559,7 +559,7 @@ class RankPool:
         self._next_job_id += 1
         replies = _Replies(pending=set(range(self.world_size)))
         message = ("job", job_id, list(sys.path), payload)
-        for rank, conn in enumerate(self._conns):
+        for conn in self._conns:
             try:
                 _send(conn, message)
             except OSError:

@@ -173,7 +173,7 @@ def pair_scores(lau: Sequence[Launch], kernels: Sequence[KernelRecord], cfg: Ali
         ktree = np.array([-1 if k.algo is None else int(k.algo == "TREE") for k in kernels])[None, :]
         bad |= kred & (ltree >= 0) & (ktree >= 0) & (ltree != ktree)
         single = [len(a.calls) == 1 and a.symbol not in ("SendRecv", "Mixed") for a in lau]
-        lcount = np.array([a.first.count if ok else -1 for a, ok in zip(lau, single)])[:, None]
+        lcount = np.array([a.first.count if ok else -1 for a, ok in zip(lau, single, strict=True)])[:, None]
         lrs = np.array([a.first.op == "ReduceScatter" for a in lau])[:, None]
         kin = np.array([-1 if k.in_nelems is None else k.in_nelems for k in kernels])[None, :]
         kout = np.array([-1 if k.out_nelems is None else k.out_nelems for k in kernels])[None, :]
@@ -224,7 +224,7 @@ class RankAlignment:
 
     @property
     def matches(self) -> list[tuple[int, int]]:
-        return [p for p, ok in zip(self.pairs, self.matched) if ok]
+        return [p for p, ok in zip(self.pairs, self.matched, strict=True) if ok]
 
     @property
     def kernel_of(self) -> dict[int, int]:

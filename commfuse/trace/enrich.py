@@ -142,12 +142,12 @@ def enriched_trace(run: RunAlignment, topology: Optional[Topology] = None) -> di
     for ra in run.ranks:
         pid = ra.rank if ra.rank is not None else -1
         off = run.offsets_ns.get(ra.rank, 0.0) if ra.rank is not None else 0.0
-        us = lambda ns: (ns + off - t0) / 1e3  # noqa: E731
+        us = lambda ns, off=off: (ns + off - t0) / 1e3  # noqa: E731
         where = f"{ra.log.host}:{ra.log.pid}" if ra.log else "?"
         ev.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {ra.rank} ({where})"}})
         threads: dict[str, int] = {}
 
-        def tid(name: str) -> int:
+        def tid(name: str, threads: dict[str, int] = threads, pid: int = pid) -> int:  # bound: this rank's
             if name not in threads:
                 threads[name] = len(threads)
                 ev.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": threads[name],
@@ -155,7 +155,7 @@ def enriched_trace(run: RunAlignment, topology: Optional[Topology] = None) -> di
             return threads[name]
 
         kernel_of = dict(ra.pairs)
-        matched = {p: ok for p, ok in zip(ra.pairs, ra.matched)}
+        matched = {p: ok for p, ok in zip(ra.pairs, ra.matched, strict=True)}
         paired_k = set(kernel_of.values())
         for li, lau in enumerate(ra.launches):
             lc = index.get((ra.log.host, ra.log.pid, lau.comm)) if ra.log else None

@@ -393,7 +393,7 @@ class AccumulateGradientSync(GraphPass):
         outs: list[fx.Node] = []
         for m in matches:
             acc = None
-            for c, scale in zip(m.members, m.scales):
+            for c, scale in zip(m.members, m.scales, strict=True):
                 x = c.inputs[0]
                 if scale is not None:
                     x = splice(gm, _scale, [x], consts=(scale,), before=x.next, meta_from=s.root)

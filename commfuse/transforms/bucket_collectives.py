@@ -90,7 +90,7 @@ def _wait_ag(out, n, sizes, shapes):
     # re-stacked row by row is exactly its own all_gather output (rank-major along dim 0).
     # Contiguous, as the member's own output was: code downstream may `view` it.
     rows = _f.wait_tensor(out).view(n, -1)
-    return tuple(p.contiguous().view(s) for p, s in zip(torch.split(rows, list(sizes), dim=1), shapes))
+    return tuple(p.contiguous().view(s) for p, s in zip(torch.split(rows, list(sizes), dim=1), shapes, strict=True))
 
 
 def _issue_rs(*args):
@@ -108,7 +108,7 @@ def _issue_ar(*args):
 
 def _wait_flat(out, sizes, shapes):
     flat = _f.wait_tensor(out)
-    return tuple(p.view(s) for p, s in zip(torch.split(flat, list(sizes)), shapes))
+    return tuple(p.view(s) for p, s in zip(torch.split(flat, list(sizes)), shapes, strict=True))
 
 
 # ----------------------------------------------------------------- records
@@ -606,7 +606,7 @@ def _apply(gm: fx.GraphModule, buckets: list[_Bucket], nodes: list[fx.Node]) -> 
         anchor_issue, anchor_wait = nodes[b.issue], nodes[b.wait]
         start = rewrite.splice(gm, issue_fn, xs, consts=consts, before=anchor_issue, meta_from=c0.start)
         outs = rewrite.splice(gm, wait_fn, [start], consts=wconsts, before=anchor_wait, meta_from=c0.waits[0])
-        for x, o in zip(ms, outs):
+        for x, o in zip(ms, outs, strict=True):
             x.c.waits[0].replace_all_uses_with(o)
             replaced[x.c.waits[0]] = o
     for b in buckets:

@@ -91,7 +91,7 @@ def _mutated_roots(gm: fx.GraphModule) -> set[fx.Node]:
     out: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if n.op == "call_function" and rewrite.mutates(n):
-            for a, arg in zip(n.args, n.target._schema.arguments):
+            for a, arg in zip(n.args, n.target._schema.arguments, strict=False):  # args may omit trailing defaults
                 if isinstance(a, fx.Node) and arg.alias_info is not None and arg.alias_info.is_write:
                     while True:
                         out.add(a)
@@ -418,7 +418,8 @@ class CollectiveMotion(GraphPass):
                 colls = ctx.ir.collectives
                 round_refusals: list[str] = []
                 applied = False
-                for plan in plan_regions(ctx.gm, colls, round_refusals, lambda g: _tp_contract(ctx, colls, g),
+                # plan_regions calls the lambdas before it returns (the plans keep neither)
+                for plan in plan_regions(ctx.gm, colls, round_refusals, lambda g: _tp_contract(ctx, colls, g),  # noqa: B023
                                          only_group=group, moe_capacity_regroup=ctx.config.moe_capacity_regroup,
                                          rank=ctx.rank, crossing=lambda c, g: _crossing(ctx, c, g)):
                     for members in _components(plan).values():

@@ -279,8 +279,8 @@ def _across_rs_rs(w, op, d1, d2, rank_at, order, group):
     n1, n2 = len(rank_at), len(rank_at[0])
 
     def piece(r):
-        k, l = pos[r]
-        return _chunks(_chunks(w, n1, d1)[k], n2, d2)[l]
+        k, i = pos[r]
+        return _chunks(_chunks(w, n1, d1)[k], n2, d2)[i]
 
     return rewrite.reduce_scatter(torch.cat([piece(r) for r in order], d1), op, d1, len(order), group)
 
@@ -396,7 +396,7 @@ def _check_pair(p: Pair, ctx: Optional[PassContext] = None) -> tuple[Optional[st
         return "group size unknown", None
     # The intermediate value: each node of the chain feeds only the next one, and the
     # second collective's input feeds only it (and its layout shuffle).
-    for node, nxt in zip(p.chain, p.chain[1:]):
+    for node, nxt in zip(p.chain, p.chain[1:], strict=False):
         if set(node.users) != {nxt}:
             return "intermediate value has other users", None
     allowed = set(b.layout_nodes) | {b.start}

@@ -110,7 +110,7 @@ def _rewrite(gm: fx.GraphModule, m: Match) -> Optional[str]:
         if cap_factor is None:
             return f"no capacity_factor gives capacity {m.capacity} for {tokens_per_group} tokens"
     emit = _Emitter(gm, anchor, m.outs[0])
-    weights = [emit(torch.transpose, w, -2, -1) if t else w for w, t in zip(m.weights, m.transposed)]
+    weights = [emit(torch.transpose, w, -2, -1) if t else w for w, t in zip(m.weights, m.transposed, strict=True)]
     op = emit(MOE_LAYER, x, info.w, *weights, m.top_k, cap_factor, m.token_groups, m.group_name)
     out = emit(operator.getitem, op, 0)
 

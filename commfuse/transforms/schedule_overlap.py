@@ -163,7 +163,7 @@ class ScheduleOverlap(GraphPass):
                     # live is rejected by the budget, not reshaped into another order
                     continue
                 cap = inflight_limit
-                for attempt in range(MEMORY_RETRIES + 1):
+                for _attempt in range(MEMORY_RETRIES + 1):
                     res = list_schedule(problem, pr, max_inflight_bytes=cap, memory_limit=mem_limit)
                     r = score(res.order)
                     ok = acceptable(res.order, r)
@@ -264,7 +264,7 @@ class ScheduleOverlap(GraphPass):
             assert best is not None
             counts.update(_moves(prob, best.order))
             if best.problem is not prob:
-                counts["collectives_reordered"] = sum(a != b for a, b in zip(prob.collectives, best.problem.collectives))
+                counts["collectives_reordered"] = sum(a != b for a, b in zip(prob.collectives, best.problem.collectives, strict=True))
             _check_collective_order(best.problem, best.order)
             apply_order(ctx.gm, [prob.nodes[i] for i in best.order])
         return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=[decision])

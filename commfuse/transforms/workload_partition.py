@@ -166,7 +166,7 @@ def _chunk_count(ctx: PassContext, chunks: Optional[int]) -> int:
 
 def operation_level_chunks(ctx: PassContext, c: Collective) -> tuple[Optional[int], str]:
     """Centauri's Algorithm 1 count for ``c`` (None: no partition), and why."""
-    
+
     est = ctx.cost.model
     if est is None:
         return DEFAULT_CHUNKS, f"no topology: {DEFAULT_CHUNKS} chunks"
@@ -289,7 +289,7 @@ def _best_chain(ctx: PassContext, c: Collective, chunks: Optional[int],
     found, reasons = candidate_chains(ctx, c, k)
     if not found:
         return _summarise(reasons, k, chains.static_shape(c.logical_output))
-    
+
     est = ctx.cost.model
     comm_us = est.collective(c).time_us if est is not None else None
 
@@ -413,7 +413,7 @@ class _Builder:
         k, units, even = len(parts), sum(sizes), len(set(sizes)) == 1
         if isinstance(layout, Partial):
             if layout.how == "mean" and not even:  # a chunk's mean covers sizes[i] / units of the rows
-                parts = [self.call(aten.mul.Tensor, (p, u / units), original) for p, u in zip(parts, sizes)]
+                parts = [self.call(aten.mul.Tensor, (p, u / units), original) for p, u in zip(parts, sizes, strict=True)]
             whole = parts[0]
             for p in parts[1:]:
                 whole = self.call(aten.add.Tensor, (whole, p), original)
@@ -473,7 +473,7 @@ def _dim_order(val: torch.Tensor) -> list[int]:
 
 def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
     return tuple(a.shape) == tuple(b.shape) and all(
-        sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+        sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape, strict=True) if n > 1)
 
 
 class _Emitter(_Builder):

@@ -68,7 +68,7 @@ class Env:
         if input_names is not None:
             last = max((bd.b.stage for bd in bmap.boundaries.values()), default=0)
             self.input_stage = {}
-            for n, name in zip(placeholders, input_names):
+            for n, name in zip(placeholders, input_names, strict=True):
                 head = name.split(".", 1)[0]
                 if head.startswith("stage") and head[5:].isdigit():
                     self.input_stage[n] = int(head[5:])
@@ -78,7 +78,7 @@ class Env:
                     self.input_stage[n] = last
         self.replicated_placeholders = set()
         if input_names is not None and options.replicated_inputs:
-            for n, name in zip(placeholders, input_names):
+            for n, name in zip(placeholders, input_names, strict=True):
                 if name in options.replicated_inputs:
                     self.replicated_placeholders.add(n)
 
@@ -113,14 +113,14 @@ def _view_chain_back(node: fx.Node, stop: Callable[[fx.Node], bool]) -> tuple[fx
 def _replay_views(gm: fx.GraphModule, value: fx.Node, views: list[fx.Node], before: fx.Node) -> fx.Node:
     for v in views:
         with gm.graph.inserting_before(before):
-            new = gm.graph.node_copy(v, lambda a, v=v: value if a is v.args[0] else a)
+            new = gm.graph.node_copy(v, lambda a, v=v: value if a is v.args[0] else a)  # noqa: B023 - node_copy calls it now
         new.meta.update({k: val for k, val in v.meta.items()})
         value = new
     return value
 
 
 def _single_use_chain(chain: list[fx.Node], last_user: fx.Node) -> bool:
-    for a, b in zip(chain, chain[1:] + [last_user]):
+    for a, b in zip(chain, chain[1:] + [last_user], strict=True):
         if set(a.users) != {b}:
             return False
     return True

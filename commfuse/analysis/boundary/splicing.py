@@ -76,7 +76,7 @@ def splice_autograd(gm: fx.GraphModule, fn: Callable[..., Any], args: Sequence[f
             tgm = make_fx(body, tracing_mode="fake", pre_dispatch=True)(*vals)
     rewrite._drop_shape_asserts(tgm)
     placeholders = [n for n in tgm.graph.nodes if n.op == "placeholder"]
-    val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, args))
+    val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, args, strict=True))
     with gm.graph.inserting_before(before):
         out = gm.graph.graph_copy(tgm.graph, val_map)
     for tn in tgm.graph.nodes:

@@ -40,7 +40,7 @@ def fused_allreduce_transfer(h, *residuals, d, n, p, plan, splits, src, dst, gsi
         tie = tie + (r - r.detach())
     s = reduce_scatter(tie, d, group_a)
     y = s
-    for r, left in zip(residuals, plan):
+    for r, left in zip(residuals, plan, strict=True):
         rc = r.detach()
         dd = d - (s.dim() - rc.dim())  # r's dim aligned with d under broadcasting
         if dd >= 0 and rc.shape[dd] == s.shape[d] * n:

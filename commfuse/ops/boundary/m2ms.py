@@ -131,19 +131,19 @@ class M2MSArgs:
 
     def sent_units(self, rank: int) -> int:
         """Units ``rank`` puts on the wire (its own piece to itself excluded)."""
-        return sum(s for s, d in zip(self.row(rank), self.dst) if d != rank)
+        return sum(s for s, d in zip(self.row(rank), self.dst, strict=True) if d != rank)
 
     def received_units(self, rank: int) -> int:
         """Units ``rank`` takes off the wire (its own piece excluded)."""
-        return sum(s for s, a in zip(self.column(rank), self.src) if a != rank)
+        return sum(s for s, a in zip(self.column(rank), self.src, strict=True) if a != rank)
 
     def send_peers(self, rank: int) -> tuple[int, ...]:
         """Group ranks ``rank`` sends a non-empty piece to (self excluded), in dst order."""
-        return tuple(d for s, d in zip(self.row(rank), self.dst) if s and d != rank)
+        return tuple(d for s, d in zip(self.row(rank), self.dst, strict=True) if s and d != rank)
 
     def recv_peers(self, rank: int) -> tuple[int, ...]:
         """Group ranks ``rank`` receives a non-empty piece from (self excluded), in src order."""
-        return tuple(a for s, a in zip(self.column(rank), self.src) if s and a != rank)
+        return tuple(a for s, a in zip(self.column(rank), self.src, strict=True) if s and a != rank)
 
     def unit_numel(self, x_shape: Sequence[int]) -> int:
         """Elements per unit along ``dim`` for an input of shape ``x_shape``."""

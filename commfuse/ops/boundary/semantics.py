@@ -92,7 +92,7 @@ def m2ms(call: RankCall) -> P2PPlan:
             order.append(i)
 
     def finish(got: list[torch.Tensor]) -> torch.Tensor:
-        by_src = dict(zip(order, got))
+        by_src = dict(zip(order, got, strict=True))
         parts = []
         for i, peer in enumerate(p.src):
             if not col[i]:

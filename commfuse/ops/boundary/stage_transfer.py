@@ -77,7 +77,7 @@ class StageTransferArgs:
         return self.src[self.dst.index(rank)] if rank in self.dst else None
 
     def pairs(self) -> tuple[tuple[int, int], ...]:
-        return tuple(zip(self.src, self.dst))
+        return tuple(zip(self.src, self.dst, strict=True))
 
 
 def parse_stage_transfer(node_or_args: Any, kwargs: Optional[dict] = None) -> StageTransferArgs:

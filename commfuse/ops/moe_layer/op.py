@@ -131,8 +131,8 @@ def _pipelined(exchanges: list[Exchange], rows: list[Tensor], experts_fn) -> Ten
     """Every chunk's rows sent out, then per chunk: wait for its rows, ``experts_fn(per local
     expert rows)`` and send the answers back while the next chunk's experts compute; the
     answers of every assignment, in assignment order."""
-    sent = [ex.start_to_experts(r) for ex, r in zip(exchanges, rows)]
-    back = [ex.start_to_tokens(experts_fn(s.wait())) for ex, s in zip(exchanges, sent)]
+    sent = [ex.start_to_experts(r) for ex, r in zip(exchanges, rows, strict=True)]
+    back = [ex.start_to_tokens(experts_fn(s.wait())) for ex, s in zip(exchanges, sent, strict=True)]
     return torch.cat([b.wait() for b in back])
 
 
@@ -170,7 +170,7 @@ def moe_backward(grad_out: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor, x
         for e, rows in enumerate(received):
             xe, ge, gate_e = rows[:, :h], rows[:, h:2 * h], rows[:, 2 * h:]
             y, gx, gw = swiglu_vjp(xe, w1[e], w3[e], w2[e], ge * gate_e)
-            for acc, g in zip(grads_w, gw):
+            for acc, g in zip(grads_w, gw, strict=True):
                 acc[e] += g * expert_grad_scale  # summed over token chunks
             back.append(torch.cat([gx, (y * ge).sum(1, keepdim=True)], dim=1))
         return back

@@ -96,7 +96,7 @@ def _check_members(calls: list[RankCall], vals: list[dict[str, Any]]) -> tuple[i
             raise _mismatch(calls, f"{attr} differs between ranks: {got}")
     routers = [v["router_w"] for v in vals]
     r0 = routers[0]
-    for v, c in zip(vals, calls):
+    for v, c in zip(vals, calls, strict=True):
         r = v["router_w"]
         if r.shape != r0.shape or r.dtype != r0.dtype or not _same_bits(r, r0):
             desc = [f"{tuple(t.shape)}/{t.dtype}" for t in routers]
@@ -150,7 +150,7 @@ def moe_layer_semantics(calls: list[RankCall]) -> list[Any]:
     _check_members(calls, vals)
     w1, w3, w2 = _full(vals, "w1"), _full(vals, "w3"), _full(vals, "w2")
     out = []
-    for c, v in zip(calls, vals):
+    for c, v in zip(calls, vals, strict=True):
         res = _run(c, moe_ops.moe_forward, v["x"], v["router_w"], w1, w3, w2, v["top_k"], v["capacity_factor"],
                    v["token_groups"], "", v["chunks"])
         out.append(tuple(res))
@@ -160,13 +160,13 @@ def moe_layer_semantics(calls: list[RankCall]) -> list[Any]:
 def moe_layer_backward_semantics(calls: list[RankCall]) -> list[Any]:
     vals = _values(calls, _BWD_NAMES)
     _, local = _check_members(calls, vals)
-    for c, v in zip(calls, vals):
+    for c, v in zip(calls, vals, strict=True):
         if v["grad_out"].shape != v["x"].shape:
             raise _mismatch(calls, f"{c.where()}: grad_out {tuple(v['grad_out'].shape)} does not match x "
                                    f"{tuple(v['x'].shape)}")
     w1, w3, w2 = _full(vals, "w1"), _full(vals, "w3"), _full(vals, "w2")
     per_rank = []
-    for c, v in zip(calls, vals):
+    for c, v in zip(calls, vals, strict=True):
         per_rank.append(_run(c, moe_ops.moe_backward, v["grad_out"], v["grad_probs_sum"], v["grad_z_sum"], v["x"],
                              v["router_w"], w1, w3, w2, v["top_k"], v["capacity_factor"], v["token_groups"], "",
                              1.0, v["chunks"]))
@@ -178,10 +178,10 @@ def moe_layer_backward_semantics(calls: list[RankCall]) -> list[Any]:
             acc.add_(g[k])
         summed.append(acc)
     out = []
-    for j, (v, g) in enumerate(zip(vals, per_rank)):
+    for j, (v, g) in enumerate(zip(vals, per_rank, strict=True)):
         sl = slice(j * local, (j + 1) * local)
         scale = v["expert_grad_scale"]
-        experts = [(s[sl] * scale).to(v[name].dtype) for s, name in zip(summed, ("w1", "w3", "w2"))]
+        experts = [(s[sl] * scale).to(v[name].dtype) for s, name in zip(summed, ("w1", "w3", "w2"), strict=True)]
         out.append((g[0].clone(), g[1].clone(), *experts))
     return out
 

@@ -43,8 +43,8 @@ def match_ag_p2p(site: Site, env: Env) -> Match | str:
     if not _single_use_chain([root, *views], t):
         return "the gathered value has other users on the sending stage (the all_gather must stay)"
     x, d, n = c.logical_input, c.logical_dim, bd.a.size
-    l = shape_of(x)[d]
-    splits = _uniform(n, bd.b.size, l)
+    size = shape_of(x)[d]  # the docstring's l
+    splits = _uniform(n, bd.b.size, size)
     vol = RuleVolume(
         (OpBytes("all_gather", bd.a.stage, ring_bytes("all_gather", n, _nbytes(x))),
          OpBytes("stage_transfer", bd.a.stage, _nbytes(y))),

@@ -116,8 +116,8 @@ def match_ar_p2p(site: Site, env: Env) -> Match | str:
     d = _scatter_dim(shape_of(y), n)
     if d is None:
         return f"no dim of {shape_of(y)} is divisible by the stage size {n}"
-    l = shape_of(y)[d] // n
-    splits = _diag(n, l)
+    size = shape_of(y)[d] // n
+    splits = _diag(n, size)
     yb = _nbytes(y)
     vol = RuleVolume(
         (OpBytes("all_reduce", bd.a.stage, ring_bytes("all_reduce", n, _nbytes(h))),

@@ -292,7 +292,7 @@ def match_p2p_a2a(site: Site, env: Env) -> Match | str:
         for e in send:  # B recomputes what it needs from these
             te = splice_autograd(gm, _transfer_template, [mapping[e]], consts=fwd_pairs, before=at, position=pos,
                                  meta_from=t)
-            e.replace_all_uses_with(te, delete_user_cb=lambda u: u is not te)
+            e.replace_all_uses_with(te, delete_user_cb=lambda u: u is not te)  # noqa: B023 - called during the replace
         rewrite.erase_dead(gm, [c.logical_output])
         rewrite.erase_dead(gm, [nd for nd in reversed(movable) if not nd._erased] + [t])
         _stable_toposort(gm)  # B's recomputation (before the all_to_all in graph order) follows its inputs

@@ -52,8 +52,8 @@ def match_p2p_ag(site: Site, env: Env) -> Match | str:
     y, d, n = t.args[0], c.logical_dim, bd.b.size
     if shape_of(y) != shape_of(t) or not _static(y):
         return "the transfer's input and output shapes differ or are dynamic"
-    l = shape_of(y)[d]
-    splits = _uniform(bd.a.size, n, l)
+    size = shape_of(y)[d]  # the docstring's l
+    splits = _uniform(bd.a.size, n, size)
     vol = RuleVolume(
         (OpBytes("stage_transfer", bd.a.stage, _nbytes(y)),
          OpBytes("all_gather", bd.b.stage, ring_bytes("all_gather", n, _nbytes(t)))),
@@ -69,7 +69,7 @@ def match_p2p_ag(site: Site, env: Env) -> Match | str:
         if others:  # the own chunk of the gathered value is this position's transferred value
             p = env.bmap.position
             with gm.graph.inserting_after(out):
-                own_chunk = gm.graph.call_function(aten.narrow.default, (out, d, p * l, l))
+                own_chunk = gm.graph.call_function(aten.narrow.default, (out, d, p * size, size))
             own_chunk.meta["val"] = tensor_meta(t)
             for u in others:
                 u.replace_input_with(t, own_chunk)
