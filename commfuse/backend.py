@@ -148,7 +148,7 @@ class CommfuseBackend:
             rep = pipeline.run(gm, graph_kind="dynamo", stages={Stage.PRE_AUTOGRAD}, dump_if_changed=True)
             if any(p.changed or p.refusals or p.error for p in rep.passes):
                 self.dynamo_reports.append(rep)
-        pipeline.instruments.append(ReportTo(lambda r: (self.reports.append(r), _RECENT_REPORTS.append(r))))
+        pipeline.instruments.append(ReportTo(self._collector()))
         pipeline.instruments.append(_CollectivesInto(record))
         started = time.perf_counter()
         # the net compares the backward graph too at the first execution: AOTAutograd compiles it
@@ -197,6 +197,17 @@ class CommfuseBackend:
             report_verdict(verdict, frame)
 
         return FirstRunChoice(compiled, fallback, decide, mode=self.config.check_agreement, on_verdict=on_verdict)
+
+    def _collector(self) -> Callable[[PipelineReport], None]:
+        """Takes each graph's report when a stage of its pipeline ends, listed once (an inference
+        graph's later stage hands the same report again, continued)."""
+
+        def collect(report: PipelineReport) -> None:
+            if not any(r is report for r in self.reports):
+                self.reports.append(report)
+                _RECENT_REPORTS.append(report)
+
+        return collect
 
     def with_compile_args(self, *, mode: Optional[str] = None,
                           options: Optional[dict[str, Any]] = None) -> "CommfuseBackend":
@@ -256,7 +267,9 @@ class CommfuseBackend:
         def joint_hook(graph: fx.Graph) -> None:
             gm_ = graph.owning_module
             has_tangents = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
-            pipeline.run(gm_, graph_kind="joint" if has_tangents else "inference", stages={Stage.JOINT})
+            # an inference graph gets its SCHEDULE passes later, at its compile: one report for both
+            pipeline.run(gm_, graph_kind="joint" if has_tangents else "inference", stages={Stage.JOINT},
+                         more_stages=not has_tangents)
 
         def post_grad_hook(graph: fx.Graph) -> None:
             gm_ = graph.owning_module

@@ -7,8 +7,10 @@ process, order is the position in the pipeline and label is ``input`` or ``after
 pipeline report (``pipeline.json``) closes each directory, and ``<dump_dir>/index.json`` lists
 every rank's graphs.
 
-A dump that cannot be written (read-only path, disk full, Graphviz error) warns
-once and is skipped: dumps are rank-local and must never change compilation.
+A dump that cannot be written is skipped with a warning: a file system error (read-only
+path, disk full) once per process and dump directory, however many graphs fail to write there;
+any other failure, or a picture Graphviz cannot draw, once per graph. Dumps are rank-local and
+must never change compilation.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from commfuse.passmgr.report import build_analysis_report
 
 _COUNTERS: dict[tuple[str, str], itertools.count] = defaultdict(itertools.count)
 _LOCK = threading.Lock()
+# dump directories this process has warned about a file system error in: an unwritable
+# directory fails every graph alike
+_WARNED_DIRS: set[str] = set()
 
 
 def next_graph_index(dump_dir: str, kind: str) -> int:
@@ -39,6 +44,7 @@ def next_graph_index(dump_dir: str, kind: str) -> int:
 class DumpWriter:
     def __init__(self, dump_dir: str, kind: str, *, svg_max_nodes: int = 250, index: int | None = None) -> None:
         self.kind = kind
+        self.root = os.path.abspath(dump_dir)
         self.index = next_graph_index(dump_dir, kind) if index is None else index
         self.dir = Path(dump_dir) / f"{kind}_{self.index:03d}"
         self.svg_max_nodes = svg_max_nodes
@@ -47,9 +53,15 @@ class DumpWriter:
         self._svg_failed = False
 
     def _warn(self, what: str, err: BaseException) -> None:
-        if not self._failed:
+        first = not self._failed
+        if first and isinstance(err, OSError):
+            with _LOCK:
+                first = self.root not in _WARNED_DIRS
+                _WARNED_DIRS.add(self.root)
+        if first:
+            where = f"dumps under {self.root} are skipped" if isinstance(err, OSError) else "this graph's dumps are skipped"
             warnings.warn(f"commfuse: cannot write graph dump {what} ({type(err).__name__}: {err}); "
-                          "dumps are skipped, compilation is unaffected", RuntimeWarning, stacklevel=3)
+                          f"{where}, compilation is unaffected", RuntimeWarning, stacklevel=3)
         self._failed = True
 
     def write_graph(self, label: str, gm: fx.GraphModule, ir: CollectiveIR) -> None:

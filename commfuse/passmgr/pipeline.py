@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Optional, Sequence, Type
 
 import torch.fx as fx
@@ -310,6 +312,8 @@ class Pipeline:
         self.instruments = list(instruments)
         # where the topology came from ("config", "setup", "detected"): reports name it
         self.topology_source: Optional[str] = topology_source or ("given" if topology is not None else None)
+        # graphs run with more_stages=True: their report, continued by the next run on them (see `run`)
+        self._open: "weakref.WeakKeyDictionary[fx.GraphModule, _OpenRun]" = weakref.WeakKeyDictionary()
 
     def _instruments(self, graph_kind: str, dump_if_changed: bool) -> list[Instrumentation]:
         out: list[Instrumentation] = [PassTimer()]
@@ -329,24 +333,46 @@ class Pipeline:
         return out + self.instruments
 
     def run(self, gm: fx.GraphModule, *, graph_kind: str, stages: Iterable[Stage],
-            dump_if_changed: bool = False) -> PipelineReport:
-        """``dump_if_changed``: dump this graph only when a pass changes it (the Dynamo graph
-        every compile sees before AOTAutograd, which recognition rarely changes)."""
+            dump_if_changed: bool = False, more_stages: bool = False,
+            notes: Sequence[str] = ()) -> PipelineReport:
+        """Run the passes of ``stages`` on ``gm``; returns the graph's report.
+
+        ``dump_if_changed``: dump this graph only when a pass changes it (the Dynamo graph
+        every compile sees before AOTAutograd, which recognition rarely changes). ``notes``:
+        what the caller did to the graph before the passes, for the report.
+
+        One graph, one report: ``more_stages=True`` says that other stages will run on this
+        very ``gm`` later (Inductor runs the JOINT passes of an inference graph in its
+        joint-graph hook and the SCHEDULE passes when it compiles it). The next run of this
+        pipeline on ``gm`` under the same ``graph_kind`` then continues this report and its
+        instruments (dumps go on in the same directory) instead of starting a new one, and
+        instruments' ``after_pipeline`` sees the same report again."""
         stages = set(stages)
         cfg = self.config
         ctx = PassContext(gm, cfg, graph_kind=graph_kind, topology=self.topology, group_roles=self.group_roles,
                           role_sources=self.role_sources, session=self.session, cost_model=self.cost_model,
                           rank=self.rank, partitions=self.partitions)
-        instruments = self._instruments(graph_kind, dump_if_changed)
-        report = PipelineReport(graph=graph_kind, topology=_describe_topology(self.topology, self.topology_source,
-                                                                              self.cost_label))
+        earlier = self._open.pop(gm, None)
+        if earlier is not None and earlier.report.graph != graph_kind:
+            earlier = None
+        if earlier is None:
+            instruments = self._instruments(graph_kind, dump_if_changed)
+            report = PipelineReport(graph=graph_kind, topology=_describe_topology(self.topology, self.topology_source,
+                                                                                  self.cost_label))
+            _describe_input(ctx, report)
+        else:
+            instruments, report = earlier.instruments, earlier.report
+        if more_stages:
+            # the value holds the instruments, which may hold gm: the entry goes when the next run takes it
+            self._open[gm] = _OpenRun(report, instruments)
+        report.notes.extend(notes)
         selected = [p for p in self.passes if p.stage in stages]
-        _describe_input(ctx, report)
         pre = verify_graph(gm, ir=ctx.ir, check_meta=False) if cfg.verify else None
-        for ins in instruments:
-            ins.before_pipeline(gm, ctx, report)
+        if earlier is None:
+            for ins in instruments:
+                ins.before_pipeline(gm, ctx, report)
         if pre is not None and not pre.ok:
-            report.input_problems = pre.problems
+            report.input_problems = [*report.input_problems, *pre.problems]
             if selected:
                 report.skipped_reason = "input graph failed verification; no pass was run"
                 warn_rank0(f"commfuse: {graph_kind} graph left unchanged: input graph failed verification: "
@@ -395,10 +421,19 @@ class Pipeline:
         report.analysis = build_analysis_report(ctx.ir, graph=graph_kind)
         report.sequence_hashes = report.analysis.sequence_hashes
         report.order_hash = report.analysis.order_hash
-        gm.meta.setdefault(REPORTS_META, []).append(report)
+        if earlier is None:
+            gm.meta.setdefault(REPORTS_META, []).append(report)
         for ins in instruments:
             ins.after_pipeline(gm, ctx, report)
         return report
+
+
+@dataclass
+class _OpenRun:
+    """The report and instruments of a graph that more stages will run on."""
+
+    report: PipelineReport
+    instruments: list[Instrumentation]
 
 
 def _describe_input(ctx: PassContext, report: PipelineReport) -> None:
