@@ -403,7 +403,7 @@ class Exchange:
             if compiled_ok:
                 return Verdict("compiled")
             if fallback_ok:
-                return Verdict("fallback", reason=self._settled_reason(settled, compiled=False))
+                return Verdict("fallback", reason=self._settled_reason(settled, compiled=True))
             return Verdict("conflict", reason=self._settled_reason(settled, compiled=True))
         forced = None if compiled_ok else self._settled_reason(settled, compiled=True)
         verdict = self._round(new, forced)
@@ -481,10 +481,10 @@ class Exchange:
                 if done == int(s.get(self._round_key(r, "disc")).decode()):
                     bad = self._peek(self._round_key(r, "bad"))
                     s.compare_set(self._round_key(r, "seal"), "", f"{done}:{'fallback' if bad else 'compiled'}")
-        # 3. the verdict
+        # 3. the verdict: the seal, or this rank's own "abort" when none came in time
         seal = self._get(self._round_key(r, "seal"))
         if seal is None:
-            return self._abort(r, new, None)
+            seal = self._abort(r, new)
         if seal.startswith("abort:"):
             rank, _, why = seal[len("abort:"):].partition("|")
             return Verdict("fallback", why, warn=rank == str(self.rank), timed_out=True)
@@ -492,33 +492,27 @@ class Exchange:
         if my_idx is None:
             my_idx = int(self._get(self._group_key(r, new[0], "idx")) or 0)
         if my_idx > int(level):
-            return _VOID
+            if self._remaining() > 0:
+                return _VOID
+            return Verdict("fallback", f"no verdict within {self.timeout_s:g} s (Config.agreement_timeout_s) "
+                           f"(frame {self.frame_name})", timed_out=True)
         if action == "compiled":
             return Verdict("compiled")
         why = self._peek(self._round_key(r, "why")) or "|a rank of the round fell back"
         rank, _, reason = why.partition("|")
         return Verdict("fallback", reason, warn=rank == str(self.rank))
 
-    def _abort(self, r: int, new: list[GroupEntry], why: Optional[str]) -> Verdict:
-        """Seal the round as timed out: every rank waiting in it falls back at once."""
-        if why is None:
-            missing = []
-            for e in new:
-                arrived = int(self._peek(self._group_key(r, e, "arr")) or 0)
-                if arrived < len(e.ranks):
-                    missing.append(f"{arrived} of {len(e.ranks)} members of the group of {e.describe()} arrived")
-            why = "; ".join(missing) or "ranks linked through other groups did not arrive"
-        why = (f"no verdict within {self.timeout_s:g} s (Config.agreement_timeout_s): {why} "
-               f"(frame {self.frame_name})")
-        seal = self.store.compare_set(self._round_key(r, "seal"), "", f"abort:{self.rank}|{why}").decode()
-        if not seal.startswith("abort:"):  # sealed normally just now: read it as everyone does
-            level, _, action = seal.partition(":")
-            if action == "compiled":
-                return Verdict("compiled")
-            reason = (self._peek(self._round_key(r, "why")) or "|").partition("|")[2]
-            return Verdict("fallback", reason or "a rank of the round fell back")
-        rank, _, reason = seal[len("abort:"):].partition("|")
-        return Verdict("fallback", reason, warn=rank == str(self.rank), timed_out=True)
+    def _abort(self, r: int, new: list[GroupEntry]) -> str:
+        """Seal the round as timed out, which releases every rank waiting in it (they all fall
+        back); the seal that holds (a normal one may have come first)."""
+        missing = []
+        for e in new:
+            arrived = int(self._peek(self._group_key(r, e, "arr")) or 0)
+            if arrived < len(e.ranks):
+                missing.append(f"{arrived} of {len(e.ranks)} members of the group of {e.describe()} arrived")
+        why = (f"no verdict within {self.timeout_s:g} s (Config.agreement_timeout_s): "
+               f"{'; '.join(missing) or 'ranks linked through other groups did not arrive'} (frame {self.frame_name})")
+        return self.store.compare_set(self._round_key(r, "seal"), "", f"abort:{self.rank}|{why}").decode()
 
     def _settle(self, new: list[GroupEntry], action: str) -> None:
         for e in new:

@@ -215,6 +215,16 @@ def test_a_timeout_falls_back_releases_the_others_and_settles_for_late_ranks():
     assert (late.action, late.rounds) == ("fallback", 0)
 
 
+def test_groups_that_arrive_after_their_round_was_sealed_start_the_next_one(monkeypatch):
+    store = dist.HashStore()
+    first = _exchange(store, {0: [_entry((0, 1))], 1: [_entry((0, 1))]})  # round 0, sealed "compiled"
+    assert {(v.action, v.rounds) for v in first.values()} == {("compiled", 1)}
+    # ranks 2 and 3 read the open round just before it was sealed: their groups come after the seal
+    monkeypatch.setattr(Exchange, "_open_round", lambda self: 0)
+    late = _exchange(store, {2: [_entry((2, 3), ("all_gather",), ("all_reduce",))], 3: [_entry((2, 3))]})
+    assert {(v.action, v.rounds) for v in late.values()} == {("fallback", 2)}  # compared among themselves
+
+
 def test_a_cache_hit_takes_part_without_being_compared():
     store = dist.HashStore()
     cached = dataclasses.replace(_entry((0, 1, 2)), compiled=CACHED)
@@ -258,6 +268,41 @@ def test_the_cost_report_is_registered_and_its_stored_counts_are_flat():
     for sim in report["simulated"]:
         per_groups.setdefault(sim["groups_per_rank"], set()).add(sim["ops_per_rank_max"])
     assert all(len(ops) == 1 for ops in per_groups.values()), per_groups
+
+
+def test_the_first_call_decides_once_and_later_calls_go_straight_to_the_choice():
+    from commfuse.agreement import AgreementError, FirstRunChoice, Verdict
+
+    def compiled(x):
+        return ("compiled", x)
+
+    compiled.some_attribute = 7  # what Dynamo or AOTAutograd hang on their callables stays readable
+
+    def fallback(x):
+        return ("as written", x)
+
+    for action, mode, want in [("compiled", "fallback", "compiled"), ("fallback", "fallback", "as written"),
+                               ("fallback", "raise", AgreementError), ("conflict", "fallback", AgreementError)]:
+        decided = []
+        fn = FirstRunChoice(compiled, fallback, lambda a=action, d=decided: d.append(a) or Verdict(a, reason="why"),
+                            mode=mode)
+        assert fn.some_attribute == 7
+        if want is AgreementError:
+            with pytest.raises(AgreementError, match="why"):
+                fn(1)
+            continue
+        assert [fn(i)[0] for i in range(3)] == [want] * 3 and decided == [action]
+
+
+def test_the_config_field_names_its_values():
+    import commfuse
+    from commfuse.core.errors import ConfigError
+
+    assert commfuse.Config().check_agreement == "fallback"
+    assert commfuse.Config(check_agreement=False).check_agreement == "off"
+    for bad in (True, "on"):
+        with pytest.raises(ConfigError, match="Config.check_agreement"):
+            commfuse.Config(check_agreement=bad)
 
 
 # -- real ranks --------------------------------------------------------------------------------
