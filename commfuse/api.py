@@ -3,20 +3,25 @@ pipeline a config asks for, with what the job's session knows."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import logging
+from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 import torch.fx as fx
 
 from commfuse.config import Config, default_config
 from commfuse.core.meta import REPORTS_META
+from commfuse.core.ranks import warn_rank0
 from commfuse.costmodel.profile import CostProfile
+from commfuse.ir.fake_values import FakeValuesError, ensure_fake_values
 from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
 from commfuse.passmgr.base import Stage
 from commfuse.passmgr.pipeline import Pipeline
 from commfuse.passmgr.report import AnalysisReport, PipelineReport, build_analysis_report
 from commfuse.session import current_session, resolved_roles, resolved_topology
 from commfuse.transforms.registry import get_pass
+
+log = logging.getLogger(__name__)
 
 
 def pipeline_for(config: Config, dtensor_roles: Optional[dict[str, str]] = None,
@@ -40,15 +45,39 @@ def pipeline_for(config: Config, dtensor_roles: Optional[dict[str, str]] = None,
                     rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else None)
 
 
-def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind: str = "graph") -> fx.GraphModule:
+def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind: str = "graph",
+             example_inputs: Optional[Sequence[Any]] = None) -> fx.GraphModule:
     """Run the configured pipeline (joint-stage passes, then schedule-stage passes) on `gm` in place.
 
-    Accepts any FX GraphModule, e.g. a whole training step traced with `make_fx`.
+    Accepts any FX GraphModule, e.g. a whole training step traced with `make_fx` in any
+    tracing mode ("real", "fake", "symbolic") or a graph AOTAutograd made. The passes read and
+    splice fake values (``node.meta["val"]``) of one fake mode; where the graph's are real
+    tensors, belong to several fake modes (a real-mode `make_fx` trace) or are missing, they
+    are propagated again through the graph in one mode first (the report's notes say so). The
+    placeholders' values start that: their ``meta["val"]`` (or ``tensor_meta``), else
+    ``example_inputs`` (one per placeholder; only sizes, strides and dtypes are read). A graph
+    whose values cannot be propagated is optimised as it is, with a warning (with
+    ``Config.strict``: `ValueError`).
+
     Returns `gm`; the pipeline report is appended to `gm.meta["commfuse_reports"]`
     (see `last_report`).
     """
-    pipeline = pipeline_for(config or default_config())
-    pipeline.run(gm, graph_kind=graph_kind, stages={Stage.JOINT, Stage.SCHEDULE})
+    config = config or default_config()
+    notes: list[str] = []
+    try:
+        why = ensure_fake_values(gm, example_inputs)
+    except FakeValuesError as e:
+        if config.strict:
+            raise
+        warn_rank0(f"commfuse: optimize(): {e}; the passes see the graph's values as they are, and a rewrite that "
+                   "needs them may fail and be undone", RuntimeWarning, stacklevel=2)
+        notes.append(f"fake values not propagated: {e}")
+    else:
+        if why is not None:
+            log.debug("commfuse: optimize(): fake values propagated in one mode (%s)", why)
+            notes.append(f"fake values propagated through the graph in one fake mode (the input graph had {why})")
+    pipeline = pipeline_for(config)
+    pipeline.run(gm, graph_kind=graph_kind, stages={Stage.JOINT, Stage.SCHEDULE}, notes=notes)
     return gm
 
 

@@ -95,6 +95,35 @@ def fake_tensor_mode_of(gm: torch.fx.GraphModule):
     return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
 
 
+def fake_tensor_mode_of_value(v):
+    """The FakeTensorMode of a fake tensor; None for anything else (a real tensor).
+
+    Private: `torch._subclasses.fake_tensor.FakeTensor`."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return v.fake_mode if isinstance(v, FakeTensor) else None
+
+
+def active_fake_mode():
+    """The fake mode active here (the tracing context's or the innermost on the mode stack), if any.
+
+    Private: `torch._guards.detect_fake_mode`."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([])
+
+
+def new_fake_mode():
+    """A fresh FakeTensorMode with a shape environment: sizes read from tensor data become
+    unbacked symbols, as under Dynamo.
+
+    Private: `torch._subclasses.fake_tensor.FakeTensorMode`; semi-public `ShapeEnv`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
 def aot_autograd(**kwargs):
     """Private module path: `torch._dynamo.backends.common.aot_autograd`."""
     from torch._dynamo.backends.common import aot_autograd as _aot
