@@ -108,7 +108,7 @@ def _shapes(c: Collective) -> list:
     stand_in = c.extra.get("signature_shapes")
     if stand_in is not None:  # boundary ops: a rank-independent stand-in (ops/boundary/ir_view.py)
         return _norm(stand_in)
-    out = []
+    out: list[Any] = []
     for shape in c.input_shapes:
         if shape is None:
             out.append(None)
