@@ -218,6 +218,7 @@ class CommfuseBackend:
                                                             **inductor_mode_patches(mode, config)})
         derived.reports, derived.dynamo_reports = self.reports, self.dynamo_reports
         derived.plans, derived.partitions = self.plans, self.partitions
+        derived.agreements = self.agreements
         return derived
 
     # -- eager --------------------------------------------------------------

@@ -303,6 +303,8 @@ def test_the_config_field_names_its_values():
     for bad in (True, "on"):
         with pytest.raises(ConfigError, match="Config.check_agreement"):
             commfuse.Config(check_agreement=bad)
+    be = commfuse.backend()  # torch.compile(options=...) compiles with a derived backend: same verdict list
+    assert be.with_compile_args(options={"check_agreement": "raise"}).agreements is be.agreements
 
 
 # -- real ranks --------------------------------------------------------------------------------
