@@ -56,6 +56,9 @@ def _grad_sum(groups: list[str], *, op: str = "sum", extra_user: int | None = No
 
 
 def _run(gm, **cfg):
+    # Every rank holds micro-batches of the same shape here: the memory budget may count their
+    # activations (by default it counts only what every rank shares, tests/test_same_decision.py).
+    cfg.setdefault("uniform_batches", True)
     commfuse.optimize(gm, commfuse.Config(passes=[PASS], strict=True, **cfg))
     rep = commfuse.last_report(gm)
     (rec,) = [p for p in rep.passes if p.name == PASS]

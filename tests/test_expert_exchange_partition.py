@@ -99,24 +99,28 @@ def test_exchange_cut_into_chunks_that_overlap_expert_compute():
 
 def test_chunk_count_from_algorithm_1_and_forced_two():
     topo = Topology.preset("dgx-h100", num_nodes=1)
+    # uniform_batches: every rank routes the same number of tokens here, so the expert compute
+    # the exchange overlaps is priced (by default it is not, tests/test_same_decision.py)
     with fake_process_group(N):
         # a latency-bound exchange (16 KiB): every count is predicted slower than the whole
         gm = _trace(_exchange(8), 8)
-        ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo)
+        ctx = PassContext(gm, commfuse.Config(topology=topo, uniform_batches=True), topology=topo)
         why = plan_exchange_partition(ctx, _a2a_starts(gm)[0])
         assert isinstance(why, str) and "predicted slower than the whole exchange" in why, why
         # forced to graph_trainer's two chunks it cuts anyway
-        ctx = PassContext(gm, commfuse.Config(topology=topo, workload_chunks=2), topology=topo)
+        cfg = commfuse.Config(topology=topo, workload_chunks=2, uniform_batches=True)
+        ctx = PassContext(gm, cfg, topology=topo)
         assert plan_exchange_partition(ctx, _a2a_starts(gm)[0])[0].chunks == 2
         # a bandwidth-bound one (8 MiB): no independent compute, Algorithm 1 allows max_chunks,
         # the pipeline model picks more than two
         gm = make_fx(_exchange(8, C=256, D=1024), tracing_mode="fake")(
             torch.randn(8, 256, 1024), torch.randn(2, 1024, 4096), torch.randn(2, 4096, 1024))
-        ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo)
+        ctx = PassContext(gm, commfuse.Config(topology=topo, uniform_batches=True), topology=topo)
         plan = plan_exchange_partition(ctx, _a2a_starts(gm)[0])
         assert not isinstance(plan, str), plan
         assert 2 < plan[0].chunks <= 8 and "Algorithm 1" in plan[0].why and "predicted fastest" in plan[0].why
-        rec = _run(gm, topology=topo)  # values: the test above (the reference run of 8 MiB is slow)
+        # values: the test above (the reference run of 8 MiB is slow)
+        rec = _run(gm, topology=topo, uniform_batches=True)
         assert rec.counts["chunk_collectives"] == 2 * plan[0].chunks
 
 
@@ -457,7 +461,8 @@ def test_algorithm1_uneven_sizes_cut_into_the_chunk_exchanges(two_nodes, monkeyp
     with fake_process_group(N):
         topo, s = two_nodes(N)
         gm = _exchange_on(N, 8, C=8)
-        ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo, session=s)
+        # every rank routes the same number of tokens: the expert compute is priced
+        ctx = PassContext(gm, commfuse.Config(topology=topo, uniform_batches=True), topology=topo, session=s)
         c = _a2a_starts(gm)[0]
         _, chain, c2, _ = plan_exchange_partition(ctx, c, chunks=2)
         granularity, why = two_level_granularity(ctx, c, c2, chain)
@@ -469,12 +474,12 @@ def test_algorithm1_uneven_sizes_cut_into_the_chunk_exchanges(two_nodes, monkeyp
         assert "uneven 2:1:1 not taken" in why and "slower than 2 even chunks'" in why, why
         # a bandwidth-bound one: two even chunks pay, the uneven cut is predicted slower than them
         big = _exchange_on(N, 8, C=32, D=256, H=1024)
-        ctx = PassContext(big, commfuse.Config(topology=topo), topology=topo, session=s)
+        ctx = PassContext(big, commfuse.Config(topology=topo, uniform_batches=True), topology=topo, session=s)
         plan = plan_exchange_partition(ctx, _a2a_starts(big)[0])[0]
         assert (plan.units, plan.granularity, plan.chunks) == (None, "even", 2), plan
         assert "uneven 2:1:1 not taken" in plan.why and "slower than 2 even chunks'" in plan.why, plan.why
         # without the sub-groups there are no level times: the same even plan, no uneven note
-        bare = PassContext(big, commfuse.Config(topology=topo), topology=topo)
+        bare = PassContext(big, commfuse.Config(topology=topo, uniform_batches=True), topology=topo)
         flat = plan_exchange_partition(bare, _a2a_starts(big)[0])[0]
         assert (flat.chunks, flat.sizes) == (plan.chunks, plan.sizes) and "two-level" not in flat.why
 

@@ -111,8 +111,11 @@ def test_schedule_overlap_keeps_the_layer_order_when_it_is_faster(tp_fsdp):
 
 def test_memory_budget_rejects_the_layer_order(tp_fsdp):
     gm, roles = tp_fsdp
-    commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], topology=DGX, strict=True, group_roles=roles),
-                      graph_kind="backward")
+    # the same batch on every rank: the budget counts its activations (by default only what every
+    # rank shares, tests/test_same_decision.py)
+    cfg = commfuse.Config(passes=["schedule_overlap"], topology=DGX, strict=True, group_roles=roles,
+                          uniform_batches=True)
+    commfuse.optimize(gm, cfg, graph_kind="backward")
     d = commfuse.last_report(gm).passes[0].decisions[0]
     layer_variants = [v for v in d["greedy"] if v["priority"].startswith("layer:")]
     assert layer_variants and not any(v["within_limits"] for v in layer_variants)

@@ -44,6 +44,10 @@ def _copy(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _schedule(gm: fx.GraphModule, graph_kind: str = "forward", **cfg):
     cfg.setdefault("topology", DGX)
+    # Every rank holds the same batch here, so the scheduler may weigh the compute on it; by
+    # default it does not price compute that follows from a data-parallel rank's local batch
+    # (tests/test_same_decision.py).
+    cfg.setdefault("uniform_batches", True)
     commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], strict=True, **cfg), graph_kind=graph_kind)
     return commfuse.last_report(gm).passes[0]
 

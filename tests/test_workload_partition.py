@@ -352,7 +352,10 @@ def test_chain_choice_follows_the_centauri_rule(monkeypatch):
 def test_cost_fields_with_a_topology():
     with fake_process_group(4):
         gm = make_fx(_fsdp_linear, tracing_mode="fake")(torch.randn(4, 16), torch.randn(8, 16))
-        ctx = PassContext(gm, commfuse.Config(), topology=commfuse.Topology.preset("cpu-gloo", num_nodes=2))
+        # the same batch on every rank: its compute is priced (by default it is not,
+        # tests/test_same_decision.py)
+        ctx = PassContext(gm, commfuse.Config(uniform_batches=True),
+                          topology=commfuse.Topology.preset("cpu-gloo", num_nodes=2))
         plan = plan_workload_partition(ctx, ctx.ir.collectives[0])
         assert plan.compute_us > 0 and plan.comm_us > 0 and "us" in plan.describe()
 

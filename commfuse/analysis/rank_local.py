@@ -1,19 +1,21 @@
-"""Whether the ranks of a program may hold different graphs or sizes.
+"""Whether the ranks of a program may hold different graphs, or collectives of different sizes.
 
 Passes that decide from costs (bucketing, partition search) decide on each rank from that
-rank's graph. That is the same decision everywhere only when every rank holds the same
-graph with the same sizes. Not so where ranks trace different graphs (pipeline stages,
-point-to-point peers, per-rank pieces of a many-to-many scatter -- unless every rank sends
-every rank equal pieces), where an all_to_all's
-split sizes are given per rank (shapes downstream differ), or where shapes are symbolic
-(their size hints are rank-local). Such passes leave these graphs unchanged.
+rank's graph. Where ranks trace different graphs (pipeline stages, point-to-point peers,
+per-rank pieces of a many-to-many scatter -- unless every rank sends every rank equal pieces),
+or where an all_to_all's split sizes are given per rank (the collective sizes downstream
+differ), no pricing can make that the same decision everywhere: such passes leave these graphs
+unchanged.
+
+Compute shapes that differ between ranks of one program (a data-parallel rank's local batch,
+static on one rank and symbolic on another) are not a reason: the cost policy prices only the
+sizes every rank shares, with rank-invariant hints for symbols (``passmgr/invariance.py``).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.fx as fx
 
 from commfuse.ir.kinds import CollectiveKind as K
@@ -37,7 +39,8 @@ def _same_on_every_rank(c) -> bool:
 
 
 def rank_local_reason(collectives, gm: fx.GraphModule) -> Optional[str]:
-    """Why ranks may hold different graphs or sizes; None when the graph is the same on every rank."""
+    """Why ranks may hold different graphs or collective sizes; None when every rank holds this
+    graph up to the compute shapes that follow from its own inputs (``gm``: the collectives' graph)."""
     collectives = list(collectives)
     for c in collectives:
         if c.kind in _PER_RANK_GRAPH and not _same_on_every_rank(c):
@@ -47,8 +50,4 @@ def rank_local_reason(collectives, gm: fx.GraphModule) -> Optional[str]:
         if c.kind is K.ALL_TO_ALL and (c.extra.get("rank_local_sizes") or not c.extra.get("equal_splits", True)):
             return (f"graph has an all_to_all with split sizes given per rank ({c.name}): shapes downstream "
                     "may differ between ranks")
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape):
-            return f"graph has symbolic shapes ({n.name}): their size hints are rank-local"
     return None

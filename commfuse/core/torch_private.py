@@ -343,6 +343,22 @@ def is_tangent_placeholder(node: torch.fx.Node) -> bool:
     return _is_tangent(node)
 
 
+def aot_input_is_parameter(node: torch.fx.Node) -> bool:
+    """Whether AOTAutograd describes this graph input as a parameter or buffer (or a DTensor's
+    local tensor of one): ``node.meta["desc"]``, an ``AOTInput`` descriptor.
+
+    Private: `torch._functorch._aot_autograd.descriptors` (``ParamAOTInput``, ``BufferAOTInput``,
+    ``SubclassGetAttrAOTInput.base``). Under torch.compile with inlined modules the parameters
+    are plain inputs (``PlainAOTInput``): False then."""
+    desc = node.meta.get("desc")
+    while desc is not None:
+        name = type(desc).__name__
+        if name in ("ParamAOTInput", "BufferAOTInput"):
+            return True
+        desc = getattr(desc, "base", None) if name == "SubclassGetAttrAOTInput" else None
+    return False
+
+
 def funcol_autograd(name: str):
     """The differentiable functional collective ``name`` ("all_gather" or "reduce_scatter") of
     `torch.distributed._functional_collectives`, under the name this torch gives it.

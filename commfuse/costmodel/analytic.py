@@ -15,6 +15,12 @@ What it models
     calibrated: on CPU/gloo, a collective issued between compute ops costs more
     than in a back-to-back sweep). ``collectives.time(...)`` stays the raw model.
 
+    ``pricing_shared_only(varies)`` is the same model pricing only the sizes every
+    rank shares: a node whose size ``varies(node)`` (across the ranks of a group that
+    splits the batch, ``passmgr/invariance.py``) has no bytes, and a compute node or
+    collective that reads or makes such a value takes no time. What a pass decides
+    from it cannot depend on this rank's local batch.
+
 Sources / assumptions
     See the three modules. All answers are deterministic functions of the graph,
     the topology and the parameters, so every rank computes the same numbers.
@@ -28,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch.fx as fx
 
 from commfuse.costmodel.collectives import CollectiveModel, CollectiveParams
-from commfuse.costmodel.compute import ComputeEstimate, ComputeModel, ComputeParams
+from commfuse.costmodel.compute import ComputeEstimate, ComputeModel, ComputeParams, value_bytes
 from commfuse.costmodel.contention import ContentionModel
 from commfuse.costmodel.estimator import CollectiveEstimate
 from commfuse.costmodel.step import RuntimeParams
@@ -61,16 +67,22 @@ class AnalyticCostModel:
         self.collectives = CollectiveModel(topology, backend, collective_params, symbol_hint=symbol_hint)
         self.compute = ComputeModel(topology, compute_params, symbol_hint=symbol_hint)
         self.contention = ContentionModel(topology, backend, kappa=contention_kappa)
+        # set by pricing_shared_only: which nodes' sizes may differ between ranks
+        self._varies: Optional[Callable[[fx.Node], bool]] = None
 
     # ---- CostEstimator
 
     def compute_time_us(self, node: fx.Node) -> float:
+        if self._unpriced(node):
+            return 0.0
         timed = _OP_TIMES.get(node.target) if node.op == "call_function" else None
         if timed is not None:
             return timed(self, node)
         return self.compute.estimate(node).time_us
 
     def collective(self, c: Collective) -> CollectiveEstimate:
+        if self._unpriced(c.start):
+            return CollectiveEstimate(0.0, 0, "size varies across ranks: not priced")
         est = self.collectives.estimate(c)
         extra = self.runtime.collective_in_graph_us
         if extra and est.time_us > 0:
@@ -92,7 +104,43 @@ class AnalyticCostModel:
         other.collectives.symbol_hint = other.compute.symbol_hint = hints
         return other
 
+    def value_bytes(self, node: fx.Node) -> int:
+        """Bytes of ``node``'s value, symbols at this model's rank-invariant hints (0 for a value
+        whose size varies across ranks, under :meth:`pricing_shared_only`)."""
+        if self._varies is not None and self._varies(node):
+            return 0
+        return value_bytes(node.meta.get("val"), self.compute.symbol_hint)
+
+    def pricing_shared_only(self, varies: Callable[[fx.Node], bool]) -> "AnalyticCostModel":
+        """This model pricing only what every rank shares: ``varies(node)`` says whether a node's
+        size may differ between ranks; such a value has no bytes, and a node that reads or makes
+        one takes no time (see the module docstring)."""
+        other = copy.copy(self)
+        other._varies = varies
+        return other
+
+    @property
+    def full(self) -> "AnalyticCostModel":
+        """This model pricing every size as traced (for reports and timelines: never for a decision
+        that changes collectives, see :meth:`pricing_shared_only`)."""
+        if self._varies is None:
+            return self
+        other = copy.copy(self)
+        other._varies = None
+        return other
+
+    def prices(self, node: fx.Node) -> bool:
+        """Whether this model prices ``node``'s time: not a node that reads or makes a value whose
+        size varies across ranks (:meth:`pricing_shared_only`)."""
+        return not self._unpriced(node)
+
+    def _unpriced(self, node: fx.Node) -> bool:
+        varies = self._varies
+        return varies is not None and (varies(node) or any(varies(a) for a in node.all_input_nodes))
+
     def compute_estimate(self, node: fx.Node) -> ComputeEstimate:
+        if self._unpriced(node):
+            return ComputeEstimate(0.0, 0, 0, "free", "free", False, 0)
         return self.compute.estimate(node)
 
     def slowdown(self, node_or_estimate: Any, concurrent: Any = None) -> float:

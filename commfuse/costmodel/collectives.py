@@ -75,13 +75,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence
 
-import sympy
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
-from commfuse.core import torch_private
 from commfuse.core.errors import ConfigError
 from commfuse.costmodel.estimator import CollectiveEstimate
-from commfuse.costmodel.symbol_hints import SymbolHints
+from commfuse.costmodel.symbol_hints import DEFAULT_SYMBOL_HINT, SymbolHints, hinted_size
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind
@@ -115,9 +113,11 @@ def busbw_GBps(kind: CollectiveKind, size_bytes: float, n: int, time_us: float) 
     return algbw_GBps(size_bytes, time_us) * bus_factor(kind, n)
 
 
-def concrete(x: Any, symbol_hint: "int | SymbolHints" = 4096) -> Optional[int]:
-    """An int for a size that may be a sympy expression (symbols -> `symbol_hint`: one value for
-    all, or a :class:`~commfuse.costmodel.symbol_hints.SymbolHints` per symbol)."""
+def concrete(x: Any, symbol_hint: "int | SymbolHints" = DEFAULT_SYMBOL_HINT) -> Optional[int]:
+    """An int for a size that may be a sympy expression or a SymInt: its symbols take rank-invariant,
+    bounded values (:func:`~commfuse.costmodel.symbol_hints.hinted`: a symbol's own hint from
+    ``symbol_hint``, a :class:`~commfuse.costmodel.symbol_hints.SymbolHints`, else the flat value),
+    never the example value a SymInt was traced with, which is this rank's own."""
     if x is None:
         return None
     if isinstance(x, bool):
@@ -126,19 +126,8 @@ def concrete(x: Any, symbol_hint: "int | SymbolHints" = 4096) -> Optional[int]:
         return x
     if isinstance(x, float):
         return int(x)
-    hints = symbol_hint if isinstance(symbol_hint, SymbolHints) else None
-    if isinstance(x, sympy.Expr):
-        if x.free_symbols:
-            x = hints.substitute(x) if hints else x.subs({s: symbol_hint for s in x.free_symbols})
-        return int(x)
-    try:  # SymInt and friends
-        hint = torch_private.symint_hint(x)
-        if hint is not None:
-            return hint
-        expr = getattr(getattr(x, "node", None), "expr", None)
-        if hints and hints.values and isinstance(expr, sympy.Expr):
-            return int(hints.substitute(expr))
-        return int(symbol_hint)
+    try:
+        return hinted_size(x, symbol_hint)
     except Exception:  # noqa: BLE001 - anything unexpected: no size
         return None
 

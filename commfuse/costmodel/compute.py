@@ -35,7 +35,8 @@ Sources
 Assumptions
     Peaks are dense tensor-core peaks for bf16/fp16 and the non-tensor peak for
     fp32 (PyTorch's default ``allow_tf32=False`` for matmuls); other dtypes use
-    the fp32 peak. Symbolic sizes use their hint, else ``symbol_hint``.
+    the fp32 peak. Symbolic sizes take rank-invariant, bounded hints
+    (:func:`~commfuse.costmodel.symbol_hints.hinted`), never a SymInt's example value.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch.fx as fx
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, field_validator
 
 from commfuse.costmodel.collectives import concrete
-from commfuse.costmodel.symbol_hints import SymbolHints
+from commfuse.costmodel.symbol_hints import SymbolHints, hinted_shape
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.kinds import collective_spec, is_wait
 
@@ -161,7 +162,13 @@ class _Sizes:
         self.hint = symbol_hint
 
     def shape(self, t: torch.Tensor) -> tuple[int, ...]:
-        return tuple(self.size(s) for s in t.shape)
+        # the symbols of one shape are hinted together: bounded (symbol_hints.hinted)
+        if all(isinstance(s, int) for s in t.shape):
+            return tuple(t.shape)
+        try:
+            return hinted_shape(t.shape, self.hint)
+        except Exception:  # noqa: BLE001 - an expression sympy cannot evaluate: size by size
+            return tuple(self.size(s) for s in t.shape)
 
     def size(self, s: Any) -> int:
         if isinstance(s, int):
@@ -174,6 +181,12 @@ class _Sizes:
 
     def nbytes(self, t: torch.Tensor) -> int:
         return self.numel(t) * t.dtype.itemsize
+
+
+def value_bytes(val: Any, symbol_hint: "int | SymbolHints" = 4096) -> int:
+    """Bytes of a ``meta["val"]`` (a tensor, or a list of them), symbols at rank-invariant hints."""
+    sizes = _Sizes(symbol_hint)
+    return sum(sizes.nbytes(t) for t in _out_tensors(val))
 
 
 def _dtype_family(ts: list[torch.Tensor]) -> str:

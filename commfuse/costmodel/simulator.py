@@ -52,8 +52,11 @@ Execution model (what every GPU runtime of functional collectives does)
           alias their source (extending its life) and allocate nothing; graph inputs
           (placeholders) count from the start, and are freed after their last
           user unless ``inputs_persist``; graph outputs stay live. Multi-output
-          nodes allocate the sum of their tensors as one block. Symbolic sizes
-          use their size hints (0 when there is none).
+          nodes allocate the sum of their tensors as one block. A node's bytes
+          are the estimator's ``value_bytes(node)`` where it has one (the cost
+          policy's models: 0 for a size that varies across data-parallel ranks,
+          ``passmgr/invariance.py``), else its value's bytes with symbols at
+          rank-invariant hints (``symbol_hints.hinted_shape``).
 
 Incremental re-estimation
     :class:`Simulator` estimates every node once and caches the costs (per
@@ -85,6 +88,7 @@ import torch
 import torch.fx as fx
 
 from commfuse.costmodel.estimator import CollectiveEstimate, CostEstimator
+from commfuse.costmodel.symbol_hints import hinted_shape
 from commfuse.ir.collective import Collective
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import collective_spec, is_wait
@@ -256,25 +260,17 @@ class SimResult:
 
 
 # --------------------------------------------------------------------------- memory helpers
-def _hint(s: Any) -> int:
-    if isinstance(s, torch.SymInt):
-        h = s.node.hint
-        return int(h) if h is not None else 0
-    return int(s)
-
-
 def _val_bytes(val: Any) -> int:
     if isinstance(val, torch.Tensor):
-        n = 1
-        for s in val.shape:
-            n *= _hint(s)
-        return n * val.dtype.itemsize
+        return math.prod(hinted_shape(val.shape)) * val.dtype.itemsize
     if isinstance(val, (list, tuple)):
         return sum(_val_bytes(v) for v in val)
     return 0
 
 
-tensor_bytes = _val_bytes  # public name: bytes of a meta['val'] (tensors, lists), size hints for symbols
+# public name: bytes of a meta['val'] (tensors, lists); symbols take the rank-invariant flat hints
+# (symbol_hints.hinted_shape), never a SymInt's example value
+tensor_bytes = _val_bytes
 
 
 def _alias_source(node: fx.Node) -> Optional[fx.Node]:
@@ -347,7 +343,7 @@ class Simulator:
 
     def _estimate(self, n: fx.Node) -> _NodeCost:
         alias = _alias_source(n)
-        alloc = 0 if alias is not None else _val_bytes(n.meta.get("val"))
+        alloc = 0 if alias is not None else self.value_bytes(n)
         if n.op in ("placeholder", "output", "get_attr"):
             return _NodeCost(_FREE, alloc=alloc if n.op != "output" else 0, alias_src=alias)
         c = self._coll_of.get(n)
@@ -388,6 +384,12 @@ class Simulator:
         for n in changed:
             if n in live:
                 self._table[n] = self._estimate(n)
+
+    def value_bytes(self, node: fx.Node) -> int:
+        """Bytes of ``node``'s value as the estimator sizes them (its ``value_bytes`` where it has
+        one), else with symbols at rank-invariant hints."""
+        sized = getattr(self.estimator, "value_bytes", None)
+        return int(sized(node)) if sized is not None else _val_bytes(node.meta.get("val"))
 
     def cost_of(self, node: fx.Node) -> float:
         """Cached time of one node (collective: its duration on its stream)."""

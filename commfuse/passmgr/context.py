@@ -25,6 +25,7 @@ from commfuse.costmodel.topology import Topology
 from commfuse.core.torch_private import process_group_with_members
 from commfuse.ir.graph_ir import CollectiveIR, IRBuildOptions
 from commfuse.passmgr.cost import CostPolicy
+from commfuse.passmgr.invariance import SharedSizes
 
 if TYPE_CHECKING:
     from commfuse.config import Config
@@ -99,8 +100,9 @@ class PassContext:
         self.partitions: list[list[tuple[int, ...]]] = [
             [tuple(int(r) for r in b) for b in part]
             for part in [*getattr(self.session, "partitions", []), *partitions]]
-        self.cost = CostPolicy(topology, model=cost_model, graph=gm)
         self._ir_options = IRBuildOptions(group_roles=group_roles or {}, role_sources=role_sources or {})
+        shared = SharedSizes(self._ir_options, uniform_batches=config.uniform_batches)
+        self.cost = CostPolicy(topology, model=cost_model, graph=gm, shared=shared)
         self._analyses: dict[Analysis, Any] = {}
         self._named: dict[str, Analysis] = {}
 

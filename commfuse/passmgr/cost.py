@@ -13,6 +13,12 @@ ranks pick the same rewrite. The policy:
   price anyway ask :meth:`CostPolicy.default_model`, the one documented default: the
   DGX-H100 preset (NCCL) with as many 8-rank nodes as the graph's ranks need, or, for a
   question about gloo itself, the cpu-gloo preset with every rank on one node.
+
+Every model the policy hands out prices only the sizes every rank shares
+(:meth:`~commfuse.costmodel.analytic.AnalyticCostModel.pricing_shared_only` with
+:class:`~commfuse.passmgr.invariance.SharedSizes`): a compute shape that follows from a
+data-parallel rank's local batch is not priced, so no pass can decide from it, and symbols take
+rank-invariant, bounded hints. ``model.full`` prices every size as traced, for reports only.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.symbol_hints import SymbolHints, balanced_exchange_hints
 from commfuse.costmodel.topology import PRESETS, Topology
 from commfuse.ir.graph_ir import CollectiveIR
+from commfuse.passmgr.invariance import SharedSizes
 
 DEFAULT_PRESET = "dgx-h100"
 # gloo questions without a topology: the cpu-gloo preset's figures, every rank on one node
@@ -42,22 +49,31 @@ def graph_world(ir: CollectiveIR) -> int:
 
 class CostPolicy:
     def __init__(self, topology: Optional[Topology], *, model: Optional[AnalyticCostModel] = None,
-                 graph: Optional[fx.GraphModule] = None) -> None:
+                 graph: Optional[fx.GraphModule] = None, shared: Optional[SharedSizes] = None) -> None:
         """``model``: price with this estimator (e.g. one built from a calibrated profile) instead of
         the topology's analytic model. ``graph``: the graph priced; the split sizes of its
         data-dependent token exchanges are priced at balanced routing
-        (:func:`~commfuse.costmodel.symbol_hints.balanced_exchange_hints`)."""
+        (:func:`~commfuse.costmodel.symbol_hints.balanced_exchange_hints`). ``shared``: which sizes
+        every rank shares (default: classified with the IR's inferred roles)."""
         self.topology = topology
         self._graph = graph
+        self.shared = shared if shared is not None else SharedSizes()
         self._given = model  # hinted for the graph on first use (most contexts never price)
         self._model: Optional[AnalyticCostModel] = None
         self._defaults: dict[tuple[str, int], AnalyticCostModel] = {}
 
     def _hinted(self, model: AnalyticCostModel) -> AnalyticCostModel:
-        if self._graph is None:
-            return model
-        hints = balanced_exchange_hints(self._graph)
-        return model.with_symbol_hints(SymbolHints(hints, int(model.symbol_hint))) if hints else model
+        hints = balanced_exchange_hints(self._graph) if self._graph is not None else None
+        if hints:
+            model = model.with_symbol_hints(SymbolHints(hints, int(model.symbol_hint)))
+        return model.pricing_shared_only(self.shared.varies)
+
+    def prices(self, node: fx.Node) -> bool:
+        """Whether a decision may price ``node``'s size and time: neither it nor an input varies
+        across the ranks of a group that splits the batch (:mod:`commfuse.passmgr.invariance`).
+        For passes that count work without a model (FLOPs)."""
+        varies = self.shared.varies
+        return not (varies(node) or any(varies(a) for a in node.all_input_nodes))
 
     @property
     def backend(self) -> str:

@@ -14,12 +14,24 @@ report says, per decision, what the model predicted.
 The estimator is the cost policy's (:class:`~commfuse.passmgr.cost.CostPolicy`): a calibrated
 profile or the topology's model when there is one; without, the documented default for the
 graph's collective library -- gloo's preset when its collectives work on CPU tensors, the
-DGX-H100 preset otherwise. Every rank prices the same graph with the same model, so every
-rank keeps or reverts the same rewrite.
+DGX-H100 preset otherwise. Ranks need not hold the same graph: a data-parallel rank's compute
+shapes follow from its own local batch (static on one rank, symbolic on another). The policy's
+model prices only what every rank of the graph's groups shares (``passmgr/invariance.py``: the
+collectives' sizes, the compute on parameters and on collective operands, symbols at
+rank-invariant bounded hints; not the compute and activations of the local batch), so every
+rank predicts the same two numbers and keeps or reverts the same rewrite.
 
-A pass opts out with ``gated = False`` when its change is not a trade the step time judges
-(the forced variants, which exist to apply a rewrite regardless); ``Config.step_time_gate=False``
-turns the gate off.
+A rewrite predicted slower is reverted, by any margin: predictions count as equal only within
+the float rounding of the simulator's sums (:data:`EQUAL_WITHIN_REL`), never a share of the step
+large enough to hide a real slowdown. A graph the model cannot price keeps the rewrite on its
+pass's own criteria, and the decision says "kept (not priced)" and why.
+
+Exempt passes, each with its reason in its class: a pass opts out with ``gated = False`` only
+when its change is not a trade the step time judges -- the forced variants
+(:mod:`commfuse.fuzz.forced`), which exist to apply a rewrite regardless so the fuzzer checks it.
+No product pass is exempt. The steps of a nested pipeline (Chimera) are judged together as one
+change. ``Config.step_time_gate=False`` turns the gate off (an explicit ``Config.passes`` list
+is not gated unless it is set to True).
 """
 
 from __future__ import annotations
@@ -34,10 +46,12 @@ from commfuse.costmodel.simulator import Simulator
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.passmgr.context import PassContext
 
-# Predictions within a millionth (or a nanosecond) count as equal: the simulator sums floats, and
-# a rewrite that only changes their rounding must not be reverted by it.
-EQUAL_WITHIN_REL = 1e-6
-EQUAL_WITHIN_US = 1e-3
+# Predictions equal up to the rounding of the simulator's float sums count as equal, so a rewrite
+# that only changes that rounding is kept: float64 sums of at most ~1e6 terms stay within 1e-9
+# relative. Nothing looser: a share of the step (a millionth of a step priced at minutes is
+# hundreds of microseconds) would keep rewrites the model predicts slower.
+EQUAL_WITHIN_REL = 1e-9
+EQUAL_WITHIN_US = 1e-9
 
 
 @dataclass(frozen=True)

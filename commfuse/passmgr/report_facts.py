@@ -160,7 +160,7 @@ class ReportFacts(Instrumentation):
         if PRICING:
             self.model, describe = cost_model(**{"world_size": world_size_of(gm), **PRICING[-1]})
         elif ctx.cost.model is not None:
-            self.model = ctx.cost.model
+            self.model = ctx.cost.model.full  # a report prices every size as traced: it decides nothing
             describe = f"the pipeline's cost model ({self.topology}; {ctx.cost.backend})"
         else:
             self.model, describe = cost_model(world_size=world_size_of(gm))

@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from commfuse.costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT, Simulator, tensor_bytes
+from commfuse.costmodel.simulator import NODE_COLLECTIVE, NODE_COMPUTE, NODE_WAIT, Simulator
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import collective_spec, is_wait
 from commfuse.ir.rewrite import mutates
@@ -197,8 +197,8 @@ def build_problem(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, *,
     coll_bytes = {}
     for c in ir.collectives:
         i = idx[c.start]
-        out = tensor_bytes(c.start.meta.get("val"))
-        ins = sum(tensor_bytes(a.meta.get("val")) for a in c.inputs)
+        out = sim.value_bytes(c.start)  # as the estimator sizes them: what every rank shares
+        ins = sum(sim.value_bytes(a) for a in c.inputs)
         coll_bytes[i] = max(out, ins)
     alloc = [i.alloc for i in infos]
     owner = list(range(len(nodes)))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from commfuse.core.meta import microbatch_of
-from commfuse.costmodel.simulator import NODE_COMPUTE, tensor_bytes
+from commfuse.costmodel.simulator import NODE_COMPUTE
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import CollectiveKind
 from commfuse.schedule.layer_level import layer_name
@@ -152,7 +152,8 @@ def grouping_costs(p: ScheduleProblem, ir: CollectiveIR, g: MicrobatchGraph, mem
     if out is not None and not backward:
         for a in out.all_input_nodes:
             if idx.get(a) in g.mb:
-                saved += tensor_bytes(a.meta.get("val"))
+                # the bytes of its storage as the estimator sized it (what every rank shares)
+                saved += p.alloc[p.owner[idx[a]]]
     return GroupingCosts(c_ag=ag / n_layers, c_rs=rs / (n_layers * n_mb), c_fw=0.0 if backward else per,
                      c_bw=per if backward else 0.0, m=saved / n_mb, memory=memory, microbatches=n_mb)
 

@@ -57,6 +57,7 @@ import torch.fx as fx
 
 from commfuse.core.meta import microbatch_of
 from commfuse.core.torch_private import c10d_functional
+from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.simulator import alias_source, buffer_lifetimes, tensor_bytes
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind as K
@@ -194,15 +195,17 @@ def _describe(key: tuple) -> str:
 
 
 # ----------------------------------------------------------------- memory
-def _live_profile(gm: fx.GraphModule) -> tuple[np.ndarray, np.ndarray, dict[fx.Node, int]]:
+def _live_profile(gm: fx.GraphModule, est: AnalyticCostModel
+                  ) -> tuple[np.ndarray, np.ndarray, dict[fx.Node, int]]:
     """Live bytes at each node of the graph's order (the simulator's accounting: allocated when run,
     freed after the last use, views / waits alias their source, outputs stay live), and the bytes
-    freed right after each node."""
+    freed right after each node. Bytes as ``est`` sizes them: only what every rank shares (the
+    activations of a data-parallel rank's local batch are not counted, passmgr/invariance.py)."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     never = len(nodes) - 1
     owner, last = buffer_lifetimes(nodes, alias_source, never)
-    alloc = [tensor_bytes(n.meta.get("val")) if alias_source(n) is None and n.op != "output" else 0 for n in nodes]
+    alloc = [est.value_bytes(n) if alias_source(n) is None and n.op != "output" else 0 for n in nodes]
     frees = np.zeros(len(nodes) + 1)
     for o, i in last.items():
         if i < never and o in pos:
@@ -211,20 +214,21 @@ def _live_profile(gm: fx.GraphModule) -> tuple[np.ndarray, np.ndarray, dict[fx.N
     return live, frees[1:], pos
 
 
-def _accumulator_bytes(c: Collective) -> tuple[Optional[int], int]:
+def _accumulator_bytes(c: Collective, est: AnalyticCostModel) -> tuple[int, int]:
     """Bytes of the unsharded accumulator (the collective's input) and of the per-micro-batch result
-    it replaces (0 where unknown)."""
-    return _static_int(tensor_bytes(c.input_value)), _static_int(tensor_bytes(c.waits[0].meta.get("val"))) or 0
+    it replaces, as ``est`` sizes them (see :func:`_live_profile`)."""
+    return est.value_bytes(c.inputs[0]), est.value_bytes(c.waits[0])
 
 
-def _memory_delta(m: "_Match", live: np.ndarray, freed_after: np.ndarray, pos: dict[fx.Node, int]) -> np.ndarray:
+def _memory_delta(m: "_Match", live: np.ndarray, freed_after: np.ndarray, pos: dict[fx.Node, int],
+                  est: AnalyticCostModel) -> np.ndarray:
     """How the rewrite changes the live bytes at each position of the input order. The first
     input stays live as the accumulator past its own collective, to the last input: ``full -
     result`` (the running sharded sum it replaces) on that interval. At each later input the
     new sum is allocated while the previous sum and the input are still live: ``full`` more
     there, on top of the bytes live once the input's own operands are freed."""
     c0 = m.members[0]
-    full, result = _accumulator_bytes(c0)
+    full, result = _accumulator_bytes(c0, est)
     delta = np.zeros_like(live)
     lo, hi = pos[c0.start] + 1, pos[m.members[-1].inputs[0]]
     delta[lo:hi + 1] += full - result
@@ -277,7 +281,7 @@ class AccumulateGradientSync(GraphPass):
             return PassResult(changed=False, counts={"sums_rewritten": 0}, refusals=refusals)
 
         est, est_name = ctx.cost.default_model(ir)
-        profile, freed_after, pos = _live_profile(ctx.gm)
+        profile, freed_after, pos = _live_profile(ctx.gm, est)
         peak = float(profile.max()) if len(profile) else 0.0
         cfg = ctx.config
         limit = max(cfg.schedule_memory_budget * peak, peak + (cfg.schedule_memory_headroom_bytes or 0))
@@ -288,9 +292,9 @@ class AccumulateGradientSync(GraphPass):
         for m in sorted(matches, key=lambda m: pos[m.members[-1].inputs[0]]):
             c0 = m.members[0]
             n_terms = len(m.members)
-            full, result = _accumulator_bytes(c0)
+            full, result = _accumulator_bytes(c0, est)
             extra = max(0, full - result)
-            trial = added + _memory_delta(m, profile, freed_after, pos)
+            trial = added + _memory_delta(m, profile, freed_after, pos, est)
             peak_after = float((profile + trial).max())
             one = est.collective(c0)
             before_us = sum(float(est.collective(c).time_us) for c in m.members)

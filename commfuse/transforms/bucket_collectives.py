@@ -27,12 +27,14 @@ Contract
 - Guarantees: the same values (all_gather bitwise; reductions reduce each element over the
   same ranks, only the ring chunk it travels in changes); the decisions depend only on the
   graph, the config and the topology (or, without one, the model the step-time gate uses: gloo's
-  default for a graph on CPU tensors, else the cost policy's documented default), so every
-  rank buckets identically and the new total issue order is the same on every rank. Graphs
-  whose ranks may differ (point-to-point ops, unequal all_to_all splits, symbolic shapes
-  whose size hints are rank-local) are left unchanged.
+  default for a graph on CPU tensors, else the cost policy's documented default), priced on what
+  every rank shares (``passmgr/invariance.py``: the compute and memory that follow from a
+  data-parallel rank's local batch, static or symbolic, are not priced; the collectives' own
+  sizes are), so every rank buckets identically and the new total issue order is the same on
+  every rank. Graphs whose ranks may hold different graphs or collective sizes (point-to-point
+  ops, unequal all_to_all splits) are left unchanged.
 - Leaves alone (each reported in ``refusals``): other kinds, coalesced / in-place /
-  dynamic-shape collectives, a collective whose dtype, group or reduce op differs from the
+  symbolic-shape collectives, a collective whose dtype, group or reduce op differs from the
   previous one of its kind, and every refused join with its reason (dependency, mutation in
   between, would expose overlap, memory budget). Buckets closed by the cap are listed in
   ``decisions``.
@@ -59,7 +61,7 @@ from commfuse.core.torch_private import c10d_functional as _f
 from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.collectives import message_bytes
 from commfuse.costmodel.compute import OpCost
-from commfuse.costmodel.simulator import Simulator, alias_source, buffer_lifetimes, tensor_bytes
+from commfuse.costmodel.simulator import Simulator, alias_source, buffer_lifetimes
 from commfuse.ir import rewrite
 from commfuse.ir.collective import Collective
 from commfuse.ir.kinds import CollectiveKind, is_wait
@@ -222,7 +224,7 @@ def _eligible(c: Collective) -> Optional[str]:
     if len(c.inputs) != 1 or len(c.waits) != 1:
         return "not one input with exactly one wait"
     if not (_static(shape_of(c.inputs[0])) and _static(shape_of(c.start))):
-        return "dynamic shapes"
+        return "symbolic shapes (not static)"
     if c.dtype is None or not c.group.size:
         return "dtype or group size unknown"
     if c.kind is K.ALL_GATHER and not shape_of(c.inputs[0]):
@@ -302,7 +304,7 @@ class _Planner:
         in_owner = g.owner.get(inp, inp)
         out_owner = g.owner.get(c.start, c.start)
         return _Member(c, _key(c), start, ready, g.pos[w], min(need, len(g.nodes) - 1),
-                       tensor_bytes(inp.meta.get("val")), tensor_bytes(c.start.meta.get("val")),
+                       self.sim.value_bytes(inp), self.sim.value_bytes(c.start),
                        message_bytes(c), in_owner, g.last.get(in_owner, start), g.last.get(out_owner, start))
 
     def _new_bucket(self, m: _Member) -> _Bucket:
@@ -560,7 +562,8 @@ def _build(gm: fx.GraphModule, ir, sim: Simulator) -> _Graph:
     # views / waits / getitem alias their source, outputs stay live)
     never = len(nodes) - 1
     owner, last = buffer_lifetimes(nodes, alias_source, never)
-    alloc = [tensor_bytes(n.meta.get("val")) if alias_source(n) is None and n.op != "output" else 0 for n in nodes]
+    # bytes as the estimator sizes them: what every rank shares (passmgr/invariance.py)
+    alloc = [sim.value_bytes(n) if alias_source(n) is None and n.op != "output" else 0 for n in nodes]
     frees = np.zeros(len(nodes) + 1)
     for o, i in last.items():
         if i < never:

@@ -95,7 +95,7 @@ def unit_size(ctx: PassContext, sim: Simulator) -> tuple[int, dict]:
             fw += free.time[i]
             # a forward value a backward node reads is an activation kept for backward
             if any(u in bwd for u in n.users):
-                saved += tensor_bytes(n.meta.get("val"))
+                saved += sim.value_bytes(n)  # as the cost policy sizes it: what every rank shares
     x = GroupingCosts(c_ag=ag / n_layers, c_rs=rs / (n_layers * n_mb), c_fw=fw / (n_layers * n_mb),
                   c_bw=bw / (n_layers * n_mb), m=saved / n_mb, memory=ctx.config.model_level_memory_bytes,
                   microbatches=n_mb, concurrent=True)

@@ -29,7 +29,9 @@ Contract
 - Guarantees: the collective start order is unchanged (the all_to_all takes the
   reduce_scatter's place in the single total issue order, on the same group), so every
   rank issues the same sequence; the decision depends only on the graph, the config
-  and the topology. Values: the local sum adds the received chunks in group-rank order
+  and the topology, and prices only sizes every rank of the group shares (the collective's
+  operand and what is computed from its result: ``model_for``), so ranks whose local batches
+  differ lower alike. Values: the local sum adds the received chunks in group-rank order
   in the input dtype, one rounding per add, as a collective rounds per hop; that is the
   reference interpreter's canonical order, so the rewrite is bitwise equal to the
   reduce_scatter there, and differs from gloo's ring only in summation order (under
@@ -162,8 +164,14 @@ def why_not_backend(ctx: PassContext) -> Optional[str]:
 # --------------------------------------------------------------------------- cost
 def model_for(ctx: PassContext) -> AnalyticCostModel:
     """The topology's estimator (priced as gloo: callers checked the backend), or the cost
-    policy's default for gloo when there is no topology."""
-    return ctx.cost.default_model(ctx.ir, backend="gloo")[0]
+    policy's default for gloo when there is no topology.
+
+    Every size it prices is shared by every rank of the collective's group, so it prices them as
+    traced (``full``): the decision changes only that group's collective, and prices the
+    collective's operand, its all_to_all and the local sum over the result -- sizes every rank of
+    the group must pass alike for the collective to run (``passmgr/invariance.py``), whatever
+    compute shapes follow from a data-parallel rank's local batch elsewhere in the graph."""
+    return ctx.cost.default_model(ctx.ir, backend="gloo")[0].full
 
 
 def _in_graph(model: AnalyticCostModel, t: float) -> float:

@@ -274,7 +274,8 @@ class _MemoEstimator:
     Every leaf is a fresh copy of the graph, so the simulator's per-node cache starts
     empty each time; most nodes are unchanged copies. A compute node's cost is a function
     of its target, its arguments' shapes/dtypes and its constants; a collective's of its
-    kind, group, reduce op, dtype and shapes (its signature)."""
+    kind, group, reduce op, dtype and shapes (its signature) -- and of whether the cost policy
+    prices it at all (a node whose size varies across ranks is not priced, whatever its shapes)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
@@ -282,18 +283,22 @@ class _MemoEstimator:
         self._coll: dict = {}
 
     def compute_time_us(self, node: fx.Node) -> float:
-        key = (node.op, str(node.target), _sig(node.args), _sig(node.kwargs), _sig(node))
+        key = (node.op, str(node.target), _sig(node.args), _sig(node.kwargs), _sig(node), self._prices(node))
         hit = self._compute.get(key)
         if hit is None:
             hit = self._compute[key] = self.inner.compute_time_us(node)
         return hit
 
     def collective(self, c: Collective):
-        key = (c.signature(), c.group.ranks, tuple(str(s) for s in c.output_shapes))
+        key = (c.signature(), c.group.ranks, tuple(str(s) for s in c.output_shapes), self._prices(c.start))
         hit = self._coll.get(key)
         if hit is None:
             hit = self._coll[key] = self.inner.collective(c)
         return hit
+
+    def _prices(self, node: fx.Node) -> bool:
+        prices = getattr(self.inner, "prices", None)
+        return True if prices is None else bool(prices(node))
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

@@ -296,7 +296,7 @@ def _best_chain(ctx: PassContext, c: Collective, chunks: Optional[int],
     def score(ch: Chain) -> tuple:
         nodes = [s.node for s in ch.steps]
         compute = sum(est.compute_time_us(n) for n in nodes) if est is not None else None
-        flops = sum(op_cost(n).flops for n in nodes)
+        flops = sum(op_cost(n).flops for n in nodes if ctx.cost.prices(n))  # only what every rank shares
         size = compute if compute is not None else float(flops)
         covers = compute is not None and comm_us is not None and compute >= comm_us
         n_ops = len(ch.compute_nodes)
