@@ -106,8 +106,10 @@ def compile_order(executors: Sequence[str]) -> list[str]:
     share one process: ``ValueError``."""
     patched = [e for e in executors if getattr(get_baseline(e), "config_patches", None)]
     if len(patched) > 1:
-        raise ValueError(f"{', '.join(patched)} each patch Inductor's process-wide config and cannot be compiled in "
-                         "one process; compare them in separate A/B runs")
+        raise ValueError(
+            f"{', '.join(patched)} each patch Inductor's process-wide config and cannot be compiled in "
+            "one process; compare them in separate A/B runs"
+        )
     return [e for e in executors if e not in patched] + patched
 
 
@@ -121,18 +123,25 @@ def _check_same_start(builts: dict[str, Built], workload: str) -> None:
     (first_name, first), *others = builts.items()
 
     def tensors(b: Built) -> dict[str, torch.Tensor]:
-        out = {f"state {k}": _local(v) for k, v in b.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        out = {
+            f"state {k}": _local(v) for k, v in b.model.state_dict().items() if isinstance(v, torch.Tensor)
+        }
         out.update({f"input {i}": _local(x) for i, x in enumerate(b.inputs) if isinstance(x, torch.Tensor)})
         return out
 
     reference = tensors(first)
     for name, b in others:
         got = tensors(b)
-        differ = sorted(k for k in reference.keys() | got.keys()
-                        if k not in reference or k not in got or not torch.equal(reference[k], got[k]))
+        differ = sorted(
+            k
+            for k in reference.keys() | got.keys()
+            if k not in reference or k not in got or not torch.equal(reference[k], got[k])
+        )
         if differ:
-            raise RuntimeError(f"{workload}: the copies built for {first_name} and {name} differ in "
-                               f"{', '.join(differ[:5])}: the workload's builder is not deterministic")
+            raise RuntimeError(
+                f"{workload}: the copies built for {first_name} and {name} differ in "
+                f"{', '.join(differ[:5])}: the workload's builder is not deterministic"
+            )
 
 
 def _first_step(step: Callable[[], None], built: Built) -> tuple[float, list[float]]:
@@ -181,8 +190,12 @@ def ab_job(workload: str, executors: Sequence[str], warmup: int, pairs: int) -> 
         # 5) hits the limit in the copy compiled last, which then runs those frames eagerly.
         limits = torch._dynamo.config
         copies = len(executors)
-        stack.enter_context(limits.patch(recompile_limit=copies * limits.recompile_limit,
-                                         accumulated_recompile_limit=copies * limits.accumulated_recompile_limit))
+        stack.enter_context(
+            limits.patch(
+                recompile_limit=copies * limits.recompile_limit,
+                accumulated_recompile_limit=copies * limits.accumulated_recompile_limit,
+            )
+        )
         # Each session is opened right before its compile, so its fresh caches and recorders
         # are in place when it compiles; all stay open until every timed round is done.
         for name in compile_order(executors):
@@ -196,10 +209,18 @@ def ab_job(workload: str, executors: Sequence[str], warmup: int, pairs: int) -> 
             orders.append(round_order(executors, r))
             for name in orders[-1]:
                 times[name].append(_timed(steps[name]))
-    runs = {name: RankMeasurement(rank=rank, world_size=world, first_step_s=first[name], step_s=times[name],
-                                  peak_alloc_bytes=None, torch_threads=torch.get_num_threads(),
-                                  sim_note="not measured in A/B mode")
-            for name in executors}
+    runs = {
+        name: RankMeasurement(
+            rank=rank,
+            world_size=world,
+            first_step_s=first[name],
+            step_s=times[name],
+            peak_alloc_bytes=None,
+            torch_threads=torch.get_num_threads(),
+            sim_note="not measured in A/B mode",
+        )
+        for name in executors
+    }
     return ABRank(rank=rank, world_size=world, runs=runs, first_losses=losses, orders=orders)
 
 
@@ -227,8 +248,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (pos - lo) * (xs[hi] - xs[lo])
 
 
-def bootstrap_median_ci(values: Sequence[float], *, confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
-                        seed: int = SEED) -> tuple[float, float]:
+def bootstrap_median_ci(
+    values: Sequence[float], *, confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = SEED
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the median of ``values``: the median of
     ``resamples`` resamples (with replacement, as many values as given) drawn by
     ``random.Random(seed)``, and the ``(1 - confidence) / 2`` and ``(1 + confidence) / 2``
@@ -257,20 +279,34 @@ def compare(baseline_s: Sequence[float], candidate_s: Sequence[float]) -> dict[s
     and the verdict."""
     ratios = speedup_ratios(baseline_s, candidate_s)
     lo, hi = bootstrap_median_ci(ratios)
-    return {"ratios": ratios, "median": statistics.median(ratios), "ci_low": lo, "ci_high": hi,
-            "confidence": CONFIDENCE, "resamples": RESAMPLES, "seed": SEED, "pairs": len(ratios),
-            "verdict": verdict(lo, hi)}
+    return {
+        "ratios": ratios,
+        "median": statistics.median(ratios),
+        "ci_low": lo,
+        "ci_high": hi,
+        "confidence": CONFIDENCE,
+        "resamples": RESAMPLES,
+        "seed": SEED,
+        "pairs": len(ratios),
+        "verdict": verdict(lo, hi),
+    }
 
 
 def settings(world_sizes: Sequence[int], warmup: int, pairs: int) -> dict[str, Any]:
     """How an A/B run measures, for its JSON document and header lines."""
     return {
-        "world_sizes": list(world_sizes), "backend": "gloo", "threads_per_rank": 1, "warmup": warmup, "pairs": pairs,
+        "world_sizes": list(world_sizes),
+        "backend": "gloo",
+        "threads_per_rank": 1,
+        "warmup": warmup,
+        "pairs": pairs,
         "order": "one step per executor per round, the listed order reversed every other round",
         "step": "forward + loss + backward, gradients set to None (no optimizer), or the baseline's Session.step",
         "step_time": "per step the slowest rank after a barrier",
         "speedup": "per round time(baseline) / time(candidate); > 1: the candidate (first executor) is faster",
-        "confidence": CONFIDENCE, "resamples": RESAMPLES, "seed": SEED,
+        "confidence": CONFIDENCE,
+        "resamples": RESAMPLES,
+        "seed": SEED,
         "verdict": f"'{FASTER}' if the interval's low end > 1, '{SLOWER}' if its high end < 1, else '{UNRESOLVED}'",
     }
 
@@ -279,8 +315,13 @@ def _loss_spread(first_losses: dict[str, list[list[float]]]) -> float | None:
     """Largest |loss - candidate's loss| of any executor's first step on any rank (None:
     no two executors recorded comparable losses)."""
     (_, reference), *others = first_losses.items()
-    diffs = [abs(a - b) for _, per_rank in others for ref, got in zip(reference, per_rank, strict=True)
-             if ref and len(ref) == len(got) for a, b in zip(ref, got, strict=True)]
+    diffs = [
+        abs(a - b)
+        for _, per_rank in others
+        for ref, got in zip(reference, per_rank, strict=True)
+        if ref and len(ref) == len(got)
+        for a, b in zip(ref, got, strict=True)
+    ]
     return max(diffs) if diffs else None
 
 
@@ -299,12 +340,21 @@ def summarize(workload: str, executors: Sequence[str], ranks: list[ABRank]) -> d
             **{k: METRICS[k].compute(rec) for k in ("step_ms_median", "step_ms_iqr", "compile_s")},
             "first_losses": [r.first_losses[e] for r in ranks],
         }
-    comparisons = [{"candidate": candidate, "baseline": e,
-                    **compare(per_executor[e]["round_s"], per_executor[candidate]["round_s"])}
-                   for e in executors[1:]]
+    comparisons = [
+        {
+            "candidate": candidate,
+            "baseline": e,
+            **compare(per_executor[e]["round_s"], per_executor[candidate]["round_s"]),
+        }
+        for e in executors[1:]
+    ]
     return {
-        "workload": workload, "error": None, "candidate": candidate, "executors": per_executor,
-        "comparisons": comparisons, "orders": ranks[0].orders,
+        "workload": workload,
+        "error": None,
+        "candidate": candidate,
+        "executors": per_executor,
+        "comparisons": comparisons,
+        "orders": ranks[0].orders,
         "first_loss_max_abs_diff": _loss_spread({e: per_executor[e]["first_losses"] for e in executors}),
         "raw": {"ranks": [dataclasses.asdict(r) for r in ranks]},
     }
@@ -312,8 +362,18 @@ def summarize(workload: str, executors: Sequence[str], ranks: list[ABRank]) -> d
 
 # -------------------------------------------------------------------- tables
 
-_HEADER = ["workload", "candidate", "vs", "candidate ms", "vs ms", "speed-up", "CI low", "CI high", "pairs",
-           "verdict"]
+_HEADER = [
+    "workload",
+    "candidate",
+    "vs",
+    "candidate ms",
+    "vs ms",
+    "speed-up",
+    "CI low",
+    "CI high",
+    "pairs",
+    "verdict",
+]
 
 
 def _comparisons(doc: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
@@ -325,14 +385,32 @@ def _rows(doc: dict[str, Any]) -> list[list[str]]:
     rows = []
     for r in doc["results"]:
         if r["error"] is not None:
-            rows.append([r["workload"], doc["executors"][0], "", f"FAILED: {r['error'].strip().splitlines()[-1][:60]}"]
-                        + [""] * (len(_HEADER) - 4))
+            rows.append(
+                [
+                    r["workload"],
+                    doc["executors"][0],
+                    "",
+                    f"FAILED: {r['error'].strip().splitlines()[-1][:60]}",
+                ]
+                + [""] * (len(_HEADER) - 4)
+            )
             continue
         ex = r["executors"]
         for c in r["comparisons"]:
-            rows.append([r["workload"], c["candidate"], c["baseline"], fmt_ms(ex[c["candidate"]]["step_ms_median"]),
-                         fmt_ms(ex[c["baseline"]]["step_ms_median"]), f"{c['median']:.3f}", f"{c['ci_low']:.3f}",
-                         f"{c['ci_high']:.3f}", str(c["pairs"]), c["verdict"]])
+            rows.append(
+                [
+                    r["workload"],
+                    c["candidate"],
+                    c["baseline"],
+                    fmt_ms(ex[c["candidate"]]["step_ms_median"]),
+                    fmt_ms(ex[c["baseline"]]["step_ms_median"]),
+                    f"{c['median']:.3f}",
+                    f"{c['ci_low']:.3f}",
+                    f"{c['ci_high']:.3f}",
+                    str(c["pairs"]),
+                    c["verdict"],
+                ]
+            )
     return rows
 
 
@@ -351,8 +429,10 @@ def _lines(doc: dict[str, Any]) -> list[str]:
     for r in doc["results"]:
         if r["error"] is None:
             spread = r["first_loss_max_abs_diff"]
-            out.append(f"{r['workload']}: first-step losses of the executors differ by at most "
-                       + ("- (not recorded)" if spread is None else f"{spread:.3g}"))
+            out.append(
+                f"{r['workload']}: first-step losses of the executors differ by at most "
+                + ("- (not recorded)" if spread is None else f"{spread:.3g}")
+            )
     return out + [f"warning: {w}" for w in doc.get("warnings", [])]
 
 
@@ -360,7 +440,9 @@ def _sentence(workload: str, c: dict[str, Any]) -> str:
     interval = f"{100 * c['confidence']:g}% CI [{c['ci_low']:.3f}, {c['ci_high']:.3f}], {c['pairs']} pairs"
     if c["verdict"] == FASTER:
         return f"{workload}: {c['candidate']} is {c['median']:.3f}x faster than {c['baseline']} ({interval})"
-    what = f"is slower than {c['baseline']}" if c["verdict"] == SLOWER else f"vs {c['baseline']}: {UNRESOLVED}"
+    what = (
+        f"is slower than {c['baseline']}" if c["verdict"] == SLOWER else f"vs {c['baseline']}: {UNRESOLVED}"
+    )
     return f"{workload}: {c['candidate']} {what} (speed-up {c['median']:.3f}x, {interval})"
 
 
@@ -368,7 +450,12 @@ def ab_tables(doc: dict[str, Any], *, markdown: bool = False) -> str:
     """The A/B table (one row per candidate x other executor) with its header lines,
     as fixed-width text or Markdown."""
     if markdown:
-        return "\n".join(["\n\n".join(_lines(doc)), "", _markdown(_HEADER, _rows(doc)), ""]
-                         + [f"- {_sentence(r['workload'], c)}" for r, c in _comparisons(doc)])
-    return "\n".join(_lines(doc) + ["", _fixed(_HEADER, _rows(doc)), ""]
-                     + [_sentence(r["workload"], c) for r, c in _comparisons(doc)])
+        return "\n".join(
+            ["\n\n".join(_lines(doc)), "", _markdown(_HEADER, _rows(doc)), ""]
+            + [f"- {_sentence(r['workload'], c)}" for r, c in _comparisons(doc)]
+        )
+    return "\n".join(
+        _lines(doc)
+        + ["", _fixed(_HEADER, _rows(doc)), ""]
+        + [_sentence(r["workload"], c) for r, c in _comparisons(doc)]
+    )

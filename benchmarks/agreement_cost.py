@@ -70,8 +70,11 @@ def _program(name: str):
         from commfuse.models import simple_fsdp
 
         torch.manual_seed(0)
-        model = simple_fsdp.data_parallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)),
-                                          init_device_mesh("cpu", (world,)), "fully_shard")
+        model = simple_fsdp.data_parallel(
+            nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)),
+            init_device_mesh("cpu", (world,)),
+            "fully_shard",
+        )
 
         def step(x):
             model(x).pow(2).mean().backward()
@@ -123,17 +126,26 @@ def bench_job(name: str, reps: int) -> dict[str, Any]:
 
         def run():
             fn(x)
+
     run()
     out: dict[str, Any] = {"rank": rank, "frames": []}
     store = _tcp_store(name)
     for i, v in enumerate(be.agreements):
         frame: dict[str, Any] = {
-            "frame": v.frame, "action": v.action, "groups": [list(e.ranks) for e in v.groups],
-            "first_run_s": v.seconds, "first_run_ops": v.store_ops, "first_run_bytes": v.store_bytes,
-            "compile_s": v.compile_s, "compile_as_written_s": v.compile_as_written_s,
-            "record_bytes": max(len(json.dumps({"compiled": e.compiled_sigs, "fallback": e.fallback_sigs}))
-                                for e in v.groups),
-            "exchange_s": [], "settled_s": []}
+            "frame": v.frame,
+            "action": v.action,
+            "groups": [list(e.ranks) for e in v.groups],
+            "first_run_s": v.seconds,
+            "first_run_ops": v.store_ops,
+            "first_run_bytes": v.store_bytes,
+            "compile_s": v.compile_s,
+            "compile_as_written_s": v.compile_as_written_s,
+            "record_bytes": max(
+                len(json.dumps({"compiled": e.compiled_sigs, "fallback": e.fallback_sigs})) for e in v.groups
+            ),
+            "exchange_s": [],
+            "settled_s": [],
+        }
         for rep in range(reps):
             dist.barrier()
             ex = Exchange(store, frame=f"bench/{name}/{i}/{rep}", config_digest="d", rank=rank, timeout_s=120)
@@ -144,13 +156,19 @@ def bench_job(name: str, reps: int) -> dict[str, Any]:
         dist.barrier()
         if rank == 0:  # a recompile on one rank of a frame its groups settled: reads only
             for _ in range(reps):
-                r = Exchange(store, frame=f"bench/{name}/{i}/0", config_digest="d", rank=0, timeout_s=120).run(v.groups)
+                r = Exchange(
+                    store, frame=f"bench/{name}/{i}/0", config_digest="d", rank=0, timeout_s=120
+                ).run(v.groups)
                 assert r.action == "compiled" and r.rounds == 0, r
                 frame["settled_s"].append(r.seconds)
                 frame["settled_ops"], frame["settled_bytes"] = r.store_ops, r.store_bytes
         out["frames"].append(frame)
-        out.setdefault("entries", []).append([{"ranks": list(e.ranks), "compiled_sigs": e.compiled_sigs,
-                                               "fallback_sigs": e.fallback_sigs} for e in v.groups])
+        out.setdefault("entries", []).append(
+            [
+                {"ranks": list(e.ranks), "compiled_sigs": e.compiled_sigs, "fallback_sigs": e.fallback_sigs}
+                for e in v.groups
+            ]
+        )
     dist.barrier()
     torch._dynamo.reset()
     return out
@@ -203,19 +221,34 @@ def simulate(world: int, kind: str, sigs: list[tuple]) -> dict[str, Any]:
     again = Exchange(store, frame="sim", config_digest="d", rank=0, timeout_s=60).run(per_rank[0])
     ops = [v.store_ops for v in verdicts.values()]
     nbytes = [v.store_bytes for v in verdicts.values()]
-    return {"world": world, "layout": kind, "groups_per_rank": len(per_rank[0]),
-            "ops_per_rank_max": max(ops), "ops_per_rank_median": statistics.median(ops),
-            "bytes_per_rank_max": max(nbytes), "bytes_per_rank_median": statistics.median(nbytes),
-            "store_ops_total": sum(ops), "store_bytes_total": sum(nbytes),
-            "settled_ops": again.store_ops, "settled_bytes": again.store_bytes}
+    return {
+        "world": world,
+        "layout": kind,
+        "groups_per_rank": len(per_rank[0]),
+        "ops_per_rank_max": max(ops),
+        "ops_per_rank_median": statistics.median(ops),
+        "bytes_per_rank_max": max(nbytes),
+        "bytes_per_rank_median": statistics.median(nbytes),
+        "store_ops_total": sum(ops),
+        "store_bytes_total": sum(nbytes),
+        "settled_ops": again.store_ops,
+        "settled_bytes": again.store_bytes,
+    }
 
 
 def run_agreement_cost(reps: int = REPS) -> dict[str, Any]:
     from commfuse.tools.rank_pool import RankPool
 
-    report: dict[str, Any] = {"settings": {"reps": reps, "workloads": [list(w) for w in WORKLOADS],
-                                           "config": "commfuse.Config(inner_compiler='eager'), net on (default)"},
-                              "load_before": os.getloadavg()[0], "rows": [], "simulated": []}
+    report: dict[str, Any] = {
+        "settings": {
+            "reps": reps,
+            "workloads": [list(w) for w in WORKLOADS],
+            "config": "commfuse.Config(inner_compiler='eager'), net on (default)",
+        },
+        "load_before": os.getloadavg()[0],
+        "rows": [],
+        "simulated": [],
+    }
     t0 = time.perf_counter()
     sigs: dict[str, list[tuple]] = {}
     for world in sorted({w for _, w in WORKLOADS}):
@@ -227,24 +260,32 @@ def run_agreement_cost(reps: int = REPS) -> dict[str, Any]:
                 for i, frame in enumerate(per_rank[0]["frames"]):
                     frames = [r["frames"][i] for r in per_rank]
                     slowest = [max(ts) for ts in zip(*(f["exchange_s"] for f in frames), strict=True)]
-                    report["rows"].append({
-                        "workload": name, "world": world, "frame": frame["frame"], "groups": frame["groups"],
-                        "action": sorted({f["action"] for f in frames}),
-                        "first_run_s_max": max(f["first_run_s"] for f in frames),
-                        "first_run_s_min": min(f["first_run_s"] for f in frames),
-                        "first_run_ops_max": max(f["first_run_ops"] for f in frames),
-                        "first_run_bytes_max": max(f["first_run_bytes"] for f in frames),
-                        "exchange_s_median": statistics.median(slowest),
-                        "exchange_s_q25_q75": list(statistics.quantiles(slowest, n=4)[::2]),
-                        "exchange_ops_max": max(f["exchange_ops"] for f in frames),
-                        "exchange_bytes_max": max(f["exchange_bytes"] for f in frames),
-                        "settled_s_median": statistics.median(frames[0]["settled_s"]),
-                        "settled_ops": frames[0]["settled_ops"], "settled_bytes": frames[0]["settled_bytes"],
-                        "record_bytes": max(f["record_bytes"] for f in frames),
-                        "compile_s_max": max(f["compile_s"] for f in frames),
-                        "compile_as_written_s_max": max(f["compile_as_written_s"] for f in frames),
-                    })
-                    sigs.setdefault(name, [tuple(map(tuple, e["compiled_sigs"])) for e in per_rank[0]["entries"][i]])
+                    report["rows"].append(
+                        {
+                            "workload": name,
+                            "world": world,
+                            "frame": frame["frame"],
+                            "groups": frame["groups"],
+                            "action": sorted({f["action"] for f in frames}),
+                            "first_run_s_max": max(f["first_run_s"] for f in frames),
+                            "first_run_s_min": min(f["first_run_s"] for f in frames),
+                            "first_run_ops_max": max(f["first_run_ops"] for f in frames),
+                            "first_run_bytes_max": max(f["first_run_bytes"] for f in frames),
+                            "exchange_s_median": statistics.median(slowest),
+                            "exchange_s_q25_q75": list(statistics.quantiles(slowest, n=4)[::2]),
+                            "exchange_ops_max": max(f["exchange_ops"] for f in frames),
+                            "exchange_bytes_max": max(f["exchange_bytes"] for f in frames),
+                            "settled_s_median": statistics.median(frames[0]["settled_s"]),
+                            "settled_ops": frames[0]["settled_ops"],
+                            "settled_bytes": frames[0]["settled_bytes"],
+                            "record_bytes": max(f["record_bytes"] for f in frames),
+                            "compile_s_max": max(f["compile_s"] for f in frames),
+                            "compile_as_written_s_max": max(f["compile_as_written_s"] for f in frames),
+                        }
+                    )
+                    sigs.setdefault(
+                        name, [tuple(map(tuple, e["compiled_sigs"])) for e in per_rank[0]["entries"][i]]
+                    )
     for kind, name in (("dp", "simple_fsdp"), ("fsdp_tp", "tp_dp_2x2")):
         report["simulated"].append(simulate(1024, kind, sigs[name]))
     report["wall_s"] = time.perf_counter() - t0
@@ -263,28 +304,42 @@ def _kib(b: float) -> str:
 
 
 def agreement_cost_tables(report: dict[str, Any]) -> str:
-    lines = ["Agreement net, per compiled graph, first execution only (real gloo ranks; Store: keys + values both ways)",
-             "", "| workload | ranks | groups/rank | verdict | first run ms (min..max rank) | exchange ms, TCPStore "
-             "(median, slowest rank) | requests/rank | KiB/rank | settled recompile ms | requests | KiB | "
-             "record KiB | compile s | + as written s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "Agreement net, per compiled graph, first execution only (real gloo ranks; Store: keys + values both ways)",
+        "",
+        "| workload | ranks | groups/rank | verdict | first run ms (min..max rank) | exchange ms, TCPStore "
+        "(median, slowest rank) | requests/rank | KiB/rank | settled recompile ms | requests | KiB | "
+        "record KiB | compile s | + as written s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["rows"]:
         lines.append(
             f"| {r['workload']} | {r['world']} | {len(r['groups'])} | "
             f"{'/'.join(r['action'])} | {_ms(r['first_run_s_min'])}..{_ms(r['first_run_s_max'])} | "
             f"{_ms(r['exchange_s_median'])} | {r['exchange_ops_max']} | {_kib(r['exchange_bytes_max'])} | "
             f"{_ms(r['settled_s_median'])} | {r['settled_ops']} | {_kib(r['settled_bytes'])} | "
-            f"{_kib(r['record_bytes'])} | {r['compile_s_max']:.2f} | {r['compile_as_written_s_max']:.2f} |")
-    lines += ["", "Store traffic at 1024 ranks (1024 simulated ranks on one in-process Store; counted, not timed)", "",
-              "| layout | groups/rank | requests/rank (max) | KiB/rank (max) | requests at the Store | MiB at the Store | "
-              "settled recompile: requests | KiB |", "|---|---|---|---|---|---|---|---|"]
+            f"{_kib(r['record_bytes'])} | {r['compile_s_max']:.2f} | {r['compile_as_written_s_max']:.2f} |"
+        )
+    lines += [
+        "",
+        "Store traffic at 1024 ranks (1024 simulated ranks on one in-process Store; counted, not timed)",
+        "",
+        "| layout | groups/rank | requests/rank (max) | KiB/rank (max) | requests at the Store | MiB at the Store | "
+        "settled recompile: requests | KiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in report["simulated"]:
         layout = "DP 1024" if s["layout"] == "dp" else "FSDP 128 x TP 8"
-        lines.append(f"| {layout} | {s['groups_per_rank']} | {s['ops_per_rank_max']} | {_kib(s['bytes_per_rank_max'])} | "
-                     f"{s['store_ops_total']} | {s['store_bytes_total'] / 2**20:.2f} | {s['settled_ops']} | "
-                     f"{_kib(s['settled_bytes'])} |")
-    lines += ["", f"load average {report['load_before']:.1f} before, {report['load_after']:.1f} after; "
-              f"{report['wall_s']:.0f} s"]
+        lines.append(
+            f"| {layout} | {s['groups_per_rank']} | {s['ops_per_rank_max']} | {_kib(s['bytes_per_rank_max'])} | "
+            f"{s['store_ops_total']} | {s['store_bytes_total'] / 2**20:.2f} | {s['settled_ops']} | "
+            f"{_kib(s['settled_bytes'])} |"
+        )
+    lines += [
+        "",
+        f"load average {report['load_before']:.1f} before, {report['load_after']:.1f} after; "
+        f"{report['wall_s']:.0f} s",
+    ]
     return "\n".join(lines)
 
 

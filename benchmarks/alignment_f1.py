@@ -56,8 +56,12 @@ CONFIGS = (  # label, scoring, trace format, timeline scale
 def _config(scoring: str):
     from commfuse.trace.align import AlignConfig
 
-    return {"thesis": AlignConfig.thesis(), "thesis-nodedup": AlignConfig.thesis(dedup=False),
-            "default": AlignConfig(), "no-timing": AlignConfig(use_timing=False)}[scoring]
+    return {
+        "thesis": AlignConfig.thesis(),
+        "thesis-nodedup": AlignConfig.thesis(dedup=False),
+        "default": AlignConfig(),
+        "no-timing": AlignConfig(use_timing=False),
+    }[scoring]
 
 
 def run_alignment_f1(*, seed: int = 0, configs=CONFIGS, models: Optional[list[str]] = None) -> dict[str, Any]:
@@ -86,33 +90,62 @@ def run_alignment_f1(*, seed: int = 0, configs=CONFIGS, models: Optional[list[st
                 per_model[m] = r.to_json()
                 if r.clock_error_us is not None:
                     clock.append(r.clock_error_us)
-            rows.append({"config": label, "scoring": scoring, "trace_format": fmt, "timeline_scale": scale,
-                         "median_call_gap_us": round(gaps[len(gaps) // 2], 1) if gaps else None,
-                         "scenario": sc, "thesis_f1": THESIS_F1.get(sc), "precision": round(total.precision, 4),
-                         "recall": round(total.recall, 4), "f1": round(total.f1, 4),
-                         "max_clock_error_us": round(max(clock), 3) if clock else None, "models": per_model})
-    return {"seed": seed, "models": models, "world_size": doc["world_size"], "recorded_with": doc.get("baseline"),
-            "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}
+            rows.append(
+                {
+                    "config": label,
+                    "scoring": scoring,
+                    "trace_format": fmt,
+                    "timeline_scale": scale,
+                    "median_call_gap_us": round(gaps[len(gaps) // 2], 1) if gaps else None,
+                    "scenario": sc,
+                    "thesis_f1": THESIS_F1.get(sc),
+                    "precision": round(total.precision, 4),
+                    "recall": round(total.recall, 4),
+                    "f1": round(total.f1, 4),
+                    "max_clock_error_us": round(max(clock), 3) if clock else None,
+                    "models": per_model,
+                }
+            )
+    return {
+        "seed": seed,
+        "models": models,
+        "world_size": doc["world_size"],
+        "recorded_with": doc.get("baseline"),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "rows": rows,
+    }
 
 
 def alignment_f1_tables(report: dict[str, Any]) -> str:
     rows = report["rows"]
     scen = list(dict.fromkeys(r["scenario"] for r in rows))
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    out = [f"Alignment F1 (micro over {len(report['models'])} example models x {report['world_size']} ranks; "
-           f"seed {report['seed']}); thesis = NCCL-trace thesis Table 4.5 (optimised NW)", "",
-           "| configuration | median call gap | " + " | ".join(scen) + " | max clock error |",
-           "|---|---|" + "---|" * len(scen) + "---|",
-           "| thesis (its synthetic data) | | " + " | ".join(
-               "" if rows[i]["thesis_f1"] is None else f"{rows[i]['thesis_f1']:.3f}"
-               for i in range(len(scen))) + " | < 0.2 us |"]
+    out = [
+        f"Alignment F1 (micro over {len(report['models'])} example models x {report['world_size']} ranks; "
+        f"seed {report['seed']}); thesis = NCCL-trace thesis Table 4.5 (optimised NW)",
+        "",
+        "| configuration | median call gap | " + " | ".join(scen) + " | max clock error |",
+        "|---|---|" + "---|" * len(scen) + "---|",
+        "| thesis (its synthetic data) | | "
+        + " | ".join(
+            "" if rows[i]["thesis_f1"] is None else f"{rows[i]['thesis_f1']:.3f}" for i in range(len(scen))
+        )
+        + " | < 0.2 us |",
+    ]
     for c in configs:
         rs = {r["scenario"]: r for r in rows if r["config"] == c}
         gap = next(iter(rs.values()))["median_call_gap_us"]
         clk = max((r["max_clock_error_us"] or 0.0) for r in rs.values())
-        out.append(f"| {c} | {gap:g} us | " + " | ".join(f"{rs[s]['f1']:.3f}" for s in scen) + f" | {clk:.3f} us |")
-    out += ["", "Per model (F1):", "",
-            "| configuration | model | " + " | ".join(scen) + " |", "|---|---|" + "---|" * len(scen)]
+        out.append(
+            f"| {c} | {gap:g} us | " + " | ".join(f"{rs[s]['f1']:.3f}" for s in scen) + f" | {clk:.3f} us |"
+        )
+    out += [
+        "",
+        "Per model (F1):",
+        "",
+        "| configuration | model | " + " | ".join(scen) + " |",
+        "|---|---|" + "---|" * len(scen),
+    ]
     for c in configs:
         rs = {r["scenario"]: r for r in rows if r["config"] == c}
         for m in report["models"]:

@@ -200,8 +200,11 @@ class EagerBaseline(Baseline):
             # AOTAutograd backend: the collectives eager DTensor issues are
             # those of these graphs.
             got = capture_aot_graphs(built.model, *built.inputs, loss=built.loss)
-            return [CompiledGraph(k, getattr(got, k)) for k in ("forward", "backward", "inference")
-                    if getattr(got, k) is not None]
+            return [
+                CompiledGraph(k, getattr(got, k))
+                for k in ("forward", "backward", "inference")
+                if getattr(got, k) is not None
+            ]
 
         yield Session(run=built.model, graphs=graphs)
 
@@ -217,8 +220,11 @@ class InductorBaseline(Baseline):
         import torch._inductor.config as inductor_config
 
         recorded: list[CompiledGraph] = []
-        with _fresh_inductor_cache(), inductor_config.patch(dict(self.config_patches)), \
-                _record_inductor_post_grad(recorded):
+        with (
+            _fresh_inductor_cache(),
+            inductor_config.patch(dict(self.config_patches)),
+            _record_inductor_post_grad(recorded),
+        ):
             compiled = torch.compile(built.model, backend="inductor")
             yield Session(run=compiled, graphs=lambda: list(recorded))
 
@@ -236,8 +242,11 @@ class CommfuseBaseline(Baseline):
     def session(self, built):
         import commfuse
 
-        kwargs: dict[str, Any] = {"inner_compiler": self.inner, "group_roles": dict(built.roles),
-                                  "lowering": self.lowering}
+        kwargs: dict[str, Any] = {
+            "inner_compiler": self.inner,
+            "group_roles": dict(built.roles),
+            "lowering": self.lowering,
+        }
         if self.passes is not None:
             kwargs["passes"] = list(self.passes)
         kwargs.update(self.options)
@@ -259,8 +268,12 @@ class CommfuseBaseline(Baseline):
                 stack.enter_context(_record_inductor_post_grad(executed))
             else:
                 stack.enter_context(_record_commfuse_lowering(executed))
-            yield Session(run=torch.compile(built.model, backend=be), graphs=graphs, pipeline_reports=reports,
-                          executed_graphs=lambda: list(executed))
+            yield Session(
+                run=torch.compile(built.model, backend=be),
+                graphs=graphs,
+                pipeline_reports=reports,
+                executed_graphs=lambda: list(executed),
+            )
 
 
 # ----------------------------------------------------------------- registry
@@ -279,41 +292,86 @@ def _register_builtin() -> None:
     from commfuse.passes import available_passes
 
     register_baseline(EagerBaseline("eager", "no compilation (eager DTensor)", inner="-"))
-    register_baseline(InductorBaseline("inductor", "torch.compile default (Inductor)", inner="inductor",
-                                       uses_inductor=True))
-    register_baseline(InductorBaseline(
-        "inductor+comm", "Inductor with its comm passes: reorder_for_compute_comm_overlap, "
-        "bucket_{all_gathers,reduce_scatters,all_reduces}_fx='all'", inner="inductor",
-        uses_inductor=True, config_patches=INDUCTOR_COMM_PATCHES))
-    register_baseline(CommfuseBaseline(
-        "commfuse:whole-graph", "commfuse default pipeline; Inductor compiles the whole graph and issues "
-        "its collectives (lowering='inductor')", inner="inductor", uses_inductor=True, lowering="inductor"))
+    register_baseline(
+        InductorBaseline("inductor", "torch.compile default (Inductor)", inner="inductor", uses_inductor=True)
+    )
+    register_baseline(
+        InductorBaseline(
+            "inductor+comm",
+            "Inductor with its comm passes: reorder_for_compute_comm_overlap, "
+            "bucket_{all_gathers,reduce_scatters,all_reduces}_fx='all'",
+            inner="inductor",
+            uses_inductor=True,
+            config_patches=INDUCTOR_COMM_PATCHES,
+        )
+    )
+    register_baseline(
+        CommfuseBaseline(
+            "commfuse:whole-graph",
+            "commfuse default pipeline; Inductor compiles the whole graph and issues "
+            "its collectives (lowering='inductor')",
+            inner="inductor",
+            uses_inductor=True,
+            lowering="inductor",
+        )
+    )
     # torchtitan graph_trainer's expert-parallel split (ep_chunk_pass + ep_overlap_pass: two even
     # chunks, chunk 0's exchange under chunk 1's compute), whatever the cost model says: the
     # exchange partition forced to two chunks, the step-time gate off
-    register_baseline(CommfuseBaseline(
-        "commfuse-eager:ep-two-chunks", "expert_exchange_partition forced to two chunks (graph_trainer's split: "
-        "Config.workload_chunks=2, step-time gate off), eager inner compiler", inner="eager",
-        passes=("expert_exchange_partition",), options=(("workload_chunks", 2), ("step_time_gate", False))))
+    register_baseline(
+        CommfuseBaseline(
+            "commfuse-eager:ep-two-chunks",
+            "expert_exchange_partition forced to two chunks (graph_trainer's split: "
+            "Config.workload_chunks=2, step-time gate off), eager inner compiler",
+            inner="eager",
+            passes=("expert_exchange_partition",),
+            options=(("workload_chunks", 2), ("step_time_gate", False)),
+        )
+    )
     # torchtitan's dropless exchange cut into two column blocks of the hidden dim wherever the
     # pass can, whatever the cost model says (on gloo it predicts no cut faster)
-    register_baseline(CommfuseBaseline(
-        "commfuse-eager:hidden-two-blocks", "hidden_exchange_partition forced to two column blocks "
-        "(Config.workload_chunks=2), eager inner compiler", inner="eager",
-        passes=("hidden_exchange_partition",), options=(("workload_chunks", 2),)))
+    register_baseline(
+        CommfuseBaseline(
+            "commfuse-eager:hidden-two-blocks",
+            "hidden_exchange_partition forced to two column blocks "
+            "(Config.workload_chunks=2), eager inner compiler",
+            inner="eager",
+            passes=("hidden_exchange_partition",),
+            options=(("workload_chunks", 2),),
+        )
+    )
     for inner in ("inductor", "eager"):
         prefix = "commfuse" if inner == "inductor" else "commfuse-eager"
-        register_baseline(CommfuseBaseline(prefix, f"commfuse default pipeline, {inner} inner compiler",
-                                           inner=inner, uses_inductor=inner == "inductor"))
-        register_baseline(CommfuseBaseline(f"{prefix}:none", f"commfuse with no passes, {inner} inner compiler "
-                                           "(the reference single passes are attributed against)",
-                                           inner=inner, uses_inductor=inner == "inductor", passes=()))
+        register_baseline(
+            CommfuseBaseline(
+                prefix,
+                f"commfuse default pipeline, {inner} inner compiler",
+                inner=inner,
+                uses_inductor=inner == "inductor",
+            )
+        )
+        register_baseline(
+            CommfuseBaseline(
+                f"{prefix}:none",
+                f"commfuse with no passes, {inner} inner compiler "
+                "(the reference single passes are attributed against)",
+                inner=inner,
+                uses_inductor=inner == "inductor",
+                passes=(),
+            )
+        )
         # One baseline per registered pass, so gains can be attributed; new
         # passes appear here without touching the runner.
         for name in sorted(available_passes()):
-            register_baseline(CommfuseBaseline(f"{prefix}:{name}", f"commfuse with only pass {name!r}, "
-                                               f"{inner} inner compiler", inner=inner,
-                                               uses_inductor=inner == "inductor", passes=(name,)))
+            register_baseline(
+                CommfuseBaseline(
+                    f"{prefix}:{name}",
+                    f"commfuse with only pass {name!r}, {inner} inner compiler",
+                    inner=inner,
+                    uses_inductor=inner == "inductor",
+                    passes=(name,),
+                )
+            )
 
 
 def get_baseline(name: str) -> Baseline:
@@ -356,7 +414,9 @@ def _loop_step(run: Callable[..., Any], built: Built, parts: list[tuple[Any, ...
 
 
 @contextlib.contextmanager
-def _sync_on_last_microbatch(model: torch.nn.Module, last: bool, acc: dict[Any, torch.Tensor]) -> Iterator[None]:
+def _sync_on_last_microbatch(
+    model: torch.nn.Module, last: bool, acc: dict[Any, torch.Tensor]
+) -> Iterator[None]:
     """Gradient sync on the last micro-batch only, by hand, for a ``commfuse.models.simple_fsdp`` model.
 
     SimpleFSDP reduces a gradient in the backward of its parametrization (``ReplicateComputation``:
@@ -474,8 +534,12 @@ class GradAccumBaseline(Baseline):
             if self.mode == "commfuse":
                 stack.enter_context(_record_commfuse_lowering(recorded))
                 train = commfuse.compile_train_step(
-                    built.model, lambda loss: loss, microbatches=m, reduction="sum",
-                    config=commfuse.Config(inner_compiler=self.inner, group_roles=dict(built.roles)))
+                    built.model,
+                    lambda loss: loss,
+                    microbatches=m,
+                    reduction="sum",
+                    config=commfuse.Config(inner_compiler=self.inner, group_roles=dict(built.roles)),
+                )
 
                 def step() -> None:
                     # The step's loss passes through built.loss (the identity for the models of this
@@ -484,41 +548,84 @@ class GradAccumBaseline(Baseline):
                     built.loss(train(*built.inputs))
                     built.model.zero_grad(set_to_none=True)
 
-                yield Session(run=built.model, graphs=lambda: [],
-                              pipeline_reports=lambda: [r.model_dump(mode="json") for r in train.reports],
-                              executed_graphs=lambda: list(recorded), step=step)
+                yield Session(
+                    run=built.model,
+                    graphs=lambda: [],
+                    pipeline_reports=lambda: [r.model_dump(mode="json") for r in train.reports],
+                    executed_graphs=lambda: list(recorded),
+                    step=step,
+                )
             elif self.mode == "by-hand":
                 # The collective columns count M forwards and one synced backward; the simulated step
                 # would miss the M - 1 backwards without a sync, so it is left out.
-                yield Session(run=built.model, graphs=eager_graphs(1), executed_graphs=lambda: [],
-                              step=_by_hand_step(built))
+                yield Session(
+                    run=built.model,
+                    graphs=eager_graphs(1),
+                    executed_graphs=lambda: [],
+                    step=_by_hand_step(built),
+                )
             elif self.inner == "inductor":
                 stack.enter_context(_record_inductor_post_grad(recorded))
                 compiled = torch.compile(built.model, backend="inductor")
                 # one forward and one backward graph, each executed once per micro-batch
-                yield Session(run=compiled, graphs=lambda: [g for g in recorded for _ in range(m)],
-                              step=_loop_step(compiled, built, parts))
+                yield Session(
+                    run=compiled,
+                    graphs=lambda: [g for g in recorded for _ in range(m)],
+                    step=_loop_step(compiled, built, parts),
+                )
             else:
-                yield Session(run=built.model, graphs=eager_graphs(m), step=_loop_step(built.model, built, parts))
+                yield Session(
+                    run=built.model, graphs=eager_graphs(m), step=_loop_step(built.model, built, parts)
+                )
 
 
 def _register_grad_accum() -> None:
-    register_baseline(GradAccumBaseline("ga:eager", "gradient accumulation: the plain loop, eager",
-                                        inner="-"))
-    register_baseline(GradAccumBaseline("ga:inductor", "gradient accumulation: the plain loop over the "
-                                        "Inductor-compiled model", inner="inductor", uses_inductor=True))
-    register_baseline(GradAccumBaseline("ga:inductor+comm", "gradient accumulation: the plain loop over the "
-                                        "Inductor-compiled model with its comm passes", inner="inductor",
-                                        uses_inductor=True, config_patches=INDUCTOR_COMM_PATCHES))
-    register_baseline(GradAccumBaseline("ga:by-hand", "gradient accumulation, eager, gradient sync on the last "
-                                        "micro-batch only (by hand: DDP no_sync style)", inner="-",
-                                        mode="by-hand"))
-    register_baseline(GradAccumBaseline("ga:commfuse", "gradient accumulation: commfuse.compile_train_step, "
-                                        "default pipeline, Inductor inner compiler", inner="inductor",
-                                        uses_inductor=True, mode="commfuse"))
-    register_baseline(GradAccumBaseline("ga:commfuse-eager", "gradient accumulation: "
-                                        "commfuse.compile_train_step, default pipeline, eager inner compiler",
-                                        inner="eager", mode="commfuse"))
+    register_baseline(
+        GradAccumBaseline("ga:eager", "gradient accumulation: the plain loop, eager", inner="-")
+    )
+    register_baseline(
+        GradAccumBaseline(
+            "ga:inductor",
+            "gradient accumulation: the plain loop over the Inductor-compiled model",
+            inner="inductor",
+            uses_inductor=True,
+        )
+    )
+    register_baseline(
+        GradAccumBaseline(
+            "ga:inductor+comm",
+            "gradient accumulation: the plain loop over the Inductor-compiled model with its comm passes",
+            inner="inductor",
+            uses_inductor=True,
+            config_patches=INDUCTOR_COMM_PATCHES,
+        )
+    )
+    register_baseline(
+        GradAccumBaseline(
+            "ga:by-hand",
+            "gradient accumulation, eager, gradient sync on the last "
+            "micro-batch only (by hand: DDP no_sync style)",
+            inner="-",
+            mode="by-hand",
+        )
+    )
+    register_baseline(
+        GradAccumBaseline(
+            "ga:commfuse",
+            "gradient accumulation: commfuse.compile_train_step, default pipeline, Inductor inner compiler",
+            inner="inductor",
+            uses_inductor=True,
+            mode="commfuse",
+        )
+    )
+    register_baseline(
+        GradAccumBaseline(
+            "ga:commfuse-eager",
+            "gradient accumulation: commfuse.compile_train_step, default pipeline, eager inner compiler",
+            inner="eager",
+            mode="commfuse",
+        )
+    )
 
 
 _register_grad_accum()

@@ -48,7 +48,16 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from commfuse.models.pipeline_models import (  # noqa: E402
-    DPBlock, PipelineModelConfig, ShardedBlock, SPBlock, TPBlock, _rms_norm, make_full_data, make_loss_fn, position_view)
+    DPBlock,
+    PipelineModelConfig,
+    ShardedBlock,
+    SPBlock,
+    TPBlock,
+    _rms_norm,
+    make_full_data,
+    make_loss_fn,
+    position_view,
+)
 from commfuse.analysis.boundary import BoundaryFusionOptions  # noqa: E402
 from commfuse.pipeline.collectives import all_gather, all_to_all, copy_to_group, reduce_scatter  # noqa: E402
 
@@ -133,8 +142,9 @@ class MoEGate(ShardedBlock):
 
     SHARD_DIMS = {"router": None, "w1": 0, "w3": 0, "w2": 0}
 
-    def __init__(self, dim: int, ffn_dim: int, num_experts: int = 4, top_k: int = 1,
-                 capacity_factor: float = 1.0) -> None:
+    def __init__(
+        self, dim: int, ffn_dim: int, num_experts: int = 4, top_k: int = 1, capacity_factor: float = 1.0
+    ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.router = nn.Parameter(torch.empty(num_experts, dim))
@@ -176,13 +186,30 @@ class Workload:
     ffn_dim: int = 32
 
 
-WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    Workload("sp_pp", "SP+PP", "ag_p2p", "sp", BoundaryFusionOptions()),
-    Workload("sp_pp_b", "SP+PP (gather on the receiving stage)", "p2p_ag", "sp", BoundaryFusionOptions()),
-    Workload("tp_pp", "TP+PP", "ar_p2p", "tp", BoundaryFusionOptions(tp_stages=(0, 1), replicated_inputs=("x",))),
-    Workload("a2a_pp", "A2A+P2P (EP -> PP)", "a2a_p2p", "ep", BoundaryFusionOptions()),
-    Workload("pp_ep", "PP+EP", "p2p_a2a", "ep", BoundaryFusionOptions(reverse_transfers=True), dim=128, ffn_dim=64),
-)}
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("sp_pp", "SP+PP", "ag_p2p", "sp", BoundaryFusionOptions()),
+        Workload("sp_pp_b", "SP+PP (gather on the receiving stage)", "p2p_ag", "sp", BoundaryFusionOptions()),
+        Workload(
+            "tp_pp",
+            "TP+PP",
+            "ar_p2p",
+            "tp",
+            BoundaryFusionOptions(tp_stages=(0, 1), replicated_inputs=("x",)),
+        ),
+        Workload("a2a_pp", "A2A+P2P (EP -> PP)", "a2a_p2p", "ep", BoundaryFusionOptions()),
+        Workload(
+            "pp_ep",
+            "PP+EP",
+            "p2p_a2a",
+            "ep",
+            BoundaryFusionOptions(reverse_transfers=True),
+            dim=128,
+            ffn_dim=64,
+        ),
+    )
+}
 
 
 def _blocks(w: Workload, stage: int) -> list[ShardedBlock]:
@@ -217,8 +244,11 @@ def workload_data(w: Workload, n: int, position: int, batch: int, seq: int):
     """This position's input and target, and the loss function (pipeline_models' conventions)."""
     cfg = PipelineModelConfig(kind=w.data_kind, dim=w.dim, ffn_dim=w.ffn_dim)
     x_full, t_full = make_full_data(cfg, n, batch, seq)
-    return (position_view(cfg, n, position, x_full), position_view(cfg, n, position, t_full),
-            make_loss_fn(cfg, n))
+    return (
+        position_view(cfg, n, position, x_full),
+        position_view(cfg, n, position, t_full),
+        make_loss_fn(cfg, n),
+    )
 
 
 # ------------------------------------------------------------------------------------ volume (one process)
@@ -260,8 +290,9 @@ def formula(rule: str, B: int, S: int, H: int, N: int, e: int = 4) -> tuple[int,
     return int(before), int(after)
 
 
-def pp_ep_formula(B: int, S: int, H: int, N: int, E: int, k: int, capacity_factor: float, e: int = 4,
-                  index_bytes: int = 8) -> tuple[int, int]:
+def pp_ep_formula(
+    B: int, S: int, H: int, N: int, E: int, k: int, capacity_factor: float, e: int = 4, index_bytes: int = 8
+) -> tuple[int, int]:
     """PP+EP (docs/boundary-fusion.md): P2P M + dispatch A2A (N-1)D/N  ->  M2MS D + the router
     weight back (E*H*e) + the top-k weights and expert indices forward (B*S*k*(e + index_bytes)),
     D = E*C*H*e the dispatch buffer, C = ceil(capacity_factor*k*B*S/E) slots per expert."""
@@ -286,9 +317,13 @@ TABLE = {
 
 
 def ratio_formula(rule: str, N: int) -> str:
-    return {"ag_p2p": f"N/(2N-1) = {N}/{2 * N - 1}", "p2p_ag": "1",
-            "ar_p2p": f"(2N-1)/(3N-2) = {2 * N - 1}/{3 * N - 2}", "a2a_p2p": f"N/(2N-1) = {N}/{2 * N - 1}",
-            "p2p_a2a": "(D+W+r)/(M+(N-1)D/N)"}[rule]
+    return {
+        "ag_p2p": f"N/(2N-1) = {N}/{2 * N - 1}",
+        "p2p_ag": "1",
+        "ar_p2p": f"(2N-1)/(3N-2) = {2 * N - 1}/{3 * N - 2}",
+        "a2a_p2p": f"N/(2N-1) = {N}/{2 * N - 1}",
+        "p2p_a2a": "(D+W+r)/(M+(N-1)D/N)",
+    }[rule]
 
 
 def volume_row(w: Workload, batch: int = 8, seq: int = 16, microbatches: int = 2) -> dict[str, Any]:
@@ -296,16 +331,26 @@ def volume_row(w: Workload, batch: int = 8, seq: int = 16, microbatches: int = 2
     from commfuse.transforms.boundary_fusion import fuse_boundaries
 
     program, _ = trace_workload(w, 0, batch, seq, microbatches)
-    rep = fuse_boundaries(program.forward, program.layout, options=w.options,
-                          input_names=[s.name for s in program.inputs])
+    rep = fuse_boundaries(
+        program.forward, program.layout, options=w.options, input_names=[s.name for s in program.inputs]
+    )
     applied = [d for d in rep.decisions if d.applied]
     n = program.layout.stage_size
     # the boundary activation [B, S, H]: one micro-batch (ep: this position's rows; sp: the whole
     # sequence, whose shards the stage holds)
     B, S, H = batch // microbatches, seq, w.dim
-    row: dict[str, Any] = {"workload": w.name, "transition": w.transition, "rule": w.rule, "N": n,
-                           "B": B, "S": S, "H": H, "dtype_bytes": 4, "applied": [d.applied for d in applied],
-                           "refusals": rep.refusals}
+    row: dict[str, Any] = {
+        "workload": w.name,
+        "transition": w.transition,
+        "rule": w.rule,
+        "N": n,
+        "B": B,
+        "S": S,
+        "H": H,
+        "dtype_bytes": 4,
+        "applied": [d.applied for d in applied],
+        "refusals": rep.refusals,
+    }
     if not applied:
         return row
     vol = applied[0].volume
@@ -316,16 +361,24 @@ def volume_row(w: Workload, batch: int = 8, seq: int = 16, microbatches: int = 2
     total_before = sum(sum(v.values()) for v in rep.bytes_before.values())
     total_after = sum(sum(v.values()) for v in rep.bytes_after.values())
     table, rng = TABLE[w.rule]
-    row.update({
-        "ops_before": [vars(o) for o in vol.before], "ops_after": [vars(o) for o in vol.after],
-        "bytes_before": vol.bytes_before, "bytes_after": vol.bytes_after,
-        "formula_before": f_before, "formula_after": f_after,
-        "formula_matches": (vol.bytes_before, vol.bytes_after) == (f_before, f_after),
-        "ratio": vol.bytes_after / vol.bytes_before, "ratio_formula": ratio_formula(w.rule, n),
-        "table": table, "table_range": rng,
-        "graph_bytes_before": total_before, "graph_bytes_after": total_after,
-        "graph_difference_matches": total_before - total_after == vol.bytes_before - vol.bytes_after,
-    })
+    row.update(
+        {
+            "ops_before": [vars(o) for o in vol.before],
+            "ops_after": [vars(o) for o in vol.after],
+            "bytes_before": vol.bytes_before,
+            "bytes_after": vol.bytes_after,
+            "formula_before": f_before,
+            "formula_after": f_after,
+            "formula_matches": (vol.bytes_before, vol.bytes_after) == (f_before, f_after),
+            "ratio": vol.bytes_after / vol.bytes_before,
+            "ratio_formula": ratio_formula(w.rule, n),
+            "table": table,
+            "table_range": rng,
+            "graph_bytes_before": total_before,
+            "graph_bytes_after": total_after,
+            "graph_difference_matches": total_before - total_after == vol.bytes_before - vol.bytes_after,
+        }
+    )
     return row
 
 
@@ -337,8 +390,16 @@ def _iqr(xs: list[float]) -> float:
     return q[2] - q[0]
 
 
-def timing_row(pool, w: Workload, microbatches: int = 4, schedule: str = "1f1b", steps: int = 20, batch: int = 8,
-               seq: int = 64, dim: int = 64) -> dict[str, Any]:
+def timing_row(
+    pool,
+    w: Workload,
+    microbatches: int = 4,
+    schedule: str = "1f1b",
+    steps: int = 20,
+    batch: int = 8,
+    seq: int = 64,
+    dim: int = 64,
+) -> dict[str, Any]:
     sys.path.insert(0, str(Path(_REPO) / "tests"))
     import _jobs_boundary_fusion as jobs
 
@@ -346,8 +407,15 @@ def timing_row(pool, w: Workload, microbatches: int = 4, schedule: str = "1f1b",
     import os
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    out: dict[str, Any] = {"workload": w.name, "microbatches": microbatches, "schedule": schedule, "steps": steps,
-                           "batch": batch, "seq": seq, "dim": dim}
+    out: dict[str, Any] = {
+        "workload": w.name,
+        "microbatches": microbatches,
+        "schedule": schedule,
+        "steps": steps,
+        "batch": batch,
+        "seq": seq,
+        "dim": dim,
+    }
     for kind in ("plain", "fused"):
         per_step = [max(r[kind]["times"][i] for r in res) for i in range(steps)]  # the slowest rank
         out[f"{kind}_median_ms"] = statistics.median(per_step) * 1e3
@@ -366,73 +434,102 @@ def timing_row(pool, w: Workload, microbatches: int = 4, schedule: str = "1f1b",
 
 def run_boundary_volume(timing: bool = True) -> dict[str, Any]:
     volume = [volume_row(w) for w in WORKLOADS.values()]
-    report: dict[str, Any] = {"volume": volume, "timing": [], "settings": {
-        "volume": "one micro-batch, position 0 of 2 stages x 2 ranks, fp32, bytes per rank in Chimera Table 1 "
-                  "conventions (sum over the transition's collectives of the bytes one rank of each runs)",
-        "timing": "4 gloo ranks (2 stages x 2) on this machine's 2 cores, PipelineRunner, 1F1B (pp_ep: GPipe), 4 "
-                  "micro-batches of [2, 64, 64] fp32 per rank; plain and fused steps interleaved; per step the "
-                  "slowest rank, median/IQR over 20 timed steps (the first, which traces, excluded); load_1min = "
-                  "load average after the run"}}
+    report: dict[str, Any] = {
+        "volume": volume,
+        "timing": [],
+        "settings": {
+            "volume": "one micro-batch, position 0 of 2 stages x 2 ranks, fp32, bytes per rank in Chimera Table 1 "
+            "conventions (sum over the transition's collectives of the bytes one rank of each runs)",
+            "timing": "4 gloo ranks (2 stages x 2) on this machine's 2 cores, PipelineRunner, 1F1B (pp_ep: GPipe), 4 "
+            "micro-batches of [2, 64, 64] fp32 per rank; plain and fused steps interleaved; per step the "
+            "slowest rank, median/IQR over 20 timed steps (the first, which traces, excluded); load_1min = "
+            "load average after the run",
+        },
+    }
     if timing:
         from commfuse.tools.rank_pool import get_pool
 
         pool = get_pool(4)
         try:
             # p2p_a2a sends the router weight back each micro-batch: GPipe only (docs/boundary-fusion.md)
-            report["timing"] = [timing_row(pool, w, schedule="gpipe" if w.rule == "p2p_a2a" else "1f1b")
-                                for w in WORKLOADS.values()]
+            report["timing"] = [
+                timing_row(pool, w, schedule="gpipe" if w.rule == "p2p_a2a" else "1f1b")
+                for w in WORKLOADS.values()
+            ]
         finally:
             pool.shutdown()
     return report
 
 
 def boundary_volume_tables(report: dict[str, Any]) -> str:
-    lines = ["Boundary bytes per rank (one micro-batch, fp32; Chimera Table 1 conventions)", "",
-             f"{'workload':<9} {'rule':<8} {'B,S,H,N':<12} {'before':>8} {'after':>8} {'formula':>15} {'ratio':>6} "
-             f"{'ratio formula':<18} {'Chimera':<26} {'range':<12}"]
+    lines = [
+        "Boundary bytes per rank (one micro-batch, fp32; Chimera Table 1 conventions)",
+        "",
+        f"{'workload':<9} {'rule':<8} {'B,S,H,N':<12} {'before':>8} {'after':>8} {'formula':>15} {'ratio':>6} "
+        f"{'ratio formula':<18} {'Chimera':<26} {'range':<12}",
+    ]
     for r in report["volume"]:
         if "bytes_before" not in r:
             lines.append(f"{r['workload']:<9} {r['rule']:<8} not applied: {r['refusals']}")
             continue
         shape = f"{r['B']},{r['S']},{r['H']},{r['N']}"
         formula_s = f"{r['formula_before']}/{r['formula_after']}" + ("" if r["formula_matches"] else " (!)")
-        lines.append(f"{r['workload']:<9} {r['rule']:<8} {shape:<12} {r['bytes_before']:>8} {r['bytes_after']:>8} "
-                     f"{formula_s:>15} {r['ratio']:>6.1%} {r['ratio_formula']:<18} {r['table']:<26} "
-                     f"{r['table_range']:<12}")
+        lines.append(
+            f"{r['workload']:<9} {r['rule']:<8} {shape:<12} {r['bytes_before']:>8} {r['bytes_after']:>8} "
+            f"{formula_s:>15} {r['ratio']:>6.1%} {r['ratio_formula']:<18} {r['table']:<26} "
+            f"{r['table_range']:<12}"
+        )
     if report.get("timing"):
-        lines += ["", "Measured step time, 4 gloo ranks (2 stages x 2), PipelineRunner",
-                  f"{'workload':<9} {'M':>2} {'sched':<6} {'unfused ms':>16} {'fused ms':>16} {'speedup':>8} "
-                  f"{'max |diff|':>10}"]
+        lines += [
+            "",
+            "Measured step time, 4 gloo ranks (2 stages x 2), PipelineRunner",
+            f"{'workload':<9} {'M':>2} {'sched':<6} {'unfused ms':>16} {'fused ms':>16} {'speedup':>8} "
+            f"{'max |diff|':>10}",
+        ]
         for t in report["timing"]:
-            lines.append(f"{t['workload']:<9} {t['microbatches']:>2} {t['schedule']:<6} "
-                         f"{t['plain_median_ms']:>9.2f} ±{t['plain_iqr_ms']:>5.2f} "
-                         f"{t['fused_median_ms']:>9.2f} ±{t['fused_iqr_ms']:>5.2f} {t['speedup']:>7.2f}x "
-                         f"{t['max_abs_diff']:>10.2e}")
+            lines.append(
+                f"{t['workload']:<9} {t['microbatches']:>2} {t['schedule']:<6} "
+                f"{t['plain_median_ms']:>9.2f} ±{t['plain_iqr_ms']:>5.2f} "
+                f"{t['fused_median_ms']:>9.2f} ±{t['fused_iqr_ms']:>5.2f} {t['speedup']:>7.2f}x "
+                f"{t['max_abs_diff']:>10.2e}"
+            )
     return "\n".join(lines)
 
 
 def markdown(report: dict[str, Any]) -> str:
-    out = ["# Boundary fusion: bytes per rank and step time", "",
-           "Generated by `python benchmarks/run.py --boundary-volume` (benchmarks/boundary_volume.py). "
-           "Derivation: docs/boundary-fusion.md.", "",
-           "| workload | rule | B,S,H,N | before (B) | after (B) | formula | ratio | ratio formula | Chimera | range |",
-           "|---|---|---|---:|---:|---|---:|---|---|---|"]
+    out = [
+        "# Boundary fusion: bytes per rank and step time",
+        "",
+        "Generated by `python benchmarks/run.py --boundary-volume` (benchmarks/boundary_volume.py). "
+        "Derivation: docs/boundary-fusion.md.",
+        "",
+        "| workload | rule | B,S,H,N | before (B) | after (B) | formula | ratio | ratio formula | Chimera | range |",
+        "|---|---|---|---:|---:|---|---:|---|---|---|",
+    ]
     for r in report["volume"]:
         if "bytes_before" not in r:
             out.append(f"| {r['workload']} | {r['rule']} | | | | not applied | | | | |")
             continue
-        out.append(f"| {r['workload']} | {r['rule']} | {r['B']},{r['S']},{r['H']},{r['N']} | {r['bytes_before']} | "
-                   f"{r['bytes_after']} | {'matches' if r['formula_matches'] else 'DIFFERS'} | {r['ratio']:.1%} | "
-                   f"{r['ratio_formula']} | {r['table']} | {r['table_range']} |")
+        out.append(
+            f"| {r['workload']} | {r['rule']} | {r['B']},{r['S']},{r['H']},{r['N']} | {r['bytes_before']} | "
+            f"{r['bytes_after']} | {'matches' if r['formula_matches'] else 'DIFFERS'} | {r['ratio']:.1%} | "
+            f"{r['ratio_formula']} | {r['table']} | {r['table_range']} |"
+        )
     if report.get("timing"):
-        out += ["", "Measured on 4 gloo ranks (2 stages x 2), 2 shared CPU cores, PipelineRunner "
-                "(median ± IQR of the slowest rank per step):", "",
-                "| workload | micro-batches | schedule | unfused ms | fused ms | speedup | max abs diff |",
-                "|---|---:|---|---:|---:|---:|---:|"]
+        out += [
+            "",
+            "Measured on 4 gloo ranks (2 stages x 2), 2 shared CPU cores, PipelineRunner "
+            "(median ± IQR of the slowest rank per step):",
+            "",
+            "| workload | micro-batches | schedule | unfused ms | fused ms | speedup | max abs diff |",
+            "|---|---:|---|---:|---:|---:|---:|",
+        ]
         for t in report["timing"]:
-            out.append(f"| {t['workload']} | {t['microbatches']} | {t['schedule']} | {t['plain_median_ms']:.2f} ± "
-                       f"{t['plain_iqr_ms']:.2f} | {t['fused_median_ms']:.2f} ± {t['fused_iqr_ms']:.2f} | "
-                       f"{t['speedup']:.2f}x | {t['max_abs_diff']:.1e} |")
+            out.append(
+                f"| {t['workload']} | {t['microbatches']} | {t['schedule']} | {t['plain_median_ms']:.2f} ± "
+                f"{t['plain_iqr_ms']:.2f} | {t['fused_median_ms']:.2f} ± {t['fused_iqr_ms']:.2f} | "
+                f"{t['speedup']:.2f}x | {t['max_abs_diff']:.1e} |"
+            )
     return "\n".join(out) + "\n"
 
 

@@ -32,9 +32,15 @@ def _decisions(reports: Sequence[Any]) -> list[dict[str, Any]]:
     out = []
     for r in reports:
         for p in r.passes:
-            out.append({"graph": r.graph, "pass": p.name, "changed": p.changed,
-                        "gate": [d["gate"] for d in p.decisions if "gate" in d],
-                        "counts": {k: v for k, v in sorted(p.counts.items()) if v}})
+            out.append(
+                {
+                    "graph": r.graph,
+                    "pass": p.name,
+                    "changed": p.changed,
+                    "gate": [d["gate"] for d in p.decisions if "gate" in d],
+                    "counts": {k: v for k, v in sorted(p.counts.items()) if v},
+                }
+            )
     return out
 
 
@@ -54,19 +60,25 @@ def decisions_job(workloads: Sequence[str], profile: str) -> dict[str, dict[str,
             torch._dynamo.reset()
             torch.manual_seed(0)
             built = get_workload(name).build(world, rank)
-            backend = commfuse.backend(commfuse.Config(inner_compiler="eager", group_roles=built.roles,
-                                                       cost_profile=path))
+            backend = commfuse.backend(
+                commfuse.Config(inner_compiler="eager", group_roles=built.roles, cost_profile=path)
+            )
             built.loss(torch.compile(built.model, backend=backend)(*built.inputs)).backward()
             out[name][label] = _decisions(backend.reports)
     return out
 
 
 def _differences(nominal: list[dict[str, Any]], calibrated: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"graph": a["graph"], "pass": a["pass"], "nominal": a, "calibrated": b}
-            for a, b in zip(nominal, calibrated, strict=True) if a != b]
+    return [
+        {"graph": a["graph"], "pass": a["pass"], "nominal": a, "calibrated": b}
+        for a, b in zip(nominal, calibrated, strict=True)
+        if a != b
+    ]
 
 
-def run_calibrated_decisions(workloads: Sequence[str] = WORKLOADS, profile: Optional[str] = None) -> dict[str, Any]:
+def run_calibrated_decisions(
+    workloads: Sequence[str] = WORKLOADS, profile: Optional[str] = None
+) -> dict[str, Any]:
     from commfuse.tools.rank_pool import RankPool
 
     path = profile or str(PROFILE)
@@ -75,9 +87,14 @@ def run_calibrated_decisions(workloads: Sequence[str] = WORKLOADS, profile: Opti
     rows = []
     for name in workloads:
         first = per_rank[0][name]
-        rows.append({"workload": name, "ranks_agree": all(r[name] == first for r in per_rank),
-                     "decisions": len(first["nominal"]),
-                     "differences": _differences(first["nominal"], first["calibrated"])})
+        rows.append(
+            {
+                "workload": name,
+                "ranks_agree": all(r[name] == first for r in per_rank),
+                "decisions": len(first["nominal"]),
+                "differences": _differences(first["nominal"], first["calibrated"]),
+            }
+        )
     shown = path if profile else str(PROFILE.relative_to(ROOT))
     return {"world_size": WORLD, "profile": shown, "workloads": rows}
 
@@ -89,14 +106,20 @@ def _brief(d: dict[str, Any]) -> str:
 
 
 def calibrated_decisions_tables(doc: dict[str, Any]) -> str:
-    lines = [f"Decisions with the nominal cost model vs the calibrated profile {doc['profile']} "
-             f"({doc['world_size']} gloo ranks, default pipeline, eager inner compiler)",
-             f"{'workload':<16}{'ranks agree':>12}{'decisions':>11}{'differ':>8}"]
+    lines = [
+        f"Decisions with the nominal cost model vs the calibrated profile {doc['profile']} "
+        f"({doc['world_size']} gloo ranks, default pipeline, eager inner compiler)",
+        f"{'workload':<16}{'ranks agree':>12}{'decisions':>11}{'differ':>8}",
+    ]
     for r in doc["workloads"]:
-        lines.append(f"{r['workload']:<16}{'yes' if r['ranks_agree'] else 'NO':>12}{r['decisions']:>11}"
-                     f"{len(r['differences']):>8}")
+        lines.append(
+            f"{r['workload']:<16}{'yes' if r['ranks_agree'] else 'NO':>12}{r['decisions']:>11}"
+            f"{len(r['differences']):>8}"
+        )
     for r in doc["workloads"]:
         for d in r["differences"]:
-            lines.append(f"{r['workload']} {d['graph']} {d['pass']}: nominal {_brief(d['nominal'])}; "
-                         f"calibrated {_brief(d['calibrated'])}")
+            lines.append(
+                f"{r['workload']} {d['graph']} {d['pass']}: nominal {_brief(d['nominal'])}; "
+                f"calibrated {_brief(d['calibrated'])}"
+            )
     return "\n".join(lines)

@@ -65,8 +65,16 @@ def timed_steps(workload: str, executor: str, warmup: int, steps: int) -> list[f
 def share_row(workload: str, executor: str, real_s: list[float], local_s: list[float]) -> dict[str, Any]:
     """The table row: medians, communication's share of the real step and the speed-up bound."""
     real, local = statistics.median(real_s), statistics.median(local_s)
-    return {"workload": workload, "executor": executor, "real_ms": real * 1e3, "local_ms": local * 1e3,
-            "share": 1.0 - local / real, "bound": real / local, "real_s": real_s, "local_s": local_s}
+    return {
+        "workload": workload,
+        "executor": executor,
+        "real_ms": real * 1e3,
+        "local_ms": local * 1e3,
+        "share": 1.0 - local / real,
+        "bound": real / local,
+        "real_s": real_s,
+        "local_s": local_s,
+    }
 
 
 def _local_steps(workload: str, executor: str, world: int, warmup: int, steps: int) -> list[float]:
@@ -116,14 +124,21 @@ def main(argv: list[str] | None = None) -> int:
         row = share_row(workload, executor, real, local)
         row["world"] = world
         rows.append(row)
-        print(f"{workload} @ {executor}, {world} ranks: real {row['real_ms']:.1f} ms, local {row['local_ms']:.1f} ms, "
-              f"communication {100 * row['share']:.1f}% of the step, bound {row['bound']:.3f}x "
-              f"(load {os.getloadavg()[0]:.1f})", flush=True)
-    print("\n| workload | executor | ranks | real step ms | local step ms | communication share | speed-up bound |")
+        print(
+            f"{workload} @ {executor}, {world} ranks: real {row['real_ms']:.1f} ms, local {row['local_ms']:.1f} ms, "
+            f"communication {100 * row['share']:.1f}% of the step, bound {row['bound']:.3f}x "
+            f"(load {os.getloadavg()[0]:.1f})",
+            flush=True,
+        )
+    print(
+        "\n| workload | executor | ranks | real step ms | local step ms | communication share | speed-up bound |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['executor']} | {r['world']} | {r['real_ms']:.1f} | {r['local_ms']:.1f} | "
-              f"{100 * r['share']:.1f}% | {r['bound']:.3f}x |")
+        print(
+            f"| {r['workload']} | {r['executor']} | {r['world']} | {r['real_ms']:.1f} | {r['local_ms']:.1f} | "
+            f"{100 * r['share']:.1f}% | {r['bound']:.3f}x |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 WORKLOADS = ("llama_tp_sp:s", "llama_tp:s", "moe_ep:s", "simple_fsdp:s", "dp:s")
-VALIDATION_SIZES = tuple(2 * 4 ** i * 1024 for i in range(0, 7))  # 2 KiB .. 8 MiB, between calibration sizes
+VALIDATION_SIZES = tuple(2 * 4**i * 1024 for i in range(0, 7))  # 2 KiB .. 8 MiB, between calibration sizes
 
 
 def _iqr(xs):
@@ -64,10 +64,14 @@ def step_job(workload: str, profile_json: str, warmup: int, steps: int) -> dict:
         def compiler(gm, _inputs):
             graphs[kind] = gm
             return make_boxed_func(gm.forward)
+
         return compiler
 
-    be = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"),
-                      partition_fn=min_cut_rematerialization_partition)
+    be = aot_autograd(
+        fw_compiler=recorder("forward"),
+        bw_compiler=recorder("backward"),
+        partition_fn=min_cut_rematerialization_partition,
+    )
     model = torch.compile(built.model, backend=be)
 
     def step():
@@ -88,7 +92,9 @@ def step_job(workload: str, profile_json: str, warmup: int, steps: int) -> dict:
     params = [p for p in built.model.parameters() if p.requires_grad]
     dtensor = sum(1 for p in params if isinstance(p, DTensor))
     est = CostProfile.model_validate_json(profile_json).build_model()
-    pred = predict_step(graphs, est, params=len(params) - dtensor, dtensor_params=dtensor, slowdown=est.slowdown)
+    pred = predict_step(
+        graphs, est, params=len(params) - dtensor, dtensor_params=dtensor, slowdown=est.slowdown
+    )
     return {"times_us": times, "predicted_us": pred.total_us, "prediction": pred.summary()}
 
 
@@ -116,16 +122,32 @@ def main(argv=None) -> int:
     pool = get_pool(2)
     out = {"collectives": [], "steps": [], "provenance": profile.provenance.model_dump()}
 
-    samples = merge_ranks(pool.run(measure_collectives_job, [k.value for k in COLLECTIVE_KINDS],
-                                   list(VALIDATION_SIZES), 3, a.reps, timeout=900))
+    samples = merge_ranks(
+        pool.run(
+            measure_collectives_job,
+            [k.value for k in COLLECTIVE_KINDS],
+            list(VALIDATION_SIZES),
+            3,
+            a.reps,
+            timeout=900,
+        )
+    )
     print(f"\n{'kind':<16}{'bytes':>10}{'measured us':>14}{'IQR':>9}{'predicted':>12}{'error':>9}")
     errs = []
     for s in samples:
         pred = model.collectives.time(s.key, int(s.x), 2).time_us
         err = (pred - s.median) / s.median
         errs.append(abs(err))
-        out["collectives"].append({"kind": s.key, "bytes": int(s.x), "median_us": s.median, "iqr_us": s.iqr,
-                                   "predicted_us": pred, "error": err})
+        out["collectives"].append(
+            {
+                "kind": s.key,
+                "bytes": int(s.x),
+                "median_us": s.median,
+                "iqr_us": s.iqr,
+                "predicted_us": pred,
+                "error": err,
+            }
+        )
         print(f"{s.key:<16}{int(s.x):>10}{s.median:>14.1f}{s.iqr:>9.1f}{pred:>12.1f}{err:>+9.1%}")
     coll_err = statistics.median(errs)
 
@@ -138,21 +160,38 @@ def main(argv=None) -> int:
         err = (pred - med) / med
         step_errs.append(abs(err))
         p = res[0]["prediction"]
-        out["steps"].append({"workload": w, "median_us": med, "iqr_us": _iqr(times), "predicted_us": pred,
-                             "error": err, "prediction": p, "times_us": times})
+        out["steps"].append(
+            {
+                "workload": w,
+                "median_us": med,
+                "iqr_us": _iqr(times),
+                "predicted_us": pred,
+                "error": err,
+                "prediction": p,
+                "times_us": times,
+            }
+        )
         g = p["graphs"]
         comm = sum(x["exposed_comm_us"] for x in g.values())
-        print(f"{w:<16}{med / 1e3:>13.2f}{_iqr(times) / 1e3:>8.2f}{pred / 1e3:>11.2f}{err:>+9.1%}"
-              f"   (graphs {p['graphs_us'] / 1e3:.2f}: compute {sum(x['compute_us'] for x in g.values()) / 1e3:.2f}"
-              f" + exposed comm {comm / 1e3:.2f}; runtime {p['runtime_us'] / 1e3:.2f} for "
-              f"{p['params']} + {p['dtensor_params']} DTensor params)")
+        print(
+            f"{w:<16}{med / 1e3:>13.2f}{_iqr(times) / 1e3:>8.2f}{pred / 1e3:>11.2f}{err:>+9.1%}"
+            f"   (graphs {p['graphs_us'] / 1e3:.2f}: compute {sum(x['compute_us'] for x in g.values()) / 1e3:.2f}"
+            f" + exposed comm {comm / 1e3:.2f}; runtime {p['runtime_us'] / 1e3:.2f} for "
+            f"{p['params']} + {p['dtensor_params']} DTensor params)"
+        )
     step_err = statistics.median(step_errs)
-    print(f"\nmedian |error|: collectives {coll_err:.1%} (IQR {_iqr(errs):.1%}, target <= 20%), "
-          f"full steps {step_err:.1%} (IQR {_iqr(step_errs):.1%}, target <= 25%)")
+    print(
+        f"\nmedian |error|: collectives {coll_err:.1%} (IQR {_iqr(errs):.1%}, target <= 20%), "
+        f"full steps {step_err:.1%} (IQR {_iqr(step_errs):.1%}, target <= 25%)"
+    )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
-    out.update(collective_median_abs_error=coll_err, collective_abs_error_iqr=_iqr(errs),
-               step_median_abs_error=step_err, step_abs_error_iqr=_iqr(step_errs),
-               profile=profile.model_dump(mode="json"))
+    out.update(
+        collective_median_abs_error=coll_err,
+        collective_abs_error_iqr=_iqr(errs),
+        step_median_abs_error=step_err,
+        step_abs_error_iqr=_iqr(step_errs),
+        profile=profile.model_dump(mode="json"),
+    )
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0

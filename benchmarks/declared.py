@@ -99,17 +99,44 @@ _TOKENS_D = {"batch": 2, "seq": 1024}
 _LLAMA_S = {"n_layers": 1, "dim": 64, "n_heads": 4, "ffn_dim": 128, "vocab": 256, **_TOKENS_S}
 _LLAMA_D = {"n_layers": 2, "dim": 512, "n_heads": 16, "ffn_dim": 1536, "vocab": 2048, **_TOKENS_D}
 _DSV3_S = {"n_layers": 1, "dim": 64, "n_heads": 4, "ffn_dim": 64, "num_experts": 4, "vocab": 256, **_TOKENS_S}
-_DSV3_D = {"n_layers": 2, "dim": 512, "n_heads": 8, "ffn_dim": 512, "num_experts": 8, "vocab": 2048, **_TOKENS_D}
+_DSV3_D = {
+    "n_layers": 2,
+    "dim": 512,
+    "n_heads": 8,
+    "ffn_dim": 512,
+    "num_experts": 8,
+    "vocab": 2048,
+    **_TOKENS_D,
+}
 
 DECLARED_FAMILIES: tuple[Family, ...] = (
-    Family("titan_llama3_tp_sp", "torchtitan llama3, its Llama3Model.parallelize: TP + sequence parallel, "
-           "vocab-parallel loss", _build_titan_llama3_tp_sp, {"s": _LLAMA_S, "d": _LLAMA_D}),
-    Family("titan_deepseek_v3_tp_ep", "torchtitan deepseek_v3 (MLA, dropless MoE), its DeepSeekV3Model.parallelize: "
-           "TP + SP, EP over the same ranks", _build_titan_deepseek_v3_tp_ep, {"s": _DSV3_S, "d": _DSV3_D}),
-    Family("hf_llama_tp", "transformers LlamaForCausalLM, its tp_plan (DistributedConfig(tp_size)): plain TP",
-           _build_hf_llama_tp, {"s": _LLAMA_S, "d": _LLAMA_D}),
-    Family("simple_fsdp_tp", "SimpleFSDP x TP+SP on a 2x2 mesh: torchtitan llama3, TP by its parallelize, "
-           "then graph_trainer's SimpleFSDP", _build_simple_fsdp_tp, {"s": _LLAMA_S, "d": _LLAMA_D}, world=4),
+    Family(
+        "titan_llama3_tp_sp",
+        "torchtitan llama3, its Llama3Model.parallelize: TP + sequence parallel, vocab-parallel loss",
+        _build_titan_llama3_tp_sp,
+        {"s": _LLAMA_S, "d": _LLAMA_D},
+    ),
+    Family(
+        "titan_deepseek_v3_tp_ep",
+        "torchtitan deepseek_v3 (MLA, dropless MoE), its DeepSeekV3Model.parallelize: "
+        "TP + SP, EP over the same ranks",
+        _build_titan_deepseek_v3_tp_ep,
+        {"s": _DSV3_S, "d": _DSV3_D},
+    ),
+    Family(
+        "hf_llama_tp",
+        "transformers LlamaForCausalLM, its tp_plan (DistributedConfig(tp_size)): plain TP",
+        _build_hf_llama_tp,
+        {"s": _LLAMA_S, "d": _LLAMA_D},
+    ),
+    Family(
+        "simple_fsdp_tp",
+        "SimpleFSDP x TP+SP on a 2x2 mesh: torchtitan llama3, TP by its parallelize, "
+        "then graph_trainer's SimpleFSDP",
+        _build_simple_fsdp_tp,
+        {"s": _LLAMA_S, "d": _LLAMA_D},
+        world=4,
+    ),
 )
 
 # Registered by the module benchmarks.workloads imports, not by a copy of this file run as a script
@@ -158,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             ranks = pool.run(eager_step_seconds, name, args.steps, timeout=1800)
         wall = [max(r[i][0] for r in ranks) for i in range(args.steps)]
         cpu = [max(r[i][1] for r in ranks) for i in range(args.steps)]
-        print(f"{name}: {world} ranks, wall s/step {' '.join(f'{x:.2f}' for x in wall)}, CPU s/step (slowest "
-              f"rank) {' '.join(f'{x:.2f}' for x in cpu)}, load {os.getloadavg()[0]:.1f}", flush=True)
+        print(
+            f"{name}: {world} ranks, wall s/step {' '.join(f'{x:.2f}' for x in wall)}, CPU s/step (slowest "
+            f"rank) {' '.join(f'{x:.2f}' for x in cpu)}, load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
     return 0
 
 

@@ -79,16 +79,29 @@ def _plan_row(preset: str, strands: dict[str, Any]) -> dict[str, Any]:
 
     return {
         "preset": preset,
-        "forward": {"segments": len(fwd.segments), "kinds": list(fwd.kinds()), "time_us": fwd.total_time,
-                    "comm_us": comm(fwd)},
-        "backward": {"segments": len(bwd.segments), "kinds": list(bwd.kinds()), "time_us": bwd.total_time,
-                     "comm_us": comm(bwd), "movable": list(bwd.movable)},
+        "forward": {
+            "segments": len(fwd.segments),
+            "kinds": list(fwd.kinds()),
+            "time_us": fwd.total_time,
+            "comm_us": comm(fwd),
+        },
+        "backward": {
+            "segments": len(bwd.segments),
+            "kinds": list(bwd.kinds()),
+            "time_us": bwd.total_time,
+            "comm_us": comm(bwd),
+            "movable": list(bwd.movable),
+        },
         "sequential_us": sequential,
         "interleaved_us": plan.total_time,
         "speedup": sequential / plan.total_time if plan.total_time > 0 else 1.0,
         "backward_order": ["graph order", "wgrad GEMMs deferred"][res.bwd_index],
-        "plan": {"steps": len(plan.steps), "pairs": plan.codes.count("pair"), "peak_memory_bytes": plan.peak_memory,
-                 "codes": list(plan.codes)},
+        "plan": {
+            "steps": len(plan.steps),
+            "pairs": plan.codes.count("pair"),
+            "peak_memory_bytes": plan.peak_memory,
+            "codes": list(plan.codes),
+        },
         "published": PUBLISHED[preset],
     }
 
@@ -124,13 +137,17 @@ def measured_row(pool: Any, layout: str, microbatches: int, steps: int) -> dict[
         p = r["plain"]
         for q in (r["fused"], r["interleaved"]):
             diffs.append(float((p["loss"] - q["loss"]).abs()))
-            diffs += [float((p["grads"][k] - q["grads"][k]).abs().max()) for k in p["grads"]
-                      if p["grads"][k] is not None]
+            diffs += [
+                float((p["grads"][k] - q["grads"][k]).abs().max())
+                for k in p["grads"]
+                if p["grads"][k] is not None
+            ]
     row["max_abs_diff"] = max(diffs)
     d = res[0]["interleaved"]["decision"] or {}
     row["kept"] = d.get("kept")
-    row["same_plan_on_all_ranks"] = len({(r["interleaved"]["decision"] or {}).get("plan", {}).get("digest")
-                                         for r in res}) == 1
+    row["same_plan_on_all_ranks"] = (
+        len({(r["interleaved"]["decision"] or {}).get("plan", {}).get("digest") for r in res}) == 1
+    )
     row["peak_sequential_bytes"] = d.get("sequential", {}).get("peak_memory_bytes")
     row["peak_interleaved_bytes"] = d.get("interleaved", {}).get("peak_memory_bytes")
     row["activation_peak_bytes"] = d.get("activation_peak_bytes")
@@ -155,7 +172,9 @@ def run_dhelix_report(small: bool = False, timing: bool = True, steps: int = 10)
         try:
             t = time.perf_counter()
             cfg = llama.LlamaConfig(n_layers=1, dim=s["dim"], n_heads=s["n_heads"], ffn_dim=s["ffn_dim"])
-            model = llama.parallelize_llama(llama.build_llama(cfg, seed=0), mesh["tp"], sequence_parallel=True)
+            model = llama.parallelize_llama(
+                llama.build_llama(cfg, seed=0), mesh["tp"], sequence_parallel=True
+            )
             data = llama.make_inputs(cfg, s["batch"], s["seq"], rank=0, world_size=TP, sequence_parallel=True)
             graphs = capture_aot_graphs(model, data.inputs, loss=lambda out: llama.loss_fn(out, data))
             capture_s = time.perf_counter() - t
@@ -174,51 +193,68 @@ def run_dhelix_report(small: bool = False, timing: bool = True, steps: int = 10)
             pool.shutdown()
     return {
         "measured": measured,
-        "measured_setup": ("4 gloo ranks on this machine (2 cores), compile_train_step, 4-layer models (dim 32), "
-                           "eager inner compiler + commfuse lowering; alternated per step, slowest rank, first step "
-                           "excluded"),
-        "workload": (f"Llama-style layer, TP+SP over {TP} ranks (one node); dim {s['dim']}, heads {s['n_heads']}, "
-                     f"ffn {s['ffn_dim']}, batch {s['batch']}, seq {s['seq']}, fp32; fake process group"),
+        "measured_setup": (
+            "4 gloo ranks on this machine (2 cores), compile_train_step, 4-layer models (dim 32), "
+            "eager inner compiler + commfuse lowering; alternated per step, slowest rank, first step "
+            "excluded"
+        ),
+        "workload": (
+            f"Llama-style layer, TP+SP over {TP} ranks (one node); dim {s['dim']}, heads {s['n_heads']}, "
+            f"ffn {s['ffn_dim']}, batch {s['batch']}, seq {s['seq']}, fp32; fake process group"
+        ),
         "model": "AnalyticCostModel (roofline compute, NCCL collective model), backend nccl",
         "oef": "default_oef() -- illustrative factors after the paper's qualitative findings, NOT measured",
         "source": "DHelix (Wang et al., 'Hiding Communication Cost in Distributed LLM Training via "
-                  "Micro-batch Co-execution'), Sec. 6 'Evaluation'",
+        "Micro-batch Co-execution'), Sec. 6 'Evaluation'",
         "capture_s": capture_s,
         "rows": rows,
     }
 
 
 def dhelix_tables(doc: dict[str, Any]) -> str:
-    lines = [f"DHelix strand interleaving, predicted — {doc['workload']}",
-             f"cost model: {doc['model']}; OEF: {doc['oef']}",
-             "sequential = alpha backward then beta forward of the layer; interleaved = Eq. 2 plan (search_plans)",
-             f"{'preset':<10}{'fwd us':>10}{'bwd us':>10}{'comm us':>10}{'sequential us':>15}{'interleaved us':>16}"
-             f"{'speed-up':>10}{'pairs':>7}  backward order / published (end-to-end)"]
+    lines = [
+        f"DHelix strand interleaving, predicted — {doc['workload']}",
+        f"cost model: {doc['model']}; OEF: {doc['oef']}",
+        "sequential = alpha backward then beta forward of the layer; interleaved = Eq. 2 plan (search_plans)",
+        f"{'preset':<10}{'fwd us':>10}{'bwd us':>10}{'comm us':>10}{'sequential us':>15}{'interleaved us':>16}"
+        f"{'speed-up':>10}{'pairs':>7}  backward order / published (end-to-end)",
+    ]
     for r in doc["rows"]:
         comm = r["forward"]["comm_us"] + r["backward"]["comm_us"]
-        lines.append(f"{r['preset']:<10}{r['forward']['time_us']:>10.1f}{r['backward']['time_us']:>10.1f}{comm:>10.1f}"
-                     f"{r['sequential_us']:>15.1f}{r['interleaved_us']:>16.1f}{r['speedup']:>9.3f}x"
-                     f"{r['plan']['pairs']:>7}  {r['backward_order']} / {r['published']}")
+        lines.append(
+            f"{r['preset']:<10}{r['forward']['time_us']:>10.1f}{r['backward']['time_us']:>10.1f}{comm:>10.1f}"
+            f"{r['sequential_us']:>15.1f}{r['interleaved_us']:>16.1f}{r['speedup']:>9.3f}x"
+            f"{r['plan']['pairs']:>7}  {r['backward_order']} / {r['published']}"
+        )
     for r in doc["rows"]:
-        lines.append(f"  {r['preset']}: forward {r['forward']['segments']} segments, backward "
-                     f"{r['backward']['segments']} segments, movable wgrad GEMMs {len(r['backward']['movable'])}")
+        lines.append(
+            f"  {r['preset']}: forward {r['forward']['segments']} segments, backward "
+            f"{r['backward']['segments']} segments, movable wgrad GEMMs {len(r['backward']['movable'])}"
+        )
     lines.append(f"source of the published gains: {doc['source']}")
     if doc.get("measured"):
-        lines += ["", f"DHelix interleaved training step, MEASURED — {doc['measured_setup']}",
-                  "plain = default pipeline; fused = same graph as interleaved, not interleaved (every forward, "
-                  "then every backward); speed-up = fused / interleaved (the interleaving alone)",
-                  f"{'model':<7}{'M':>3}{'plain ms':>10}{'IQR':>7}{'fused ms':>10}{'IQR':>7}{'interleaved ms':>16}"
-                  f"{'IQR':>7}{'speed-up':>10}{'vs plain':>10}"
-                  f"{'max |diff|':>12}{'peak seq B':>12}{'peak il B':>11}{'act seq B':>11}{'act il B':>10}  same plan"]
+        lines += [
+            "",
+            f"DHelix interleaved training step, MEASURED — {doc['measured_setup']}",
+            "plain = default pipeline; fused = same graph as interleaved, not interleaved (every forward, "
+            "then every backward); speed-up = fused / interleaved (the interleaving alone)",
+            f"{'model':<7}{'M':>3}{'plain ms':>10}{'IQR':>7}{'fused ms':>10}{'IQR':>7}{'interleaved ms':>16}"
+            f"{'IQR':>7}{'speed-up':>10}{'vs plain':>10}"
+            f"{'max |diff|':>12}{'peak seq B':>12}{'peak il B':>11}{'act seq B':>11}{'act il B':>10}  same plan",
+        ]
         for r in doc["measured"]:
             act = r["activation_peak_bytes"] or {}
-            lines.append(f"{r['model']:<7}{r['microbatches']:>3}{r['plain_median_ms']:>10.1f}{r['plain_iqr_ms']:>7.1f}"
-                         f"{r['fused_median_ms']:>10.1f}{r['fused_iqr_ms']:>7.1f}"
-                         f"{r['interleaved_median_ms']:>16.1f}{r['interleaved_iqr_ms']:>7.1f}{r['speedup']:>9.3f}x"
-                         f"{r['speedup_vs_plain']:>9.3f}x"
-                         f"{r['max_abs_diff']:>12.2e}{r['peak_sequential_bytes'] or 0:>12}"
-                         f"{r['peak_interleaved_bytes'] or 0:>11}{act.get('sequential', 0):>11}"
-                         f"{act.get('interleaved', 0):>10}  {r['same_plan_on_all_ranks']}")
-        lines.append("peaks: the dhelix pass's simulated peak memory of the fused graph, non-interleaved order vs "
-                     "interleaved (no allocator statistics on CPU); act = peak minus the returned gradients")
+            lines.append(
+                f"{r['model']:<7}{r['microbatches']:>3}{r['plain_median_ms']:>10.1f}{r['plain_iqr_ms']:>7.1f}"
+                f"{r['fused_median_ms']:>10.1f}{r['fused_iqr_ms']:>7.1f}"
+                f"{r['interleaved_median_ms']:>16.1f}{r['interleaved_iqr_ms']:>7.1f}{r['speedup']:>9.3f}x"
+                f"{r['speedup_vs_plain']:>9.3f}x"
+                f"{r['max_abs_diff']:>12.2e}{r['peak_sequential_bytes'] or 0:>12}"
+                f"{r['peak_interleaved_bytes'] or 0:>11}{act.get('sequential', 0):>11}"
+                f"{act.get('interleaved', 0):>10}  {r['same_plan_on_all_ranks']}"
+            )
+        lines.append(
+            "peaks: the dhelix pass's simulated peak memory of the fused graph, non-interleaved order vs "
+            "interleaved (no allocator statistics on CPU); act = peak minus the returned gradients"
+        )
     return "\n".join(lines)

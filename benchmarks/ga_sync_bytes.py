@@ -34,8 +34,11 @@ from commfuse.testing.fake_pg import fake_process_group
 from commfuse.train_step import compile_train_step
 
 WORLD = 4
-PIPELINES: dict[str, list[str] | None] = {"none": [], "accumulate_gradient_sync": ["accumulate_gradient_sync"],
-                                          "default": None}
+PIPELINES: dict[str, list[str] | None] = {
+    "none": [],
+    "accumulate_gradient_sync": ["accumulate_gradient_sync"],
+    "default": None,
+}
 
 
 def rows(size: str) -> list[dict[str, Any]]:
@@ -44,24 +47,40 @@ def rows(size: str) -> list[dict[str, Any]]:
         with fake_process_group(WORLD):
             torch._dynamo.reset()
             built = get_workload(f"simple_fsdp_ga:{size}").build(WORLD, 0)
-            step = compile_train_step(built.model, lambda loss: loss, microbatches=built.microbatches,
-                                      reduction="sum", config=commfuse.Config(inner_compiler="eager", passes=passes))
+            step = compile_train_step(
+                built.model,
+                lambda loss: loss,
+                microbatches=built.microbatches,
+                reduction="sum",
+                config=commfuse.Config(inner_compiler="eager", passes=passes),
+            )
             step(*built.inputs)
         for rep in step.reports:
             rs = rep.analysis.by_kind.get("reduce_scatter") if rep.analysis else None
             rec = next((p for p in rep.passes if p.name == "accumulate_gradient_sync"), None)
-            out.append({"pipeline": label, "graph": rep.graph, "microbatches": built.microbatches,
-                        "reduce_scatters": rs.count if rs else 0,
-                        "reduce_scatter_logged_bytes": int(rs.logged_bytes) if rs else 0,
-                        "kinds": {k: t.count for k, t in rep.analysis.by_kind.items()} if rep.analysis else {},
-                        "pass_counts": dict(rec.counts) if rec else None,
-                        # the memory decision: the accumulators' extra live bytes (all kept sums), the
-                        # input's simulated peak and the peak the pass predicts with them
-                        "extra_live_bytes": sum(d["extra_live_bytes"] for d in rec.decisions
-                                                if d.get("kept")) if rec else None,
-                        "peak_bytes": [max((d[k] for d in rec.decisions if k in d), default=None)
-                                       for k in ("peak_bytes_before", "peak_bytes_after")] if rec else None,
-                        "refusals": list(rec.refusals) if rec else None})
+            out.append(
+                {
+                    "pipeline": label,
+                    "graph": rep.graph,
+                    "microbatches": built.microbatches,
+                    "reduce_scatters": rs.count if rs else 0,
+                    "reduce_scatter_logged_bytes": int(rs.logged_bytes) if rs else 0,
+                    "kinds": {k: t.count for k, t in rep.analysis.by_kind.items()} if rep.analysis else {},
+                    "pass_counts": dict(rec.counts) if rec else None,
+                    # the memory decision: the accumulators' extra live bytes (all kept sums), the
+                    # input's simulated peak and the peak the pass predicts with them
+                    "extra_live_bytes": sum(d["extra_live_bytes"] for d in rec.decisions if d.get("kept"))
+                    if rec
+                    else None,
+                    "peak_bytes": [
+                        max((d[k] for d in rec.decisions if k in d), default=None)
+                        for k in ("peak_bytes_before", "peak_bytes_after")
+                    ]
+                    if rec
+                    else None,
+                    "refusals": list(rec.refusals) if rec else None,
+                }
+            )
     return out
 
 
@@ -72,15 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     table = rows(args.size)
     print(f"simple_fsdp_ga:{args.size}, fake process group of {WORLD} ranks, eager inner compiler")
-    print("| pipeline | graph | M | reduce_scatters | reduce_scatter logged B/rank | collectives | pass counts "
-          "| extra live B | peak B before -> after |")
+    print(
+        "| pipeline | graph | M | reduce_scatters | reduce_scatter logged B/rank | collectives | pass counts "
+        "| extra live B | peak B before -> after |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in table:
         kinds = " ".join(f"{k}={v}" for k, v in sorted(r["kinds"].items())) or "-"
-        print(f"| {r['pipeline']} | {r['graph']} | {r['microbatches']} | {r['reduce_scatters']} "
-              f"| {r['reduce_scatter_logged_bytes']:,} | {kinds} | {r['pass_counts'] or '-'} "
-              f"| {r['extra_live_bytes'] if r['extra_live_bytes'] is not None else '-'} "
-              f"| {' -> '.join(map(str, r['peak_bytes'])) if r['peak_bytes'] else '-'} |")
+        print(
+            f"| {r['pipeline']} | {r['graph']} | {r['microbatches']} | {r['reduce_scatters']} "
+            f"| {r['reduce_scatter_logged_bytes']:,} | {kinds} | {r['pass_counts'] or '-'} "
+            f"| {r['extra_live_bytes'] if r['extra_live_bytes'] is not None else '-'} "
+            f"| {' -> '.join(map(str, r['peak_bytes'])) if r['peak_bytes'] else '-'} |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=2))
     return 0

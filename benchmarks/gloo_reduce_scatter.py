@@ -165,16 +165,25 @@ def predict(world: int, size: int, topology: Any = None, model: Any = None) -> d
     with fake_process_group(world):
         gm = make_fx(prog, tracing_mode="fake")(torch.empty(size // 4 // world * world))
         if model is None:
-            commfuse.optimize(gm, commfuse.Config(passes=["gloo_reduce_scatter"], strict=True, topology=topology))
+            commfuse.optimize(
+                gm, commfuse.Config(passes=["gloo_reduce_scatter"], strict=True, topology=topology)
+            )
             (rec,) = commfuse.last_report(gm).passes
             (d,) = rec.decisions
             return dict(d)
         ctx = PassContext(gm, commfuse.Config(), topology=topology)
-        ctx.cost = CostPolicy(topology, model=model)  # the calibrated estimator stands in for the analytic one
+        ctx.cost = CostPolicy(
+            topology, model=model
+        )  # the calibrated estimator stands in for the analytic one
         (c,) = ctx.ir.collectives
         p = grs.predict(ctx, c)
-        return {"reduce_scatter_us": p.reduce_scatter_us, "all_to_all_us": p.all_to_all_us,
-                "local_sum_us": p.local_sum_us, "replacement_us": p.replacement_us, "lowered": p.faster}
+        return {
+            "reduce_scatter_us": p.reduce_scatter_us,
+            "all_to_all_us": p.all_to_all_us,
+            "local_sum_us": p.local_sum_us,
+            "replacement_us": p.replacement_us,
+            "lowered": p.faster,
+        }
 
 
 # ------------------------------------------------------------------ driver
@@ -183,17 +192,27 @@ def _q(xs: list[float]) -> tuple[float, float]:
     return statistics.median(xs), q[2] - q[0]
 
 
-def run_gloo_reduce_scatter(sizes: Sequence[int] = SIZES, worlds: Sequence[int] = WORLDS, warmup: int = 1,
-                            reps: int = 7) -> dict[str, Any]:
+def run_gloo_reduce_scatter(
+    sizes: Sequence[int] = SIZES, worlds: Sequence[int] = WORLDS, warmup: int = 1, reps: int = 7
+) -> dict[str, Any]:
     from commfuse.costmodel.profile import CostProfile
     from commfuse.tools.rank_pool import RankPool
 
     profile = CostProfile.load(PROFILE) if PROFILE.exists() else None
     calibrated = profile.build_model() if profile is not None else None
-    report: dict[str, Any] = {"settings": {"sizes": list(sizes), "worlds": list(worlds), "warmup": warmup,
-                                           "reps": reps, "dtype": "float32", "batch_s": BATCH_S,
-                                           "profile": str(PROFILE.relative_to(ROOT)) if profile else None},
-                              "load_before": os.getloadavg()[0], "rows": []}
+    report: dict[str, Any] = {
+        "settings": {
+            "sizes": list(sizes),
+            "worlds": list(worlds),
+            "warmup": warmup,
+            "reps": reps,
+            "dtype": "float32",
+            "batch_s": BATCH_S,
+            "profile": str(PROFILE.relative_to(ROOT)) if profile else None,
+        },
+        "load_before": os.getloadavg()[0],
+        "rows": [],
+    }
     t_start = time.perf_counter()
     for world in worlds:
         with RankPool(world, timeout_s=1800) as pool:
@@ -203,8 +222,12 @@ def run_gloo_reduce_scatter(sizes: Sequence[int] = SIZES, worlds: Sequence[int] 
             for v in VARIANTS:
                 slowest = [max(ts) for ts in zip(*(r[i]["times_us"][v] for r in per_rank), strict=True)]
                 med, iqr = _q(slowest)
-                row["variants"][v] = {"median_us": med, "iqr_us": iqr, "times_us": slowest,
-                                      "inner": per_rank[0][i]["inner"][v]}
+                row["variants"][v] = {
+                    "median_us": med,
+                    "iqr_us": iqr,
+                    "times_us": slowest,
+                    "inner": per_rank[0][i]["inner"][v],
+                }
             var = row["variants"]
             row["speedup_dist"] = var["dist_rs"]["median_us"] / var["dist_a2a_sum"]["median_us"]
             row["speedup_functional"] = var["fn_rs"]["median_us"] / var["fn_lowered"]["median_us"]
@@ -240,10 +263,14 @@ def gloo_reduce_scatter_tables(report: dict[str, Any]) -> str:
         v = r["variants"]
         p = r["predicted_default"]
         c = r.get("predicted_calibrated")
-        cal = (f"{c['reduce_scatter_us']:.0f} / {c['replacement_us']:.0f}", "lower" if c["lowered"] else "keep") \
-            if c else ("-", "-")
+        cal = (
+            (f"{c['reduce_scatter_us']:.0f} / {c['replacement_us']:.0f}", "lower" if c["lowered"] else "keep")
+            if c
+            else ("-", "-")
+        )
         cells = [
-            str(r["world"]), _size(r["size"]),
+            str(r["world"]),
+            _size(r["size"]),
             *(f"{_ms(v[k]['median_us'])} ({_ms(v[k]['iqr_us'])})" for k in ("dist_rs", "dist_a2a_sum")),
             f"{r['speedup_dist']:.2f}x",
             *(f"{_ms(v[k]['median_us'])} ({_ms(v[k]['iqr_us'])})" for k in ("fn_rs", "fn_lowered")),

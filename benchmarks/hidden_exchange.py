@@ -55,10 +55,19 @@ def row(rows: int, dim: int, ffn: int, preset: str, nodes: int) -> dict[str, Any
     with fake_process_group(RANKS):
         gm = dropless_joint_graph(RANKS, LOCAL_EXPERTS, rows, dim, ffn)
         ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo)
-        exchanges = [c for c in ctx.ir.collectives if c.kind.value == "all_to_all" and
-                     c.input_shapes[0] is not None and len(c.input_shapes[0]) == 2]
-        priced = [{"exchange": c.name, "balanced_bytes": concrete(c.input_bytes, ctx.cost.model.symbol_hint),
-                   "flat_hint_bytes": concrete(c.input_bytes)} for c in exchanges]
+        exchanges = [
+            c
+            for c in ctx.ir.collectives
+            if c.kind.value == "all_to_all" and c.input_shapes[0] is not None and len(c.input_shapes[0]) == 2
+        ]
+        priced = [
+            {
+                "exchange": c.name,
+                "balanced_bytes": concrete(c.input_bytes, ctx.cost.model.symbol_hint),
+                "flat_hint_bytes": concrete(c.input_bytes),
+            }
+            for c in exchanges
+        ]
         whole = _score(gm, topo)
         chosen = _copy(gm)
         commfuse.optimize(chosen, commfuse.Config(passes=[PASS], topology=topo))
@@ -66,37 +75,59 @@ def row(rows: int, dim: int, ffn: int, preset: str, nodes: int) -> dict[str, Any
         forced = _copy(gm)
         commfuse.optimize(forced, commfuse.Config(passes=[PASS], topology=topo, workload_chunks=2))
         frec = commfuse.last_report(forced).passes[-1]
-        return {"rows": rows, "dim": dim, "ffn": ffn, "topology": f"{preset} x{nodes}", "priced": priced,
-                "whole": whole, "pass": _score(chosen, topo), "two_blocks": _score(forced, topo),
-                "decisions": [d["decision"] for d in rec.decisions],
-                "refusals": [r for r in rec.refusals if "not 2-D" not in r],
-                "two_block_cuts": len(frec.decisions)}
+        return {
+            "rows": rows,
+            "dim": dim,
+            "ffn": ffn,
+            "topology": f"{preset} x{nodes}",
+            "priced": priced,
+            "whole": whole,
+            "pass": _score(chosen, topo),
+            "two_blocks": _score(forced, topo),
+            "decisions": [d["decision"] for d in rec.decisions],
+            "refusals": [r for r in rec.refusals if "not 2-D" not in r],
+            "two_block_cuts": len(frec.decisions),
+        }
 
 
 def run_hidden_exchange() -> dict[str, Any]:
     rows = [row(r, d, f, p, n) for r, d, f in SIZES for p, n in TOPOLOGIES]
-    return {"rows": rows, "settings": {
-        "what": f"torchtitan-style dropless MoE block, forward + backward in one graph, {RANKS} EP ranks x "
-                f"{LOCAL_EXPERTS} local experts, bfloat16 grouped SwiGLU experts; rows = tokens x top-k sent "
-                "per rank; split sizes priced at balanced routing; predicted by commfuse's simulator, not timed",
-        "two_blocks": "two blocks: the pass forced to Config.workload_chunks=2 (graph_trainer's count) on every "
-                      "exchange it can cut"}}
+    return {
+        "rows": rows,
+        "settings": {
+            "what": f"torchtitan-style dropless MoE block, forward + backward in one graph, {RANKS} EP ranks x "
+            f"{LOCAL_EXPERTS} local experts, bfloat16 grouped SwiGLU experts; rows = tokens x top-k sent "
+            "per rank; split sizes priced at balanced routing; predicted by commfuse's simulator, not timed",
+            "two_blocks": "two blocks: the pass forced to Config.workload_chunks=2 (graph_trainer's count) on every "
+            "exchange it can cut",
+        },
+    }
 
 
 def hidden_exchange_tables(report: dict[str, Any]) -> str:
-    lines = ["hidden_exchange_partition on a dropless MoE block (predicted, us)", "",
-             f"{'rows x dim x ffn':<18} {'topology':<12} {'whole':>16} {'pass':>16} {'two blocks':>16}  decisions"]
+    lines = [
+        "hidden_exchange_partition on a dropless MoE block (predicted, us)",
+        "",
+        f"{'rows x dim x ffn':<18} {'topology':<12} {'whole':>16} {'pass':>16} {'two blocks':>16}  decisions",
+    ]
     for r in report["rows"]:
         cell = lambda s: f"{s['makespan_us']:.1f}/{s['exposed_us']:.1f}"  # noqa: E731
-        lines.append(f"{r['rows']}x{r['dim']}x{r['ffn']:<8} {r['topology']:<12} {cell(r['whole']):>16} "
-                     f"{cell(r['pass']):>16} {cell(r['two_blocks']):>16}  {len(r['decisions'])} cut")
+        lines.append(
+            f"{r['rows']}x{r['dim']}x{r['ffn']:<8} {r['topology']:<12} {cell(r['whole']):>16} "
+            f"{cell(r['pass']):>16} {cell(r['two_blocks']):>16}  {len(r['decisions'])} cut"
+        )
         for d in r["decisions"]:
             lines.append(f"    cut: {d}")
         for x in r["refusals"]:
             lines.append(f"    whole: {x}")
-    lines += ["", "cells: makespan / exposed communication", report["settings"]["what"],
-              report["settings"]["two_blocks"], "", "exchange bytes per rank as priced (balanced routing vs the flat "
-              "symbol hint 4096):"]
+    lines += [
+        "",
+        "cells: makespan / exposed communication",
+        report["settings"]["what"],
+        report["settings"]["two_blocks"],
+        "",
+        "exchange bytes per rank as priced (balanced routing vs the flat symbol hint 4096):",
+    ]
     for p in report["rows"][0]["priced"]:
         lines.append(f"    {p['exchange']}: {p['balanced_bytes']} vs {p['flat_hint_bytes']}")
     return "\n".join(lines)

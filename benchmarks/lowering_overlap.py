@@ -75,8 +75,15 @@ def measure_rank(workload: str, executor: str, warmup: int, steps: int, record_s
     return {"rank": dist.get_rank(), "first_step_s": first, "step_s": times, "recorded": summary}
 
 
-def run_lowering_overlap(*, workloads=WORKLOADS, executors=EXECUTORS, warmup: int = 3, steps: int = 15,
-                         record_steps: int = 5, world: int = 2) -> dict[str, Any]:
+def run_lowering_overlap(
+    *,
+    workloads=WORKLOADS,
+    executors=EXECUTORS,
+    warmup: int = 3,
+    steps: int = 15,
+    record_steps: int = 5,
+    world: int = 2,
+) -> dict[str, Any]:
     from commfuse.tools.rank_pool import RankPool, RankPoolError
 
     rows = []
@@ -89,8 +96,16 @@ def run_lowering_overlap(*, workloads=WORKLOADS, executors=EXECUTORS, warmup: in
                     error = None
                 except RankPoolError as exc:  # one failing executor must not stop the comparison
                     ranks, error = [], str(exc).splitlines()[0]
-                rows.append({"workload": w, "executor": e, "error": error, "wall_s": time.perf_counter() - t,
-                             "ranks": ranks, **_aggregate(ranks)})
+                rows.append(
+                    {
+                        "workload": w,
+                        "executor": e,
+                        "error": error,
+                        "wall_s": time.perf_counter() - t,
+                        "ranks": ranks,
+                        **_aggregate(ranks),
+                    }
+                )
     return {"world_size": world, "warmup": warmup, "steps": steps, "record_steps": record_steps, "rows": rows}
 
 
@@ -99,8 +114,11 @@ def _aggregate(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     # The step ends when the slowest rank ends: report the rank with the larger median.
     slow = max(ranks, key=lambda r: statistics.median(r["step_s"]))
-    out = {"step_ms_median": 1e3 * statistics.median(slow["step_s"]), "step_ms_iqr": 1e3 * _iqr(slow["step_s"]),
-           "first_step_s": max(r["first_step_s"] for r in ranks)}
+    out = {
+        "step_ms_median": 1e3 * statistics.median(slow["step_s"]),
+        "step_ms_iqr": 1e3 * _iqr(slow["step_s"]),
+        "first_step_s": max(r["first_step_s"] for r in ranks),
+    }
     recs = [r["recorded"] for r in ranks if r.get("recorded")]
     if recs:
         out["overlap_ratio"] = min(r["overlap_ratio"] for r in recs)
@@ -111,21 +129,27 @@ def _aggregate(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def lowering_overlap_tables(doc: dict[str, Any]) -> str:
     n = doc["record_steps"]
-    lines = [f"Lowering: measured step time and overlap, {doc['world_size']} gloo ranks "
-             f"({doc['steps']} timed steps after {doc['warmup']} warm-up; overlap over {n} recorded steps)",
-             "",
-             "| workload | executor | step ms (median) | IQR ms | first step s | measured overlap | "
-             "in flight ms/step | blocked in wait ms/step |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Lowering: measured step time and overlap, {doc['world_size']} gloo ranks "
+        f"({doc['steps']} timed steps after {doc['warmup']} warm-up; overlap over {n} recorded steps)",
+        "",
+        "| workload | executor | step ms (median) | IQR ms | first step s | measured overlap | "
+        "in flight ms/step | blocked in wait ms/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["rows"]:
         if r.get("error"):
             lines.append(f"| {r['workload']} | {r['executor']} | FAILED: {r['error']} | | | | | |")
             continue
         ov = r.get("overlap_ratio")
-        cols = [f"{r['step_ms_median']:.2f}", f"{r['step_ms_iqr']:.2f}", f"{r['first_step_s']:.1f}",
-                "n/a (Inductor issues)" if ov is None else f"{ov:.1%}",
-                "" if ov is None else f"{r['inflight_ms_per_step'] / n:.2f}",
-                "" if ov is None else f"{r['blocked_ms_per_step'] / n:.2f}"]
+        cols = [
+            f"{r['step_ms_median']:.2f}",
+            f"{r['step_ms_iqr']:.2f}",
+            f"{r['first_step_s']:.1f}",
+            "n/a (Inductor issues)" if ov is None else f"{ov:.1%}",
+            "" if ov is None else f"{r['inflight_ms_per_step'] / n:.2f}",
+            "" if ov is None else f"{r['blocked_ms_per_step'] / n:.2f}",
+        ]
         lines.append(f"| {r['workload']} | {r['executor']} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 

@@ -160,8 +160,12 @@ def _unrecognised(gm: Any) -> dict[str, int]:
     out: dict[str, int] = {}
     for n in gm.graph.nodes:
         name = str(n.target)
-        if (n.op == "call_function" and name.startswith(_C10D_NAMESPACES)
-                and collective_spec(n.target) is None and not is_wait(n.target)):
+        if (
+            n.op == "call_function"
+            and name.startswith(_C10D_NAMESPACES)
+            and collective_spec(n.target) is None
+            and not is_wait(n.target)
+        ):
             out[name] = out.get(name, 0) + 1
     return out
 
@@ -223,17 +227,37 @@ def measure(workload: str, baseline: str, warmup: int, steps: int) -> RankMeasur
     for r in reports:
         if r.get("graph") in EXECUTED_GRAPHS and r.get("analysis"):
             a = r["analysis"]
-            graphs.append(GraphCollectives(
-                graph=r["graph"], num_nodes=a["num_nodes"],
-                by_kind={k: KindTotals(**v) for k, v in a["by_kind"].items()},
-                total=KindTotals(**a["total"])))
+            graphs.append(
+                GraphCollectives(
+                    graph=r["graph"],
+                    num_nodes=a["num_nodes"],
+                    by_kind={k: KindTotals(**v) for k, v in a["by_kind"].items()},
+                    total=KindTotals(**a["total"]),
+                )
+            )
     # The full per-collective listing is large; the reports keep what the
     # passes did (per-pass seconds, counts, refusals, errors) and the totals.
-    slim = [{"graph": r.get("graph"), "passes": r.get("passes", []), "skipped_reason": r.get("skipped_reason"),
-             "input_problems": r.get("input_problems", [])} for r in reports]
-    return RankMeasurement(rank=rank, world_size=world, first_step_s=first, step_s=times,
-                           peak_alloc_bytes=peak, graphs=graphs, pipeline_reports=slim,
-                           torch_threads=torch.get_num_threads(), sim_step_us=sim_us, sim_note=sim_note)
+    slim = [
+        {
+            "graph": r.get("graph"),
+            "passes": r.get("passes", []),
+            "skipped_reason": r.get("skipped_reason"),
+            "input_problems": r.get("input_problems", []),
+        }
+        for r in reports
+    ]
+    return RankMeasurement(
+        rank=rank,
+        world_size=world,
+        first_step_s=first,
+        step_s=times,
+        peak_alloc_bytes=peak,
+        graphs=graphs,
+        pipeline_reports=slim,
+        torch_threads=torch.get_num_threads(),
+        sim_step_us=sim_us,
+        sim_note=sim_note,
+    )
 
 
 def _simulated(graphs: list[CompiledGraph]) -> tuple[float | None, str]:
@@ -255,7 +279,8 @@ def warm_up(with_inductor: bool) -> None:
     names = ["commfuse-eager:none"] + (["inductor"] if with_inductor else [])
     for name in names:
         torch._dynamo.reset()
-        built = _build_llama_tp_sp(dist.get_world_size(), dist.get_rank(), n_layers=1, dim=16, n_heads=4,
-                                   ffn_dim=32, batch=1, seq=4)
+        built = _build_llama_tp_sp(
+            dist.get_world_size(), dist.get_rank(), n_layers=1, dim=16, n_heads=4, ffn_dim=32, batch=1, seq=4
+        )
         with get_baseline(name).session(built) as session:
             _step_fn(session.run, built)()

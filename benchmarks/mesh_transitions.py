@@ -77,9 +77,16 @@ def row(n1: int, n2: int, which: str) -> dict[str, Any]:
         try:
             gm = make_fx(_pair(which, tp, ep), tracing_mode="fake")(torch.randn(shape))
             before = sum(c.wire_bytes for c in CollectiveIR(gm).collectives)
-            commfuse.optimize(gm, commfuse.Config(passes=["fuse_collectives"], step_time_gate=True,
-                                                  topology=Topology.preset("dgx-h100").model_copy(
-                                                      update={"world_size": n} if n < 8 else {})))
+            commfuse.optimize(
+                gm,
+                commfuse.Config(
+                    passes=["fuse_collectives"],
+                    step_time_gate=True,
+                    topology=Topology.preset("dgx-h100").model_copy(
+                        update={"world_size": n} if n < 8 else {}
+                    ),
+                ),
+            )
             rec = commfuse.last_report(gm).passes[-1]
             after = sum(c.wire_bytes for c in CollectiveIR(gm).collectives)
             kinds = sorted(c.kind.value for c in CollectiveIR(gm).collectives)
@@ -88,35 +95,57 @@ def row(n1: int, n2: int, which: str) -> dict[str, Any]:
     nbytes = 4 * shape[0] * shape[1] * shape[2]
     f_before, f_after = _closed_form(which, n1, n2, nbytes)
     gate = next((d for d in rec.decisions if "gate" in d), {})
-    return {"mesh": [n1, n2], "pair": PAIRS[which], "shape": shape, "bytes_before": before, "bytes_after": after,
-            "formula_before": f_before, "formula_after": f_after,
-            # a rewrite the gate reverted leaves the pair as it was: its bytes are the closed form's "before"
-            "formula_matches": before == f_before and after == (f_before if gate.get("gate") == "reverted" else f_after),
-            "ratio": after / before,
-            "table": TABLE2[0], "table_range": TABLE2[1], "in_range": 2 / 3 - 1e-9 <= after / before <= 1,
-            "collectives_after": kinds, "counts": {k: v for k, v in rec.counts.items() if v},
-            "refusals": list(rec.refusals), "gate": gate.get("gate"),
-            "predicted_before_us": gate.get("predicted_before_us"), "predicted_after_us": gate.get("predicted_after_us")}
+    return {
+        "mesh": [n1, n2],
+        "pair": PAIRS[which],
+        "shape": shape,
+        "bytes_before": before,
+        "bytes_after": after,
+        "formula_before": f_before,
+        "formula_after": f_after,
+        # a rewrite the gate reverted leaves the pair as it was: its bytes are the closed form's "before"
+        "formula_matches": before == f_before
+        and after == (f_before if gate.get("gate") == "reverted" else f_after),
+        "ratio": after / before,
+        "table": TABLE2[0],
+        "table_range": TABLE2[1],
+        "in_range": 2 / 3 - 1e-9 <= after / before <= 1,
+        "collectives_after": kinds,
+        "counts": {k: v for k, v in rec.counts.items() if v},
+        "refusals": list(rec.refusals),
+        "gate": gate.get("gate"),
+        "predicted_before_us": gate.get("predicted_before_us"),
+        "predicted_after_us": gate.get("predicted_after_us"),
+    }
 
 
 def run_mesh_transitions() -> dict[str, Any]:
     rows = [row(n1, n2, which) for n1, n2 in MESHES for which in PAIRS]
-    return {"rows": rows, "settings": {
-        "what": "bytes each rank sends (CollectiveIR ring conventions; m2ms: its pieces to other ranks), "
-                "one fake process group of N1*N2 ranks, fp32 tokens [B, S/N1, H] with B, S, H = "
-                f"{B}, {S}, {H}; mesh declared with commfuse.setup(groups=...); counted, not timed",
-        "gate": "gate: fuse_collectives' step-time gate on one DGX-H100 node (the plane's ranks on NVLink)"}}
+    return {
+        "rows": rows,
+        "settings": {
+            "what": "bytes each rank sends (CollectiveIR ring conventions; m2ms: its pieces to other ranks), "
+            "one fake process group of N1*N2 ranks, fp32 tokens [B, S/N1, H] with B, S, H = "
+            f"{B}, {S}, {H}; mesh declared with commfuse.setup(groups=...); counted, not timed",
+            "gate": "gate: fuse_collectives' step-time gate on one DGX-H100 node (the plane's ranks on NVLink)",
+        },
+    }
 
 
 def mesh_transitions_tables(report: dict[str, Any]) -> str:
-    lines = ["TP->EP transition on a 2-D mesh: bytes per rank before/after fuse_collectives (fp32, counted)", "",
-             f"{'[N1,N2]':<8} {'pair':<26} {'before':>10} {'after':>10} {'formula':>21} {'ratio':>6} "
-             f"{'Table 2 TP+EP':<14} {'after':<22} {'gate':<8}"]
+    lines = [
+        "TP->EP transition on a 2-D mesh: bytes per rank before/after fuse_collectives (fp32, counted)",
+        "",
+        f"{'[N1,N2]':<8} {'pair':<26} {'before':>10} {'after':>10} {'formula':>21} {'ratio':>6} "
+        f"{'Table 2 TP+EP':<14} {'after':<22} {'gate':<8}",
+    ]
     for r in report["rows"]:
         formula = f"{r['formula_before']}/{r['formula_after']}" + ("" if r["formula_matches"] else " (!)")
-        lines.append(f"{str(r['mesh']):<8} {r['pair']:<26} {r['bytes_before']:>10} {r['bytes_after']:>10} "
-                     f"{formula:>21} {r['ratio']:>6.1%} {r['table_range'] + ('' if r['in_range'] else ' (!)'):<14} "
-                     f"{','.join(r['collectives_after']):<22} {str(r['gate']):<8}")
+        lines.append(
+            f"{str(r['mesh']):<8} {r['pair']:<26} {r['bytes_before']:>10} {r['bytes_after']:>10} "
+            f"{formula:>21} {r['ratio']:>6.1%} {r['table_range'] + ('' if r['in_range'] else ' (!)'):<14} "
+            f"{','.join(r['collectives_after']):<22} {str(r['gate']):<8}"
+        )
     lines += ["", report["settings"]["what"], report["settings"]["gate"]]
     return "\n".join(lines)
 

@@ -116,8 +116,17 @@ def _total(record: RunRecord, key: str) -> int | str | None:
     return total
 
 
-_SHORT = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "all_to_all": "A2A",
-          "broadcast": "BC", "send": "SEND", "recv": "RECV", "batch_p2p": "P2P", "many_to_many_scatter": "M2MS"}
+_SHORT = {
+    "all_gather": "AG",
+    "reduce_scatter": "RS",
+    "all_reduce": "AR",
+    "all_to_all": "A2A",
+    "broadcast": "BC",
+    "send": "SEND",
+    "recv": "RECV",
+    "batch_p2p": "P2P",
+    "many_to_many_scatter": "M2MS",
+}
 
 
 def _fmt_kinds(v: dict[str, dict[str, Any]] | None) -> str:
@@ -149,51 +158,108 @@ def _fmt_s(v: float | None) -> str:
 
 # ------------------------------------------------------------------ metrics
 
-register_metric(Metric(
-    "collectives", "collectives (fw+bw)", "count by kind",
-    "collectives in the executed forward+backward graphs, by kind "
-    "(AG all_gather, RS reduce_scatter, AR all_reduce, A2A all_to_all)",
-    compute=_by_kind, fmt=_fmt_kinds))
-register_metric(Metric(
-    "logged_bytes", "logged/rank", "bytes",
-    "bytes per rank with NCCL count semantics (all_gather: send count, reduce_scatter: receive count), "
-    "forward+backward, from commfuse.analyze",
-    compute=lambda r: _total(r, "logged_bytes"), fmt=_fmt_bytes))
-register_metric(Metric(
-    "wire_bytes", "wire/rank", "bytes",
-    "bytes one rank sends under ring conventions, forward+backward, from commfuse.analyze",
-    compute=lambda r: _total(r, "wire_bytes"), fmt=_fmt_bytes))
-register_metric(Metric(
-    "unrecognised_collectives", "unrecog.", "ops",
-    "c10d ops in the analysed graphs that commfuse's IR does not recognise, so their bytes are NOT "
-    "counted above ('-' / null: not checked, the graphs came from commfuse's own pipeline reports)",
-    compute=lambda r: (None if any(g.unrecognised is None for g in r.graphs)
-                       else sum(sum(g.unrecognised.values()) for g in r.graphs)),
-    fmt=lambda v: "-" if v is None else str(v)))
-register_metric(Metric(
-    "step_ms_median", "step ms (median)", "ms",
-    "forward+backward step time, median over the measured steps of the slowest rank",
-    compute=lambda r: 1e3 * _quartiles(step_times(r))[1], fmt=_fmt_ms))
-register_metric(Metric(
-    "step_ms_iqr", "IQR ms", "ms",
-    "inter-quartile range (q75 - q25) of the same step times",
-    compute=lambda r: 1e3 * (_quartiles(step_times(r))[2] - _quartiles(step_times(r))[0]), fmt=_fmt_ms))
-register_metric(Metric(
-    "peak_alloc_bytes", "peak alloc/rank", "bytes",
-    "peak bytes held by the CPU allocator during one step above the level at its start "
-    "(torch.profiler memory events), max over ranks",
-    compute=lambda r: (None if any(m.peak_alloc_bytes is None for m in r.ranks)
-                       else max(m.peak_alloc_bytes for m in r.ranks)),  # type: ignore[type-var]
-    fmt=_fmt_bytes))
-register_metric(Metric(
-    "compile_s", "compile s", "s",
-    "first step (compiles) minus the median step, slowest rank; cold: fresh Inductor caches per run",
-    compute=lambda r: max(m.first_step_s for m in r.ranks) - _quartiles(step_times(r))[1], fmt=_fmt_s))
-register_metric(Metric(
-    "sim_step_dgx_h100x2", "simulated step time (DGX-H100 x2)", "ms",
-    "the executed forward+backward graphs, as captured on this CPU run (its shapes, its process groups), "
-    "simulated on Topology.preset('dgx-h100', num_nodes=2) with the analytic NCCL cost model "
-    "(commfuse.costmodel.step.predict_step; see benchmarks/simulated.py); n/a when the graphs are not "
-    "available or hold c10d ops the IR does not recognise",
-    compute=lambda r: None if r.ranks[0].sim_step_us is None else r.ranks[0].sim_step_us / 1e3,
-    fmt=lambda v: "n/a" if v is None else f"{v:.3f}"))
+register_metric(
+    Metric(
+        "collectives",
+        "collectives (fw+bw)",
+        "count by kind",
+        "collectives in the executed forward+backward graphs, by kind "
+        "(AG all_gather, RS reduce_scatter, AR all_reduce, A2A all_to_all)",
+        compute=_by_kind,
+        fmt=_fmt_kinds,
+    )
+)
+register_metric(
+    Metric(
+        "logged_bytes",
+        "logged/rank",
+        "bytes",
+        "bytes per rank with NCCL count semantics (all_gather: send count, reduce_scatter: receive count), "
+        "forward+backward, from commfuse.analyze",
+        compute=lambda r: _total(r, "logged_bytes"),
+        fmt=_fmt_bytes,
+    )
+)
+register_metric(
+    Metric(
+        "wire_bytes",
+        "wire/rank",
+        "bytes",
+        "bytes one rank sends under ring conventions, forward+backward, from commfuse.analyze",
+        compute=lambda r: _total(r, "wire_bytes"),
+        fmt=_fmt_bytes,
+    )
+)
+register_metric(
+    Metric(
+        "unrecognised_collectives",
+        "unrecog.",
+        "ops",
+        "c10d ops in the analysed graphs that commfuse's IR does not recognise, so their bytes are NOT "
+        "counted above ('-' / null: not checked, the graphs came from commfuse's own pipeline reports)",
+        compute=lambda r: (
+            None
+            if any(g.unrecognised is None for g in r.graphs)
+            else sum(sum(g.unrecognised.values()) for g in r.graphs)
+        ),
+        fmt=lambda v: "-" if v is None else str(v),
+    )
+)
+register_metric(
+    Metric(
+        "step_ms_median",
+        "step ms (median)",
+        "ms",
+        "forward+backward step time, median over the measured steps of the slowest rank",
+        compute=lambda r: 1e3 * _quartiles(step_times(r))[1],
+        fmt=_fmt_ms,
+    )
+)
+register_metric(
+    Metric(
+        "step_ms_iqr",
+        "IQR ms",
+        "ms",
+        "inter-quartile range (q75 - q25) of the same step times",
+        compute=lambda r: 1e3 * (_quartiles(step_times(r))[2] - _quartiles(step_times(r))[0]),
+        fmt=_fmt_ms,
+    )
+)
+register_metric(
+    Metric(
+        "peak_alloc_bytes",
+        "peak alloc/rank",
+        "bytes",
+        "peak bytes held by the CPU allocator during one step above the level at its start "
+        "(torch.profiler memory events), max over ranks",
+        compute=lambda r: (
+            None
+            if any(m.peak_alloc_bytes is None for m in r.ranks)
+            else max(m.peak_alloc_bytes for m in r.ranks)
+        ),  # type: ignore[type-var]
+        fmt=_fmt_bytes,
+    )
+)
+register_metric(
+    Metric(
+        "compile_s",
+        "compile s",
+        "s",
+        "first step (compiles) minus the median step, slowest rank; cold: fresh Inductor caches per run",
+        compute=lambda r: max(m.first_step_s for m in r.ranks) - _quartiles(step_times(r))[1],
+        fmt=_fmt_s,
+    )
+)
+register_metric(
+    Metric(
+        "sim_step_dgx_h100x2",
+        "simulated step time (DGX-H100 x2)",
+        "ms",
+        "the executed forward+backward graphs, as captured on this CPU run (its shapes, its process groups), "
+        "simulated on Topology.preset('dgx-h100', num_nodes=2) with the analytic NCCL cost model "
+        "(commfuse.costmodel.step.predict_step; see benchmarks/simulated.py); n/a when the graphs are not "
+        "available or hold c10d ops the IR does not recognise",
+        compute=lambda r: None if r.ranks[0].sim_step_us is None else r.ranks[0].sim_step_us / 1e3,
+        fmt=lambda v: "n/a" if v is None else f"{v:.3f}",
+    )
+)

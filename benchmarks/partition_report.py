@@ -83,36 +83,52 @@ def run_partition_report() -> dict[str, Any]:
                 _, sim_before = _optimise(before_gm, ["sink_waits"], topo)
                 rep, sim_after = _optimise(after_gm, ["centauri_partition", "sink_waits"], topo)
                 search = next(p for p in rep.passes if p.name == "centauri_partition")
-                rows.append(_GraphRow(kind, search.counts.get("collectives_searched", 0),
-                                      sim_before.summary(), sim_after.summary(), search.decisions,
-                                      search.refusals, search.seconds))
+                rows.append(
+                    _GraphRow(
+                        kind,
+                        search.counts.get("collectives_searched", 0),
+                        sim_before.summary(),
+                        sim_after.summary(),
+                        search.decisions,
+                        search.refusals,
+                        search.seconds,
+                    )
+                )
         finally:
             commfuse.session.reset()
     return {
         "workload": f"SimpleFSDP Llama layer (dim {LAYER['dim']}, ffn {LAYER['ffn_dim']}, {LAYER['n_heads']} heads, "
-                    f"batch {BATCH_PER_RANK}/rank, seq {SEQ}, fp32)",
+        f"batch {BATCH_PER_RANK}/rank, seq {SEQ}, fp32)",
         "topology": f"{preset} x{nodes} ({world} ranks)",
         "graphs": [row.__dict__ for row in rows],
     }
 
 
 def partition_tables(doc: dict[str, Any]) -> str:
-    lines = [f"Centauri partition search — {doc['workload']} on {doc['topology']} (predicted, analytic model)"]
-    lines.append(f"{'graph':<9}{'collectives':>12}{'makespan us':>22}{'exposed comm us':>22}"
-                 f"{'peak MiB':>20}{'search s':>10}")
+    lines = [
+        f"Centauri partition search — {doc['workload']} on {doc['topology']} (predicted, analytic model)"
+    ]
+    lines.append(
+        f"{'graph':<9}{'collectives':>12}{'makespan us':>22}{'exposed comm us':>22}"
+        f"{'peak MiB':>20}{'search s':>10}"
+    )
     for g in doc["graphs"]:
         b, a = g["before"], g["after"]
-        lines.append(f"{g['graph']:<9}{g['collectives']:>12}"
-                     f"{b['makespan_us']:>10.1f} -> {a['makespan_us']:<8.1f}"
-                     f"{b['exposed_comm_us']:>10.1f} -> {a['exposed_comm_us']:<8.1f}"
-                     f"{b['peak_memory_bytes'] / 2**20:>8.1f} -> {a['peak_memory_bytes'] / 2**20:<8.1f}"
-                     f"{g['seconds']:>10.2f}")
+        lines.append(
+            f"{g['graph']:<9}{g['collectives']:>12}"
+            f"{b['makespan_us']:>10.1f} -> {a['makespan_us']:<8.1f}"
+            f"{b['exposed_comm_us']:>10.1f} -> {a['exposed_comm_us']:<8.1f}"
+            f"{b['peak_memory_bytes'] / 2**20:>8.1f} -> {a['peak_memory_bytes'] / 2**20:<8.1f}"
+            f"{g['seconds']:>10.2f}"
+        )
     for g in doc["graphs"]:
         lines.append(f"\n{g['graph']}: scheme per collective")
         for d in g["decisions"]:
-            lines.append(f"  {d['collective']:<28}{d['kind']:<16}{d['scheme']:<32}"
-                         f"exposed {d['exposed_before_us']:.1f} -> {d['exposed_after_us']:.1f} us "
-                         f"({d['leaves_scored']} leaves)")
+            lines.append(
+                f"  {d['collective']:<28}{d['kind']:<16}{d['scheme']:<32}"
+                f"exposed {d['exposed_before_us']:.1f} -> {d['exposed_after_us']:.1f} us "
+                f"({d['leaves_scored']} leaves)"
+            )
         for r in g["refusals"]:
             lines.append(f"  {r}")
     return "\n".join(lines)

@@ -70,8 +70,13 @@ def _mem_total_bytes() -> int | None:
 def _git(*args: str) -> str | None:
     """Read-only git queries (commit, dirty state) for provenance."""
     try:
-        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", *args],
+            cwd=Path(__file__).resolve().parents[1],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -144,8 +149,11 @@ def _markdown(header: list[str], rows: list[list[str]]) -> str:
 def _scaling_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     points = doc.get("scaling", {}).get("points", [])
     pass_names = sorted({p for pt in points for p in pt["passes_s"]})
-    header = ["mode", "layers", "nodes (joint/fw/bw)", "capture s", "IR build s", "pipeline s"] + \
-        [f"pass {p} s" for p in pass_names] + ["rest s", "compile s", "load"]
+    header = (
+        ["mode", "layers", "nodes (joint/fw/bw)", "capture s", "IR build s", "pipeline s"]
+        + [f"pass {p} s" for p in pass_names]
+        + ["rest s", "compile s", "load"]
+    )
 
     def f(v: float | None, digits: int = 2) -> str:
         return "-" if v is None else f"{v:.{digits}f}"
@@ -153,14 +161,28 @@ def _scaling_rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     rows = []
     for p in points:
         if p["error"]:
-            rows.append([p["mode"], str(p["layers"]), f"FAILED: {p['error'].strip().splitlines()[-1][:60]}"]
-                        + [""] * (len(header) - 3))
+            rows.append(
+                [p["mode"], str(p["layers"]), f"FAILED: {p['error'].strip().splitlines()[-1][:60]}"]
+                + [""] * (len(header) - 3)
+            )
             continue
-        nodes = "/".join(str(p["graph_nodes"].get(k, "-")) for k in ("joint", "forward", "backward")) \
-            if p["graph_nodes"] else "-"
-        rows.append([p["mode"], str(p["layers"]), nodes, f(p["capture_s"], 1), f(p["ir_build_s"], 3),
-                     f(p["pipeline_s"])] + [f(p["passes_s"].get(n), 3) for n in pass_names]
-                    + [f(p["rest_s"], 1), f(p["compile_s"], 1), f(p.get("load_avg_1m"), 1)])
+        nodes = (
+            "/".join(str(p["graph_nodes"].get(k, "-")) for k in ("joint", "forward", "backward"))
+            if p["graph_nodes"]
+            else "-"
+        )
+        rows.append(
+            [
+                p["mode"],
+                str(p["layers"]),
+                nodes,
+                f(p["capture_s"], 1),
+                f(p["ir_build_s"], 3),
+                f(p["pipeline_s"]),
+            ]
+            + [f(p["passes_s"].get(n), 3) for n in pass_names]
+            + [f(p["rest_s"], 1), f(p["compile_s"], 1), f(p.get("load_avg_1m"), 1)]
+        )
     return header, rows
 
 
@@ -184,14 +206,18 @@ def scaling_summary(doc: dict[str, Any]) -> list[str]:
         t = pts[deepest]["pipeline_s"]
         exp = growth_exponent(layers, [pts[n]["pipeline_s"] for n in layers])
         ok_abs = "meets" if t <= GOAL_PIPELINE_S else "MISSES"
-        line = (f"{mode}: whole pipeline on the {deepest}-layer fwd+bwd graphs = {t:.2f} s "
-                f"({ok_abs} the <= {GOAL_PIPELINE_S:g} s goal)")
+        line = (
+            f"{mode}: whole pipeline on the {deepest}-layer fwd+bwd graphs = {t:.2f} s "
+            f"({ok_abs} the <= {GOAL_PIPELINE_S:g} s goal)"
+        )
         if deepest in inductor:
             ind = inductor[deepest]["compile_s"]
             frac = t / ind
             ok_frac = "meets" if frac <= GOAL_FRACTION_OF_INDUCTOR else "MISSES"
-            line += (f"; Inductor's own compile of the same model = {ind:.1f} s, pipeline = {100 * frac:.1f}% of it "
-                     f"({ok_frac} the <= {100 * GOAL_FRACTION_OF_INDUCTOR:g}% goal)")
+            line += (
+                f"; Inductor's own compile of the same model = {ind:.1f} s, pipeline = {100 * frac:.1f}% of it "
+                f"({ok_frac} the <= {100 * GOAL_FRACTION_OF_INDUCTOR:g}% goal)"
+            )
         else:
             line += "; Inductor compile time not measured in this suite (see --suite full)"
         if exp is not None:
@@ -207,8 +233,11 @@ def _load_line(doc: dict[str, Any]) -> list[str]:
     if not loads:
         return []
     cores = doc["environment"]["machine"]["logical_cores"]
-    return [f"machine load during the runs (1-min load average): {min(loads):.1f} to {max(loads):.1f} "
-            f"on {cores} logical cores" + (" -- shared machine, timings inflated" if max(loads) > (cores or 0) else "")]
+    return [
+        f"machine load during the runs (1-min load average): {min(loads):.1f} to {max(loads):.1f} "
+        f"on {cores} logical cores"
+        + (" -- shared machine, timings inflated" if max(loads) > (cores or 0) else "")
+    ]
 
 
 def _header_lines(doc: dict[str, Any]) -> list[str]:
@@ -231,8 +260,12 @@ def text_tables(doc: dict[str, Any]) -> str:
     parts += [f"  {m.header}: {m.description}" for m in METRICS.values() if m.in_table]
     if doc.get("scaling", {}).get("points"):
         sc = doc["scaling"]
-        parts += ["", f"compile-time scaling: Llama TP+SP, fake process group, world size {sc['world_size']}, "
-                  "cold compiles (fresh process and Inductor cache per point)", _fixed(*_scaling_rows(doc))]
+        parts += [
+            "",
+            f"compile-time scaling: Llama TP+SP, fake process group, world size {sc['world_size']}, "
+            "cold compiles (fresh process and Inductor cache per point)",
+            _fixed(*_scaling_rows(doc)),
+        ]
         parts += [""] + scaling_summary(doc)
     parts += [""] + [f"note: {n}" for n in doc.get("notes", [])]
     return "\n".join(parts)
@@ -243,8 +276,14 @@ def markdown_tables(doc: dict[str, Any]) -> str:
     parts += [f"- **{m.header}**: {m.description}" for m in METRICS.values() if m.in_table]
     if doc.get("scaling", {}).get("points"):
         sc = doc["scaling"]
-        parts += ["", f"Compile-time scaling (Llama TP+SP, fake process group, world size {sc['world_size']}, "
-                  "cold compiles: fresh process and Inductor cache per point):", "", _markdown(*_scaling_rows(doc)), ""]
+        parts += [
+            "",
+            f"Compile-time scaling (Llama TP+SP, fake process group, world size {sc['world_size']}, "
+            "cold compiles: fresh process and Inductor cache per point):",
+            "",
+            _markdown(*_scaling_rows(doc)),
+            "",
+        ]
         parts += [f"- {line}" for line in scaling_summary(doc)]
     parts += [""] + [f"- Note: {n}" for n in doc.get("notes", [])]
     return "\n".join(parts)
@@ -274,9 +313,11 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
     workloads = list(dict.fromkeys(r["workload"] for r in doc["results"]))
     baselines = list(dict.fromkeys(r["baseline"] for r in doc["results"]))
     if results:
-        panels = [("step_ms_median", "step time, median (ms)", "step_ms_iqr", 1.0),
-                  ("compile_s", "compile time (s)", None, 1.0),
-                  ("wire_bytes", "wire bytes / rank (KiB)", None, 1 / 1024)]
+        panels = [
+            ("step_ms_median", "step time, median (ms)", "step_ms_iqr", 1.0),
+            ("compile_s", "compile time (s)", None, 1.0),
+            ("wire_bytes", "wire bytes / rank (KiB)", None, 1 / 1024),
+        ]
         # ~0.25 inch per bar, within a width that still renders legibly.
         width_in = min(18.0, max(8.0, 0.25 * len(workloads) * max(1, len(baselines))))
         fig, axes = plt.subplots(len(panels), 1, figsize=(width_in, 11))
@@ -295,7 +336,9 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
                 ax.bar(xs, ys, width, yerr=errs if err_key else None, label=b, capsize=2)
                 if key in ("wire_bytes", "logged_bytes"):
                     # Bytes of ops the IR does not recognise are missing: say so on the bar.
-                    for x, y, w in zip(xs, ys, [w for w in workloads if _metric(results, w, b, key) is not None], strict=True):
+                    for x, y, w in zip(
+                        xs, ys, [w for w in workloads if _metric(results, w, b, key) is not None], strict=True
+                    ):
                         if (_metric(results, w, b, "unrecognised_collectives") or 0) > 0:
                             ax.annotate("*", (x, y), ha="center", va="bottom", fontsize=12, color="red")
             ax.set_title(title)
@@ -303,11 +346,15 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
             ax.set_xticklabels(workloads, rotation=15, fontsize=8)
         axes[0].legend(fontsize=7, ncol=min(len(baselines), 7), loc="upper left")
         if any((r["metrics"].get("unrecognised_collectives") or 0) > 0 for r in results):
-            axes[-1].set_title(axes[-1].get_title() + "  (* = some collectives not recognised by the IR: "
-                               "bytes undercounted)")
+            axes[-1].set_title(
+                axes[-1].get_title() + "  (* = some collectives not recognised by the IR: bytes undercounted)"
+            )
         s = doc["settings"]
-        fig.suptitle(f"commfuse benchmarks ({doc['suite']}): measured on CPU, {s['backend']}, "
-                     f"{s['world_size']} ranks; error bars = IQR", fontsize=10)
+        fig.suptitle(
+            f"commfuse benchmarks ({doc['suite']}): measured on CPU, {s['backend']}, "
+            f"{s['world_size']} ranks; error bars = IQR",
+            fontsize=10,
+        )
         fig.tight_layout()
         path = out / "comparison.png"
         fig.savefig(path, dpi=110)
@@ -320,7 +367,9 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
         series: dict[str, list[tuple[int, float]]] = {}
         for p in points:
             if p["mode"] == "inductor":
-                series.setdefault("Inductor compile (torch.compile default)", []).append((p["layers"], p["compile_s"]))
+                series.setdefault("Inductor compile (torch.compile default)", []).append(
+                    (p["layers"], p["compile_s"])
+                )
                 continue
             series.setdefault(f"{p['mode']}: whole pipeline", []).append((p["layers"], p["pipeline_s"]))
             if p["mode"] == "commfuse-eager":
@@ -338,9 +387,17 @@ def write_plots(doc: dict[str, Any], out_dir: str | Path) -> list[Path]:
         if len(ref) >= 2 and ref[0][1]:
             x0, y0 = ref[0]
             xs = [x for x, _ in ref]
-            ax.plot(xs, [y0 * x / x0 for x in xs], color="grey", linestyle="--", linewidth=0.8,
-                    label="linear growth from the first pipeline point")
-        ax.axhline(GOAL_PIPELINE_S, color="grey", linestyle=":", label=f"goal: pipeline <= {GOAL_PIPELINE_S:g} s")
+            ax.plot(
+                xs,
+                [y0 * x / x0 for x in xs],
+                color="grey",
+                linestyle="--",
+                linewidth=0.8,
+                label="linear growth from the first pipeline point",
+            )
+        ax.axhline(
+            GOAL_PIPELINE_S, color="grey", linestyle=":", label=f"goal: pipeline <= {GOAL_PIPELINE_S:g} s"
+        )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("Llama layers (TP+SP, fake PG)")

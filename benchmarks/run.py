@@ -94,11 +94,18 @@ def _settings(suite: Suite) -> dict[str, Any]:
 def _described(workloads: Sequence[str], baselines: Sequence[str]) -> dict[str, Any]:
     """The ``workloads`` and ``baselines`` entries of a JSON document."""
     return {
-        "workloads": {w: {"family": get_workload(w).family.name, "size": get_workload(w).size,
-                          "description": get_workload(w).family.description, "params": get_workload(w).params}
-                      for w in workloads},
-        "baselines": {b: {"description": get_baseline(b).description, "inner": get_baseline(b).inner}
-                      for b in baselines},
+        "workloads": {
+            w: {
+                "family": get_workload(w).family.name,
+                "size": get_workload(w).size,
+                "description": get_workload(w).family.description,
+                "params": get_workload(w).params,
+            }
+            for w in workloads
+        },
+        "baselines": {
+            b: {"description": get_baseline(b).description, "inner": get_baseline(b).inner} for b in baselines
+        },
     }
 
 
@@ -112,8 +119,10 @@ def _skeleton(suite: Suite) -> dict[str, Any]:
         "suite_description": suite.description,
         "environment": environment(),
         "settings": _settings(suite),
-        "metrics": {m.name: {"header": m.header, "unit": m.unit, "description": m.description}
-                    for m in METRICS.values()},
+        "metrics": {
+            m.name: {"header": m.header, "unit": m.unit, "description": m.description}
+            for m in METRICS.values()
+        },
         **_described(workloads, baselines),
         "results": [],
         "scaling": {"world_size": suite.scaling_world, "points": []},
@@ -154,8 +163,9 @@ def run_matrix(suite: Suite, doc: dict[str, Any], json_path: Path | None) -> Non
         _run_pairs(suite, world, pairs, doc, json_path)
 
 
-def _run_pairs(suite: Suite, world: int, pairs: list[tuple[str, str]], doc: dict[str, Any],
-               json_path: Path | None) -> None:
+def _run_pairs(
+    suite: Suite, world: int, pairs: list[tuple[str, str]], doc: dict[str, Any], json_path: Path | None
+) -> None:
     """``pairs`` (workload, baseline) on one pool of ``world`` gloo ranks."""
     from benchmarks.measure import measure
     from commfuse.tools.rank_pool import RankPoolError
@@ -165,23 +175,35 @@ def _run_pairs(suite: Suite, world: int, pairs: list[tuple[str, str]], doc: dict
             record = RunRecord(workload, baseline, world)
             t = time.perf_counter()
             try:
-                record.ranks = pool.run(measure, workload, baseline, suite.warmup, suite.steps,
-                                        timeout=suite.job_timeout_s)
+                record.ranks = pool.run(
+                    measure, workload, baseline, suite.warmup, suite.steps, timeout=suite.job_timeout_s
+                )
             except RankPoolError as exc:  # a failing baseline must not stop the comparison
                 record.error = str(exc)
             record.wall_s = time.perf_counter() - t
             metrics = compute_metrics(record)
-            doc["results"].append({
-                "workload": workload, "baseline": baseline, "world_size": world, "error": record.error,
-                "wall_s": record.wall_s,
-                # The machine may be shared: other processes' load inflates step and compile times.
-                "load_avg_1m": _load(),
-                "metrics": metrics, "raw": {"ranks": [r.to_json() for r in record.ranks]},
-            })
-            status = "FAILED" if record.error else (
-                f"step {METRICS['step_ms_median'].fmt(metrics['step_ms_median'])} ms, "
-                f"compile {METRICS['compile_s'].fmt(metrics['compile_s'])} s, "
-                f"{METRICS['collectives'].fmt(metrics['collectives'])}")
+            doc["results"].append(
+                {
+                    "workload": workload,
+                    "baseline": baseline,
+                    "world_size": world,
+                    "error": record.error,
+                    "wall_s": record.wall_s,
+                    # The machine may be shared: other processes' load inflates step and compile times.
+                    "load_avg_1m": _load(),
+                    "metrics": metrics,
+                    "raw": {"ranks": [r.to_json() for r in record.ranks]},
+                }
+            )
+            status = (
+                "FAILED"
+                if record.error
+                else (
+                    f"step {METRICS['step_ms_median'].fmt(metrics['step_ms_median'])} ms, "
+                    f"compile {METRICS['compile_s'].fmt(metrics['compile_s'])} s, "
+                    f"{METRICS['collectives'].fmt(metrics['collectives'])}"
+                )
+            )
             _log(f"{workload:16s} {baseline:28s} {record.wall_s:6.1f} s  {status}")
             _write(doc, json_path)
 
@@ -199,20 +221,37 @@ def _warm_pool(world: int, with_inductor: bool, timeout_s: float) -> Iterator[An
         yield pool
 
 
-def run_ab(workloads: dict[str, int], executors: Sequence[str], *, warmup: int, pairs: int, timeout_s: float,
-           command: str, warnings: list[str], json_path: Path | None) -> dict[str, Any]:
+def run_ab(
+    workloads: dict[str, int],
+    executors: Sequence[str],
+    *,
+    warmup: int,
+    pairs: int,
+    timeout_s: float,
+    command: str,
+    warnings: list[str],
+    json_path: Path | None,
+) -> dict[str, Any]:
     """A/B in one run (benchmarks/ab.py): per workload (name -> world size) one job in which
     the ``executors`` take turns; the first is the candidate, compared with each other one."""
     from commfuse.tools.rank_pool import RankPoolError
 
     t0 = time.perf_counter()
     doc: dict[str, Any] = {
-        "schema": SCHEMA, "mode": "ab", "command": command, "environment": environment(),
-        "settings": ab_settings(sorted(set(workloads.values())), warmup, pairs), "executors": list(executors),
-        **_described(list(workloads), executors), "warnings": warnings,
+        "schema": SCHEMA,
+        "mode": "ab",
+        "command": command,
+        "environment": environment(),
+        "settings": ab_settings(sorted(set(workloads.values())), warmup, pairs),
+        "executors": list(executors),
+        **_described(list(workloads), executors),
+        "warnings": warnings,
         # On a shared machine other processes slow every executor alike (they take turns)
         # but widen the interval.
-        "load_avg_1m_before": _load(), "load_avg_1m_after": None, "results": [], "wall_s": None,
+        "load_avg_1m_before": _load(),
+        "load_avg_1m_after": None,
+        "results": [],
+        "wall_s": None,
     }
     with_inductor = any(get_baseline(e).uses_inductor for e in executors)
     for world in dict.fromkeys(workloads.values()):
@@ -226,9 +265,14 @@ def run_ab(workloads: dict[str, int], executors: Sequence[str], *, warmup: int, 
                     result = {"workload": workload, "error": str(exc)}
                 result.update(world_size=world, wall_s=time.perf_counter() - t, load_avg_1m=_load())
                 doc["results"].append(result)
-                status = "FAILED" if result["error"] else "  ".join(
-                    f"vs {c['baseline']}: {c['median']:.3f}x [{c['ci_low']:.3f}, {c['ci_high']:.3f}]"
-                    for c in result["comparisons"])
+                status = (
+                    "FAILED"
+                    if result["error"]
+                    else "  ".join(
+                        f"vs {c['baseline']}: {c['median']:.3f}x [{c['ci_low']:.3f}, {c['ci_high']:.3f}]"
+                        for c in result["comparisons"]
+                    )
+                )
                 _log(f"{workload:16s} {result['wall_s']:6.1f} s  {status}")
                 _write(doc, json_path)
     doc["load_avg_1m_after"] = _load()
@@ -265,75 +309,130 @@ class SingleReport(NamedTuple):
 
 # The single reports (predicted unless marked): argparse flag (--name-with-dashes) -> report.
 _REPORTS = {
-    "overlap_vs_inductor": SingleReport("benchmarks.overlap_vs_inductor", "run_overlap_vs_inductor",
-                        "overlap_tables", "overlap_vs_inductor",
+    "overlap_vs_inductor": SingleReport(
+        "benchmarks.overlap_vs_inductor",
+        "run_overlap_vs_inductor",
+        "overlap_tables",
+        "overlap_vs_inductor",
         "only commfuse's scheduling vs Inductor's overlap scheduler on TP+SP, SimpleFSDP and MoE "
-        "blocks (DGX-H100 x2, same estimates, predicted)"),
-    "schedule_report": SingleReport("benchmarks.schedule_report", "run_schedule_report",
-                        "schedule_tables", "schedule",
+        "blocks (DGX-H100 x2, same estimates, predicted)",
+    ),
+    "schedule_report": SingleReport(
+        "benchmarks.schedule_report",
+        "run_schedule_report",
+        "schedule_tables",
+        "schedule",
         "only the overlap scheduler report (SimpleFSDP Llama layer, DGX-H100 x2, predicted; and "
-        "its compile time on 32 layers)"),
-    "partition_report": SingleReport("benchmarks.partition_report", "run_partition_report",
-                        "partition_tables", "partition",
-        "only the Centauri partition search report (SimpleFSDP Llama layer, DGX-H100 x2, "
-        "predicted)"),
-    "lagom_report": SingleReport("benchmarks.lagom_report", "run_lagom_report",
-                        "lagom_tables", "lagom",
+        "its compile time on 32 layers)",
+    ),
+    "partition_report": SingleReport(
+        "benchmarks.partition_report",
+        "run_partition_report",
+        "partition_tables",
+        "partition",
+        "only the Centauri partition search report (SimpleFSDP Llama layer, DGX-H100 x2, predicted)",
+    ),
+    "lagom_report": SingleReport(
+        "benchmarks.lagom_report",
+        "run_lagom_report",
+        "lagom_tables",
+        "lagom",
         "only Lagom's per-collective communicator settings on the TP+SP, SimpleFSDP and MoE "
         "blocks (DGX-H100 x2, predicted: makespan default NCCL vs Lagom, evaluations, "
-        "communicator memory)"),
+        "communicator memory)",
+    ),
     # measured, not predicted: gloo ranks on this machine
-    "lowering_overlap": SingleReport("benchmarks.lowering_overlap", "run_lowering_overlap",
-                        "lowering_overlap_tables", "lowering_overlap",
+    "lowering_overlap": SingleReport(
+        "benchmarks.lowering_overlap",
+        "run_lowering_overlap",
+        "lowering_overlap_tables",
+        "lowering_overlap",
         "only the lowering report: measured step time (median, IQR) and measured overlap of "
-        "commfuse's runtime vs Inductor default / with comm passes, 2 gloo ranks"),
-    "gloo_reduce_scatter": SingleReport("benchmarks.gloo_reduce_scatter", "run_gloo_reduce_scatter",
-                        "gloo_reduce_scatter_tables", "gloo_reduce_scatter",
+        "commfuse's runtime vs Inductor default / with comm passes, 2 gloo ranks",
+    ),
+    "gloo_reduce_scatter": SingleReport(
+        "benchmarks.gloo_reduce_scatter",
+        "run_gloo_reduce_scatter",
+        "gloo_reduce_scatter_tables",
+        "gloo_reduce_scatter",
         "only gloo reduce_scatter vs all_to_all + local sum on 2 and 4 gloo ranks (measured, with "
-        "the gloo_reduce_scatter pass's predicted decision per size)"),
+        "the gloo_reduce_scatter pass's predicted decision per size)",
+    ),
     # counted, not timed: the IR's byte counts of the compiled example programs (fake process group)
-    "volume_report": SingleReport("benchmarks.volume_report", "run_volume_report",
-                        "volume_tables", "volume",
+    "volume_report": SingleReport(
+        "benchmarks.volume_report",
+        "run_volume_report",
+        "volume_tables",
+        "volume",
         "only the volume report of every example workload: bytes per rank before/after commfuse "
-        "by kind, role and direction, Table 1 formula checks, pass reasons (fake process group)"),
+        "by kind, role and direction, Table 1 formula checks, pass reasons (fake process group)",
+    ),
     # synthesised from recorded sequences, not timed: NCCL log / kernel trace alignment F1
-    "alignment_f1": SingleReport("benchmarks.alignment_f1", "run_alignment_f1",
-                        "alignment_f1_tables", "alignment_f1",
+    "alignment_f1": SingleReport(
+        "benchmarks.alignment_f1",
+        "run_alignment_f1",
+        "alignment_f1_tables",
+        "alignment_f1",
         "only the NCCL log / kernel trace alignment F1 per scenario and example model, next to "
-        "the NCCL-trace thesis's numbers (synthesised from recorded sequences)"),
+        "the NCCL-trace thesis's numbers (synthesised from recorded sequences)",
+    ),
     # counted (bytes, one process) and measured (step time, 4 gloo ranks): pipeline boundary fusion
-    "boundary_volume": SingleReport("benchmarks.boundary_volume", "run_boundary_volume",
-                        "boundary_volume_tables", "boundary_volume",
+    "boundary_volume": SingleReport(
+        "benchmarks.boundary_volume",
+        "run_boundary_volume",
+        "boundary_volume_tables",
+        "boundary_volume",
         "only pipeline boundary fusion: bytes per rank before/after per Table 2 transition vs the "
-        "derivation (counted) and step time fused vs unfused on 4 gloo ranks (measured)"),
+        "derivation (counted) and step time fused vs unfused on 4 gloo ranks (measured)",
+    ),
     # counted (bytes, one process, fake process group): Chimera's fusion across the two dims of a mesh
-    "mesh_transitions": SingleReport("benchmarks.mesh_transitions", "run_mesh_transitions",
-                        "mesh_transitions_tables", "mesh_transitions",
+    "mesh_transitions": SingleReport(
+        "benchmarks.mesh_transitions",
+        "run_mesh_transitions",
+        "mesh_transitions_tables",
+        "mesh_transitions",
         "only the TP->EP transition on 2-D meshes [2,2], [4,2], [2,4]: bytes per rank before/after "
-        "fuse_collectives across groups vs the closed form and Table 2's range (counted)"),
+        "fuse_collectives across groups vs the closed form and Table 2's range (counted)",
+    ),
     # predicted (fake process group, one process): torchtitan's dropless exchange cut along the hidden dim
-    "hidden_exchange": SingleReport("benchmarks.hidden_exchange", "run_hidden_exchange",
-                        "hidden_exchange_tables", "hidden_exchange",
+    "hidden_exchange": SingleReport(
+        "benchmarks.hidden_exchange",
+        "run_hidden_exchange",
+        "hidden_exchange_tables",
+        "hidden_exchange",
         "only hidden_exchange_partition on a torchtitan-style dropless MoE block (8 EP ranks, one and "
         "two DGX-H100 nodes): per exchange the decision, the graph's makespan and exposed "
-        "communication whole / with the pass / forced to two blocks (predicted)"),
+        "communication whole / with the pass / forced to two blocks (predicted)",
+    ),
     # decided (compiled on 2 gloo ranks): the passes' decisions with and without a calibrated profile
-    "calibrated_decisions": SingleReport("benchmarks.calibrated_decisions", "run_calibrated_decisions",
-                        "calibrated_decisions_tables", "calibrated_decisions",
+    "calibrated_decisions": SingleReport(
+        "benchmarks.calibrated_decisions",
+        "run_calibrated_decisions",
+        "calibrated_decisions_tables",
+        "calibrated_decisions",
         "only the decisions of the default pipeline with the nominal cost model vs the committed "
-        "calibrated profile of this machine, per workload, and whether every rank agrees (2 gloo ranks)"),
+        "calibrated profile of this machine, per workload, and whether every rank agrees (2 gloo ranks)",
+    ),
     # predicted (assumed overlap factors) for a TP=8 Llama layer, and measured on 4 gloo ranks: DHelix
-    "dhelix_report": SingleReport("benchmarks.dhelix_report", "run_dhelix_report",
-                        "dhelix_tables", "dhelix",
+    "dhelix_report": SingleReport(
+        "benchmarks.dhelix_report",
+        "run_dhelix_report",
+        "dhelix_tables",
+        "dhelix",
         "only DHelix strand interleaving: a TP=8 Llama layer, sequential vs Eq. 2 plan time on "
         "DGX-A100 and A40-PCIe (predicted, illustrative OEF) next to the paper's gains; the "
-        "training step with and without interleaving on 4 gloo ranks (measured)"),
+        "training step with and without interleaving on 4 gloo ranks (measured)",
+    ),
     # measured on 2 and 4 gloo ranks, counted at 1024 simulated ranks: the cross-rank agreement net
-    "agreement_cost": SingleReport("benchmarks.agreement_cost", "run_agreement_cost",
-                        "agreement_cost_tables", "agreement_cost",
+    "agreement_cost": SingleReport(
+        "benchmarks.agreement_cost",
+        "run_agreement_cost",
+        "agreement_cost_tables",
+        "agreement_cost",
         "only the agreement net's cost per compiled graph at its first execution: time and Store "
         "requests and bytes on 2 and 4 gloo ranks (measured), and the Store traffic at 1024 ranks "
-        "(counted on simulated ranks)"),
+        "(counted on simulated ranks)",
+    ),
 }
 
 
@@ -347,11 +446,15 @@ def _ab_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: l
     except (KeyError, ValueError) as e:
         ap.error(f"--ab: {e.args[0]}")
     if args.plot or args.from_json:
-        ap.error("--ab: --plot and --from-json do not apply (re-render a stored A/B run with --from-json alone)")
+        ap.error(
+            "--ab: --plot and --from-json do not apply (re-render a stored A/B run with --from-json alone)"
+        )
     suite = get_suite(args.suite)
     try:
-        workloads = {w: args.world or get_workload(w).family.world or suite.world_size
-                     for w in (args.workloads.split(",") if args.workloads else suite.workloads)}
+        workloads = {
+            w: args.world or get_workload(w).family.world or suite.world_size
+            for w in (args.workloads.split(",") if args.workloads else suite.workloads)
+        }
     except KeyError as e:
         ap.error(f"--workloads: {e.args[0]}")
     pairs = MIN_PAIRS if args.pairs is None else args.pairs
@@ -361,9 +464,16 @@ def _ab_from_args(ap: argparse.ArgumentParser, args: argparse.Namespace, argv: l
     if pairs < MIN_PAIRS:
         warnings.append(f"{pairs} pairs (< {MIN_PAIRS}): too few for a trustworthy interval; smoke use only")
         _log(f"warning: {warnings[-1]}")
-    return run_ab(workloads, executors, warmup=suite.warmup if args.warmup is None else args.warmup, pairs=pairs,
-                  timeout_s=suite.job_timeout_s, command="python benchmarks/run.py " + shlex.join(argv),
-                  warnings=warnings, json_path=args.json)
+    return run_ab(
+        workloads,
+        executors,
+        warmup=suite.warmup if args.warmup is None else args.warmup,
+        pairs=pairs,
+        timeout_s=suite.job_timeout_s,
+        command="python benchmarks/run.py " + shlex.join(argv),
+        warnings=warnings,
+        json_path=args.json,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,23 +483,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, help="write comparison.png and scaling.png into this directory")
     ap.add_argument("--markdown", type=Path, help="write the tables as Markdown here")
     ap.add_argument("--no-scaling", action="store_true", help="skip the compile-time scaling points")
-    ap.add_argument("--workloads", default=None, metavar="NAME[,NAME]",
-                    help="run only these of the suite's workloads (e.g. llama_tp_sp:s; default: all of them)")
+    ap.add_argument(
+        "--workloads",
+        default=None,
+        metavar="NAME[,NAME]",
+        help="run only these of the suite's workloads (e.g. llama_tp_sp:s; default: all of them)",
+    )
     ap.add_argument("--from-json", type=Path, help="re-render a stored run instead of measuring")
-    ap.add_argument("--ab", metavar="EXEC,EXEC[,EXEC]",
-                    help="A/B in one run: these baselines take turns step by step on the same ranks; the first "
-                    "(the candidate) is compared with each other one (speed-up with a 95%% bootstrap interval)")
-    ap.add_argument("--pairs", type=int, metavar="N",
-                    help=f"with --ab: timed rounds, one step per baseline each (default and minimum {MIN_PAIRS}; "
-                    "fewer only for smoke runs, with a warning)")
-    ap.add_argument("--warmup", type=int, metavar="N", help="with --ab: untimed rounds after the first step "
-                    "(default: the suite's)")
-    ap.add_argument("--world", type=int, metavar="N", help="with --ab: ranks (default: the workload family's "
-                    "world size, else the suite's)")
+    ap.add_argument(
+        "--ab",
+        metavar="EXEC,EXEC[,EXEC]",
+        help="A/B in one run: these baselines take turns step by step on the same ranks; the first "
+        "(the candidate) is compared with each other one (speed-up with a 95%% bootstrap interval)",
+    )
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        metavar="N",
+        help=f"with --ab: timed rounds, one step per baseline each (default and minimum {MIN_PAIRS}; "
+        "fewer only for smoke runs, with a warning)",
+    )
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        metavar="N",
+        help="with --ab: untimed rounds after the first step (default: the suite's)",
+    )
+    ap.add_argument(
+        "--world",
+        type=int,
+        metavar="N",
+        help="with --ab: ranks (default: the workload family's world size, else the suite's)",
+    )
     for name, rep in _REPORTS.items():
         ap.add_argument("--" + name.replace("_", "-"), action="store_true", help=rep.help)
-    ap.add_argument("--gpu", action="store_true", help="only the GPU mode on one CUDA GPU (runtime streams on NCCL, "
-                    "Inductor regions, DHelix, compute model vs measured kernels): benchmarks/results/gpu-<date>.*")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="only the GPU mode on one CUDA GPU (runtime streams on NCCL, "
+        "Inductor regions, DHelix, compute model vs measured kernels): benchmarks/results/gpu-<date>.*",
+    )
     args = ap.parse_args(argv)
     if args.gpu:
         from benchmarks.gpu.mode import gpu_main
@@ -429,8 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot and not ab:
         for path in write_plots(doc, args.plot):
             print(f"wrote {path}")
-    failed = [r for r in doc["results"] if r["error"]] + [p for p in doc.get("scaling", {}).get("points", [])
-                                                          if p["error"]]
+    failed = [r for r in doc["results"] if r["error"]] + [
+        p for p in doc.get("scaling", {}).get("points", []) if p["error"]
+    ]
     return 1 if failed else 0
 
 

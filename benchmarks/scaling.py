@@ -150,8 +150,11 @@ def measure_point(layers: int, mode: str, world: int) -> ScalingPoint:
         cfg = llama.LlamaConfig(n_layers=layers)
         model = llama.parallelize_llama(llama.build_llama(cfg, seed=0), mesh, sequence_parallel=True)
         data = llama.make_inputs(cfg, BATCH, SEQ, rank=0, world_size=world, seed=1)
-        backend: Any = "inductor" if mode == "inductor" else _timed_backend(
-            "eager" if mode == "commfuse-eager" else "inductor")
+        backend: Any = (
+            "inductor"
+            if mode == "inductor"
+            else _timed_backend("eager" if mode == "commfuse-eager" else "inductor")
+        )
         compiled = torch.compile(model, backend=backend)
 
         def step() -> None:
@@ -183,15 +186,22 @@ def measure_point(layers: int, mode: str, world: int) -> ScalingPoint:
             CollectiveIR(gm)
             ir_s += time.perf_counter() - t
         point.ir_build_s = ir_s
-        point.collectives = sum(r.analysis.total.count for r in backend.reports
-                                if r.analysis is not None and r.graph in ("forward", "backward"))
+        point.collectives = sum(
+            r.analysis.total.count
+            for r in backend.reports
+            if r.analysis is not None and r.graph in ("forward", "backward")
+        )
         if point.capture_s is not None:
             point.rest_s = point.compile_s - point.capture_s - point.pipeline_s
     return point
 
 
-def run_scaling(plan: tuple[tuple[str, tuple[int, ...]], ...], world: int, timeout_s: float = 1800.0,
-                log: Callable[[str], None] = print) -> list[ScalingPoint]:
+def run_scaling(
+    plan: tuple[tuple[str, tuple[int, ...]], ...],
+    world: int,
+    timeout_s: float = 1800.0,
+    log: Callable[[str], None] = print,
+) -> list[ScalingPoint]:
     """Every point of ``plan`` ((mode, layer counts) pairs) in its own fresh
     process with a fresh Inductor cache."""
     points = []
@@ -199,26 +209,48 @@ def run_scaling(plan: tuple[tuple[str, tuple[int, ...]], ...], world: int, timeo
         for n in layers:
             with tempfile.TemporaryDirectory(prefix="commfuse-bench-scaling-") as tmp:
                 out = Path(tmp) / "point.json"
-                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"),
-                           TORCHINDUCTOR_COMPILE_THREADS="1",
-                           PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-                cmd = [sys.executable, "-m", "benchmarks.scaling", "--layers", str(n), "--mode", mode,
-                       "--world", str(world), "--out", str(out)]
+                env = dict(
+                    os.environ,
+                    TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"),
+                    TORCHINDUCTOR_COMPILE_THREADS="1",
+                    PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+                )
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.scaling",
+                    "--layers",
+                    str(n),
+                    "--mode",
+                    mode,
+                    "--world",
+                    str(world),
+                    "--out",
+                    str(out),
+                ]
                 t = time.perf_counter()
                 try:
-                    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, timeout=timeout_s,
-                                          capture_output=True, text=True)
+                    proc = subprocess.run(
+                        cmd, cwd=REPO_ROOT, env=env, timeout=timeout_s, capture_output=True, text=True
+                    )
                     if out.exists():
                         point = ScalingPoint(**json.loads(out.read_text()))
                     else:
-                        point = ScalingPoint(n, mode, world, error=f"exit {proc.returncode}: {proc.stderr[-2000:]}")
+                        point = ScalingPoint(
+                            n, mode, world, error=f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+                        )
                 except subprocess.TimeoutExpired:
                     point = ScalingPoint(n, mode, world, error=f"timed out after {timeout_s:.0f} s")
                 point.wall_s = time.perf_counter() - t
                 point.load_avg_1m = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-            log(f"scaling {mode:15s} {n:3d} layers: "
-                + (f"compile {point.compile_s:.1f} s, pipeline {point.pipeline_s or 0:.2f} s"
-                   if point.error is None else f"FAILED {point.error.splitlines()[-1] if point.error else ''}"))
+            log(
+                f"scaling {mode:15s} {n:3d} layers: "
+                + (
+                    f"compile {point.compile_s:.1f} s, pipeline {point.pipeline_s or 0:.2f} s"
+                    if point.error is None
+                    else f"FAILED {point.error.splitlines()[-1] if point.error else ''}"
+                )
+            )
             points.append(point)
     return points
 

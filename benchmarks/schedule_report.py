@@ -43,7 +43,9 @@ def _scheduled(gm, passes, topo, **cfg):
 
     gm = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     t = time.perf_counter()
-    commfuse.optimize(gm, commfuse.Config(passes=passes, topology=topo, strict=True, **cfg), graph_kind="graph")
+    commfuse.optimize(
+        gm, commfuse.Config(passes=passes, topology=topo, strict=True, **cfg), graph_kind="graph"
+    )
     seconds = time.perf_counter() - t
     rep = commfuse.last_report(gm)
     return rep, simulate(gm, AnalyticCostModel(topo, backend="nccl")), seconds
@@ -71,8 +73,12 @@ def _default_pipeline(gm, kind: str) -> dict[str, Any]:
     commfuse.optimize(gm, commfuse.Config(), graph_kind=kind)
     seconds = time.perf_counter() - t
     rep = commfuse.last_report(gm)
-    return {"graph": kind, "nodes": len(gm.graph.nodes), "seconds": seconds,
-            "passes": {p.name: round(p.seconds, 3) for p in rep.passes}}
+    return {
+        "graph": kind,
+        "nodes": len(gm.graph.nodes),
+        "seconds": seconds,
+        "passes": {p.name: round(p.seconds, 3) for p in rep.passes},
+    }
 
 
 def run_schedule_report(deep: bool = True) -> dict[str, Any]:
@@ -89,9 +95,20 @@ def run_schedule_report(deep: bool = True) -> dict[str, Any]:
             rep, sim_a, secs = _scheduled(graphs[kind], ["schedule_overlap"], topo)
             rec = rep.passes[0]
             d = rec.decisions[0]
-            rows.append({"graph": kind, "collectives": d["collectives"], "nodes": d["nodes"],
-                         "before": sim_b.summary(), "after": sim_a.summary(), "kept": d["kept"],
-                         "greedy": d["greedy"], "cpsat": d["cpsat"], "counts": rec.counts, "seconds": secs})
+            rows.append(
+                {
+                    "graph": kind,
+                    "collectives": d["collectives"],
+                    "nodes": d["nodes"],
+                    "before": sim_b.summary(),
+                    "after": sim_a.summary(),
+                    "kept": d["kept"],
+                    "greedy": d["greedy"],
+                    "cpsat": d["cpsat"],
+                    "counts": rec.counts,
+                    "seconds": secs,
+                }
+            )
     deep_rows = []
     if deep:
         deep_topo = Topology.preset(preset, num_nodes=1)
@@ -99,55 +116,85 @@ def run_schedule_report(deep: bool = True) -> dict[str, Any]:
             graphs = _fsdp_graphs(mesh, DEEP, 1, DEEP_SEQ)
             for kind in ("forward", "backward"):
                 for cps in (0, 60):
-                    rep, sim_a, secs = _scheduled(graphs[kind], ["schedule_overlap"], deep_topo,
-                                                  schedule_cpsat_max_nodes=cps)
-                    deep_rows.append({"graph": kind, "nodes": len(graphs[kind].graph.nodes), "cpsat_max_nodes": cps,
-                                      "pass_seconds": rep.passes[0].seconds, "optimize_seconds": secs,
-                                      "changed": rep.passes[0].changed})
-            pipeline_rows = [_default_pipeline(graphs[kind], kind) for kind in ("forward", "backward", "joint")]
+                    rep, sim_a, secs = _scheduled(
+                        graphs[kind], ["schedule_overlap"], deep_topo, schedule_cpsat_max_nodes=cps
+                    )
+                    deep_rows.append(
+                        {
+                            "graph": kind,
+                            "nodes": len(graphs[kind].graph.nodes),
+                            "cpsat_max_nodes": cps,
+                            "pass_seconds": rep.passes[0].seconds,
+                            "optimize_seconds": secs,
+                            "changed": rep.passes[0].changed,
+                        }
+                    )
+            pipeline_rows = [
+                _default_pipeline(graphs[kind], kind) for kind in ("forward", "backward", "joint")
+            ]
     return {
         "workload": f"SimpleFSDP Llama layer (dim {LAYER['dim']}, ffn {LAYER['ffn_dim']}, {LAYER['n_heads']} heads, "
-                    f"batch {BATCH_PER_RANK}/rank, seq {SEQ}, fp32)",
+        f"batch {BATCH_PER_RANK}/rank, seq {SEQ}, fp32)",
         "topology": f"{preset} x{nodes} ({topo.world_size} ranks)",
         "graphs": rows,
-        "deep": {"workload": f"SimpleFSDP Llama {DEEP} on {DEEP_WORLD} fake ranks, seq {DEEP_SEQ}", "rows": deep_rows,
-                 "pipeline": pipeline_rows if deep else [], "goal_s": COMPILE_GOAL_S},
+        "deep": {
+            "workload": f"SimpleFSDP Llama {DEEP} on {DEEP_WORLD} fake ranks, seq {DEEP_SEQ}",
+            "rows": deep_rows,
+            "pipeline": pipeline_rows if deep else [],
+            "goal_s": COMPILE_GOAL_S,
+        },
     }
 
 
 def schedule_tables(doc: dict[str, Any]) -> str:
-    lines = [f"Overlap scheduler — {doc['workload']} on {doc['topology']} (predicted, analytic model)",
-             "before = sink_waits only, after = schedule_overlap"]
-    lines.append(f"{'graph':<9}{'colls':>6}{'makespan us':>24}{'exposed comm us':>24}{'peak MiB':>22}"
-                 f"{'kept':>28}{'pass s':>8}")
+    lines = [
+        f"Overlap scheduler — {doc['workload']} on {doc['topology']} (predicted, analytic model)",
+        "before = sink_waits only, after = schedule_overlap",
+    ]
+    lines.append(
+        f"{'graph':<9}{'colls':>6}{'makespan us':>24}{'exposed comm us':>24}{'peak MiB':>22}"
+        f"{'kept':>28}{'pass s':>8}"
+    )
     for g in doc["graphs"]:
         b, a = g["before"], g["after"]
-        lines.append(f"{g['graph']:<9}{g['collectives']:>6}"
-                     f"{b['makespan_us']:>11.1f} -> {a['makespan_us']:<9.1f}"
-                     f"{b['exposed_comm_us']:>11.1f} -> {a['exposed_comm_us']:<9.1f}"
-                     f"{b['peak_memory_bytes'] / 2**20:>9.1f} -> {a['peak_memory_bytes'] / 2**20:<9.1f}"
-                     f"{g['kept']:>28}{g['seconds']:>8.2f}")
+        lines.append(
+            f"{g['graph']:<9}{g['collectives']:>6}"
+            f"{b['makespan_us']:>11.1f} -> {a['makespan_us']:<9.1f}"
+            f"{b['exposed_comm_us']:>11.1f} -> {a['exposed_comm_us']:<9.1f}"
+            f"{b['peak_memory_bytes'] / 2**20:>9.1f} -> {a['peak_memory_bytes'] / 2**20:<9.1f}"
+            f"{g['kept']:>28}{g['seconds']:>8.2f}"
+        )
     for g in doc["graphs"]:
         c = g["cpsat"]
-        lines.append(f"  {g['graph']}: greedy variants " + "; ".join(
-            f"{v['priority']} {v['makespan_us']:.1f} us" for v in g["greedy"])
+        lines.append(
+            f"  {g['graph']}: greedy variants "
+            + "; ".join(f"{v['priority']} {v['makespan_us']:.1f} us" for v in g["greedy"])
             + f"; CP-SAT {c.get('makespan_us', '-')} us vs greedy {c.get('greedy_makespan_us', '-')} us "
-              f"({len(c.get('windows', []))} windows, {c.get('deterministic_time_s', 0)} det-s)")
+            f"({len(c.get('windows', []))} windows, {c.get('deterministic_time_s', 0)} det-s)"
+        )
     deep = doc.get("deep", {})
     if deep.get("rows"):
         lines.append(f"\nCompile time of schedule_overlap — {deep['workload']}")
         for r in deep["rows"]:
-            lines.append(f"  {r['graph']:<9}{r['nodes']:>6} nodes  cpsat_max_nodes={r['cpsat_max_nodes']:<3}"
-                         f" pass {r['pass_seconds']:.2f} s (optimize incl. verifier {r['optimize_seconds']:.2f} s)")
+            lines.append(
+                f"  {r['graph']:<9}{r['nodes']:>6} nodes  cpsat_max_nodes={r['cpsat_max_nodes']:<3}"
+                f" pass {r['pass_seconds']:.2f} s (optimize incl. verifier {r['optimize_seconds']:.2f} s)"
+            )
     if deep.get("pipeline"):
         goal = deep["goal_s"]
-        lines.append(f"Whole default pipeline (commfuse.optimize, Config()) — goal <= {goal:.0f} s on a 32-layer "
-                     "forward+backward graph")
+        lines.append(
+            f"Whole default pipeline (commfuse.optimize, Config()) — goal <= {goal:.0f} s on a 32-layer "
+            "forward+backward graph"
+        )
         for r in deep["pipeline"]:
             passes = ", ".join(f"{k} {v:.2f}" for k, v in r["passes"].items())
             verdict = "within goal" if r["seconds"] <= goal else "OVER GOAL"
-            lines.append(f"  {r['graph']:<9}{r['nodes']:>6} nodes  {r['seconds']:.2f} s  {verdict}  ({passes})")
+            lines.append(
+                f"  {r['graph']:<9}{r['nodes']:>6} nodes  {r['seconds']:.2f} s  {verdict}  ({passes})"
+            )
         split = sum(r["seconds"] for r in deep["pipeline"] if r["graph"] in ("forward", "backward"))
-        lines.append(f"  forward + backward graphs together: {split:.2f} s "
-                     f"({'within goal' if split <= goal else 'OVER GOAL'})")
+        lines.append(
+            f"  forward + backward graphs together: {split:.2f} s "
+            f"({'within goal' if split <= goal else 'OVER GOAL'})"
+        )
     return "\n".join(lines)

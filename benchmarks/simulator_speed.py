@@ -101,9 +101,13 @@ class LocalChange:
         for c in nodes:
             if c.op != "call_function" or collective_spec(c.target) is None:
                 continue
-            for n in nodes[pos[c] + 1:]:
-                if n.op == "call_function" and not is_wait(n.target) and n.all_input_nodes \
-                        and all(pos[a] < pos[c] for a in n.all_input_nodes):
+            for n in nodes[pos[c] + 1 :]:
+                if (
+                    n.op == "call_function"
+                    and not is_wait(n.target)
+                    and n.all_input_nodes
+                    and all(pos[a] < pos[c] for a in n.all_input_nodes)
+                ):
                     self.moves.append((n, c))
                     break
         if not self.moves:
@@ -135,6 +139,7 @@ def median_time(fn, repeat: int) -> float:
 def time_layer(est, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule, repeat: int):
     """Median seconds of (full joint, full f+b, incremental joint, incremental f+b, incremental
     joint without memory/record, joint with contention), and the joint's incremental simulation."""
+
     def full(gms):
         for gm in gms:
             Simulator(gm, est).simulate()
@@ -154,6 +159,7 @@ def time_layer(est, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModul
     t_lean_j = median_time(lambda: incr((joint,), memory=False, record=False), repeat)
     t_cont_j = float("nan")
     if hasattr(est, "slowdown"):  # the analytic model's contention (Lagom) through the hook
+
         def hook(node, concurrent):
             return max(est.slowdown(node, c) for c in concurrent)
 
@@ -174,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     est, what = make_estimator()
     print(f"estimator: {what}; world {args.world}; TP+SP llama dim 64; median of {args.repeat}")
-    hdr = (f"{'layers':>6} {'nodes j/f+b':>12} {'full joint':>11} {'full f+b':>10} {'incr joint':>11} "
-           f"{'incr f+b':>10} {'incr-lean j':>12} {'contention j':>13} {'makespan j':>12}")
+    hdr = (
+        f"{'layers':>6} {'nodes j/f+b':>12} {'full joint':>11} {'full f+b':>10} {'incr joint':>11} "
+        f"{'incr f+b':>10} {'incr-lean j':>12} {'contention j':>13} {'makespan j':>12}"
+    )
     print(hdr)
     worst_full = 0.0
     for layers in args.layers:
@@ -186,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         worst_full = max(worst_full, t_full_j, t_full_fb)
         nodes = f"{len(joint.graph.nodes)}/{len(fw.graph.nodes) + len(bw.graph.nodes)}"
         ms = [1e3 * x for x in times]
-        print(f"{layers:>6} {nodes:>12} {ms[0]:>8.1f} ms {ms[1]:>7.1f} ms {ms[2]:>8.2f} ms {ms[3]:>7.2f} ms "
-              f"{ms[4]:>9.2f} ms {ms[5]:>10.1f} ms {float(a.makespan_us):>9.1f} us", flush=True)
+        print(
+            f"{layers:>6} {nodes:>12} {ms[0]:>8.1f} ms {ms[1]:>7.1f} ms {ms[2]:>8.2f} ms {ms[3]:>7.2f} ms "
+            f"{ms[4]:>9.2f} ms {ms[5]:>10.1f} ms {float(a.makespan_us):>9.1f} us",
+            flush=True,
+        )
     ok = worst_full < 0.5
     print(f"budget: full estimate < 0.5 s -> {'OK' if ok else 'EXCEEDED'} (worst {worst_full:.3f} s)")
     return 0 if ok else 1

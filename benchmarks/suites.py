@@ -45,8 +45,11 @@ class Suite:
         pairs = []
         for w in self.workloads:
             for b in self.baselines:
-                if get_baseline(b).uses_inductor and self.inductor_workloads is not None \
-                        and w not in self.inductor_workloads:
+                if (
+                    get_baseline(b).uses_inductor
+                    and self.inductor_workloads is not None
+                    and w not in self.inductor_workloads
+                ):
                     continue
                 pairs.append((w, b))
         return pairs
@@ -55,8 +58,10 @@ class Suite:
         """This suite restricted to ``workloads`` (each must be one of its own)."""
         unknown = [w for w in workloads if w not in self.workloads]
         if unknown:
-            raise KeyError(f"workloads {unknown} are not in suite {self.name!r}; its workloads: "
-                           f"{', '.join(self.workloads)}")
+            raise KeyError(
+                f"workloads {unknown} are not in suite {self.name!r}; its workloads: "
+                f"{', '.join(self.workloads)}"
+            )
         return dataclasses.replace(self, workloads=tuple(workloads))
 
     @property
@@ -68,7 +73,9 @@ def _families(size: str) -> tuple[str, ...]:
     """Every example-model family at ``size``; the declared third-party families only run in the
     ``declared`` suite (they need the conformance extra, and their size is not CI sized)."""
     declared = {f.name for f in DECLARED_FAMILIES}
-    return tuple(n for n in workload_names() if n.endswith(f":{size}") and n.partition(":")[0] not in declared)
+    return tuple(
+        n for n in workload_names() if n.endswith(f":{size}") and n.partition(":")[0] not in declared
+    )
 
 
 def _single_pass(prefix: str) -> tuple[str, ...]:
@@ -95,8 +102,11 @@ def _default_pipeline_passes() -> tuple[str, ...]:
 # workload: all registered passes would take it past CI's budget); the full suite
 # has every registered pass.
 _EAGER_INNER_ALL = ("commfuse-eager:none", "commfuse-eager", *_single_pass("commfuse-eager"))
-_EAGER_INNER = ("commfuse-eager:none", "commfuse-eager",
-                *(f"commfuse-eager:{p}" for p in _default_pipeline_passes()))
+_EAGER_INNER = (
+    "commfuse-eager:none",
+    "commfuse-eager",
+    *(f"commfuse-eager:{p}" for p in _default_pipeline_passes()),
+)
 
 SUITES: dict[str, Suite] = {}
 
@@ -105,57 +115,97 @@ def _register(suite: Suite) -> None:
     SUITES[suite.name] = suite
 
 
-_register(Suite(
-    "smoke", "every workload family at size s, eager vs commfuse (eager inner); 2-layer scaling point",
-    workloads=_families("s"), baselines=("eager", "commfuse-eager"), warmup=1, steps=5,
-    scaling=(("commfuse-eager", (2,)),)))
-_register(Suite(
-    "quick", "every workload family at size s; eager and eager-inner commfuse variants (no Inductor: a cold "
-    "Inductor compile costs 20-70 s per run on 2 cores); scaling at 4 and 8 layers (commfuse pipeline only)",
-    workloads=_families("s"), baselines=("eager", *_EAGER_INNER), warmup=3, steps=30,
-    scaling=(("commfuse-eager", (4, 8)),)))
+_register(
+    Suite(
+        "smoke",
+        "every workload family at size s, eager vs commfuse (eager inner); 2-layer scaling point",
+        workloads=_families("s"),
+        baselines=("eager", "commfuse-eager"),
+        warmup=1,
+        steps=5,
+        scaling=(("commfuse-eager", (2,)),),
+    )
+)
+_register(
+    Suite(
+        "quick",
+        "every workload family at size s; eager and eager-inner commfuse variants (no Inductor: a cold "
+        "Inductor compile costs 20-70 s per run on 2 cores); scaling at 4 and 8 layers (commfuse pipeline only)",
+        workloads=_families("s"),
+        baselines=("eager", *_EAGER_INNER),
+        warmup=3,
+        steps=30,
+        scaling=(("commfuse-eager", (4, 8)),),
+    )
+)
 # Shrunk to finish in about 25 minutes on 2 cores: the Inductor-based
 # baselines (a cold compile is ~1 min per run there) run at size s only, and
 # Inductor's own scaling points at 4 and 32 layers; the commfuse pipeline is
 # timed at every depth (eager inner: exact stage split) and inside Inductor at
 # the deepest point, where the project goal is stated.
-_register(Suite(
-    "full", "every workload family at sizes s and m with eager and the eager-inner commfuse variants; at "
-    "size s also Inductor, Inductor+comm passes and commfuse (Inductor inner); scaling of the pipeline at "
-    "4, 8, 16, 32 layers, Inductor's compile at 4 and 32",
-    workloads=_families("s") + _families("m"),
-    baselines=("eager", "inductor", "inductor+comm", "commfuse", *_EAGER_INNER_ALL),
-    inductor_workloads=_families("s"),
-    warmup=5, steps=50,
-    scaling=(("commfuse-eager", (4, 8, 16, 32)), ("inductor", (4, 32)), ("commfuse", (32,))),
-    job_timeout_s=1800.0))
+_register(
+    Suite(
+        "full",
+        "every workload family at sizes s and m with eager and the eager-inner commfuse variants; at "
+        "size s also Inductor, Inductor+comm passes and commfuse (Inductor inner); scaling of the pipeline at "
+        "4, 8, 16, 32 layers, Inductor's compile at 4 and 32",
+        workloads=_families("s") + _families("m"),
+        baselines=("eager", "inductor", "inductor+comm", "commfuse", *_EAGER_INNER_ALL),
+        inductor_workloads=_families("s"),
+        warmup=5,
+        steps=50,
+        scaling=(("commfuse-eager", (4, 8, 16, 32)), ("inductor", (4, 32)), ("commfuse", (32,))),
+        job_timeout_s=1800.0,
+    )
+)
 
 
 def get_suite(name: str) -> Suite:
     if name not in SUITES:
         raise KeyError(f"unknown suite {name!r}; known: {sorted(SUITES)}")
     return SUITES[name]
+
+
 # Chimera on MoE layers (docs/chimera-moe.md): the TP+EP and SP+EP+SP workloads with every
 # baseline, Inductor ones included (2 ranks: cold Inductor compiles dominate).
-_register(Suite(
-    "chimera-moe", "moe_tp_ep and moe_sp_ep_sp at size s: eager, Inductor, Inductor+comm passes, commfuse "
-    "(Inductor and eager inner), commfuse with no passes",
-    workloads=("moe_tp_ep:s", "moe_sp_ep_sp:s"),
-    baselines=("eager", "inductor", "inductor+comm", "commfuse", "commfuse-eager:none", "commfuse-eager"),
-    warmup=3, steps=20, scaling=()))
+_register(
+    Suite(
+        "chimera-moe",
+        "moe_tp_ep and moe_sp_ep_sp at size s: eager, Inductor, Inductor+comm passes, commfuse "
+        "(Inductor and eager inner), commfuse with no passes",
+        workloads=("moe_tp_ep:s", "moe_sp_ep_sp:s"),
+        baselines=("eager", "inductor", "inductor+comm", "commfuse", "commfuse-eager:none", "commfuse-eager"),
+        warmup=3,
+        steps=20,
+        scaling=(),
+    )
+)
 # MoE recognition (docs/moe-recognition.md): a hand-written GShard MoE in an SP block; the
 # commfuse rows show the gather gone once the layer is recognised as one region.
-_register(Suite(
-    "moe-recognition", "moe_style_sp_ep_sp at size s: eager, Inductor, Inductor+comm passes, commfuse "
-    "(Inductor and eager inner), commfuse with no passes",
-    workloads=("moe_style_sp_ep_sp:s",),
-    baselines=("eager", "inductor", "inductor+comm", "commfuse", "commfuse-eager:none", "commfuse-eager"),
-    warmup=3, steps=20, scaling=()))
+_register(
+    Suite(
+        "moe-recognition",
+        "moe_style_sp_ep_sp at size s: eager, Inductor, Inductor+comm passes, commfuse "
+        "(Inductor and eager inner), commfuse with no passes",
+        workloads=("moe_style_sp_ep_sp:s",),
+        baselines=("eager", "inductor", "inductor+comm", "commfuse", "commfuse-eager:none", "commfuse-eager"),
+        warmup=3,
+        steps=20,
+        scaling=(),
+    )
+)
 # The declared workloads (docs/benchmarks.md, "Declared workloads"): third-party models parallelised by
 # their libraries, at the declared size d; each at its family's world size (simple_fsdp_tp: 4 ranks).
-_register(Suite(
-    "declared", "the declared third-party workloads at size d (torchtitan llama3 TP+SP, deepseek_v3 TP+EP, "
-    "transformers Llama TP, SimpleFSDP x TP on 2x2): eager, Inductor, commfuse (Inductor and eager inner)",
-    workloads=tuple(f"{f.name}:d" for f in DECLARED_FAMILIES),
-    baselines=("eager", "inductor", "commfuse", "commfuse-eager"),
-    warmup=3, steps=20, scaling=(), job_timeout_s=1800.0))
+_register(
+    Suite(
+        "declared",
+        "the declared third-party workloads at size d (torchtitan llama3 TP+SP, deepseek_v3 TP+EP, "
+        "transformers Llama TP, SimpleFSDP x TP on 2x2): eager, Inductor, commfuse (Inductor and eager inner)",
+        workloads=tuple(f"{f.name}:d" for f in DECLARED_FAMILIES),
+        baselines=("eager", "inductor", "commfuse", "commfuse-eager"),
+        warmup=3,
+        steps=20,
+        scaling=(),
+        job_timeout_s=1800.0,
+    )
+)

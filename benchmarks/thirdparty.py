@@ -67,25 +67,40 @@ def hf_from_pretrained(checkpoint: str, distributed: dict[str, int]) -> nn.Modul
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    return AutoModelForCausalLM.from_pretrained(checkpoint, distributed_config=DistributedConfig(**distributed),
-                                                dtype=torch.float32, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(
+        checkpoint,
+        distributed_config=DistributedConfig(**distributed),
+        dtype=torch.float32,
+        attn_implementation="sdpa",
+    )
 
 
-def hf_llama(tp: int, *, n_layers: int, dim: int, n_heads: int, ffn_dim: int, vocab: int, seq: int,
-             seed: int = 0) -> nn.Module:
+def hf_llama(
+    tp: int, *, n_layers: int, dim: int, n_heads: int, ffn_dim: int, vocab: int, seq: int, seed: int = 0
+) -> nn.Module:
     """A ``LlamaForCausalLM`` of these sizes with seeded weights, tensor parallel over ``tp`` ranks by
     transformers' own plan. ``from_config`` takes no distributed config, so rank 0 saves the seeded
     model as a user's checkpoint would be (transformers writes on the main process only) and every
     rank loads it back the distributed way."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=ffn_dim, num_hidden_layers=n_layers,
-                      num_attention_heads=n_heads, num_key_value_heads=n_heads, max_position_embeddings=seq,
-                      use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=dim,
+        intermediate_size=ffn_dim,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_heads,
+        max_position_embeddings=seq,
+        use_cache=False,
+    )
     _forget_earlier_meshes()
     with contextlib.ExitStack() as stack:
-        path = [stack.enter_context(tempfile.TemporaryDirectory(prefix="commfuse-hf-llama-"))
-                if dist.get_rank() == 0 else None]
+        path = [
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="commfuse-hf-llama-"))
+            if dist.get_rank() == 0
+            else None
+        ]
         dist.broadcast_object_list(path, src=0)
         if dist.get_rank() == 0:
             torch.manual_seed(seed)
@@ -110,8 +125,17 @@ def titan_on_cpu() -> None:
     parallel_dims.device_type = "cpu"
 
 
-def _resized_config(family: str, mod: Any, *, n_layers: int, dim: int, n_heads: int, vocab: int,
-                    ffn_dim: int, num_experts: int = 0) -> Any:
+def _resized_config(
+    family: str,
+    mod: Any,
+    *,
+    n_layers: int,
+    dim: int,
+    n_heads: int,
+    vocab: int,
+    ffn_dim: int,
+    num_experts: int = 0,
+) -> Any:
     """A model config of ``family`` at these sizes, written the way torchtitan's own flavors are
     (its registry's layer builders and initialisers; deepseek_v3: every layer a MoE layer, the
     debug model's MLA head dims)."""
@@ -119,32 +143,67 @@ def _resized_config(family: str, mod: Any, *, n_layers: int, dim: int, n_heads: 
 
     if family == "llama3":
         layers = mod._build_llama3_layers(
-            fuse_qkv=True, n_layers=n_layers, dim=dim, n_heads=n_heads, hidden_dim=ffn_dim,
+            fuse_qkv=True,
+            n_layers=n_layers,
+            dim=dim,
+            n_heads=n_heads,
+            hidden_dim=ffn_dim,
             rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=131072, theta=500000, scaling="llama"),
-            attn_backend="flex")
+            attn_backend="flex",
+        )
         extra: dict[str, Any] = {}
         config_cls = mod.Llama3Model.Config
     else:
         rope_dim = 64
         layers = mod._build_dsv3_layers(
-            n_layers=n_layers, n_dense_layers=0, dim=dim, n_heads=n_heads, q_lora_rank=0, kv_lora_rank=512,
-            qk_nope_head_dim=128, qk_rope_head_dim=rope_dim, v_head_dim=128, mscale=0.70,
-            dense_hidden_dim=ffn_dim, moe_hidden_dim=ffn_dim, num_experts=num_experts, num_shared_experts=2,
-            router_top_k=3, router_score_func="softmax", attn_backend="flex", moe_comm_backend="standard",
+            n_layers=n_layers,
+            n_dense_layers=0,
+            dim=dim,
+            n_heads=n_heads,
+            q_lora_rank=0,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=128,
+            mscale=0.70,
+            dense_hidden_dim=ffn_dim,
+            moe_hidden_dim=ffn_dim,
+            num_experts=num_experts,
+            num_shared_experts=2,
+            router_top_k=3,
+            router_score_func="softmax",
+            attn_backend="flex",
+            moe_comm_backend="standard",
             non_blocking_capacity_factor=None,
-            rope=ComplexRoPE.Config(dim=rope_dim, max_seq_len=4096 * 4, theta=10000.0, scaling="yarn",
-                                    rope_factor=40.0, beta_fast=32.0, beta_slow=1.0, original_seq_len=4096))
+            rope=ComplexRoPE.Config(
+                dim=rope_dim,
+                max_seq_len=4096 * 4,
+                theta=10000.0,
+                scaling="yarn",
+                rope_factor=40.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                original_seq_len=4096,
+            ),
+        )
         extra = {"mtp_layers": []}
         config_cls = mod.DeepSeekV3Model.Config
     return config_cls(
-        vocab_size=vocab, dim=dim,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=mod._EMBEDDING_INIT),
+        vocab_size=vocab,
+        dim=dim,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab, embedding_dim=dim, param_init=mod._EMBEDDING_INIT
+        ),
         norm=RMSNorm.Config(normalized_shape=dim, param_init=mod._NORM_INIT),
         lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=mod._output_linear_init(dim)),
-        layers=layers, **extra)
+        layers=layers,
+        **extra,
+    )
 
 
-def titan_model(family: str, n_layers: int, parallelism: Any, *, seed: int = 0, **sizes: int) -> tuple[Any, Any]:
+def titan_model(
+    family: str, n_layers: int, parallelism: Any, *, seed: int = 0, **sizes: int
+) -> tuple[Any, Any]:
     """torchtitan's own debug model of ``family`` ("llama3" or "deepseek_v3") truncated to
     ``n_layers`` (deepseek_v3: its MoE layers), or with ``sizes`` (``dim``, ``n_heads``, ``vocab``,
     ``ffn_dim``, deepseek_v3 ``num_experts``) a model of those sizes; SDPA attention (the registry
@@ -159,7 +218,7 @@ def titan_model(family: str, n_layers: int, parallelism: Any, *, seed: int = 0, 
     cfg = spec.model
     # deepseek_v3's first layer is dense: start after it, so that one layer is a MoE layer
     first = 1 if family == "deepseek_v3" and not sizes else 0
-    cfg.layers = cfg.layers[first:first + n_layers]
+    cfg.layers = cfg.layers[first : first + n_layers]
     for layer in cfg.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
 
@@ -253,17 +312,28 @@ def _build_titan_parallel(degrees: dict[str, int]) -> TitanParallel:
     _forget_earlier_meshes()
     set_spmd_backend("partial_dtensor")  # what torchtitan's Trainer does with parallelism.spmd_backend
     parallelism = ParallelismConfig(
-        tensor_parallel_degree=degrees.get("tp", 1), expert_parallel_degree=degrees.get("ep", 1),
-        data_parallel_shard_degree=degrees.get("dp_shard", 1), spmd_backend="partial_dtensor")
+        tensor_parallel_degree=degrees.get("tp", 1),
+        expert_parallel_degree=degrees.get("ep", 1),
+        data_parallel_shard_degree=degrees.get("dp_shard", 1),
+        spmd_backend="partial_dtensor",
+    )
     dims = ParallelDims.from_config(parallelism, dist.get_world_size())
     dims.build_mesh()
     training = TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32")
     return TitanParallel(parallelism, dims, training)
 
 
-def titan_parallelize(family: str, par: TitanParallel, *, n_layers: int, compiled: bool = False,
-                      backend: str = "commfuse", ac: str | None = None, parallelize_fn: bool = True,
-                      **sizes: int) -> nn.Module:
+def titan_parallelize(
+    family: str,
+    par: TitanParallel,
+    *,
+    n_layers: int,
+    compiled: bool = False,
+    backend: str = "commfuse",
+    ac: str | None = None,
+    parallelize_fn: bool = True,
+    **sizes: int,
+) -> nn.Module:
     """:func:`titan_model` parallelised by torchtitan's own code: its ``parallelize_*`` function
     (TP/SP/EP, per-block compile with ``backend`` when ``compiled``), or, with sharded data
     parallel, TP then graph_trainer's SimpleFSDP: torchtitan's FSDP2 reduces with PREMUL_SUM,
@@ -280,8 +350,15 @@ def titan_parallelize(family: str, par: TitanParallel, *, n_layers: int, compile
     compile_config = CompileConfig(enable=compiled, components=["model"], backend=backend)
     dims = par.dims
     if parallelize_fn and not dims.dp_shard_enabled:
-        return spec.parallelize_fn(model, parallel_dims=dims, training=par.training, parallelism=par.parallelism,
-                                   compile_config=compile_config, ac_config=ac_config, dump_folder="")
+        return spec.parallelize_fn(
+            model,
+            parallel_dims=dims,
+            training=par.training,
+            parallelism=par.parallelism,
+            compile_config=compile_config,
+            ac_config=ac_config,
+            dump_folder="",
+        )
     from torchtitan.distributed.compile import apply_compile
     from torchtitan.experiments.graph_trainer.common_utils import apply_simple_fsdp
 

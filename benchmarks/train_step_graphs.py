@@ -49,7 +49,9 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _model(layout: str, mesh) -> torch.nn.Module:
     model = llama.build_llama(CFG, seed=0)
     if layout in ("simple_fsdp", "ddp"):
-        return simple_fsdp.data_parallel(model, mesh, "fully_shard" if layout == "simple_fsdp" else "replicate")
+        return simple_fsdp.data_parallel(
+            model, mesh, "fully_shard" if layout == "simple_fsdp" else "replicate"
+        )
     return llama.parallelize_llama(model, mesh, sequence_parallel=True)
 
 
@@ -57,8 +59,11 @@ def graph_rows(layout: str, microbatches: int, passes: list[str] | None) -> list
     """One row per graph the pipeline compiled for one step of `layout` with `microbatches`."""
     with fake_mesh(WORLD) as mesh:
         torch._dynamo.reset()
-        cfg = commfuse.Config(inner_compiler="eager", passes=passes,
-                              group_roles={mesh.get_group().group_name: "tp"} if layout == "tp_sp" else {})
+        cfg = commfuse.Config(
+            inner_compiler="eager",
+            passes=passes,
+            group_roles={mesh.get_group().group_name: "tp"} if layout == "tp_sp" else {},
+        )
         step = compile_train_step(_model(layout, mesh), _loss, microbatches=microbatches, config=cfg)
         seq = SEQ // WORLD if layout == "tp_sp" else SEQ  # SP: this rank's sequence shard
         gen = torch.Generator().manual_seed(0)
@@ -67,29 +72,45 @@ def graph_rows(layout: str, microbatches: int, passes: list[str] | None) -> list
         rows = []
         for rep in step.reports:
             a = rep.analysis
-            rows.append({
-                "layout": layout, "microbatches": microbatches, "graph": rep.graph,
-                "dynamo_graphs": step.graph_count, "nodes": a.num_nodes if a else None,
-                "collectives": {k: t.count for k, t in a.by_kind.items()} if a else {},
-                "logged_bytes": a.total.logged_bytes if a else None,
-            })
+            rows.append(
+                {
+                    "layout": layout,
+                    "microbatches": microbatches,
+                    "graph": rep.graph,
+                    "dynamo_graphs": step.graph_count,
+                    "nodes": a.num_nodes if a else None,
+                    "collectives": {k: t.count for k, t in a.by_kind.items()} if a else {},
+                    "logged_bytes": a.total.logged_bytes if a else None,
+                }
+            )
         return rows
 
 
 def _fmt(row: dict[str, Any]) -> str:
     kinds = " ".join(f"{k}={v}" for k, v in sorted(row["collectives"].items())) or "-"
-    return (f"| {row['layout']} | {row['microbatches']} | {row['graph']} | {row['dynamo_graphs']} | {row['nodes']} "
-            f"| {kinds} | {row['logged_bytes']} |")
+    return (
+        f"| {row['layout']} | {row['microbatches']} | {row['graph']} | {row['dynamo_graphs']} | {row['nodes']} "
+        f"| {kinds} | {row['logged_bytes']} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--passes", choices=["none", "default"], default="default",
-                    help="'none': the graph as captured; 'default': after the default pipeline")
+    ap.add_argument(
+        "--passes",
+        choices=["none", "default"],
+        default="default",
+        help="'none': the graph as captured; 'default': after the default pipeline",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     passes = [] if args.passes == "none" else None
-    rows = [r for layout in ("simple_fsdp", "ddp", "tp_sp") for m in (1, 2, 4) for r in graph_rows(layout, m, passes)]
+    rows = [
+        r
+        for layout in ("simple_fsdp", "ddp", "tp_sp")
+        for m in (1, 2, 4)
+        for r in graph_rows(layout, m, passes)
+    ]
     print(f"compile_train_step graphs, fake process group of {WORLD} ranks, passes={args.passes}")
     print("| layout | micro-batches | graph | dynamo graphs | nodes | collectives | logged B/rank |")
     print("|---|---|---|---|---|---|---|")

@@ -122,17 +122,29 @@ def _mesh(world: int):
     return init_device_mesh("cpu", (world,))
 
 
-def _llama_tp(world: int, rank: int, *, sequence_parallel: bool, n_layers: int, dim: int,
-              n_heads: int, ffn_dim: int, batch: int, seq: int) -> Built:
+def _llama_tp(
+    world: int,
+    rank: int,
+    *,
+    sequence_parallel: bool,
+    n_layers: int,
+    dim: int,
+    n_heads: int,
+    ffn_dim: int,
+    batch: int,
+    seq: int,
+) -> Built:
     from commfuse.models import llama
 
     cfg = llama.LlamaConfig(n_layers=n_layers, dim=dim, n_heads=n_heads, ffn_dim=ffn_dim)
     mesh = _mesh(world)
     model = llama.parallelize_llama(llama.build_llama(cfg, seed=0), mesh, sequence_parallel=sequence_parallel)
-    data = llama.make_inputs(cfg, batch, seq, rank=rank, world_size=world,
-                             sequence_parallel=sequence_parallel, seed=1)
-    return Built(model, (data.inputs,), lambda out: llama.loss_fn(out, data),
-                 roles={mesh.get_group().group_name: "tp"})
+    data = llama.make_inputs(
+        cfg, batch, seq, rank=rank, world_size=world, sequence_parallel=sequence_parallel, seed=1
+    )
+    return Built(
+        model, (data.inputs,), lambda out: llama.loss_fn(out, data), roles={mesh.get_group().group_name: "tp"}
+    )
 
 
 def _build_llama_tp_sp(world: int, rank: int, **sizes: int) -> Built:
@@ -143,19 +155,31 @@ def _build_llama_tp(world: int, rank: int, **sizes: int) -> Built:
     return _llama_tp(world, rank, sequence_parallel=False, **sizes)
 
 
-def _build_moe_ep(world: int, rank: int, *, dim: int, experts_per_rank: int, ffn_dim: int,
-                  batch_per_rank: int, seq: int) -> Built:
+def _build_moe_ep(
+    world: int, rank: int, *, dim: int, experts_per_rank: int, ffn_dim: int, batch_per_rank: int, seq: int
+) -> Built:
     from commfuse.models import moe
 
     num_experts = experts_per_rank * world
-    model = moe.parallelize_moe(moe.build_moe(dim=dim, num_experts=num_experts, ffn_dim=ffn_dim, seed=0),
-                                _mesh(world))
+    model = moe.parallelize_moe(
+        moe.build_moe(dim=dim, num_experts=num_experts, ffn_dim=ffn_dim, seed=0), _mesh(world)
+    )
     data = moe.make_inputs(batch_per_rank * world, seq, dim, rank=rank, world_size=world, seed=1)
     return Built(model, (data.inputs,), lambda out: moe.loss_fn(out[0], out[1], data))
 
 
-def _simple_fsdp(world: int, rank: int, *, mode: str, n_layers: int, dim: int, n_heads: int,
-                 ffn_dim: int, batch_per_rank: int, seq: int) -> Built:
+def _simple_fsdp(
+    world: int,
+    rank: int,
+    *,
+    mode: str,
+    n_layers: int,
+    dim: int,
+    n_heads: int,
+    ffn_dim: int,
+    batch_per_rank: int,
+    seq: int,
+) -> Built:
     from commfuse.models import llama, simple_fsdp
 
     cfg = llama.LlamaConfig(n_layers=n_layers, dim=dim, n_heads=n_heads, ffn_dim=ffn_dim)
@@ -192,30 +216,63 @@ _MOE_SIZES: dict[str, dict[str, int]] = {
     "l": {"dim": 256, "experts_per_rank": 4, "ffn_dim": 512, "batch_per_rank": 2, "seq": 128},
 }
 
-register_family(Family(
-    "llama_tp_sp", "Llama-style decoder, tensor + sequence parallel (Megatron SP)",
-    _build_llama_tp_sp, _LLAMA_SIZES))
-register_family(Family(
-    "llama_tp", "Llama-style decoder, tensor parallel only",
-    _build_llama_tp, _LLAMA_SIZES))
-register_family(Family(
-    "moe_ep", "GShard MoE block, expert parallel (all_to_all), router/norm data parallel",
-    _build_moe_ep, _MOE_SIZES))
-register_family(Family(
-    "simple_fsdp", "Llama-style decoder, SimpleFSDP fully_shard (param all_gather, grad reduce_scatter)",
-    _build_fsdp, _DP_SIZES))
-register_family(Family(
-    "dp", "Llama-style decoder, SimpleFSDP replicate = DDP (grad all_reduce)",
-    _build_dp, _DP_SIZES))
+register_family(
+    Family(
+        "llama_tp_sp",
+        "Llama-style decoder, tensor + sequence parallel (Megatron SP)",
+        _build_llama_tp_sp,
+        _LLAMA_SIZES,
+    )
+)
+register_family(
+    Family("llama_tp", "Llama-style decoder, tensor parallel only", _build_llama_tp, _LLAMA_SIZES)
+)
+register_family(
+    Family(
+        "moe_ep",
+        "GShard MoE block, expert parallel (all_to_all), router/norm data parallel",
+        _build_moe_ep,
+        _MOE_SIZES,
+    )
+)
+register_family(
+    Family(
+        "simple_fsdp",
+        "Llama-style decoder, SimpleFSDP fully_shard (param all_gather, grad reduce_scatter)",
+        _build_fsdp,
+        _DP_SIZES,
+    )
+)
+register_family(
+    Family("dp", "Llama-style decoder, SimpleFSDP replicate = DDP (grad all_reduce)", _build_dp, _DP_SIZES)
+)
 
 
-def _moe_tp(world: int, rank: int, *, layout: str, n_layers: int, dim: int, n_heads: int, experts_per_rank: int,
-            ffn_dim: int, batch: int, seq: int, vocab: int = 0) -> Built:
+def _moe_tp(
+    world: int,
+    rank: int,
+    *,
+    layout: str,
+    n_layers: int,
+    dim: int,
+    n_heads: int,
+    experts_per_rank: int,
+    ffn_dim: int,
+    batch: int,
+    seq: int,
+    vocab: int = 0,
+) -> Built:
     """TP attention + commfuse.moe.MoELayer (dropless) with EP over the same ranks."""
     from commfuse.models import moe_tp
 
-    cfg = moe_tp.MoETPConfig(n_layers=n_layers, dim=dim, n_heads=n_heads, num_experts=experts_per_rank * world,
-                             ffn_dim=ffn_dim, vocab=vocab or None)
+    cfg = moe_tp.MoETPConfig(
+        n_layers=n_layers,
+        dim=dim,
+        n_heads=n_heads,
+        num_experts=experts_per_rank * world,
+        ffn_dim=ffn_dim,
+        vocab=vocab or None,
+    )
     mesh = _mesh(world)
     model = moe_tp.parallelize_moe_tp(moe_tp.build_moe_tp(cfg, seed=0), mesh, layout)
     gen = torch.Generator().manual_seed(1 + (rank if layout == "sp_ep_sp" else 0))
@@ -239,26 +296,68 @@ def _build_moe_sp_ep_sp(world: int, rank: int, **sizes: int) -> Built:
 
 
 _MOE_TP_SIZES: dict[str, dict[str, int]] = {
-    "s": {"n_layers": 2, "dim": 64, "n_heads": 8, "experts_per_rank": 2, "ffn_dim": 64, "batch": 2, "seq": 32},
-    "m": {"n_layers": 4, "dim": 128, "n_heads": 8, "experts_per_rank": 2, "ffn_dim": 128, "batch": 2, "seq": 64},
+    "s": {
+        "n_layers": 2,
+        "dim": 64,
+        "n_heads": 8,
+        "experts_per_rank": 2,
+        "ffn_dim": 64,
+        "batch": 2,
+        "seq": 32,
+    },
+    "m": {
+        "n_layers": 4,
+        "dim": 128,
+        "n_heads": 8,
+        "experts_per_rank": 2,
+        "ffn_dim": 128,
+        "batch": 2,
+        "seq": 64,
+    },
 }
-register_family(Family(
-    "moe_tp_ep", "TP attention + commfuse MoE layer, EP over the TP ranks, vocab head (Chimera TP+EP)",
-    _build_moe_tp_ep, {k: {**v, "vocab": 128} for k, v in _MOE_TP_SIZES.items()}))
-register_family(Family(
-    "moe_sp_ep_sp", "SP attention + commfuse MoE layer on gathered tokens, back to sequence shards (Chimera SP+EP+SP)",
-    _build_moe_sp_ep_sp, _MOE_TP_SIZES))
+register_family(
+    Family(
+        "moe_tp_ep",
+        "TP attention + commfuse MoE layer, EP over the TP ranks, vocab head (Chimera TP+EP)",
+        _build_moe_tp_ep,
+        {k: {**v, "vocab": 128} for k, v in _MOE_TP_SIZES.items()},
+    )
+)
+register_family(
+    Family(
+        "moe_sp_ep_sp",
+        "SP attention + commfuse MoE layer on gathered tokens, back to sequence shards (Chimera SP+EP+SP)",
+        _build_moe_sp_ep_sp,
+        _MOE_TP_SIZES,
+    )
+)
 
 
-def _build_moe_style_sp_ep_sp(world: int, rank: int, *, dim: int, n_heads: int, experts_per_rank: int,
-                              ffn_dim: int, batch: int, seq: int) -> Built:
+def _build_moe_style_sp_ep_sp(
+    world: int,
+    rank: int,
+    *,
+    dim: int,
+    n_heads: int,
+    experts_per_rank: int,
+    ffn_dim: int,
+    batch: int,
+    seq: int,
+) -> Built:
     """SP attention + a GShard MoE written in plain PyTorch (one-hot/cumsum dispatch, all_to_all):
     ``moe_recognition`` must first prove it one region before motion can drop the gather."""
     from commfuse.models import moe_styles as ms
 
     # capacity_factor = world: capacity cannot bind, so token shards route exactly as the full batch
-    cfg = ms.MoEStyleConfig(style="gshard", dim=dim, num_experts=experts_per_rank * world, ffn_dim=ffn_dim, top_k=2,
-                            capacity_factor=float(world), n_heads=n_heads)
+    cfg = ms.MoEStyleConfig(
+        style="gshard",
+        dim=dim,
+        num_experts=experts_per_rank * world,
+        ffn_dim=ffn_dim,
+        top_k=2,
+        capacity_factor=float(world),
+        n_heads=n_heads,
+    )
     mesh = _mesh(world)
     model = ms.parallelize_moe_style_tp(ms.build_moe_style_tp(cfg), mesh, "sp_ep_sp")
     gen = torch.Generator().manual_seed(1 + rank)
@@ -270,10 +369,14 @@ def _build_moe_style_sp_ep_sp(world: int, rank: int, *, dim: int, n_heads: int, 
     return Built(model, (inputs,), loss, roles={mesh.get_group().group_name: "tp"})
 
 
-register_family(Family(
-    "moe_style_sp_ep_sp", "SP attention + hand-written GShard MoE (recognised into commfuse's MoE op), "
-    "back to sequence shards", _build_moe_style_sp_ep_sp,
-    {k: {kk: vv for kk, vv in v.items() if kk != "n_layers"} for k, v in _MOE_TP_SIZES.items()}))
+register_family(
+    Family(
+        "moe_style_sp_ep_sp",
+        "SP attention + hand-written GShard MoE (recognised into commfuse's MoE op), back to sequence shards",
+        _build_moe_style_sp_ep_sp,
+        {k: {kk: vv for kk, vv in v.items() if kk != "n_layers"} for k, v in _MOE_TP_SIZES.items()},
+    )
+)
 
 # The declared third-party workloads register themselves (docs/benchmarks.md, "Declared workloads").
 import benchmarks.declared  # noqa: E402,F401
@@ -296,8 +399,18 @@ class _RegressionLoss(nn.Module):
         return (self.model(x).float() - target).pow(2).sum() / self.denominator
 
 
-def _build_simple_fsdp_ga(world: int, rank: int, *, n_layers: int, dim: int, n_heads: int, ffn_dim: int,
-                          microbatch_size: int, seq: int, microbatches: int) -> Built:
+def _build_simple_fsdp_ga(
+    world: int,
+    rank: int,
+    *,
+    n_layers: int,
+    dim: int,
+    n_heads: int,
+    ffn_dim: int,
+    microbatch_size: int,
+    seq: int,
+    microbatches: int,
+) -> Built:
     """SimpleFSDP (fully_shard) Llama trained with gradient accumulation: each rank's step is
     ``microbatches`` micro-batches of ``microbatch_size`` x ``seq`` tokens."""
     from commfuse.models import llama, simple_fsdp
@@ -306,8 +419,12 @@ def _build_simple_fsdp_ga(world: int, rank: int, *, n_layers: int, dim: int, n_h
     model = simple_fsdp.data_parallel(llama.build_llama(cfg, seed=0), _mesh(world), "fully_shard")
     local = microbatch_size * microbatches
     data = simple_fsdp.make_inputs(cfg, local * world, seq, rank=rank, world_size=world, seed=1)
-    return Built(_RegressionLoss(model, data.loss_denominator), (data.inputs, data.target), lambda loss: loss,
-                 microbatches=microbatches)
+    return Built(
+        _RegressionLoss(model, data.loss_denominator),
+        (data.inputs, data.target),
+        lambda loss: loss,
+        microbatches=microbatches,
+    )
 
 
 # "s": test sized. "d": the declared size (docs/benchmarks.md, "Declared workloads"): dim 512, 2 layers,
@@ -315,13 +432,41 @@ def _build_simple_fsdp_ga(world: int, rank: int, *, n_layers: int, dim: int, n_h
 # size first measured, 4 micro-batches of 2 x 1024 (8192 tokens per rank per step, four times the
 # declared step; kept so that stored results stay reproducible).
 _GA_SIZES: dict[str, dict[str, int]] = {
-    "s": {"n_layers": 1, "dim": 32, "n_heads": 4, "ffn_dim": 64, "microbatch_size": 2, "seq": 8, "microbatches": 4},
-    "d": {"n_layers": 2, "dim": 512, "n_heads": 8, "ffn_dim": 1536, "microbatch_size": 1, "seq": 512,
-          "microbatches": 4},
-    "d8k": {"n_layers": 2, "dim": 512, "n_heads": 8, "ffn_dim": 1536, "microbatch_size": 2, "seq": 1024,
-            "microbatches": 4},
+    "s": {
+        "n_layers": 1,
+        "dim": 32,
+        "n_heads": 4,
+        "ffn_dim": 64,
+        "microbatch_size": 2,
+        "seq": 8,
+        "microbatches": 4,
+    },
+    "d": {
+        "n_layers": 2,
+        "dim": 512,
+        "n_heads": 8,
+        "ffn_dim": 1536,
+        "microbatch_size": 1,
+        "seq": 512,
+        "microbatches": 4,
+    },
+    "d8k": {
+        "n_layers": 2,
+        "dim": 512,
+        "n_heads": 8,
+        "ffn_dim": 1536,
+        "microbatch_size": 2,
+        "seq": 1024,
+        "microbatches": 4,
+    },
 }
 
-register_family(Family(
-    "simple_fsdp_ga", "Llama-style decoder, SimpleFSDP fully_shard, gradient accumulation over M micro-batches "
-    "(the model returns the loss; run it with the ga:* baselines)", _build_simple_fsdp_ga, _GA_SIZES))
+register_family(
+    Family(
+        "simple_fsdp_ga",
+        "Llama-style decoder, SimpleFSDP fully_shard, gradient accumulation over M micro-batches "
+        "(the model returns the loss; run it with the ga:* baselines)",
+        _build_simple_fsdp_ga,
+        _GA_SIZES,
+    )
+)

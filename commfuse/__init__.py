@@ -1,12 +1,12 @@
 """commfuse: a torch.compile backend that removes and hides the communication of hybrid-parallel training.
 
-    import commfuse
-    model = torch.compile(model, backend="commfuse")           # default pipeline
-    model = torch.compile(model, backend="commfuse", options={"dump_dir": "dumps"})   # Config fields
-    model = torch.compile(model, backend=commfuse.backend(commfuse.Config(dump_dir="dumps")))
-    commfuse.optimize(gm)                                        # any FX graph
-    print(commfuse.analyze(gm).table())                          # what the compiler sees
-    with commfuse.record("traces/") as rec: step()               # what each rank really issued
+import commfuse
+model = torch.compile(model, backend="commfuse")           # default pipeline
+model = torch.compile(model, backend="commfuse", options={"dump_dir": "dumps"})   # Config fields
+model = torch.compile(model, backend=commfuse.backend(commfuse.Config(dump_dir="dumps")))
+commfuse.optimize(gm)                                        # any FX graph
+print(commfuse.analyze(gm).table())                          # what the compiler sees
+with commfuse.record("traces/") as rec: step()               # what each rank really issued
 """
 
 from __future__ import annotations
@@ -53,8 +53,30 @@ def _register_dynamo_backend() -> None:
 _register_dynamo_backend()
 
 __all__ = [
-    "AnalysisReport", "CONFIG_ENV", "CommfuseBackend", "CommfuseError", "Config", "ConfigError", "DUMP_DIR_ENV",
-    "PassError", "PipelineReport", "Recorder", "Topology", "TrainStep", "VerificationError", "__version__", "analyze",
-    "backend", "commfuse_backend", "compile_train_step", "default_config", "last_report", "ops", "optimize", "recent_reports",
-    "record", "set_default_config", "setup",
+    "AnalysisReport",
+    "CONFIG_ENV",
+    "CommfuseBackend",
+    "CommfuseError",
+    "Config",
+    "ConfigError",
+    "DUMP_DIR_ENV",
+    "PassError",
+    "PipelineReport",
+    "Recorder",
+    "Topology",
+    "TrainStep",
+    "VerificationError",
+    "__version__",
+    "analyze",
+    "backend",
+    "commfuse_backend",
+    "compile_train_step",
+    "default_config",
+    "last_report",
+    "ops",
+    "optimize",
+    "recent_reports",
+    "record",
+    "set_default_config",
+    "setup",
 ]

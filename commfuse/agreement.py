@@ -83,7 +83,9 @@ STORE_PREFIX = "commfuse/agreement/v2/"
 # The graphs of one frame in the order they run; "joint" and "dynamo" are not executed.
 GRAPH_ORDER = ("inference", "forward", "backward")
 
-_PAIRWISE = frozenset({CollectiveKind.SEND, CollectiveKind.RECV, CollectiveKind.BATCH_P2P, CollectiveKind.P2P})
+_PAIRWISE = frozenset(
+    {CollectiveKind.SEND, CollectiveKind.RECV, CollectiveKind.BATCH_P2P, CollectiveKind.P2P}
+)
 # a symbolic size as sympy prints Dynamo's symbols: s0 (backed), u0 (unbacked), ...
 _SYMBOL = re.compile(r"\b[a-z]{1,2}\d+\b")
 
@@ -129,8 +131,14 @@ def collective_signature(c: Collective) -> Optional[list]:
     if c.kind is CollectiveKind.M2MS and boundary is not None and set(boundary.src) != set(boundary.dst):
         return None  # a stage boundary: the two sides run different frames
     setting = c.start.meta.get(SETTING_META)
-    return [c.kind.value, c.reduce_op, str(c.dtype).replace("torch.", "") if c.dtype is not None else None,
-            _shapes(c), bool(c.coalesced), json.dumps(setting, sort_keys=True, default=str) if setting else None]
+    return [
+        c.kind.value,
+        c.reduce_op,
+        str(c.dtype).replace("torch.", "") if c.dtype is not None else None,
+        _shapes(c),
+        bool(c.coalesced),
+        json.dumps(setting, sort_keys=True, default=str) if setting else None,
+    ]
 
 
 GroupKey = tuple  # member ranks in group-rank order
@@ -150,7 +158,9 @@ def graph_sequences(ir: CollectiveIR) -> tuple[dict[GroupKey, list[list]], int]:
         for t in e.transfers:
             ranks = resolve_group_info(t.group).ranks
             # sizes follow the routing, which is this rank's: kind and purpose only
-            items.append((order[e.node], ranks, [t.kind.value, None, None, [["*"]], False, f"embedded:{t.what}"]))
+            items.append(
+                (order[e.node], ranks, [t.kind.value, None, None, [["*"]], False, f"embedded:{t.what}"])
+            )
     seqs: dict[GroupKey, list[list]] = {}
     unknown = 0
     for _pos, ranks, sig in sorted(items, key=lambda it: it[0]):
@@ -218,22 +228,32 @@ def group_entries(compiled: FrameRecord, fallback: FrameRecord) -> list[GroupEnt
     being compared (the cache key covers everything the passes decide from)."""
     a, b = compiled.sequences(), fallback.sequences()
     cached = not set(fallback.graphs) <= set(compiled.graphs)
-    return [GroupEntry(ranks, CACHED if cached else sequence_hash(a.get(ranks, [])), sequence_hash(b.get(ranks, [])),
-                       tuple(map(tuple, a.get(ranks, []))), tuple(map(tuple, b.get(ranks, []))))
-            for ranks in sorted(set(a) | set(b))]
+    return [
+        GroupEntry(
+            ranks,
+            CACHED if cached else sequence_hash(a.get(ranks, [])),
+            sequence_hash(b.get(ranks, [])),
+            tuple(map(tuple, a.get(ranks, []))),
+            tuple(map(tuple, b.get(ranks, []))),
+        )
+        for ranks in sorted(set(a) | set(b))
+    ]
 
 
 def _describe_sig(sig: Optional[list]) -> str:
     if sig is None:
         return "no collective"
     graph, kind, op, dtype, shapes, _coalesced, setting = list(sig) + [None] * (7 - len(sig))
-    ins = ", ".join("[" + ", ".join(map(str, s)) + "]" if isinstance(s, (list, tuple)) else str(s)
-                    for s in (shapes or []))
+    ins = ", ".join(
+        "[" + ", ".join(map(str, s)) + "]" if isinstance(s, (list, tuple)) else str(s) for s in (shapes or [])
+    )
     extra = "".join(f", {x}" for x in (op, setting) if x)
     return f"{kind}({dtype}, in {ins}{extra}) in the {graph} graph"
 
 
-def first_difference(mine: list, theirs: list, *, me: str = "this rank", them: str = "the peer") -> Optional[str]:
+def first_difference(
+    mine: list, theirs: list, *, me: str = "this rank", them: str = "the peer"
+) -> Optional[str]:
     """A sentence naming the first collective at which two sequences differ, or None."""
     mine, theirs = [list(s) for s in mine], [list(s) for s in theirs]
     for i in range(max(len(mine), len(theirs))):
@@ -249,7 +269,9 @@ def _config_difference(mine: dict, theirs: dict, *, me: str, them: str) -> str:
     if not keys:
         return "the same collectives, compiled under settings that differ"
     shown = "; ".join(f"{k}: {them} {theirs.get(k)!r}, {me} {mine.get(k)!r}" for k in keys[:4])
-    return f"the same collectives, compiled under different settings ({shown}{'; ...' if len(keys) > 4 else ''})"
+    return (
+        f"the same collectives, compiled under different settings ({shown}{'; ...' if len(keys) > 4 else ''})"
+    )
 
 
 # --------------------------------------------------------------------------- the exchange
@@ -327,8 +349,17 @@ class Exchange:
     frame was compiled under; ``config_summary``: those settings in words, published with the
     record so a difference can be named."""
 
-    def __init__(self, store, *, frame: str, config_digest: str, rank: int, timeout_s: float,
-                 config_summary: Optional[dict] = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store,
+        *,
+        frame: str,
+        config_digest: str,
+        rank: int,
+        timeout_s: float,
+        config_summary: Optional[dict] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         import torch.distributed as dist
 
         self.store = _CountedStore(dist.PrefixStore(STORE_PREFIX, store))
@@ -395,8 +426,10 @@ class Exchange:
             v = self._peek(self._settled_key(e))
             if v is not None:
                 settled[e] = v
-        compiled_ok = all(v == f"compiled:{e.compiled}" or (e.compiled == CACHED and v.startswith("compiled:"))
-                          for e, v in settled.items())
+        compiled_ok = all(
+            v == f"compiled:{e.compiled}" or (e.compiled == CACHED and v.startswith("compiled:"))
+            for e, v in settled.items()
+        )
         fallback_ok = all(v == "fallback" or v == f"compiled:{e.fallback}" for e, v in settled.items())
         new = [e for e in entries if e not in settled]
         if not new:
@@ -410,8 +443,12 @@ class Exchange:
         if verdict.action == "compiled" and not compiled_ok:
             verdict = Verdict("conflict", self._settled_reason(settled, compiled=True), rounds=verdict.rounds)
         elif verdict.action == "fallback" and not fallback_ok:
-            verdict = Verdict("conflict", f"{verdict.reason}; and {self._settled_reason(settled, compiled=False)}",
-                              rounds=verdict.rounds, timed_out=verdict.timed_out)
+            verdict = Verdict(
+                "conflict",
+                f"{verdict.reason}; and {self._settled_reason(settled, compiled=False)}",
+                rounds=verdict.rounds,
+                timed_out=verdict.timed_out,
+            )
         return verdict
 
     def _settled_reason(self, settled: dict[GroupEntry, str], *, compiled: bool) -> str:
@@ -419,13 +456,17 @@ class Exchange:
         for e, v in settled.items():
             mine = e.compiled if compiled else e.fallback
             if v == "fallback" and compiled:
-                return (f"the group of {e.describe()} settled on the program as written in an earlier exchange "
-                        f"for this frame (frame {self.frame_name})")
+                return (
+                    f"the group of {e.describe()} settled on the program as written in an earlier exchange "
+                    f"for this frame (frame {self.frame_name})"
+                )
             if v.startswith("compiled:") and v != f"compiled:{mine}":
                 what = "compiled program" if compiled else "program as written"
-                return (f"on the group of {e.describe()} the peers run a compiled sequence settled in an earlier "
-                        f"exchange for this frame (hash {v.split(':', 1)[1]}), and this rank's {what} issues "
-                        f"another (hash {mine}) (frame {self.frame_name})")
+                return (
+                    f"on the group of {e.describe()} the peers run a compiled sequence settled in an earlier "
+                    f"exchange for this frame (hash {v.split(':', 1)[1]}), and this rank's {what} issues "
+                    f"another (hash {mine}) (frame {self.frame_name})"
+                )
         return "the groups' settled verdicts differ"
 
     def _open_round(self) -> int:
@@ -466,9 +507,17 @@ class Exchange:
             won = s.compare_set(self._group_key(r, e, "ref"), "", f"{mine}|{self.rank}").decode()
             ref, _, writer = won.rpartition("|")
             if writer == str(self.rank):
-                s.set(self._group_key(r, e, "rec"), json.dumps({"rank": self.rank, "compiled": e.compiled_sigs,
-                                                                "fallback": e.fallback_sigs,
-                                                                "config": self.config_summary}))
+                s.set(
+                    self._group_key(r, e, "rec"),
+                    json.dumps(
+                        {
+                            "rank": self.rank,
+                            "compiled": e.compiled_sigs,
+                            "fallback": e.fallback_sigs,
+                            "config": self.config_summary,
+                        }
+                    ),
+                )
             elif ref != mine and problem is None:
                 problem = self._describe_mismatch(e, self._get(self._group_key(r, e, "rec")))
         if problem is not None:
@@ -480,13 +529,15 @@ class Exchange:
                 done = s.add(self._round_key(r, "comp"), 1)
                 if done == int(s.get(self._round_key(r, "disc")).decode()):
                     bad = self._peek(self._round_key(r, "bad"))
-                    s.compare_set(self._round_key(r, "seal"), "", f"{done}:{'fallback' if bad else 'compiled'}")
+                    s.compare_set(
+                        self._round_key(r, "seal"), "", f"{done}:{'fallback' if bad else 'compiled'}"
+                    )
         # 3. the verdict: the seal, or this rank's own "abort" when none came in time
         seal = self._get(self._round_key(r, "seal"))
         if seal is None:
             seal = self._abort(r, new)
         if seal.startswith("abort:"):
-            rank, _, why = seal[len("abort:"):].partition("|")
+            rank, _, why = seal[len("abort:") :].partition("|")
             return Verdict("fallback", why, warn=rank == str(self.rank), timed_out=True)
         level, _, action = seal.partition(":")
         if my_idx is None:
@@ -494,8 +545,12 @@ class Exchange:
         if my_idx > int(level):
             if self._remaining() > 0:
                 return _VOID
-            return Verdict("fallback", f"no verdict within {self.timeout_s:g} s (Config.agreement_timeout_s) "
-                           f"(frame {self.frame_name})", timed_out=True)
+            return Verdict(
+                "fallback",
+                f"no verdict within {self.timeout_s:g} s (Config.agreement_timeout_s) "
+                f"(frame {self.frame_name})",
+                timed_out=True,
+            )
         if action == "compiled":
             return Verdict("compiled")
         why = self._peek(self._round_key(r, "why")) or "|a rank of the round fell back"
@@ -510,8 +565,10 @@ class Exchange:
             arrived = int(self._peek(self._group_key(r, e, "arr")) or 0)
             if arrived < len(e.ranks):
                 missing.append(f"{arrived} of {len(e.ranks)} members of the group of {e.describe()} arrived")
-        why = (f"no verdict within {self.timeout_s:g} s (Config.agreement_timeout_s): "
-               f"{'; '.join(missing) or 'ranks linked through other groups did not arrive'} (frame {self.frame_name})")
+        why = (
+            f"no verdict within {self.timeout_s:g} s (Config.agreement_timeout_s): "
+            f"{'; '.join(missing) or 'ranks linked through other groups did not arrive'} (frame {self.frame_name})"
+        )
         return self.store.compare_set(self._round_key(r, "seal"), "", f"abort:{self.rank}|{why}").decode()
 
     def _settle(self, new: list[GroupEntry], action: str) -> None:
@@ -542,8 +599,15 @@ class FirstRunChoice:
     rank runs ``compiled`` or ``fallback`` (the program as written, compiled at the same time);
     every later call goes straight to the one chosen. ``decide() -> Verdict``."""
 
-    def __init__(self, compiled: Callable, fallback: Callable, decide: Callable[[], Verdict], *, mode: str,
-                 on_verdict: Optional[Callable[[Verdict], None]] = None) -> None:
+    def __init__(
+        self,
+        compiled: Callable,
+        fallback: Callable,
+        decide: Callable[[], Verdict],
+        *,
+        mode: str,
+        on_verdict: Optional[Callable[[Verdict], None]] = None,
+    ) -> None:
         self.__wrapped__ = compiled
         for k, v in getattr(compiled, "__dict__", {}).items():
             self.__dict__.setdefault(k, v)
@@ -575,11 +639,14 @@ class FirstRunChoice:
         if verdict.action == "compiled":
             return compiled
         if verdict.action == "conflict":
-            raise AgreementError("cross-rank collective disagreement that a fallback cannot resolve "
-                                 f"(this rank stops instead of issuing a collective that would hang): {verdict.reason}")
+            raise AgreementError(
+                "cross-rank collective disagreement that a fallback cannot resolve "
+                f"(this rank stops instead of issuing a collective that would hang): {verdict.reason}"
+            )
         if self._mode == "raise":
-            raise AgreementError("cross-rank collective disagreement (training would hang or corrupt data): "
-                                 f"{verdict.reason}")
+            raise AgreementError(
+                f"cross-rank collective disagreement (training would hang or corrupt data): {verdict.reason}"
+            )
         return fallback
 
 
@@ -589,11 +656,15 @@ def report_verdict(verdict: Verdict, frame: str) -> None:
 
     if verdict.action != "fallback":
         if verdict.action == "compiled":
-            log.debug("commfuse: agreement on frame %s: compiled program (%d round(s))", frame, verdict.rounds)
+            log.debug(
+                "commfuse: agreement on frame %s: compiled program (%d round(s))", frame, verdict.rounds
+            )
         return
-    msg = (f"commfuse: the ranks' compiled programs differ, so every rank linked to the difference through a "
-           f"shared process group runs the program as written (the graph without commfuse's passes) for this "
-           f"frame: {verdict.reason}")
+    msg = (
+        f"commfuse: the ranks' compiled programs differ, so every rank linked to the difference through a "
+        f"shared process group runs the program as written (the graph without commfuse's passes) for this "
+        f"frame: {verdict.reason}"
+    )
     if verdict.warn:
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
     else:

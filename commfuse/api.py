@@ -24,8 +24,11 @@ from commfuse.transforms.registry import get_pass
 log = logging.getLogger(__name__)
 
 
-def pipeline_for(config: Config, dtensor_roles: Optional[dict[str, str]] = None,
-                 dtensor_partitions: Sequence[Sequence[Sequence[int]]] = ()) -> Pipeline:
+def pipeline_for(
+    config: Config,
+    dtensor_roles: Optional[dict[str, str]] = None,
+    dtensor_partitions: Sequence[Sequence[Sequence[int]]] = (),
+) -> Pipeline:
     """The pipeline `config` asks for, with the topology, roles and session state from
     `commfuse.setup` (and the roles and dims' blocks of the graph's DTensor meshes,
     ``dtensor_roles`` and ``dtensor_partitions``) filled in."""
@@ -38,15 +41,31 @@ def pipeline_for(config: Config, dtensor_roles: Optional[dict[str, str]] = None,
         if topology is None:
             topology, source = profile.resolve_topology(), "cost_profile"
         cost_model = profile.build_model(topology)
-        cost_label = f"cost profile {config.cost_profile} ({profile.backend}, fingerprint {profile.fingerprint()})"
-    return Pipeline([get_pass(name) for name in config.pass_names()], config, topology=topology,
-                    group_roles=roles, role_sources=sources, session=current_session(), topology_source=source,
-                    cost_model=cost_model, cost_label=cost_label, partitions=dtensor_partitions,
-                    rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else None)
+        cost_label = (
+            f"cost profile {config.cost_profile} ({profile.backend}, fingerprint {profile.fingerprint()})"
+        )
+    return Pipeline(
+        [get_pass(name) for name in config.pass_names()],
+        config,
+        topology=topology,
+        group_roles=roles,
+        role_sources=sources,
+        session=current_session(),
+        topology_source=source,
+        cost_model=cost_model,
+        cost_label=cost_label,
+        partitions=dtensor_partitions,
+        rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else None,
+    )
 
 
-def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind: str = "graph",
-             example_inputs: Optional[Sequence[Any]] = None) -> fx.GraphModule:
+def optimize(
+    gm: fx.GraphModule,
+    config: Optional[Config] = None,
+    *,
+    graph_kind: str = "graph",
+    example_inputs: Optional[Sequence[Any]] = None,
+) -> fx.GraphModule:
     """Run the configured pipeline (joint-stage passes, then schedule-stage passes) on `gm` in place.
 
     Accepts any FX GraphModule, e.g. a whole training step traced with `make_fx` in any
@@ -69,13 +88,19 @@ def optimize(gm: fx.GraphModule, config: Optional[Config] = None, *, graph_kind:
     except FakeValuesError as e:
         if config.strict:
             raise
-        warn_rank0(f"commfuse: optimize(): {e}; the passes see the graph's values as they are, and a rewrite that "
-                   "needs them may fail and be undone", RuntimeWarning, stacklevel=2)
+        warn_rank0(
+            f"commfuse: optimize(): {e}; the passes see the graph's values as they are, and a rewrite that "
+            "needs them may fail and be undone",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         notes.append(f"fake values not propagated: {e}")
     else:
         if why is not None:
             log.debug("commfuse: optimize(): fake values propagated in one mode (%s)", why)
-            notes.append(f"fake values propagated through the graph in one fake mode (the input graph had {why})")
+            notes.append(
+                f"fake values propagated through the graph in one fake mode (the input graph had {why})"
+            )
     pipeline = pipeline_for(config)
     pipeline.run(gm, graph_kind=graph_kind, stages={Stage.JOINT, Stage.SCHEDULE}, notes=notes)
     return gm

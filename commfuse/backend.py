@@ -43,8 +43,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from commfuse.agreement import (Exchange, FirstRunChoice, FrameRecord, Verdict, group_entries,
-                                report_verdict)
+from commfuse.agreement import Exchange, FirstRunChoice, FrameRecord, Verdict, group_entries, report_verdict
 from commfuse.api import pipeline_for
 from commfuse.config import Config, config_with_options, default_config
 from commfuse.core import torch_private as priv
@@ -104,7 +103,9 @@ def _make_custom_pass(fn: Callable[[fx.Graph], None], key: str, chained: Any):
 class CommfuseBackend:
     """A Dynamo backend; `commfuse.backend(config)` makes one."""
 
-    def __init__(self, config: Optional[Config] = None, *, inductor_patches: Optional[dict[str, Any]] = None) -> None:
+    def __init__(
+        self, config: Optional[Config] = None, *, inductor_patches: Optional[dict[str, Any]] = None
+    ) -> None:
         self.config = config or default_config()
         # Inductor config of torch.compile(mode=...), for the compute Inductor compiles
         self.inductor_patches: dict[str, Any] = dict(inductor_patches or {})
@@ -122,8 +123,14 @@ class CommfuseBackend:
         # The cross-rank agreement's verdict of every compiled frame at its first execution, in order.
         self.agreements: list[Verdict] = []
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[torch.Tensor], *, mode: Optional[str] = None,
-                 options: Optional[dict[str, Any]] = None):
+    def __call__(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list[torch.Tensor],
+        *,
+        mode: Optional[str] = None,
+        options: Optional[dict[str, Any]] = None,
+    ):
         if options or mode not in (None, "default"):
             return self.with_compile_args(mode=mode, options=options)(gm, example_inputs)
         meshes = _dtensor_meshes(gm, example_inputs)
@@ -134,8 +141,11 @@ class CommfuseBackend:
             root = priv.device_mesh_root(m)
             if all(root is not x for x in [*meshes, *roots]):
                 roots.append(root)
-        pipeline = pipeline_for(self.config, dtensor_roles=roles_from_meshes(meshes) if meshes else {},
-                                dtensor_partitions=[part for m in [*meshes, *roots] for part in mesh_partitions(m)])
+        pipeline = pipeline_for(
+            self.config,
+            dtensor_roles=roles_from_meshes(meshes) if meshes else {},
+            dtensor_partitions=[part for m in [*meshes, *roots] for part in mesh_partitions(m)],
+        )
         net = self.config.check_agreement != "off" and _real_multi_rank()
         # the program as written, for the agreement's fallback: before any pass rewrites gm in place
         written = _copy_module(gm) if net else None
@@ -159,12 +169,28 @@ class CommfuseBackend:
             else:
                 compiled = self._compile_inductor(gm, example_inputs, pipeline)
             if written is not None:
-                compiled = self._with_agreement(compiled, written, example_inputs, record, pipeline, frame=frame,
-                                                compile_s=time.perf_counter() - started)
+                compiled = self._with_agreement(
+                    compiled,
+                    written,
+                    example_inputs,
+                    record,
+                    pipeline,
+                    frame=frame,
+                    compile_s=time.perf_counter() - started,
+                )
         return compiled
 
-    def _with_agreement(self, compiled: Callable, written: fx.GraphModule, example_inputs: list,
-                        record: FrameRecord, pipeline: Pipeline, *, frame: str, compile_s: float) -> Callable:
+    def _with_agreement(
+        self,
+        compiled: Callable,
+        written: fx.GraphModule,
+        example_inputs: list,
+        record: FrameRecord,
+        pipeline: Pipeline,
+        *,
+        frame: str,
+        compile_s: float,
+    ) -> Callable:
         """``compiled``, choosing at its first call between itself and the program as written
         (compiled now, so nothing is compiled once ranks wait on each other) by the cross-rank
         agreement exchange (commfuse/agreement.py)."""
@@ -177,18 +203,37 @@ class CommfuseBackend:
         if not entries:  # no collective on a group whose ranks are known: nothing to agree on
             return compiled
         session = current_session().fingerprint()
-        digest = hashlib.sha256(f"{self.config.cache_key(pipeline.topology)}:{session}:"
-                                f"{_layout_digest(pipeline)}".encode()).hexdigest()[:16]
-        summary = {**self.config.model_dump(mode="json", exclude={"dump_dir", "strict", "verify", "debug",
-                                                                  "svg_max_nodes", "check_agreement",
-                                                                  "agreement_timeout_s"}),
-                   "topology (in use)": pipeline.topology.model_dump(mode="json") if pipeline.topology else None,
-                   "session": session, "mesh layout": _layout_digest(pipeline)}
+        digest = hashlib.sha256(
+            f"{self.config.cache_key(pipeline.topology)}:{session}:{_layout_digest(pipeline)}".encode()
+        ).hexdigest()[:16]
+        summary = {
+            **self.config.model_dump(
+                mode="json",
+                exclude={
+                    "dump_dir",
+                    "strict",
+                    "verify",
+                    "debug",
+                    "svg_max_nodes",
+                    "check_agreement",
+                    "agreement_timeout_s",
+                },
+            ),
+            "topology (in use)": pipeline.topology.model_dump(mode="json") if pipeline.topology else None,
+            "session": session,
+            "mesh layout": _layout_digest(pipeline),
+        }
         rank, timeout_s = dist.get_rank(), self.config.agreement_timeout_s
 
         def decide() -> Verdict:
-            verdict = Exchange(priv.default_store(), frame=frame, config_digest=digest, config_summary=summary,
-                               rank=rank, timeout_s=timeout_s).run(entries)
+            verdict = Exchange(
+                priv.default_store(),
+                frame=frame,
+                config_digest=digest,
+                config_summary=summary,
+                rank=rank,
+                timeout_s=timeout_s,
+            ).run(entries)
             verdict.frame, verdict.compile_s, verdict.compile_as_written_s = frame, compile_s, as_written_s
             return verdict
 
@@ -196,7 +241,9 @@ class CommfuseBackend:
             self.agreements.append(verdict)
             report_verdict(verdict, frame)
 
-        return FirstRunChoice(compiled, fallback, decide, mode=self.config.check_agreement, on_verdict=on_verdict)
+        return FirstRunChoice(
+            compiled, fallback, decide, mode=self.config.check_agreement, on_verdict=on_verdict
+        )
 
     def _collector(self) -> Callable[[PipelineReport], None]:
         """Takes each graph's report when a stage of its pipeline ends, listed once (an inference
@@ -209,13 +256,15 @@ class CommfuseBackend:
 
         return collect
 
-    def with_compile_args(self, *, mode: Optional[str] = None,
-                          options: Optional[dict[str, Any]] = None) -> "CommfuseBackend":
+    def with_compile_args(
+        self, *, mode: Optional[str] = None, options: Optional[dict[str, Any]] = None
+    ) -> "CommfuseBackend":
         """This backend with torch.compile's ``mode=`` / ``options=`` applied; what it compiles is
         reported in this backend's lists (``reports``, ``plans``, ...)."""
         config = config_with_options(self.config, options)
-        derived = CommfuseBackend(config, inductor_patches={**self.inductor_patches,
-                                                            **inductor_mode_patches(mode, config)})
+        derived = CommfuseBackend(
+            config, inductor_patches={**self.inductor_patches, **inductor_mode_patches(mode, config)}
+        )
         derived.reports, derived.dynamo_reports = self.reports, self.dynamo_reports
         derived.plans, derived.partitions = self.plans, self.partitions
         derived.agreements = self.agreements
@@ -240,8 +289,13 @@ class CommfuseBackend:
                 rep = pipeline.run(g, graph_kind=kind, stages=stages)
                 if self.config.lowering == "commfuse":
                     try:
-                        return lower_runtime(g, kind, dump_dir=rep.dump_dir, on_plan=self.plans.append,
-                                            group_roles=pipeline.group_roles)
+                        return lower_runtime(
+                            g,
+                            kind,
+                            dump_dir=rep.dump_dir,
+                            on_plan=self.plans.append,
+                            group_roles=pipeline.group_roles,
+                        )
                     except Exception as e:  # noqa: BLE001 - same rule as the Inductor path below
                         _warn_lowering_failed(kind, e, "runs op by op with functional collectives")
                 return lower_eager(g)
@@ -262,6 +316,7 @@ class CommfuseBackend:
         # the session's sub-groups, roles and communicator pool change what the passes decide, and
         # so do the roles and mesh blocks read from the graph's DTensors
         key = f"{self.config.cache_key(pipeline.topology)}:{current_session().fingerprint()}:{_layout_digest(pipeline)}"
+
         # Inductor runs joint passes on the inference graph too (no partition there),
         # so the joint hook must also apply JOINT passes to it; post-grad passes then
         # see it as "inference".
@@ -269,8 +324,12 @@ class CommfuseBackend:
             gm_ = graph.owning_module
             has_tangents = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
             # an inference graph gets its SCHEDULE passes later, at its compile: one report for both
-            pipeline.run(gm_, graph_kind="joint" if has_tangents else "inference", stages={Stage.JOINT},
-                         more_stages=not has_tangents)
+            pipeline.run(
+                gm_,
+                graph_kind="joint" if has_tangents else "inference",
+                stages={Stage.JOINT},
+                more_stages=not has_tangents,
+            )
 
         def post_grad_hook(graph: fx.Graph) -> None:
             gm_ = graph.owning_module
@@ -281,28 +340,34 @@ class CommfuseBackend:
             "joint_custom_pre_pass": _make_custom_pass(joint_hook, "joint:" + key, cfg.joint_custom_pre_pass),
         }
         if self.config.lowering == "inductor":
-            patches["post_grad_custom_post_pass"] = _make_custom_pass(post_grad_hook, "post:" + key,
-                                                                      cfg.post_grad_custom_post_pass)
+            patches["post_grad_custom_post_pass"] = _make_custom_pass(
+                post_grad_hook, "post:" + key, cfg.post_grad_custom_post_pass
+            )
         if any(p.stage is Stage.SCHEDULE for p in pipeline.passes):
             # commfuse orders these graphs; Inductor's own comm reordering would undo it.
-            patches.update({
-                "reorder_for_compute_comm_overlap": False,
-                "bucket_all_gathers_fx": "none",
-                "bucket_reduce_scatters_fx": "none",
-                "bucket_all_reduces_fx": "none",
-                "aten_distributed_optimizations.enable_overlap_scheduling": False,
-            })
+            patches.update(
+                {
+                    "reorder_for_compute_comm_overlap": False,
+                    "bucket_all_gathers_fx": "none",
+                    "bucket_reduce_scatters_fx": "none",
+                    "bucket_all_reduces_fx": "none",
+                    "aten_distributed_optimizations.enable_overlap_scheduling": False,
+                }
+            )
         if self.config.lowering == "inductor":
             return priv.inductor_compile_fx(gm, example_inputs, config_patches=patches)
-        return priv.inductor_compile_fx(gm, example_inputs, config_patches=patches,
-                                        inner_compile=self._inner_compile_regions(pipeline))
+        return priv.inductor_compile_fx(
+            gm, example_inputs, config_patches=patches, inner_compile=self._inner_compile_regions(pipeline)
+        )
 
     def _inner_compile_regions(self, pipeline: Pipeline):
         """Inductor's inner compiler for ``lowering="commfuse"``: schedule the partitioned graph,
         lower it to the runtime, compile the compute between collectives region by region."""
 
         def inner(g: fx.GraphModule, example_inputs, compile_region_name=None, **kw):
-            kind = "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
+            kind = (
+                "backward" if kw.get("is_backward") else "inference" if kw.get("is_inference") else "forward"
+            )
             rep = pipeline.run(g, graph_kind=kind, stages={Stage.SCHEDULE})
             region_kw = {k: kw[k] for k in ("is_backward", "is_inference", "graph_id") if k in kw}
 
@@ -317,9 +382,15 @@ class CommfuseBackend:
                         return priv.inductor_compile_fx_inner(sub, inputs, **region_kw)
 
             try:
-                return lower_runtime(g, kind, dump_dir=rep.dump_dir, compile_regions=compile_region,
-                                     example_inputs=list(example_inputs), on_plan=self.plans.append,
-                                     group_roles=pipeline.group_roles)
+                return lower_runtime(
+                    g,
+                    kind,
+                    dump_dir=rep.dump_dir,
+                    compile_regions=compile_region,
+                    example_inputs=list(example_inputs),
+                    on_plan=self.plans.append,
+                    group_roles=pipeline.group_roles,
+                )
             except Exception as e:  # noqa: BLE001 - lowering failed: Inductor's own whole-graph path
                 # Decided at compile time from the graph alone (the same SPMD graph on every rank,
                 # lowered by the same code), so every rank falls back alike; Inductor then issues
@@ -364,10 +435,13 @@ def _compile_as_written(gm: fx.GraphModule, example_inputs: list) -> tuple[Calla
 
         return compiler
 
-    fn = priv.aot_autograd(fw_compiler=compile_stage("forward"), bw_compiler=compile_stage("backward"),
-                           inference_compiler=compile_stage("inference"),
-                           partition_fn=min_cut_rematerialization_partition,
-                           keep_inference_input_mutations=True)(gm, example_inputs)
+    fn = priv.aot_autograd(
+        fw_compiler=compile_stage("forward"),
+        bw_compiler=compile_stage("backward"),
+        inference_compiler=compile_stage("inference"),
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)
     return fn, record
 
 
@@ -390,8 +464,12 @@ def _frame_identity(gm: fx.GraphModule) -> str:
 
 def _warn_lowering_failed(kind: str, e: Exception, instead: str) -> None:
     # decided from the graph alone, which every rank shares: one copy of the warning
-    warn_rank0(f"commfuse: the {kind} graph could not be lowered to commfuse's runtime and {instead} "
-               f"(same collectives, in the graph's order): {type(e).__name__}: {e}", RuntimeWarning, stacklevel=3)
+    warn_rank0(
+        f"commfuse: the {kind} graph could not be lowered to commfuse's runtime and {instead} "
+        f"(same collectives, in the graph's order): {type(e).__name__}: {e}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
     log.debug("commfuse: lowering of the %s graph failed", kind, exc_info=True)
 
 
@@ -433,17 +511,23 @@ def inductor_mode_patches(mode: Optional[str], config: Config) -> dict[str, Any]
         raise ConfigError(f"{where}: unknown mode; torch.compile's modes are {', '.join(sorted(modes))}")
     opts = dict(priv.inductor_mode_options(mode))
     if config.inner_compiler != "inductor":
-        raise ConfigError(f"{where}: the mode sets Inductor's {sorted(opts)}, and with "
-                          f"inner_compiler={config.inner_compiler!r} Inductor compiles nothing; leave mode out")
+        raise ConfigError(
+            f"{where}: the mode sets Inductor's {sorted(opts)}, and with "
+            f"inner_compiler={config.inner_compiler!r} Inductor compiles nothing; leave mode out"
+        )
     if opts.get("triton.cudagraphs"):
-        raise ConfigError(f"{where}: the mode captures each compiled graph in a CUDA graph, and commfuse's runtime "
-                          "issues the collectives from Python between the compiled regions (a CUDA graph cannot "
-                          "hold them; commfuse has not been run under CUDA graphs). Use "
-                          "mode='max-autotune-no-cudagraphs' for Inductor's kernel tuning without them")
+        raise ConfigError(
+            f"{where}: the mode captures each compiled graph in a CUDA graph, and commfuse's runtime "
+            "issues the collectives from Python between the compiled regions (a CUDA graph cannot "
+            "hold them; commfuse has not been run under CUDA graphs). Use "
+            "mode='max-autotune-no-cudagraphs' for Inductor's kernel tuning without them"
+        )
     off = sorted(k for k, v in opts.items() if k.startswith("use_") and k.endswith("_passes") and v is False)
     if off:
-        raise ConfigError(f"{where}: the mode switches off Inductor's graph passes ({', '.join(off)}), and "
-                          "commfuse's joint-graph passes run inside them (joint_custom_pre_pass); leave mode out")
+        raise ConfigError(
+            f"{where}: the mode switches off Inductor's graph passes ({', '.join(off)}), and "
+            "commfuse's joint-graph passes run inside them (joint_custom_pre_pass); leave mode out"
+        )
     return opts
 
 
@@ -454,8 +538,13 @@ def backend(config: Optional[Config] = None, **overrides: Any) -> CommfuseBacken
     return CommfuseBackend(config)
 
 
-def commfuse_backend(gm: fx.GraphModule, example_inputs: list[torch.Tensor], *, mode: Optional[str] = None,
-                     options: Optional[dict[str, Any]] = None):
+def commfuse_backend(
+    gm: fx.GraphModule,
+    example_inputs: list[torch.Tensor],
+    *,
+    mode: Optional[str] = None,
+    options: Optional[dict[str, Any]] = None,
+):
     """The backend registered as "commfuse": the default config (``commfuse.default_config()``),
     with ``torch.compile(..., options={...})`` laid over it as Config fields, and ``mode=`` as
     ``inductor_mode_patches`` allows."""

@@ -8,8 +8,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from commfuse._version import __version__
 from commfuse.core.errors import ConfigError
@@ -149,6 +158,7 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     if not TYPE_CHECKING:  # type checkers keep the typed __init__ pydantic's plugin derives from the fields
+
         def __init__(self, **fields: Any) -> None:
             """A bad value is a :class:`ConfigError` naming the field (``Config.passes: ...``),
             as every invalid option of commfuse is, not pydantic's ValidationError."""
@@ -196,8 +206,10 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _dhelix_needs_eager(self) -> "Config":
         if self.dhelix and self.inner_compiler != "eager":
-            raise ValueError('dhelix=True needs inner_compiler="eager" (the fused train-step partition replaces '
-                             f"AOTAutograd's; Inductor partitions on its own) (got inner_compiler={self.inner_compiler!r})")
+            raise ValueError(
+                'dhelix=True needs inner_compiler="eager" (the fused train-step partition replaces '
+                f"AOTAutograd's; Inductor partitions on its own) (got inner_compiler={self.inner_compiler!r})"
+            )
         return self
 
     @field_validator("dhelix_oef_profile")
@@ -223,8 +235,10 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _lowering_needs_inductor(self) -> "Config":
         if self.lowering == "inductor" and self.inner_compiler != "inductor":
-            raise ValueError('lowering="inductor" needs inner_compiler="inductor" '
-                             f'(got inner_compiler={self.inner_compiler!r})')
+            raise ValueError(
+                'lowering="inductor" needs inner_compiler="inductor" '
+                f"(got inner_compiler={self.inner_compiler!r})"
+            )
         return self
 
     @model_validator(mode="after")
@@ -239,8 +253,10 @@ class Config(BaseModel):
         if v is False:  # the natural way to switch it off
             return "off"
         if v is True:
-            raise ValueError('check_agreement takes "fallback" (the default: on), "raise" or "off"; True no longer '
-                             'names one of them (it used to mean "raise")')
+            raise ValueError(
+                'check_agreement takes "fallback" (the default: on), "raise" or "off"; True no longer '
+                'names one of them (it used to mean "raise")'
+            )
         return v
 
     def agreement_enabled(self) -> bool:
@@ -357,8 +373,11 @@ def default_config() -> Config:
     return config_from_text(text, CONFIG_ENV) if text else Config()
 
 
-def config_with_options(config: Config, options: Optional[dict[str, Any]],
-                        source: str = "torch.compile(backend='commfuse', options=...)") -> Config:
+def config_with_options(
+    config: Config,
+    options: Optional[dict[str, Any]],
+    source: str = "torch.compile(backend='commfuse', options=...)",
+) -> Config:
     """``config`` with ``options`` (Config field -> value; ``-`` in a name reads as ``_``, as in
     Inductor's options) laid over it: what ``torch.compile(..., options={...})`` means for
     commfuse. An unknown name is refused with the valid ones listed; a bad value with the
@@ -372,9 +391,11 @@ def config_with_options(config: Config, options: Optional[dict[str, Any]],
     for key, value in options.items():
         name = str(key).replace("-", "_")
         if name not in fields:
-            raise ConfigError(f"{source}: unknown option {key!r}. commfuse's options are the fields of "
-                              f"commfuse.Config: {', '.join(sorted(fields))} (Inductor's own options are not "
-                              "taken here: set torch._inductor.config, or pass mode=)")
+            raise ConfigError(
+                f"{source}: unknown option {key!r}. commfuse's options are the fields of "
+                f"commfuse.Config: {', '.join(sorted(fields))} (Inductor's own options are not "
+                "taken here: set torch._inductor.config, or pass mode=)"
+            )
         update[name] = value
     try:
         return Config(**{**config.model_dump(), **update})

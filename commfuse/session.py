@@ -56,9 +56,17 @@ from commfuse.ir.collective import ParallelRole
 
 # Mesh dimension names users give (torchtitan conventions) -> parallel role.
 MESH_DIM_ROLES = {
-    "tp": ParallelRole.TP, "sp": ParallelRole.SP, "ep": ParallelRole.EP, "pp": ParallelRole.PP,
-    "dp": ParallelRole.DP, "dp_replicate": ParallelRole.DP, "ddp": ParallelRole.DP, "batch": ParallelRole.DP,
-    "dp_shard": ParallelRole.FSDP, "fsdp": ParallelRole.FSDP, "efsdp": ParallelRole.FSDP,
+    "tp": ParallelRole.TP,
+    "sp": ParallelRole.SP,
+    "ep": ParallelRole.EP,
+    "pp": ParallelRole.PP,
+    "dp": ParallelRole.DP,
+    "dp_replicate": ParallelRole.DP,
+    "ddp": ParallelRole.DP,
+    "batch": ParallelRole.DP,
+    "dp_shard": ParallelRole.FSDP,
+    "fsdp": ParallelRole.FSDP,
+    "efsdp": ParallelRole.FSDP,
 }
 
 
@@ -87,9 +95,12 @@ def roles_from_meshes(meshes: Iterable[Any]) -> dict[str, str]:
             if role is None:
                 if name not in _WARNED_DIMS:
                     _WARNED_DIMS.add(name)
-                    warn_rank0(f"commfuse: DTensor mesh dim {name!r} has no known role (known: "
-                               f"{', '.join(sorted(MESH_DIM_ROLES))}); its collectives get inferred roles",
-                               RuntimeWarning, stacklevel=2)
+                    warn_rank0(
+                        f"commfuse: DTensor mesh dim {name!r} has no known role (known: "
+                        f"{', '.join(sorted(MESH_DIM_ROLES))}); its collectives get inferred roles",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                 continue
             roles[group.group_name] = role.value
     return roles
@@ -123,10 +134,14 @@ class Session:
         """What compiled graphs depend on in this session, the same on every rank: the roles it
         declared, the sub-group aliases and the blocks they stand for, the communicator pool plan
         (not this rank's own sub-groups, which differ per rank under one alias)."""
-        payload = {"roles": sorted(self.group_roles.items()),
-                   "aliases": sorted((name, [list(b) for b in blocks]) for name, blocks in self.alias_blocks.items()),
-                   "pool": [repr(p) for p in self.communicator_pool_plan],
-                   "partitions": [[list(b) for b in part] for part in self.partitions]}
+        payload = {
+            "roles": sorted(self.group_roles.items()),
+            "aliases": sorted(
+                (name, [list(b) for b in blocks]) for name, blocks in self.alias_blocks.items()
+            ),
+            "pool": [repr(p) for p in self.communicator_pool_plan],
+            "partitions": [[list(b) for b in part] for part in self.partitions],
+        }
         return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
     def reference_groups(self) -> dict[str, list[list[int]]]:
@@ -170,8 +185,10 @@ def _register_alias(name: str, pg: Any) -> None:
 def mesh_partitions(mesh: Any) -> list[list[Ranks]]:
     """Each dim's blocks of a DeviceMesh (global ranks in group-rank order): what every rank knows."""
     t = mesh.mesh
-    return [[tuple(int(r) for r in b) for b in t.transpose(d, -1).reshape(-1, t.shape[d]).tolist()]
-            for d in range(t.ndim)]
+    return [
+        [tuple(int(r) for r in b) for b in t.transpose(d, -1).reshape(-1, t.shape[d]).tolist()]
+        for d in range(t.ndim)
+    ]
 
 
 def _partitions(mesh: Any, groups: Any) -> list[list[Ranks]]:
@@ -183,8 +200,10 @@ def _partitions(mesh: Any, groups: Any) -> list[list[Ranks]]:
         try:
             parts = [[tuple(int(r) for r in block) for block in part] for part in groups]
         except (TypeError, ValueError) as e:
-            raise ConfigError("groups: expected a list of partitions, each a list of rank lists, "
-                              f"e.g. [[[0, 2], [1, 3]]]; got {groups!r}") from e
+            raise ConfigError(
+                "groups: expected a list of partitions, each a list of rank lists, "
+                f"e.g. [[[0, 2], [1, 3]]]; got {groups!r}"
+            ) from e
         out.extend(parts)
     return out
 
@@ -209,8 +228,11 @@ def _reusable(world: Any) -> bool:
 
     if _CREATED_UNDER[0] is not world:
         return False
-    return all(resolve_process_group(pg.group_name) is pg
-               for pg in _CREATED.values() if isinstance(pg, dist.ProcessGroup))
+    return all(
+        resolve_process_group(pg.group_name) is pg
+        for pg in _CREATED.values()
+        if isinstance(pg, dist.ProcessGroup)
+    )
 
 
 def _get_or_create(ranks: Ranks) -> Any:
@@ -245,7 +267,7 @@ def _create_subgroups(session: Session, topo: Topology, partitions: list[list[Ra
         intra_name, inter_name = subgroup_names(parent)
         # the alias stands for these blocks on every rank running a graph traced on another
         # rank: the sub-groups of every parent of the same partition
-        same_part = [p for p, *_ , kk in parents if kk == k]
+        same_part = [p for p, *_, kk in parents if kk == k]
         session.alias_blocks[intra_name] = [r for p in same_part for r in blocks_of[p][0]]
         session.alias_blocks[inter_name] = [r for p in same_part for r in blocks_of[p][1]]
         if me not in parent:
@@ -258,8 +280,9 @@ def _create_subgroups(session: Session, topo: Topology, partitions: list[list[Ra
         session.subgroups[parent] = sg
 
 
-def communicator_pool_plan(world_size: int, communicator_ctas: Any, *, mesh: Any = None,
-                           groups: Any = None) -> list[Any]:
+def communicator_pool_plan(
+    world_size: int, communicator_ctas: Any, *, mesh: Any = None, groups: Any = None
+) -> list[Any]:
     """The pool groups ``setup(communicator_ctas=...)`` creates on NCCL, in creation order: for the
     world, then every block of each mesh dim, then of ``groups`` (a rank tuple once; single ranks
     skipped), one group per CTA pair in the order given. Pure: nothing is created."""
@@ -279,12 +302,18 @@ def _create_communicator_pool(session: Session, plan: list[Any]) -> None:
 
     backend = str(dist.get_backend())
     if "nccl" not in backend or not hasattr(dist, "ProcessGroupNCCL"):
-        warn_rank0(f"commfuse.setup: communicator_ctas is ignored on backend {backend!r}: CTA bounds are a "
-                   "per-communicator NCCL setting (gloo has no such knobs); no pool groups were created", UserWarning)
+        warn_rank0(
+            f"commfuse.setup: communicator_ctas is ignored on backend {backend!r}: CTA bounds are a "
+            "per-communicator NCCL setting (gloo has no such knobs); no pool groups were created",
+            UserWarning,
+        )
         return
     world = dist.group.WORLD
-    if _POOL_UNDER[0] is not world or not all(resolve_process_group(pg.group_name) is pg for pg in
-                                              _POOL_CREATED.values() if isinstance(pg, dist.ProcessGroup)):
+    if _POOL_UNDER[0] is not world or not all(
+        resolve_process_group(pg.group_name) is pg
+        for pg in _POOL_CREATED.values()
+        if isinstance(pg, dist.ProcessGroup)
+    ):
         _POOL_CREATED.clear()
         _POOL_UNDER[0] = world
     me = dist.get_rank()
@@ -348,21 +377,32 @@ def setup(
         for part in partitions:
             for block in part:
                 if any(r < 0 or r >= topo.world_size for r in block):
-                    raise ConfigError(f"groups: block {list(block)} has ranks outside the world of {topo.world_size}")
+                    raise ConfigError(
+                        f"groups: block {list(block)} has ranks outside the world of {topo.world_size}"
+                    )
         if create_subgroups and topo.num_nodes > 1 and topo.ranks_per_node > 1:
             _create_subgroups(session, topo, [[tuple(range(topo.world_size))]] + partitions)
     if session.communicator_ctas:
         if dist.is_available() and dist.is_initialized():
-            _create_communicator_pool(session, communicator_pool_plan(
-                dist.get_world_size(), session.communicator_ctas, mesh=mesh, groups=groups))
+            _create_communicator_pool(
+                session,
+                communicator_pool_plan(
+                    dist.get_world_size(), session.communicator_ctas, mesh=mesh, groups=groups
+                ),
+            )
         else:
-            warnings.warn("commfuse.setup: communicator_ctas is ignored: no process group is initialized "
-                          "(call init_process_group first); no pool groups were created", stacklevel=2)
+            warnings.warn(
+                "commfuse.setup: communicator_ctas is ignored: no process group is initialized "
+                "(call init_process_group first); no pool groups were created",
+                stacklevel=2,
+            )
     if mesh is not None:
         for name, group, role in mesh_dim_roles(mesh):
             if role is None:
-                warn_rank0(f"commfuse.setup: mesh dim {name!r} has no known role; its collectives get inferred roles",
-                           UserWarning)
+                warn_rank0(
+                    f"commfuse.setup: mesh dim {name!r} has no known role; its collectives get inferred roles",
+                    UserWarning,
+                )
                 continue
             session.group_roles[group.group_name] = role.value
             session.role_sources[group.group_name] = "mesh"
@@ -381,12 +421,18 @@ def reset() -> None:
     _SESSION = Session()
 
 
-def resolved_roles(config, dtensor_roles: Optional[dict[str, str]] = None) -> tuple[dict[str, str], dict[str, str]]:
+def resolved_roles(
+    config, dtensor_roles: Optional[dict[str, str]] = None
+) -> tuple[dict[str, str], dict[str, str]]:
     """Group roles and their sources: those of the graph's DTensor meshes (``dtensor_roles``),
     overridden by the session's (``setup(mesh=)``), overridden by `config.group_roles` (user)."""
     found = dtensor_roles or {}
     roles = {**found, **_SESSION.group_roles, **{k: v.value for k, v in config.group_roles.items()}}
-    sources = {**{k: "dtensor" for k in found}, **_SESSION.role_sources, **{k: "user" for k in config.group_roles}}
+    sources = {
+        **{k: "dtensor" for k in found},
+        **_SESSION.role_sources,
+        **{k: "user" for k in config.group_roles},
+    }
     return roles, sources
 
 
@@ -407,8 +453,9 @@ def _env_int(environ: dict, name: str) -> Optional[int]:
     return value
 
 
-def detected_topology(environ: Optional[dict] = None, world_size: Optional[int] = None,
-                      device_name: Optional[str] = None) -> Optional[Topology]:
+def detected_topology(
+    environ: Optional[dict] = None, world_size: Optional[int] = None, device_name: Optional[str] = None
+) -> Optional[Topology]:
     """`Topology.detect` from what torchrun gives every rank alike: ``LOCAL_WORLD_SIZE``, the world
     size (the default process group's, else ``WORLD_SIZE``) and the device name (CUDA device 0's,
     else "cpu"). None outside torchrun (no ``LOCAL_WORLD_SIZE``) or without a world size. A device
@@ -423,8 +470,11 @@ def detected_topology(environ: Optional[dict] = None, world_size: Optional[int] 
     env = os.environ if environ is None else environ
     local = _env_int(env, "LOCAL_WORLD_SIZE")
     if world_size is None:
-        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() \
+        world_size = (
+            dist.get_world_size()
+            if dist.is_available() and dist.is_initialized()
             else _env_int(env, "WORLD_SIZE")
+        )
     if local is None or world_size is None:
         return None
     if device_name is None:
@@ -433,18 +483,25 @@ def detected_topology(environ: Optional[dict] = None, world_size: Optional[int] 
     if key in _DETECTED:
         return _DETECTED[key]
     if local > world_size or world_size % local:
-        raise ConfigError(f"environment variable LOCAL_WORLD_SIZE={local} does not divide the world size "
-                          f"{world_size} (nodes must hold the same number of ranks)")
+        raise ConfigError(
+            f"environment variable LOCAL_WORLD_SIZE={local} does not divide the world size "
+            f"{world_size} (nodes must hold the same number of ranks)"
+        )
     if Topology.preset_for_device(device_name) is not None:
         topo = Topology.detect(world_size, local, device_name)
     else:
         # every rank detects from the same torchrun environment (and, in a job of one kind of
         # node, the same device): one copy
-        warn_rank0(f"commfuse: no topology preset for device {device_name!r}: using the generic default "
-                   f"({world_size // local} node(s) of {local} ranks, nominal links; see docs/costmodel.md). "
-                   "Pass Config(topology=...) or setup(topology=...) for decisions that fit this machine",
-                   RuntimeWarning, stacklevel=2)
-        topo = Topology(name="generic", num_nodes=world_size // local, ranks_per_node=local, device=device_name)
+        warn_rank0(
+            f"commfuse: no topology preset for device {device_name!r}: using the generic default "
+            f"({world_size // local} node(s) of {local} ranks, nominal links; see docs/costmodel.md). "
+            "Pass Config(topology=...) or setup(topology=...) for decisions that fit this machine",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        topo = Topology(
+            name="generic", num_nodes=world_size // local, ranks_per_node=local, device=device_name
+        )
     _DETECTED[key] = topo
     return topo
 

@@ -55,7 +55,6 @@ Reduction = Literal["mean", "sum"]
 __all__ = ["MICROBATCH_META_KEY", "CapturedGraph", "TrainStep", "compile_train_step", "microbatch_of"]
 
 
-
 @dataclass(frozen=True)
 class CapturedGraph:
     """One graph Dynamo captured for the step (more than one per call means graph breaks)."""
@@ -83,8 +82,12 @@ def _summarise(index: int, gm: fx.GraphModule) -> CapturedGraph:
             per_mb[mb] += 1
         if n.op in ("call_function", "call_method", "call_module"):
             ops[_target_name(n)] += 1
-    return CapturedGraph(index=index, num_nodes=len(gm.graph.nodes), nodes_per_microbatch=dict(sorted(per_mb.items())),
-                         op_counts=dict(sorted(ops.items())))
+    return CapturedGraph(
+        index=index,
+        num_nodes=len(gm.graph.nodes),
+        nodes_per_microbatch=dict(sorted(per_mb.items())),
+        op_counts=dict(sorted(ops.items())),
+    )
 
 
 def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -92,14 +95,24 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     # object, and every TrainStep's backend differs: with one shared code object the 9th step
     # in a process would silently run eagerly. A private copy of the code gives each step its
     # own cache.
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
 
 class TrainStep:
     """A compiled training step; call it with the whole step's batch. See `compile_train_step`."""
 
-    def __init__(self, model: Callable[..., Any], loss_fn: Callable[..., torch.Tensor], *, microbatches: int,
-                 config: Optional[Config], reduction: Reduction, fullgraph: bool) -> None:
+    def __init__(
+        self,
+        model: Callable[..., Any],
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        microbatches: int,
+        config: Optional[Config],
+        reduction: Reduction,
+        fullgraph: bool,
+    ) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.microbatches = microbatches
@@ -108,7 +121,9 @@ class TrainStep:
         self.graphs: list[CapturedGraph] = []
         self._graphs_last_compile = 0
         self._warned_eager = False
-        self._compiled = torch.compile(_own_code(self._make_loop()), backend=self._capture, fullgraph=fullgraph)
+        self._compiled = torch.compile(
+            _own_code(self._make_loop()), backend=self._capture, fullgraph=fullgraph
+        )
 
     # -- what the compiler saw ------------------------------------------------
     @property
@@ -158,7 +173,9 @@ class TrainStep:
         (like `.backward()`; zero them between steps). Returns the detached step loss (mean of the
         micro-batch losses with reduction="mean", their sum with "sum")."""
         if not inputs:
-            raise ValueError("TrainStep needs at least one model input (positional) to split into micro-batches")
+            raise ValueError(
+                "TrainStep needs at least one model input (positional) to split into micro-batches"
+            )
         check_divisible("inputs", inputs, self.microbatches)
         if targets is not None:
             check_divisible("targets", targets, self.microbatches)
@@ -168,21 +185,29 @@ class TrainStep:
         if compiled_now:
             self._graphs_last_compile = compiled_now
             if compiled_now > 1:
-                msg = (f"compile_train_step: the step was captured as {compiled_now} graphs (graph breaks), so its "
-                       f"{self.microbatches} micro-batches are not in one joint graph; results still match the "
-                       f"plain loop. Find the breaks with torch._dynamo.explain or fullgraph=True.")
+                msg = (
+                    f"compile_train_step: the step was captured as {compiled_now} graphs (graph breaks), so its "
+                    f"{self.microbatches} micro-batches are not in one joint graph; results still match the "
+                    f"plain loop. Find the breaks with torch._dynamo.explain or fullgraph=True."
+                )
                 _warn_once_for_all_ranks(msg)
         if not self.graphs and not self._warned_eager:
             self._warned_eager = True
-            msg = ("compile_train_step: Dynamo compiled no graph for the step, it runs eagerly (see the "
-                   "torch._dynamo warnings above, e.g. a recompile limit); results still match the plain loop")
+            msg = (
+                "compile_train_step: Dynamo compiled no graph for the step, it runs eagerly (see the "
+                "torch._dynamo warnings above, e.g. a recompile limit); results still match the plain loop"
+            )
             _warn_once_for_all_ranks(msg)
         if not isinstance(total, torch.Tensor) or total.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar tensor, got "
-                             f"{type(total).__name__ if not isinstance(total, torch.Tensor) else list(total.shape)}")
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got "
+                f"{type(total).__name__ if not isinstance(total, torch.Tensor) else list(total.shape)}"
+            )
         if not total.requires_grad:
-            raise RuntimeError("the step's loss does not require grad: no parameter of the model takes part in "
-                               "the loss (frozen model, or loss_fn detached the output)")
+            raise RuntimeError(
+                "the step's loss does not require grad: no parameter of the model takes part in "
+                "the loss (frozen model, or loss_fn detached the output)"
+            )
         total.backward()
         return total.detach()
 
@@ -194,9 +219,15 @@ def _warn_once_for_all_ranks(msg: str) -> None:
     warn_rank0(msg, UserWarning, stacklevel=3)  # points at the caller of TrainStep.__call__
 
 
-def compile_train_step(model: Callable[..., Any], loss_fn: Callable[..., torch.Tensor], *, microbatches: int,
-                       config: Optional[Config] = None, reduction: Reduction = "mean",
-                       fullgraph: bool = False) -> TrainStep:
+def compile_train_step(
+    model: Callable[..., Any],
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    microbatches: int,
+    config: Optional[Config] = None,
+    reduction: Reduction = "mean",
+    fullgraph: bool = False,
+) -> TrainStep:
     """Compile forward + loss + backward of `microbatches` micro-batches into one joint graph.
 
     `step = compile_train_step(model, loss_fn, microbatches=M)`; `step(*inputs, targets=t)` splits
@@ -221,5 +252,6 @@ def compile_train_step(model: Callable[..., Any], loss_fn: Callable[..., torch.T
         raise TypeError(f"config must be a commfuse.Config or None, got {type(config).__name__}")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    return TrainStep(model, loss_fn, microbatches=microbatches, config=config, reduction=reduction,
-                     fullgraph=fullgraph)
+    return TrainStep(
+        model, loss_fn, microbatches=microbatches, config=config, reduction=reduction, fullgraph=fullgraph
+    )

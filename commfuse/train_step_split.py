@@ -28,12 +28,16 @@ def check_divisible(root: str, tree: Any, microbatches: int) -> None:
             continue
         name = _leaf_name(root, path)
         if leaf.dim() == 0:
-            raise ValueError(f"{name} is a 0-dim tensor: it has no batch dim 0 to split into "
-                             f"microbatches={microbatches} (pass it inside a closure or as a non-tensor)")
+            raise ValueError(
+                f"{name} is a 0-dim tensor: it has no batch dim 0 to split into "
+                f"microbatches={microbatches} (pass it inside a closure or as a non-tensor)"
+            )
         batch = leaf.shape[0]
         if batch % microbatches:
-            raise ValueError(f"{name} has batch size {batch} (dim 0 of shape {list(leaf.shape)}), "
-                             f"not divisible by microbatches={microbatches}")
+            raise ValueError(
+                f"{name} has batch size {batch} (dim 0 of shape {list(leaf.shape)}), "
+                f"not divisible by microbatches={microbatches}"
+            )
 
 
 def split_microbatches(tree: Any, microbatches: int) -> list[Any]:
@@ -43,6 +47,10 @@ def split_microbatches(tree: Any, microbatches: int) -> list[Any]:
     input and slices it: the captured graph covers the full step.
     """
     leaves, spec = pytree.tree_flatten(tree)
-    pieces = [torch.tensor_split(leaf, microbatches, 0) if isinstance(leaf, torch.Tensor)
-              else (leaf,) * microbatches for leaf in leaves]
+    pieces = [
+        torch.tensor_split(leaf, microbatches, 0)
+        if isinstance(leaf, torch.Tensor)
+        else (leaf,) * microbatches
+        for leaf in leaves
+    ]
     return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(microbatches)]

@@ -19,7 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from commfuse.models.common import batch_to, default_backend, global_loss, init_distributed, print_loss_comparison
+from commfuse.models.common import (
+    batch_to,
+    default_backend,
+    global_loss,
+    init_distributed,
+    print_loss_comparison,
+)
 from commfuse.models.llama import LlamaConfig, build_llama, loss_fn, make_inputs, parallelize_llama
 
 CONFIG = LlamaConfig(n_layers=4, dim=64, n_heads=8, ffn_dim=128)
@@ -35,8 +41,9 @@ def train(device: str, backend: object | None, steps: int, sp: bool) -> list[flo
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     # With SP each rank gets its share of the sequence: [BATCH, SEQ/world, dim];
     # without SP the full [BATCH, SEQ, dim]. One fixed batch: the loss must drop.
-    batch = batch_to(make_inputs(CONFIG, BATCH, SEQ, rank=dist.get_rank(), world_size=world, sequence_parallel=sp),
-                     device)
+    batch = batch_to(
+        make_inputs(CONFIG, BATCH, SEQ, rank=dist.get_rank(), world_size=world, sequence_parallel=sp), device
+    )
     losses = []
     for _ in range(steps):
         loss = loss_fn(run(batch.inputs), batch)
@@ -62,7 +69,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default=None, help="torch.compile backend (default: commfuse)")
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--no-sp", dest="sp", action="store_false", help="TP only (all_reduce) instead of TP+SP")
+    parser.add_argument(
+        "--no-sp", dest="sp", action="store_false", help="TP only (all_reduce) instead of TP+SP"
+    )
     args = parser.parse_args()
     device = init_distributed()
     try:

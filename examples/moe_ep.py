@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from commfuse.models.common import batch_to, default_backend, global_loss, init_distributed, print_loss_comparison
+from commfuse.models.common import (
+    batch_to,
+    default_backend,
+    global_loss,
+    init_distributed,
+    print_loss_comparison,
+)
 from commfuse.models.moe import build_moe, loss_fn, make_inputs, parallelize_moe
 
 DIM, NUM_EXPERTS, FFN_DIM = 64, 8, 128

@@ -49,8 +49,9 @@ def main() -> None:
 
     torch.manual_seed(0)  # the same weights and batch on every rank
     model = nn.Sequential(*[Block(128) for _ in range(2)]).to(device)
+    plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
     for block in model:
-        parallelize_module(block, mesh, {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()})
+        parallelize_module(block, mesh, plan)
 
     compiled = torch.compile(model, backend="commfuse")
     # DTensor weights beside plain ones (the norms): the foreach kernels CUDA optimizers

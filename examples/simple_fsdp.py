@@ -22,7 +22,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from commfuse.models.common import batch_to, default_backend, global_loss, init_distributed, print_loss_comparison
+from commfuse.models.common import (
+    batch_to,
+    default_backend,
+    global_loss,
+    init_distributed,
+    print_loss_comparison,
+)
 from commfuse.models.llama import LlamaConfig, build_llama
 from commfuse.models.simple_fsdp import data_parallel, loss_fn, make_inputs
 

@@ -50,8 +50,12 @@ def differences(installed: dict[str, str], locked: dict[str, str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     lock = Path(argv[0]) if argv else DEFAULT_LOCK
-    freeze = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
-                            check=True, capture_output=True, text=True).stdout
+    freeze = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     diff = differences(parse_pins(freeze.splitlines()), parse_pins(lock.read_text().splitlines()))
     if diff:
         print(f"the environment differs from {lock} (refresh it with `bash scripts/lock.sh`):")

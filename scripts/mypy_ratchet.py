@@ -53,10 +53,14 @@ def layers_on_disk() -> list[str]:
 
 def run_mypy() -> tuple[dict[str, list[str]], str]:
     """(error lines per file, mypy's version); exits if mypy could not run."""
-    version = subprocess.run([sys.executable, "-m", "mypy", "--version"], capture_output=True, text=True, cwd=ROOT)
+    version = subprocess.run(
+        [sys.executable, "-m", "mypy", "--version"], capture_output=True, text=True, cwd=ROOT
+    )
     if version.returncode != 0:
-        sys.exit(f"mypy_ratchet: cannot run mypy ({(version.stderr or version.stdout).strip()}); "
-                 f"install it: pip install -e '.[test]' -c .ci/lock.txt")
+        sys.exit(
+            f"mypy_ratchet: cannot run mypy ({(version.stderr or version.stdout).strip()}); "
+            f"install it: pip install -e '.[test]' -c .ci/lock.txt"
+        )
     cmd = [sys.executable, "-m", "mypy", "--no-color-output", "--no-pretty", "--no-error-summary"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     by_file: dict[str, list[str]] = defaultdict(list)
@@ -73,8 +77,11 @@ def run_mypy() -> tuple[dict[str, list[str]], str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--update", action="store_true",
-                    help="lower the baseline to the current counts (refused if any count rose)")
+    ap.add_argument(
+        "--update",
+        action="store_true",
+        help="lower the baseline to the current counts (refused if any count rose)",
+    )
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -117,24 +124,32 @@ def main(argv: list[str] | None = None) -> int:
             files = sorted(p for p in by_file if layer_of(p) == layer)
             rose = [p for p in files if len(by_file[p]) > base_files.get(p, 0)] or files
             shown = [x for p in rose for x in by_file[p]]
-            print(f"\n{layer}: {counts[layer]} error(s), baseline {base.get(layer, 0)}"
-                  f"{' (a clean layer: none allowed)' if layer in clean else ''}; "
-                  f"the errors of the file(s) whose count rose:")
+            print(
+                f"\n{layer}: {counts[layer]} error(s), baseline {base.get(layer, 0)}"
+                f"{' (a clean layer: none allowed)' if layer in clean else ''}; "
+                f"the errors of the file(s) whose count rose:"
+            )
             print("\n".join(f"  {x}" for x in shown[:_SHOWN]))
             if len(shown) > _SHOWN:
                 print(f"  ... and {len(shown) - _SHOWN} more")
-        print("\nmypy_ratchet: FAILED: fix the new errors (the baseline only goes down: --update never raises it)")
+        print(
+            "\nmypy_ratchet: FAILED: fix the new errors (the baseline only goes down: --update never raises it)"
+        )
         return 1
     if args.update:
         # only down: a layer keeps the lower of its baseline and today's count (the first baseline: today's)
-        new = {layer: counts.get(layer, 0) if first else min(base.get(layer, 0), counts.get(layer, 0))
-               for layer in layers}
+        new = {
+            layer: counts.get(layer, 0) if first else min(base.get(layer, 0), counts.get(layer, 0))
+            for layer in layers
+        }
         files = {p: len(by_file[p]) for p in sorted(by_file)}  # today's: what a failure is diagnosed against
-        out = {"mypy": version,
-               "clean": [layer for layer in layers_on_disk() if new.get(layer, 0) == 0],
-               "total": sum(new.values()),
-               "counts": {k: v for k, v in new.items() if v > 0},
-               "files": files}
+        out = {
+            "mypy": version,
+            "clean": [layer for layer in layers_on_disk() if new.get(layer, 0) == 0],
+            "total": sum(new.values()),
+            "counts": {k: v for k, v in new.items() if v > 0},
+            "files": files,
+        }
         BASELINE.parent.mkdir(parents=True, exist_ok=True)
         BASELINE.write_text(json.dumps(out, indent=1) + "\n")
         print(f"\nbaseline written: {BASELINE.relative_to(ROOT)} (total {out['total']}, was {total_was})")

@@ -31,8 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, help="also keep the dumps, traces and report.html here")
     ap.add_argument("--example", default="llama_tp")
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--profile", type=Path, default=REPO / "benchmarks" / "results" / "cpu-gloo-profile-2026-11-22.json",
-                    help="cost profile for predicted times (default: the stored calibration of this CPU machine)")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=REPO / "benchmarks" / "results" / "cpu-gloo-profile-2026-11-22.json",
+        help="cost profile for predicted times (default: the stored calibration of this CPU machine)",
+    )
     args = ap.parse_args(argv)
 
     from playwright.sync_api import sync_playwright
@@ -44,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="commfuse-report-"))
     with RankPool(args.ranks, timeout_s=600) as pool:
         pool.run(record_example, args.example, str(work), 2, True, 60, str(args.profile), timeout=600)
-    page_path = write_html(work / "dumps", work / "report.html", record_dir=work / "record", profile=args.profile,
-                           title=f"commfuse report: {args.example} on {args.ranks} gloo ranks")
+    page_path = write_html(
+        work / "dumps",
+        work / "report.html",
+        record_dir=work / "record",
+        profile=args.profile,
+        title=f"commfuse report: {args.example} on {args.ranks} gloo ranks",
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])

@@ -33,8 +33,16 @@ from commfuse.fuzz.check import all_pipelines, applicable, prepare  # noqa: E402
 from commfuse.fuzz.corpus import load_corpus  # noqa: E402
 
 CI_CORPUS = ROOT / "tests" / "fuzz_corpus" / "ci.json"
-WORKLOADS = ("llama_tp_sp:s", "llama_tp:s", "moe_ep:s", "simple_fsdp:s", "dp:s", "moe_tp_ep:s",
-             "moe_sp_ep_sp:s", "moe_style_sp_ep_sp:s")
+WORKLOADS = (
+    "llama_tp_sp:s",
+    "llama_tp:s",
+    "moe_ep:s",
+    "simple_fsdp:s",
+    "dp:s",
+    "moe_tp_ep:s",
+    "moe_sp_ep_sp:s",
+    "moe_style_sp_ep_sp:s",
+)
 WORLD = 4
 
 
@@ -45,12 +53,31 @@ def _digest(text: str) -> str:
 def _report_fingerprint(gm) -> dict:
     out = []
     for rep in gm.meta.get("commfuse_reports", []):
-        passes = [{"name": p.name, "changed": p.changed, "counts": p.counts, "refusals": p.refusals,
-                   "decisions": p.decisions, "error": p.error} for p in rep.passes]
+        passes = [
+            {
+                "name": p.name,
+                "changed": p.changed,
+                "counts": p.counts,
+                "refusals": p.refusals,
+                "decisions": p.decisions,
+                "error": p.error,
+            }
+            for p in rep.passes
+        ]
         collectives = [c.model_dump(mode="json") for c in (rep.analysis.collectives if rep.analysis else [])]
-        out.append({"graph": rep.graph, "passes": passes, "notes": rep.notes, "skipped": rep.skipped_reason,
-                    "input_problems": rep.input_problems, "sequence_hashes": rep.sequence_hashes,
-                    "order_hash": rep.order_hash, "collectives": collectives, "topology": rep.topology})
+        out.append(
+            {
+                "graph": rep.graph,
+                "passes": passes,
+                "notes": rep.notes,
+                "skipped": rep.skipped_reason,
+                "input_problems": rep.input_problems,
+                "sequence_hashes": rep.sequence_hashes,
+                "order_hash": rep.order_hash,
+                "collectives": collectives,
+                "topology": rep.topology,
+            }
+        )
     return {"reports": json.loads(json.dumps(out, default=str)), "code": _digest(gm.code)}
 
 
@@ -60,7 +87,10 @@ def corpus_fingerprints(limit: int | None = None) -> dict:
     out = {}
     for i, program in corpus.programs[:limit]:
         prepared = prepare(program, [p for p in pipes if applicable(p, program)])
-        entry = {name: [_report_fingerprint(gm) for gm in graphs] for name, graphs in sorted(prepared.optimised.items())}
+        entry = {
+            name: [_report_fingerprint(gm) for gm in graphs]
+            for name, graphs in sorted(prepared.optimised.items())
+        }
         entry["failures"] = [f"{f.pipeline} {f.kind}" for f in prepared.failures]
         out[f"program {i}"] = entry
     return out
@@ -102,8 +132,14 @@ def _differences(a, b, where: str = "") -> list[str]:
                 out += _differences(a[k], b[k], f"{where}/{k}")
         return out
     if isinstance(a, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{where}[{i}]")]
-    return [] if a == b else [f"{where}: {json.dumps(a, default=str)[:300]} -> {json.dumps(b, default=str)[:300]}"]
+        return [
+            d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _differences(x, y, f"{where}[{i}]")
+        ]
+    return (
+        []
+        if a == b
+        else [f"{where}: {json.dumps(a, default=str)[:300]} -> {json.dumps(b, default=str)[:300]}"]
+    )
 
 
 def main() -> int:
@@ -128,7 +164,9 @@ def main() -> int:
     diffs = _differences(before, now)
     for d in diffs:
         print(d)
-    print(f"{len(diffs)} differences over {len(now['corpus'])} programs and {len(now.get('workloads', {}))} workloads")
+    print(
+        f"{len(diffs)} differences over {len(now['corpus'])} programs and {len(now.get('workloads', {}))} workloads"
+    )
     return 1 if diffs else 0
 
 

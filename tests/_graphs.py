@@ -48,13 +48,22 @@ class SPBlock(nn.Module):
 
 def parallelize_sp(m: SPBlock, mesh) -> SPBlock:
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
-    return parallelize_module(m, mesh, {
-        "norm": SequenceParallel(),
-        "w1": ColwiseParallel(input_layouts=Shard(1)),
-        "w2": RowwiseParallel(output_layouts=Shard(1)),
-    })
+    return parallelize_module(
+        m,
+        mesh,
+        {
+            "norm": SequenceParallel(),
+            "w1": ColwiseParallel(input_layouts=Shard(1)),
+            "w2": RowwiseParallel(output_layouts=Shard(1)),
+        },
+    )
 
 
 def summary(report: commfuse.AnalysisReport) -> str:
@@ -83,4 +92,6 @@ def prefetch_fn(x, w1, w2, w3):
 
 def prefetch_graph(n: int = 256, world: int = 8):
     """``prefetch_fn`` traced on the fake process group (call inside ``fake_process_group(world)``)."""
-    return make_fx(prefetch_fn, tracing_mode="fake")(torch.randn(n, n), *[torch.randn(n // world, n) for _ in range(3)])
+    return make_fx(prefetch_fn, tracing_mode="fake")(
+        torch.randn(n, n), *[torch.randn(n // world, n) for _ in range(3)]
+    )

@@ -50,15 +50,18 @@ def simple_fsdp_matches_loop() -> dict[str, Any]:
         ref_loss = loss.detach() if ref_loss is None else ref_loss + loss.detach()
 
     model = simple_fsdp.data_parallel(llama.build_llama(CFG, seed=0), mesh, "fully_shard")
-    step = compile_train_step(model, _mse, microbatches=M,
-                              config=commfuse.Config(inner_compiler="eager", strict=True))
+    step = compile_train_step(
+        model, _mse, microbatches=M, config=commfuse.Config(inner_compiler="eager", strict=True)
+    )
     loss = step(x, targets=y)
     where = f"rank {rank}"
     torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{where}: loss: {m}")
     got, want = _grads(model), _grads(ref)
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name], msg=lambda m, name=name: f"{where}: grad {name}: {m}")
+        torch.testing.assert_close(
+            got[name], want[name], msg=lambda m, name=name: f"{where}: grad {name}: {m}"
+        )
 
     _check_by_hand(world, rank)
 
@@ -90,4 +93,6 @@ def _check_by_hand(world: int, rank: int) -> None:
     torch.testing.assert_close(by_hand_accumulate(hand), ref_loss)
     got, want = _grads(hand.model), _grads(ref.model)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], msg=lambda m, name=name: f"rank {rank}: by-hand {name}: {m}")
+        torch.testing.assert_close(
+            got[name], want[name], msg=lambda m, name=name: f"rank {rank}: by-hand {name}: {m}"
+        )

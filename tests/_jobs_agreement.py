@@ -91,8 +91,15 @@ def planted_divergence_falls_back(plant: Optional[str], batches: tuple[int, ...]
         # settings of its own per job: the pool's Store keeps what the groups of earlier jobs
         # settled on for this frame, and rank 0 would read that instead of meeting rank 1
         budget = 400 + [None, "pass", "config"].index(plant)
-        be = commfuse.backend(commfuse.Config(passes=passes, inner_compiler="eager", agreement_timeout_s=60,
-                                              partition_search_budget=budget, **overrides))
+        be = commfuse.backend(
+            commfuse.Config(
+                passes=passes,
+                inner_compiler="eager",
+                agreement_timeout_s=60,
+                partition_search_budget=budget,
+                **overrides,
+            )
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=_loss)
@@ -100,10 +107,18 @@ def planted_divergence_falls_back(plant: Optional[str], batches: tuple[int, ...]
     finally:
         unregister_pass("test_rank1_swaps_gathers")
         torch._dynamo.reset()
-    swapped = [p.counts.get("swapped", 0) for r in be.reports for p in r.passes if p.name == "test_rank1_swaps_gathers"]
-    return {"verdicts": [(v.action, v.reason, v.timed_out) for v in be.agreements],
-            "warnings": [str(w.message) for w in caught if "compiled programs differ" in str(w.message)],
-            "swapped": sum(swapped), "loss": [float(x) for x in got["loss"]]}
+    swapped = [
+        p.counts.get("swapped", 0)
+        for r in be.reports
+        for p in r.passes
+        if p.name == "test_rank1_swaps_gathers"
+    ]
+    return {
+        "verdicts": [(v.action, v.reason, v.timed_out) for v in be.agreements],
+        "warnings": [str(w.message) for w in caught if "compiled programs differ" in str(w.message)],
+        "swapped": sum(swapped),
+        "loss": [float(x) for x in got["loss"]],
+    }
 
 
 def _two_collectives(x, y):
@@ -140,8 +155,11 @@ def inductor_cache_hit_on_rank0_only(cache_dir: str) -> dict:
             torch._dynamo.reset()
             be = commfuse.backend(cfg)
             out = torch.compile(_two_collectives, backend=be)(torch.ones(4), torch.ones(2))
-            results[rnd] = {"out": float(out), "hooks_ran": len(be.reports),
-                            "verdicts": [v.action for v in be.agreements]}
+            results[rnd] = {
+                "out": float(out),
+                "hooks_ran": len(be.reports),
+                "verdicts": [v.action for v in be.agreements],
+            }
     return results
 
 
@@ -153,8 +171,11 @@ def _run_once(fn, *args, **config: Any) -> dict:
         warnings.simplefilter("always")
         out = torch.compile(fn, backend=be)(*args)
     torch._dynamo.reset()
-    return {"out": float(out), "verdicts": [(v.action, v.reason) for v in be.agreements],
-            "warnings": [str(w.message) for w in caught if "compiled programs differ" in str(w.message)]}
+    return {
+        "out": float(out),
+        "verdicts": [(v.action, v.reason) for v in be.agreements],
+        "warnings": [str(w.message) for w in caught if "compiled programs differ" in str(w.message)],
+    }
 
 
 class Rank3SplitsAllReduce(GraphPass):
@@ -188,8 +209,11 @@ def agreement_on_a_2x2_mesh(plant: bool) -> dict:
 
     register_pass(Rank3SplitsAllReduce)
     try:
-        res = _run_once(step, torch.full((2,), float(dist.get_rank())),
-                        passes=["test_rank3_splits_all_reduce"] if plant else [])
+        res = _run_once(
+            step,
+            torch.full((2,), float(dist.get_rank())),
+            passes=["test_rank3_splits_all_reduce"] if plant else [],
+        )
     finally:
         unregister_pass("test_rank3_splits_all_reduce")
     res["tp_group"] = tp.group_name
@@ -237,10 +261,25 @@ def agreement_on_a_dropless_moe() -> dict:
     be = commfuse.backend(commfuse.Config(inner_compiler="eager", agreement_timeout_s=60))
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         torch._dynamo.reset()
-        got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05,
-                                 loss_fn=lambda out: (out[0] if isinstance(out, tuple) else out).float().pow(2).mean())
+        got = train_step_outputs(
+            model,
+            inputs,
+            backend=be,
+            steps=2,
+            lr=0.05,
+            loss_fn=lambda out: (out[0] if isinstance(out, tuple) else out).float().pow(2).mean(),
+        )
         torch._dynamo.reset()
-    shapes = [s for r in be.reports if r.analysis for c in r.analysis.collectives if c.kind == "all_to_all"
-              for s in c.input_shapes]
-    return {"losses": [float(v) for v in got["loss"]], "a2a_shapes": [str(s) for s in shapes],
-            "verdicts": [v.action for v in be.agreements]}
+    shapes = [
+        s
+        for r in be.reports
+        if r.analysis
+        for c in r.analysis.collectives
+        if c.kind == "all_to_all"
+        for s in c.input_shapes
+    ]
+    return {
+        "losses": [float(v) for v in got["loss"]],
+        "a2a_shapes": [str(s) for s in shapes],
+        "verdicts": [v.action for v in be.agreements],
+    }

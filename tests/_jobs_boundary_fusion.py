@@ -16,15 +16,17 @@ def _shapes(stages) -> list[dict[str, tuple]]:
     return [{k: tuple(v.shape) for k, v in st.state_dict().items()} for st in stages]
 
 
-def _run(layout, w, fused: bool, m: int, sched: str, x, t, loss_fn, steps: int = 1,
-         dump_dir: Optional[str] = None) -> dict[str, Any]:
+def _run(
+    layout, w, fused: bool, m: int, sched: str, x, t, loss_fn, steps: int = 1, dump_dir: Optional[str] = None
+) -> dict[str, Any]:
     import torch.distributed as dist
 
     stages = build_stages(w, layout.stages, layout.position)
     before = _shapes(stages)
     hook = boundary_fusion_pass(w.options) if fused else None
-    runner = PipelineRunner(layout, stages, loss_fn, m, sched, forward_passes=[hook] if hook else (),
-                            dump_dir=dump_dir)
+    runner = PipelineRunner(
+        layout, stages, loss_fn, m, sched, forward_passes=[hook] if hook else (), dump_dir=dump_dir
+    )
     times = []
     loss = None
     for _ in range(steps):
@@ -36,12 +38,15 @@ def _run(layout, w, fused: bool, m: int, sched: str, x, t, loss_fn, steps: int =
         times.append(time.perf_counter() - t0)
     out = {
         "loss": loss,
-        "grads": {k: p.grad.clone() for k, p in stages[layout.stage].named_parameters() if p.grad is not None},
+        "grads": {
+            k: p.grad.clone() for k, p in stages[layout.stage].named_parameters() if p.grad is not None
+        },
         "state_dict": _shapes(stages),
         "state_dict_unchanged": _shapes(stages) == before,
         # ownership: only this rank's stage's parameters received gradients
-        "other_grads_untouched": all(p.grad is None for s, st in enumerate(stages) if s != layout.stage
-                                     for p in st.parameters()),
+        "other_grads_untouched": all(
+            p.grad is None for s, st in enumerate(stages) if s != layout.stage for p in st.parameters()
+        ),
         "times": times,
     }
     if hook is not None:
@@ -49,13 +54,24 @@ def _run(layout, w, fused: bool, m: int, sched: str, x, t, loss_fn, steps: int =
         out["counts"] = rep.counts
         out["refusals"] = rep.refusals
         out["volumes"] = [d.volume.to_json() for d in rep.decisions if d.volume is not None]
-        out["joint_ops"] = sorted({str(n.target) for n in runner.program.joint.graph.nodes
-                                   if n.op == "call_function" and "commfuse" in str(n.target)})
+        out["joint_ops"] = sorted(
+            {
+                str(n.target)
+                for n in runner.program.joint.graph.nodes
+                if n.op == "call_function" and "commfuse" in str(n.target)
+            }
+        )
     return out
 
 
-def fused_vs_unfused(workload: str, microbatches: Sequence[int] = (2, 3), schedules: Sequence[str] = ("gpipe", "1f1b"),
-                     batch: int = 6, seq: int = 8, dump_dir: Optional[str] = None) -> dict[str, Any]:
+def fused_vs_unfused(
+    workload: str,
+    microbatches: Sequence[int] = (2, 3),
+    schedules: Sequence[str] = ("gpipe", "1f1b"),
+    batch: int = 6,
+    seq: int = 8,
+    dump_dir: Optional[str] = None,
+) -> dict[str, Any]:
     """Run ``workload`` on 2 stages x 2 ranks with the plain and the fused forward graph for
     every (micro-batches, schedule); this rank's losses, gradients, state_dict shapes, reports."""
     w = WORKLOADS[workload]
@@ -66,14 +82,30 @@ def fused_vs_unfused(workload: str, microbatches: Sequence[int] = (2, 3), schedu
         for sched in schedules:
             out["runs"][f"{m}-{sched}"] = {
                 "plain": _run(layout, w, False, m, sched, x, t, loss_fn),
-                "fused": _run(layout, w, True, m, sched, x, t, loss_fn,
-                              dump_dir=dump_dir if (m, sched) == (microbatches[0], schedules[0]) else None),
+                "fused": _run(
+                    layout,
+                    w,
+                    True,
+                    m,
+                    sched,
+                    x,
+                    t,
+                    loss_fn,
+                    dump_dir=dump_dir if (m, sched) == (microbatches[0], schedules[0]) else None,
+                ),
             }
     return out
 
 
-def step_times(workload: str, microbatches: int = 4, schedule: str = "1f1b", steps: int = 6, batch: int = 8,
-               seq: int = 16, dim: Optional[int] = None) -> dict[str, Any]:
+def step_times(
+    workload: str,
+    microbatches: int = 4,
+    schedule: str = "1f1b",
+    steps: int = 6,
+    batch: int = 8,
+    seq: int = 16,
+    dim: Optional[int] = None,
+) -> dict[str, Any]:
     """Measured step times (seconds) of the plain and the fused pipeline, steps interleaved
     (plain, fused, plain, ...) so that load changes on the machine hit both alike; the first
     step of each (which traces and partitions) is not timed. Also the last step's loss and
@@ -91,8 +123,14 @@ def step_times(workload: str, microbatches: int = 4, schedule: str = "1f1b", ste
     for kind in ("plain", "fused"):
         stages = build_stages(w, layout.stages, layout.position)
         hook = boundary_fusion_pass(w.options) if kind == "fused" else None
-        runs[kind] = (stages, PipelineRunner(layout, stages, loss_fn, microbatches, schedule,
-                                             forward_passes=[hook] if hook else ()), [], [None])
+        runs[kind] = (
+            stages,
+            PipelineRunner(
+                layout, stages, loss_fn, microbatches, schedule, forward_passes=[hook] if hook else ()
+            ),
+            [],
+            [None],
+        )
     for k in range(steps + 1):
         for stages, runner, times, last in runs.values():
             for st in stages:
@@ -104,9 +142,13 @@ def step_times(workload: str, microbatches: int = 4, schedule: str = "1f1b", ste
                 times.append(time.perf_counter() - t0)
     out = {}
     for kind, (stages, _runner, times, last) in runs.items():
-        out[kind] = {"times": times, "loss": last[0],
-                     "grads": {n: p.grad.clone() for n, p in stages[layout.stage].named_parameters()
-                               if p.grad is not None}}
+        out[kind] = {
+            "times": times,
+            "loss": last[0],
+            "grads": {
+                n: p.grad.clone() for n, p in stages[layout.stage].named_parameters() if p.grad is not None
+            },
+        }
     return out
 
 
@@ -178,14 +220,27 @@ def random_case(seed: int) -> dict[str, Any]:
     # count makes ar_p2p scatter along dim 1)
     rows = 2 * rng.choice([1, 2]) if rule == "a2a_p2p" else rng.choice([1, 2, 3])
     shape = [mb * rows, 2 * rng.choice([1, 2, 3]), 2 * rng.choice([1, 2, 3])]
-    case = {"seed": seed, "rule": rule, "microbatches": mb, "schedule": rng.choice(["gpipe", "1f1b"]),
-            "dim": rng.choice([0, 1, 2]) if rule in ("ag_p2p", "p2p_ag") else 0, "view": rng.random() < 0.5,
-            "shape": shape, "residuals": []}
+    case = {
+        "seed": seed,
+        "rule": rule,
+        "microbatches": mb,
+        "schedule": rng.choice(["gpipe", "1f1b"]),
+        "dim": rng.choice([0, 1, 2]) if rule in ("ag_p2p", "p2p_ag") else 0,
+        "view": rng.random() < 0.5,
+        "shape": shape,
+        "residuals": [],
+    }
     if rule == "ar_p2p":
-        case["residuals"] = [(rng.choice(["x", "sigmoid"]), rng.random() < 0.5) for _ in range(rng.randint(0, 2))]
+        case["residuals"] = [
+            (rng.choice(["x", "sigmoid"]), rng.random() < 0.5) for _ in range(rng.randint(0, 2))
+        ]
     if rule == "p2p_a2a":  # hidden size large enough against the router weight for the fusion to pay
-        case.update(schedule="gpipe", experts=rng.choice([2, 4]), top_k=rng.choice([1, 2]),
-                    capacity_factor=rng.choice([1.0, 1.5]))
+        case.update(
+            schedule="gpipe",
+            experts=rng.choice([2, 4]),
+            top_k=rng.choice([1, 2]),
+            capacity_factor=rng.choice([1.0, 1.5]),
+        )
         shape[0], shape[2] = mb * rng.choice([2, 4]), 64
     return case
 
@@ -198,13 +253,18 @@ def random_cases(seeds: Sequence[int]) -> list[dict[str, Any]]:
     out = []
     for seed in seeds:
         case = random_case(seed)
-        gen = torch.Generator().manual_seed(1000 + seed + (0 if case["rule"] == "ar_p2p" else layout.position))
+        gen = torch.Generator().manual_seed(
+            1000 + seed + (0 if case["rule"] == "ar_p2p" else layout.position)
+        )
         x = torch.randn(case["shape"], generator=gen)  # ar_p2p: replicated over the stage (declared)
         t = torch.randn(case["shape"][0], 1, generator=torch.Generator().manual_seed(2000 + seed))
         tp = case["rule"] == "ar_p2p"
-        options = BoundaryFusionOptions(rules=(case["rule"],), tp_stages=(0, 1) if tp else (),
-                                        replicated_inputs=("x",) if tp else (),
-                                        reverse_transfers=case["rule"] == "p2p_a2a")
+        options = BoundaryFusionOptions(
+            rules=(case["rule"],),
+            tp_stages=(0, 1) if tp else (),
+            replicated_inputs=("x",) if tp else (),
+            reverse_transfers=case["rule"] == "p2p_a2a",
+        )
 
         def loss_fn(o, tt):  # o's rows need not match tt's (a gather along dim 0 doubles them)
             return ((o.reshape(-1) - tt.mean()) ** 2).mean()
@@ -213,11 +273,23 @@ def random_cases(seeds: Sequence[int]) -> list[dict[str, Any]]:
         for fused in (False, True):
             stages = [_RandStage(case, s, layout.stages[s], layout.position) for s in range(2)]
             hook = boundary_fusion_pass(options) if fused else None
-            runner = PipelineRunner(layout, stages, loss_fn, case["microbatches"], case["schedule"],
-                                    forward_passes=[hook] if hook else ())
+            runner = PipelineRunner(
+                layout,
+                stages,
+                loss_fn,
+                case["microbatches"],
+                case["schedule"],
+                forward_passes=[hook] if hook else (),
+            )
             loss = runner.step(x, t)
-            r = {"loss": loss, "grads": {k: p.grad.clone() for k, p in stages[layout.stage].named_parameters()
-                                         if p.grad is not None}}
+            r = {
+                "loss": loss,
+                "grads": {
+                    k: p.grad.clone()
+                    for k, p in stages[layout.stage].named_parameters()
+                    if p.grad is not None
+                },
+            }
             if hook is not None:
                 r["counts"], r["refusals"] = hook.reports[-1].counts, hook.reports[-1].refusals
             res["fused" if fused else "plain"] = r

@@ -21,7 +21,12 @@ from commfuse.ops import M2MS, STAGE_TRANSFER, m2ms, stage_transfer
 M2MS_CASES: list[tuple[str, list[int], list[int], list[list[int]]]] = [
     ("even_all_to_all", [0, 1, 2, 3], [0, 1, 2, 3], [[2] * 4] * 4),
     ("uneven", [0, 1, 2, 3], [0, 1, 2, 3], [[1, 3, 0, 2], [2, 0, 1, 1], [0, 4, 2, 1], [3, 1, 1, 0]]),
-    ("empty_row_and_column", [0, 1, 2, 3], [0, 1, 2, 3], [[1, 2, 0, 1], [0, 0, 0, 0], [2, 1, 0, 3], [1, 1, 0, 2]]),
+    (
+        "empty_row_and_column",
+        [0, 1, 2, 3],
+        [0, 1, 2, 3],
+        [[1, 2, 0, 1], [0, 0, 0, 0], [2, 1, 0, 3], [1, 1, 0, 2]],
+    ),
     ("all_empty", [0, 1], [2, 3], [[0, 0], [0, 0]]),
     ("disjoint", [0, 1], [2, 3], [[1, 2], [3, 1]]),
     ("overlapping", [0, 1, 2], [1, 2, 3], [[1, 2, 1], [2, 1, 0], [1, 3, 2]]),
@@ -52,11 +57,18 @@ def _input(case: str, rank: int, layout, dim: int, size: int, dtype: torch.dtype
     shape = _shape(layout, size)
     if dtype.is_floating_point:
         return torch.randn(shape, generator=g).to(dtype)
-    return torch.randint(-2 ** 40, 2 ** 40, shape, generator=g, dtype=dtype)
+    return torch.randint(-(2**40), 2**40, shape, generator=g, dtype=dtype)
 
 
-def ref_m2ms(xs: dict[int, torch.Tensor], dim: int, mat: Sequence[Sequence[int]], src: Sequence[int],
-             dst: Sequence[int], rank: int, like: torch.Tensor) -> torch.Tensor:
+def ref_m2ms(
+    xs: dict[int, torch.Tensor],
+    dim: int,
+    mat: Sequence[Sequence[int]],
+    src: Sequence[int],
+    dst: Sequence[int],
+    rank: int,
+    like: torch.Tensor,
+) -> torch.Tensor:
     """The spec, literally: dst[j] gets, in src order, piece j of every src[i]'s x (split by row i)."""
     if rank not in dst:
         shape = list(like.shape)
@@ -68,7 +80,9 @@ def ref_m2ms(xs: dict[int, torch.Tensor], dim: int, mat: Sequence[Sequence[int]]
 
 
 def _all_inputs(case, src, mat, layout, dim, dtype, n) -> dict[int, torch.Tensor]:
-    return {r: _input(case, r, layout, dim, sum(mat[src.index(r)]) if r in src else 0, dtype) for r in range(n)}
+    return {
+        r: _input(case, r, layout, dim, sum(mat[src.index(r)]) if r in src else 0, dtype) for r in range(n)
+    }
 
 
 def m2ms_numerics(dtypes: Sequence[str]) -> list[dict[str, Any]]:
@@ -89,13 +103,22 @@ def m2ms_numerics(dtypes: Sequence[str]) -> list[dict[str, Any]]:
                 x.fill_(7)  # the op copied what it sends: reusing x before the wait is safe
                 out = c10d_functional.wait_tensor(out)
                 via_wrapper = m2ms(xs[rank], dim, mat, src, dst, dist.group.WORLD)
-                records.append({
-                    "case": case, "layout": layout, "dim": dim, "dtype": dt,
-                    "shape": tuple(out.shape), "want_shape": tuple(want.shape),
-                    "equal": bool(out.shape == want.shape and torch.equal(out, want)),
-                    "wrapper_equal": bool(via_wrapper.shape == want.shape and torch.equal(via_wrapper, want)),
-                    "contiguous": out.is_contiguous(), "dtype_ok": out.dtype == dtype,
-                })
+                records.append(
+                    {
+                        "case": case,
+                        "layout": layout,
+                        "dim": dim,
+                        "dtype": dt,
+                        "shape": tuple(out.shape),
+                        "want_shape": tuple(want.shape),
+                        "equal": bool(out.shape == want.shape and torch.equal(out, want)),
+                        "wrapper_equal": bool(
+                            via_wrapper.shape == want.shape and torch.equal(via_wrapper, want)
+                        ),
+                        "contiguous": out.is_contiguous(),
+                        "dtype_ok": out.dtype == dtype,
+                    }
+                )
     return records
 
 
@@ -135,19 +158,35 @@ def m2ms_gradients() -> list[dict[str, Any]]:
             xs = _all_inputs(case, src, mat, layout, dim, torch.float64, n)
             x = xs[rank].clone().requires_grad_(True)
             out = m2ms(x, dim, mat, src, dst, dist.group.WORLD)
-            ws = {r: _input(case + "-w", r, layout, dim, sum(row[dst.index(r)] for row in mat) if r in dst else 0,
-                            torch.float64) for r in range(n)}
+            ws = {
+                r: _input(
+                    case + "-w",
+                    r,
+                    layout,
+                    dim,
+                    sum(row[dst.index(r)] for row in mat) if r in dst else 0,
+                    torch.float64,
+                )
+                for r in range(n)
+            }
             (grad,) = torch.autograd.grad((out * ws[rank]).sum(), x, allow_unused=False)
             matT = [[mat[i][j] for i in range(len(src))] for j in range(len(dst))]
             want = ref_m2ms(ws, dim, matT, dst, src, rank, ws[rank])
             if rank not in src:  # the reference yields a size-0 dim there, as x has
                 want = want.reshape(x.shape)
-            sums = torch.tensor([(out.detach() * ws[rank]).sum().item(), (xs[rank] * grad).sum().item()],
-                                dtype=torch.float64)
+            sums = torch.tensor(
+                [(out.detach() * ws[rank]).sum().item(), (xs[rank] * grad).sum().item()], dtype=torch.float64
+            )
             dist.all_reduce(sums)
-            records.append({"case": case, "layout": layout, "dim": dim,
-                            "grad_equal": bool(grad.shape == want.shape and torch.equal(grad, want)),
-                            "adjoint_gap": float((sums[0] - sums[1]).abs())})
+            records.append(
+                {
+                    "case": case,
+                    "layout": layout,
+                    "dim": dim,
+                    "grad_equal": bool(grad.shape == want.shape and torch.equal(grad, want)),
+                    "adjoint_gap": float((sums[0] - sums[1]).abs()),
+                }
+            )
     return records
 
 
@@ -171,8 +210,12 @@ def stage_transfer_cases() -> list[dict[str, Any]]:
             out = STAGE_TRANSFER(x, src, dst, n, name)
             x.fill_(5)
             out = c10d_functional.wait_tensor(out)
-            rec = {"case": case, "dtype": dt, "equal": bool(torch.equal(out, want)),
-                   "wrapper_equal": bool(torch.equal(stage_transfer(xs[rank], src, dst, name), want))}
+            rec = {
+                "case": case,
+                "dtype": dt,
+                "equal": bool(torch.equal(out, want)),
+                "wrapper_equal": bool(torch.equal(stage_transfer(xs[rank], src, dst, name), want)),
+            }
             if dtype.is_floating_point:
                 xg = xs[rank].double().requires_grad_(True)
                 y = stage_transfer(xg, src, dst, dist.group.WORLD)
@@ -213,8 +256,12 @@ def opposite_issue_orders() -> dict[str, bool]:
     ok_b = torch.equal(bk, ref_m2ms(gs, 0, bmat, b, a, rank, gs[rank]))
     want_pf = acts[rank - 2] if rank in b else torch.zeros(2, 3)
     want_pb = acts[rank + 2] if rank in a else torch.zeros(2, 3)
-    return {"m2ms_fwd": ok_f, "m2ms_bwd": ok_b, "p2p_fwd": torch.equal(pf, want_pf),
-            "p2p_bwd": torch.equal(pb, want_pb)}
+    return {
+        "m2ms_fwd": ok_f,
+        "m2ms_bwd": ok_b,
+        "p2p_fwd": torch.equal(pf, want_pf),
+        "p2p_bwd": torch.equal(pb, want_pb),
+    }
 
 
 def _compiled_fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -244,9 +291,13 @@ def compile_matches_eager() -> dict[str, Any]:
     loss2 = fn(x, w2)
     (g2,) = torch.autograd.grad(loss2, w2)
     graph = counter.graphs[0].code if counter.graphs else ""
-    return {"loss_equal": bool(torch.equal(loss, loss2)), "grad_equal": bool(torch.equal(g, g2)),
-            "frames": counter.frame_count, "has_m2ms": "m2ms_autograd" in graph,
-            "has_stage_transfer": "stage_transfer_autograd" in graph}
+    return {
+        "loss_equal": bool(torch.equal(loss, loss2)),
+        "grad_equal": bool(torch.equal(g, g2)),
+        "frames": counter.frame_count,
+        "has_m2ms": "m2ms_autograd" in graph,
+        "has_stage_transfer": "stage_transfer_autograd" in graph,
+    }
 
 
 def fake_shapes_under_real_group() -> tuple:
@@ -263,7 +314,9 @@ def size_mismatch_raises() -> str:
     """A rank whose x does not have its row's size gets a ValueError before anything is sent."""
     n = dist.get_world_size()
     try:
-        M2MS(torch.zeros(5, 2), 0, [1] * n * n, list(range(n)), list(range(n)), n, dist.group.WORLD.group_name)
+        M2MS(
+            torch.zeros(5, 2), 0, [1] * n * n, list(range(n)), list(range(n)), n, dist.group.WORLD.group_name
+        )
     except ValueError as e:
         return str(e)
     return "no error"

@@ -38,14 +38,17 @@ def simple_fsdp_matches_eager(mode: str) -> dict[str, Any]:
 
     torch._dynamo.reset()
     ref = train_step_outputs(model, inputs, steps=2, lr=0.05, loss_fn=loss)
-    be = commfuse.backend(commfuse.Config(passes=["bucket_collectives", "sink_waits"], inner_compiler="eager",
-                                          strict=True))
+    be = commfuse.backend(
+        commfuse.Config(passes=["bucket_collectives", "sink_waits"], inner_compiler="eager", strict=True)
+    )
     got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=loss)
     assert_close_tree(got, ref, dtype=torch.float32, msg=f"{mode} rank {rank}")
     out: dict[str, Any] = {}
     for r in be.reports:
         for p in r.passes:
             if p.name == "bucket_collectives":
-                out[r.graph] = {"counts": dict(p.counts),
-                                "kinds": {k: t.count for k, t in r.analysis.by_kind.items()} if r.analysis else {}}
+                out[r.graph] = {
+                    "counts": dict(p.counts),
+                    "kinds": {k: t.count for k, t in r.analysis.by_kind.items()} if r.analysis else {},
+                }
     return out

@@ -11,7 +11,13 @@ from typing import Any
 import torch
 
 import commfuse
-from benchmarks.thirdparty import hf_from_pretrained, titan_loss, titan_parallel, titan_parallelize, torchrun_env
+from benchmarks.thirdparty import (
+    hf_from_pretrained,
+    titan_loss,
+    titan_parallel,
+    titan_parallelize,
+    torchrun_env,
+)
 
 
 def _record_step(out: dict[str, Any], key: str, model, loss: torch.Tensor, lr: float) -> None:
@@ -34,8 +40,12 @@ def _summary(out: dict[str, Any], reports, caught) -> dict[str, Any]:
     out["topology"] = sorted({r.topology for r in reports})
     out["wire_bytes"] = _wire_bytes(reports)
     # the step-time gate's verdicts: "<graph>/<pass>" -> [verdict, ...]
-    out["gate"] = {f"{r.graph}/{p.name}": [d for d in p.decisions if "gate" in d] for r in reports for p in r.passes
-                   if any("gate" in d for d in p.decisions)}
+    out["gate"] = {
+        f"{r.graph}/{p.name}": [d for d in p.decisions if "gate" in d]
+        for r in reports
+        for p in r.passes
+        if any("gate" in d for d in p.decisions)
+    }
     out["warnings"] = sorted({str(w.message)[:300] for w in caught if "commfuse" in str(w.message)})
     return out
 
@@ -58,8 +68,9 @@ def _kinds(reports, before: bool = False) -> dict[str, int]:
     return out
 
 
-def hf_trains_like_eager(checkpoint: str, distributed: dict[str, int], shapes: list[tuple[int, int]],
-                         use_setup: bool = False) -> dict[str, Any]:
+def hf_trains_like_eager(
+    checkpoint: str, distributed: dict[str, int], shapes: list[tuple[int, int]], use_setup: bool = False
+) -> dict[str, Any]:
     """A transformers causal LM loaded with ``DistributedConfig(**distributed)`` (its own
     ``tp_plan`` / ``ep_plan``), one SGD step per input shape, eager vs
     ``torch.compile(backend="commfuse")`` (default Config and executor); ``use_setup``:
@@ -88,7 +99,9 @@ def _train_both(ref, model, use_setup: bool, shapes: list[tuple[int, int]]) -> d
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, (b, s) in enumerate(shapes):
-            ids = torch.randint(0, model.config.vocab_size, (b, s), generator=torch.Generator().manual_seed(step))
+            ids = torch.randint(
+                0, model.config.vocab_size, (b, s), generator=torch.Generator().manual_seed(step)
+            )
             for m, fn, key in ((ref, ref, "ref_"), (model, compiled, "")):
                 m.zero_grad(set_to_none=True)
                 loss = fn(input_ids=ids, labels=ids).loss
@@ -100,9 +113,16 @@ def _train_both(ref, model, use_setup: bool, shapes: list[tuple[int, int]]) -> d
 # ---------------------------------------------------------------- torchtitan 0.3.0
 
 
-def titan_trains_like_eager(family: str, degrees: dict[str, int], shapes: list[tuple[int, int]],
-                            ac: str | None = None, n_layers: int = 1, lr: float = 0.1,
-                            backend: str = "commfuse", env_config: str | None = None) -> dict[str, Any]:
+def titan_trains_like_eager(
+    family: str,
+    degrees: dict[str, int],
+    shapes: list[tuple[int, int]],
+    ac: str | None = None,
+    n_layers: int = 1,
+    lr: float = 0.1,
+    backend: str = "commfuse",
+    env_config: str | None = None,
+) -> dict[str, Any]:
     """A torchtitan model parallelised by its own ``parallelize_*`` function (DTensor TP/SP/EP,
     ``spmd_backend="partial_dtensor"`` so the collectives are in the compiled graphs), with
     torchtitan's per-block compile (``CompileConfig(backend="commfuse")``) against the same model

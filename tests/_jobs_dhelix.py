@@ -32,7 +32,11 @@ LLAMA = llama.LlamaConfig(n_layers=4, dim=32, n_heads=4, ffn_dim=64)
 
 
 def _llama(n_layers: int) -> llama.LlamaConfig:
-    return LLAMA if n_layers == LLAMA.n_layers else llama.LlamaConfig(n_layers=n_layers, dim=32, n_heads=4, ffn_dim=64)
+    return (
+        LLAMA
+        if n_layers == LLAMA.n_layers
+        else llama.LlamaConfig(n_layers=n_layers, dim=32, n_heads=4, ffn_dim=64)
+    )
 
 
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -43,8 +47,9 @@ def _moe_loss(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return out[0].float().mean() + 0.01 * out[1]
 
 
-def _setup(layout: str,
-           n_layers: int = 4) -> tuple[Callable[[], torch.nn.Module], Callable[[int], tuple], Callable, dict]:
+def _setup(
+    layout: str, n_layers: int = 4
+) -> tuple[Callable[[], torch.nn.Module], Callable[[int], tuple], Callable, dict]:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     roles = {mesh.get_group().group_name: "tp"}
@@ -61,7 +66,9 @@ def _setup(layout: str,
         return model, batch, _mse, roles
     if layout == "moe":
         # TP attention + EP experts over the same ranks, vocab-parallel head (Chimera's TP+EP model).
-        cfg = moe_tp.MoETPConfig(n_layers=n_layers, dim=32, n_heads=4, num_experts=2 * world, ffn_dim=32, vocab=64)
+        cfg = moe_tp.MoETPConfig(
+            n_layers=n_layers, dim=32, n_heads=4, num_experts=2 * world, ffn_dim=32, vocab=64
+        )
 
         def model() -> torch.nn.Module:
             return moe_tp.parallelize_moe_tp(moe_tp.build_moe_tp(cfg, seed=0), mesh, "tp_ep")
@@ -112,7 +119,9 @@ def dhelix_step_matches_loop(layout: str, microbatches: list[int], n_layers: int
             "peak_sequential": d.get("sequential", {}).get("peak_memory_bytes"),
             "peak_interleaved": d.get("interleaved", {}).get("peak_memory_bytes"),
             "activation_peak": d.get("activation_peak_bytes"),
-            "collectives_issued_async": sum(1 for pl in step.backend.plans for _ in getattr(pl, "collectives", ())),
+            "collectives_issued_async": sum(
+                1 for pl in step.backend.plans for _ in getattr(pl, "collectives", ())
+            ),
         }
     return seen
 
@@ -131,11 +140,18 @@ def step_times(layout: str, microbatches: int, steps: int, n_layers: int = 4) ->
     from commfuse.transforms.registry import DHELIX_PIPELINE
 
     no_interleave = [p for p in DHELIX_PIPELINE if p != "dhelix_interleave"]
-    for kind, dhelix, passes in (("plain", False, None), ("fused", True, no_interleave), ("interleaved", True, None)):
+    for kind, dhelix, passes in (
+        ("plain", False, None),
+        ("fused", True, no_interleave),
+        ("interleaved", True, None),
+    ):
         model = make_model()
         cfg = commfuse.Config(inner_compiler="eager", dhelix=dhelix, passes=passes, group_roles=roles)
-        runs[kind] = {"model": model, "step": compile_train_step(model, loss_fn, microbatches=microbatches, config=cfg),
-                      "times": []}
+        runs[kind] = {
+            "model": model,
+            "step": compile_train_step(model, loss_fn, microbatches=microbatches, config=cfg),
+            "times": [],
+        }
     x, y = batch(0)
     for k in range(steps + 1):
         for r in runs.values():
@@ -149,9 +165,17 @@ def step_times(layout: str, microbatches: int, steps: int, n_layers: int = 4) ->
                 r["times"].append(time.perf_counter() - t)
     out: dict[str, Any] = {}
     for kind, r in runs.items():
-        found = [p for rep in r["step"].reports if rep.graph == "forward" for p in rep.passes
-                 if p.name == "dhelix_interleave"]
-        out[kind] = {"times": r["times"], "loss": r["loss"],
-                     "grads": {n: _local(p.grad) for n, p in r["model"].named_parameters()},
-                     "decision": found[0].decisions[0] if found and found[0].decisions else None}
+        found = [
+            p
+            for rep in r["step"].reports
+            if rep.graph == "forward"
+            for p in rep.passes
+            if p.name == "dhelix_interleave"
+        ]
+        out[kind] = {
+            "times": r["times"],
+            "loss": r["loss"],
+            "grads": {n: _local(p.grad) for n, p in r["model"].named_parameters()},
+            "decision": found[0].decisions[0] if found and found[0].decisions else None,
+        }
     return out

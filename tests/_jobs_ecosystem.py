@@ -46,12 +46,16 @@ def warnings_and_dumps(out_dir: str) -> dict[str, Any]:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            commfuse.optimize(_traced(), commfuse.Config(passes=["test_always_fails"],
-                                                         dump_dir=f"{out_dir}/dumps"))
+            commfuse.optimize(
+                _traced(), commfuse.Config(passes=["test_always_fails"], dump_dir=f"{out_dir}/dumps")
+            )
             commfuse.optimize(_traced(), commfuse.Config(passes=[], dump_dir=str(blocked)))
     finally:
         unregister_pass("test_always_fails")
     dist.barrier()  # both ranks have dumped: the index the last of them wrote lists both
     mine = Path(out_dir) / "dumps" / f"rank{rank}"
-    return {"rank": rank, "warnings": [str(w.message) for w in caught if "commfuse" in str(w.message)],
-            "graphs": sorted(p.name for p in mine.iterdir())}
+    return {
+        "rank": rank,
+        "warnings": [str(w.message) for w in caught if "commfuse" in str(w.message)],
+        "graphs": sorted(p.name for p in mine.iterdir()),
+    }

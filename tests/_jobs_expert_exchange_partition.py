@@ -26,8 +26,9 @@ register_forced_passes()
 PASS = "expert_exchange_partition"
 
 
-def moe_matches_eager(passes: tuple[str, ...] = (PASS,), seq: int = 16, two_nodes: bool = False,
-                      **cfg: Any) -> dict[str, Any]:
+def moe_matches_eager(
+    passes: tuple[str, ...] = (PASS,), seq: int = 16, two_nodes: bool = False, **cfg: Any
+) -> dict[str, Any]:
     """commfuse.models.moe's block (capacity dispatch, experts over the world) trained two SGD
     steps eagerly and compiled with ``passes`` (eager inner compiler, strict); ``two_nodes``: the
     4 ranks declared as 2 nodes x 2 (``commfuse.setup`` creates the sub-groups Algorithm 1's
@@ -55,7 +56,9 @@ def moe_matches_eager(passes: tuple[str, ...] = (PASS,), seq: int = 16, two_node
 
         torch._dynamo.reset()
         ref = train_step_outputs(model, inputs, steps=2, lr=0.05, loss_fn=loss)
-        be = commfuse.backend(commfuse.Config(passes=list(passes), inner_compiler="eager", strict=True, **cfg))
+        be = commfuse.backend(
+            commfuse.Config(passes=list(passes), inner_compiler="eager", strict=True, **cfg)
+        )
         got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=loss)
         assert_close_tree(got, ref, dtype=torch.float32, msg=f"rank {rank}")
     finally:
@@ -65,9 +68,13 @@ def moe_matches_eager(passes: tuple[str, ...] = (PASS,), seq: int = 16, two_node
     for r in be.reports:
         for p in r.passes:
             if p.name in passes:
-                out[r.graph] = {"changed": p.changed, "counts": dict(p.counts), "refusals": list(p.refusals),
-                                "decisions": [d["decision"] for d in p.decisions],
-                                "kinds": {k: t.count for k, t in r.analysis.by_kind.items()} if r.analysis else {}}
+                out[r.graph] = {
+                    "changed": p.changed,
+                    "counts": dict(p.counts),
+                    "refusals": list(p.refusals),
+                    "decisions": [d["decision"] for d in p.decisions],
+                    "kinds": {k: t.count for k, t in r.analysis.by_kind.items()} if r.analysis else {},
+                }
     return out
 
 
@@ -98,6 +105,9 @@ def moe_tp_matches_eager(layout: str, **cfg: Any) -> dict[str, Any]:
     for r in be.reports:
         for p in r.passes:
             if p.name == PASS:
-                out[r.graph] = {"counts": dict(p.counts), "decisions": [d["decision"] for d in p.decisions],
-                                "refusals": list(p.refusals)}
+                out[r.graph] = {
+                    "counts": dict(p.counts),
+                    "decisions": [d["decision"] for d in p.decisions],
+                    "refusals": list(p.refusals),
+                }
     return out

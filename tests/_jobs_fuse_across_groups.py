@@ -88,7 +88,7 @@ def _train_and_record(model, inputs, loss, rank) -> dict[str, Any]:
         for p in r.passes:  # fuse_collectives runs inside chimera in the default pipeline
             for k, v in p.counts.items():  # chimera prefixes its steps' counts with the step
                 if "m2ms_" in k and v:
-                    key = k[k.index("m2ms_"):]
+                    key = k[k.index("m2ms_") :]
                     g["counts"][key] = g["counts"].get(key, 0) + v
         if r.analysis is not None:
             g["kinds"] = sorted(r.analysis.by_kind)

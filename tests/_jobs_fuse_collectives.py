@@ -57,7 +57,9 @@ def same_members_fuse_like_unfused() -> dict[str, Any]:
     for r in be.reports:
         for p in r.passes:
             if p.name == "fuse_collectives":
-                out["graphs"][r.graph] = {"counts": {k: v for k, v in p.counts.items() if v},
-                                          "refusals": list(p.refusals),
-                                          "groups": sorted(r.analysis.by_group) if r.analysis else None}
+                out["graphs"][r.graph] = {
+                    "counts": {k: v for k, v in p.counts.items() if v},
+                    "refusals": list(p.refusals),
+                    "groups": sorted(r.analysis.by_group) if r.analysis else None,
+                }
     return out

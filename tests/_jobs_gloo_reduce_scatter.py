@@ -39,9 +39,12 @@ def _factories(model_name: str, dtype: torch.dtype, grad_reduction: str):
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     if model_name == "mlp":
+
         def model() -> nn.Module:
             torch.manual_seed(0)
-            return simple_fsdp.data_parallel(_MLP().to(dtype), mesh, "fully_shard", grad_reduction=grad_reduction)
+            return simple_fsdp.data_parallel(
+                _MLP().to(dtype), mesh, "fully_shard", grad_reduction=grad_reduction
+            )
 
         def inputs(step: int) -> torch.Tensor:
             g = torch.Generator().manual_seed(100 * step + rank)
@@ -51,11 +54,14 @@ def _factories(model_name: str, dtype: torch.dtype, grad_reduction: str):
     cfg = llama.LlamaConfig(n_layers=1, dim=32, n_heads=4, ffn_dim=64)
 
     def llama_model() -> nn.Module:
-        return simple_fsdp.data_parallel(llama.build_llama(cfg, seed=0).to(dtype), mesh, "fully_shard",
-                                         grad_reduction=grad_reduction)
+        return simple_fsdp.data_parallel(
+            llama.build_llama(cfg, seed=0).to(dtype), mesh, "fully_shard", grad_reduction=grad_reduction
+        )
 
     def llama_inputs(step: int) -> torch.Tensor:
-        return simple_fsdp.make_inputs(cfg, world * 2, 8, rank=rank, world_size=world, seed=step).inputs.to(dtype)
+        return simple_fsdp.make_inputs(cfg, world * 2, 8, rank=rank, world_size=world, seed=step).inputs.to(
+            dtype
+        )
 
     return llama_model, llama_inputs
 
@@ -64,8 +70,13 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
-def simple_fsdp_matches_eager(model_name: str, dtype_name: str, passes: list[str], grad_reduction: str = "mean",
-                              topology_nodes: Optional[int] = None) -> dict[str, Any]:
+def simple_fsdp_matches_eager(
+    model_name: str,
+    dtype_name: str,
+    passes: list[str],
+    grad_reduction: str = "mean",
+    topology_nodes: Optional[int] = None,
+) -> dict[str, Any]:
     """``topology_nodes``: None runs without a topology (the pass's cpu-gloo default); n declares
     ``Topology.preset("cpu-gloo", num_nodes=n)`` (2 ranks per node)."""
     dtype = getattr(torch, dtype_name)
@@ -77,14 +88,16 @@ def simple_fsdp_matches_eager(model_name: str, dtype_name: str, passes: list[str
     got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=_loss)
     # bf16: gloo adds in bf16 hop by hop, the local sum rounds once; reordered over the world's ranks.
     summands = dist.get_world_size() if dtype != torch.float32 else None
-    assert_close_tree(got, ref, dtype=dtype, msg=f"{model_name} {dtype_name} rank {dist.get_rank()}",
-                      summands=summands)
+    assert_close_tree(
+        got, ref, dtype=dtype, msg=f"{model_name} {dtype_name} rank {dist.get_rank()}", summands=summands
+    )
     out: dict[str, Any] = {}
     for r in be.reports:
         for p in r.passes:
             if p.name == PASS:
                 out[r.graph] = {
-                    "counts": dict(p.counts), "refusals": list(p.refusals),
+                    "counts": dict(p.counts),
+                    "refusals": list(p.refusals),
                     "decisions": [dict(d) for d in p.decisions],
                     "kinds": {k: t.count for k, t in r.analysis.by_kind.items()} if r.analysis else {},
                     "order_hash": r.order_hash,
@@ -114,5 +127,7 @@ def inductor_compiles_the_lowering() -> dict[str, Any]:
     with icfg.patch(fx_graph_cache=False), fcfg.patch(enable_autograd_cache=False):
         got = torch.compile(_scatter_program, backend=be)(x, w)
     assert_close_tree(got, ref, dtype=torch.float32, msg=f"rank {dist.get_rank()}")
-    return {"counts": [p.counts for r in be.reports for p in r.passes if p.name == PASS],
-            "kinds": {r.graph: sorted(r.analysis.by_kind) for r in be.reports if r.analysis}}
+    return {
+        "counts": [p.counts for r in be.reports for p in r.passes if p.name == PASS],
+        "kinds": {r.graph: sorted(r.analysis.by_kind) for r in be.reports if r.analysis},
+    }

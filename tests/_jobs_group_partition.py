@@ -24,9 +24,16 @@ from commfuse.reference.numerics import assert_close_tree, train_step_outputs
 # CPU topology (priced as gloo): hop latencies dominate these tiny tensors and the launch
 # is cheap, so the hierarchical sequences are predicted faster than the flat collectives
 # (one inter-node hop fewer per level than a ring over 4 ranks across 2 nodes).
-TOPO_2x2 = Topology(name="test-2x2", num_nodes=2, ranks_per_node=2, intra_node_bandwidth_GBps=100.0,
-                    inter_node_bandwidth_GBps=1.0, intra_node_latency_us=1.0, inter_node_latency_us=5.0,
-                    collective_launch_us=0.1)
+TOPO_2x2 = Topology(
+    name="test-2x2",
+    num_nodes=2,
+    ranks_per_node=2,
+    intra_node_bandwidth_GBps=100.0,
+    inter_node_bandwidth_GBps=1.0,
+    intra_node_latency_us=1.0,
+    inter_node_latency_us=5.0,
+    collective_launch_us=0.1,
+)
 
 
 @contextlib.contextmanager
@@ -48,13 +55,17 @@ def counting_new_group(calls: list) -> Iterator[None]:
 @contextlib.contextmanager
 def no_group_creation() -> Iterator[None]:
     """Any process-group creation raises (compilation must only choose among existing groups)."""
-    saved = {(m, n): getattr(m, n) for m in (dist, c10d) for n in ("new_group", "new_subgroups", "split_group")
-             if hasattr(m, n)}
+    saved = {
+        (m, n): getattr(m, n)
+        for m in (dist, c10d)
+        for n in ("new_group", "new_subgroups", "split_group")
+        if hasattr(m, n)
+    }
 
     def refuse(*args, **kwargs):
         raise AssertionError("a process group was created while compiling / running the compiled program")
 
-    for (m, n) in saved:
+    for m, n in saved:
         setattr(m, n, refuse)
     try:
         yield
@@ -76,9 +87,15 @@ def setup_counts() -> dict:
     from commfuse.ir.graph_ir import _resolve_group
 
     resolved = (_resolve_group(sg.intra_name, None).ranks, _resolve_group(sg.inter_name, None).ranks)
-    out = {"first": first, "second": second, "intra": sg.intra, "inter": sg.inter,
-           "names": (sg.intra_name, sg.inter_name), "resolved": resolved,
-           "same_groups": s.subgroups[(0, 1, 2, 3)].intra_pg is sg.intra_pg}
+    out = {
+        "first": first,
+        "second": second,
+        "intra": sg.intra,
+        "inter": sg.inter,
+        "names": (sg.intra_name, sg.inter_name),
+        "resolved": resolved,
+        "same_groups": s.subgroups[(0, 1, 2, 3)].intra_pg is sg.intra_pg,
+    }
     commfuse.session.reset()
     return out
 
@@ -147,6 +164,7 @@ def _workload(name: str, mesh) -> tuple[Any, Any]:
         def inputs(step):  # this rank's sequence shard: batch 2, 3 positions, dim 8
             return torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(100 * step + rank))
     elif name == "ep":
+
         def model():
             torch.manual_seed(0)
             return _EPBlock()
@@ -174,8 +192,16 @@ def compiled_matches_eager(name: str) -> dict:
     assert_close_tree(got, ref, dtype=torch.float32, msg=f"{name} rank {dist.get_rank()}")
     recs = [(r.graph, p) for r in be.reports for p in r.passes if p.name == "group_partition"]
     groups = sorted({c.group for r in be.reports if r.analysis for c in r.analysis.collectives})
-    kinds = {r.graph: [f"{c.kind}@{c.group}" for c in r.analysis.collectives] for r in be.reports if r.analysis}
+    kinds = {
+        r.graph: [f"{c.kind}@{c.group}" for c in r.analysis.collectives] for r in be.reports if r.analysis
+    }
     commfuse.session.reset()
-    return {"world": dist.group.WORLD.group_name, "created": calls, "counts": {g: p.counts for g, p in recs}, "refusals": [x for _, p in recs for x in p.refusals],
-            "dims": [(d["kind"], d["dim"]) for _, p in recs for d in p.decisions],
-            "groups": groups, "kinds": kinds}
+    return {
+        "world": dist.group.WORLD.group_name,
+        "created": calls,
+        "counts": {g: p.counts for g, p in recs},
+        "refusals": [x for _, p in recs for x in p.refusals],
+        "dims": [(d["kind"], d["dim"]) for _, p in recs for d in p.decisions],
+        "groups": groups,
+        "kinds": kinds,
+    }

@@ -53,9 +53,11 @@ def lowered_matches_functional() -> dict[str, Any]:
         # Bitwise except the coalesced "avg" (functional collectives divide it in another order).
         tol = 1e-6 if i in (8, 9) else 0
         torch.testing.assert_close(g, r, rtol=tol, atol=tol, msg=f"output {i} on rank {rank}")
-    return {"issue_groups": [c.issue_group for c in plans[0].collectives],
-            "recorded": [(c.kind, c.issue_group) for c in rec.collectives],
-            "completed": all(c.end_ns is not None and c.end_ns >= c.issued_ns for c in rec.collectives)}
+    return {
+        "issue_groups": [c.issue_group for c in plans[0].collectives],
+        "recorded": [(c.kind, c.issue_group) for c in rec.collectives],
+        "completed": all(c.end_ns is not None and c.end_ns >= c.issued_ns for c in rec.collectives),
+    }
 
 
 def _gather_beside_compute(x: torch.Tensor, w: torch.Tensor):
@@ -102,7 +104,11 @@ def synchronous_ops_leave_nothing_pending() -> dict[str, Any]:
 
     lowered = lower_graph(gm, build_plan(gm, "forward"))
     outs = [lowered(x) for _ in range(3)]
-    return {"pending": len(lowered.state.pending), "out": outs[-1].tolist(), "eager": _boundary_ops(x).tolist()}
+    return {
+        "pending": len(lowered.state.pending),
+        "out": outs[-1].tolist(),
+        "eager": _boundary_ops(x).tolist(),
+    }
 
 
 def _compute_around_a_reduce(x: torch.Tensor, w: torch.Tensor):
@@ -130,6 +136,7 @@ def regions_fall_back_to_eager() -> dict[str, Any]:
 
         def fails_on_its_first_run(args):
             raise AssertionError("planted: expected size 4==4, stride 1==6 at dim=0")
+
         return fails_on_its_first_run
 
     with warnings.catch_warnings(record=True) as caught:
@@ -141,8 +148,10 @@ def regions_fall_back_to_eager() -> dict[str, Any]:
     for got in (first, second):
         for r, g in zip(ref, got, strict=True):
             torch.testing.assert_close(g, r, rtol=0, atol=0)
-    return {"regions_compiled": len(seen),
-            "warnings": [str(c.message) for c in caught if "commfuse:" in str(c.message)]}
+    return {
+        "regions_compiled": len(seen),
+        "warnings": [str(c.message) for c in caught if "commfuse:" in str(c.message)],
+    }
 
 
 def _tp_mlp_step(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -182,7 +191,10 @@ def a_graph_that_fails_to_lower_falls_back(inner_compiler: str) -> dict[str, Any
         raise RuntimeError("planted: lowering failed")
 
     be = commfuse.backend(inner_compiler=inner_compiler)
-    with mock.patch.object(backend_mod, "lower_runtime", fail), warnings.catch_warnings(record=True) as caught:
+    with (
+        mock.patch.object(backend_mod, "lower_runtime", fail),
+        warnings.catch_warnings(record=True) as caught,
+    ):
         warnings.simplefilter("always")
         got = run(torch.compile(_tp_mlp_step, backend=be, fullgraph=True))
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)

@@ -38,8 +38,9 @@ def moe_block_on_2x2_mesh(style: str, layout: str, seq: int = SEQ, **config: Any
     ep_index = mesh.get_coordinate()[0]
     sp = layout == "sp_ep_sp"
     # 4 experts, 2 per EP rank; GShard capacity that cannot bind (every token fits its expert)
-    cfg = ms.MoEStyleConfig(style=style, dim=DIM, num_experts=4, ffn_dim=16, top_k=2, capacity_factor=4.0,
-                            n_heads=2)
+    cfg = ms.MoEStyleConfig(
+        style=style, dim=DIM, num_experts=4, ffn_dim=16, top_k=2, capacity_factor=4.0, n_heads=2
+    )
 
     def model():
         return ms.parallelize_moe_style_tp(ms.build_moe_style_tp(cfg), mesh["tp"], layout, ep_mesh=mesh["ep"])
@@ -60,7 +61,9 @@ def moe_block_on_2x2_mesh(style: str, layout: str, seq: int = SEQ, **config: Any
         torch._dynamo.reset()
         session.reset()
     dims = {mesh.get_group(d).group_name: d for d in ("ep", "tp")}
-    out["recorded_sent"] = {f"{kind}@{dims.get(group, group)}": n for (kind, group), n in out["recorded_sent"].items()}
+    out["recorded_sent"] = {
+        f"{kind}@{dims.get(group, group)}": n for (kind, group), n in out["recorded_sent"].items()
+    }
     return out
 
 
@@ -82,7 +85,9 @@ def _train_and_record(model, inputs, rank, what, config) -> dict[str, Any]:
     got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=_loss)
     assert_close_tree(got, ref, dtype=torch.float32, msg=f"{what} rank {rank}")
     torch._dynamo.reset()
-    compiled = torch.compile(model(), backend=commfuse.backend(commfuse.Config(inner_compiler="eager", **config)))
+    compiled = torch.compile(
+        model(), backend=commfuse.backend(commfuse.Config(inner_compiler="eager", **config))
+    )
     _loss(compiled(inputs(0))).backward()  # compile outside the recording
     with commfuse.record() as rec:
         _loss(compiled(inputs(1))).backward()
@@ -102,6 +107,8 @@ def _train_and_record(model, inputs, rank, what, config) -> dict[str, Any]:
         g["before"] = dict(sorted(r.input_kinds.items()))
         g["after"] = dict(sorted(r.output_kinds.items()))
         g["wire"] = (r.input_wire_bytes, r.output_wire_bytes)
-        g["collectives"] = [(c.kind, c.group_ranks, c.input_shapes, c.wire_bytes)
-                            for c in (r.analysis.collectives if r.analysis is not None else [])]
+        g["collectives"] = [
+            (c.kind, c.group_ranks, c.input_shapes, c.wire_bytes)
+            for c in (r.analysis.collectives if r.analysis is not None else [])
+        ]
     return out

@@ -27,7 +27,9 @@ def style_matches_eager(style: str, dtype_name: str, layout: str = "ep", steps: 
     group = mesh.get_group()
     if layout == "ep":
         # capacity 1.0 binds (drops happen): recognition must keep the same drops
-        cfg = ms.MoEStyleConfig(style=style, dim=16, num_experts=2 * world, ffn_dim=32, top_k=2, capacity_factor=1.0)
+        cfg = ms.MoEStyleConfig(
+            style=style, dim=16, num_experts=2 * world, ffn_dim=32, top_k=2, capacity_factor=1.0
+        )
 
         def model():
             return ms.build_moe_style(cfg).to(dtype).expert_parallel(group)
@@ -38,8 +40,9 @@ def style_matches_eager(style: str, dtype_name: str, layout: str = "ep", steps: 
 
         config = commfuse.Config(inner_compiler="eager", strict=True, moe_recognition="always")
     else:
-        cfg = ms.MoEStyleConfig(style=style, dim=32, num_experts=2 * world, ffn_dim=32, top_k=2,
-                                capacity_factor=float(world))  # gshard: capacity that cannot bind
+        cfg = ms.MoEStyleConfig(
+            style=style, dim=32, num_experts=2 * world, ffn_dim=32, top_k=2, capacity_factor=float(world)
+        )  # gshard: capacity that cannot bind
 
         def model():
             return ms.parallelize_moe_style_tp(ms.build_moe_style_tp(cfg).to(dtype), mesh, layout)
@@ -56,14 +59,18 @@ def style_matches_eager(style: str, dtype_name: str, layout: str = "ep", steps: 
         got = train_step_outputs(model, inputs, backend=be, steps=steps, lr=0.05, loss_fn=_loss)
         torch._dynamo.reset()
     summands = world if dtype != torch.float32 else None
-    assert_close_tree(got, ref, dtype=dtype, msg=f"{style} {layout} {dtype_name} rank {rank}", summands=summands)
+    assert_close_tree(
+        got, ref, dtype=dtype, msg=f"{style} {layout} {dtype_name} rank {rank}", summands=summands
+    )
     counts: dict[str, int] = {}
     for r in be.dynamo_reports + be.reports:
         for p in r.passes:
             for k, v in p.counts.items():
                 counts[f"{r.graph}:{p.name}.{k}"] = counts.get(f"{r.graph}:{p.name}.{k}", 0) + v
-    return {"counts": counts,
-            "refusals": [x for r in be.dynamo_reports + be.reports for p in r.passes for x in p.refusals]}
+    return {
+        "counts": counts,
+        "refusals": [x for r in be.dynamo_reports + be.reports for p in r.passes for x in p.refusals],
+    }
 
 
 def _counts_and_refusals(be) -> dict:
@@ -74,8 +81,12 @@ def _counts_and_refusals(be) -> dict:
                 counts[f"{r.graph}:{p.name}.{k}"] = counts.get(f"{r.graph}:{p.name}.{k}", 0) + v
     wire = {r.graph: (r.input_wire_bytes, r.output_wire_bytes) for r in be.reports}
     kinds = {r.graph: (r.input_kinds, r.output_kinds) for r in be.reports}
-    return {"counts": counts, "wire": wire, "kinds": kinds,
-            "refusals": [x for r in be.dynamo_reports + be.reports for p in r.passes for x in p.refusals]}
+    return {
+        "counts": counts,
+        "wire": wire,
+        "kinds": kinds,
+        "refusals": [x for r in be.dynamo_reports + be.reports for p in r.passes for x in p.refusals],
+    }
 
 
 def user_style_matches_eager(style: str, layout: str, steps: int = 2) -> dict:
@@ -109,8 +120,13 @@ def user_style_matches_eager(style: str, layout: str, steps: int = 2) -> dict:
         return out[0].pow(2).mean() + 0.1 * out[1] if isinstance(out, tuple) else out.pow(2).mean()
 
     # the rewrites themselves are under test: at this size the step-time gate would keep the unrewritten graph
-    config = commfuse.Config(inner_compiler="eager", strict=True, moe_recognition="auto" if sp else "always",
-                             group_roles={group: "tp"} if sp else {}, step_time_gate=False)
+    config = commfuse.Config(
+        inner_compiler="eager",
+        strict=True,
+        moe_recognition="auto" if sp else "always",
+        group_roles={group: "tp"} if sp else {},
+        step_time_gate=False,
+    )
     with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
         torch._dynamo.reset()
         ref = train_step_outputs(model, inputs, steps=steps, lr=0.05, loss_fn=loss)

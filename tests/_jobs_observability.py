@@ -49,11 +49,17 @@ def traced_profiled_step(trace_dir: str) -> dict[str, Any]:
     with open(path) as f:
         kineto = json.load(f)
     os.remove(path)
-    events = [(e["name"], float(e["ts"]), float(e.get("dur", 0))) for e in kineto["traceEvents"]
-              if str(e.get("name", "")).startswith("commfuse::") and e.get("ph") == "X"]
-    return {"rank": dist.get_rank(),
-            "labels": [c.label() for p in be.plans for c in p.collectives],
-            "graphs": [r.graph for r in be.reports],
-            "changed": {r.graph: [p.name for p in r.passes if p.changed] for r in be.reports},
-            "events": events, "base_ns": kineto.get("baseTimeNanoseconds"),
-            "recorder": rec.chrome_trace()}
+    events = [
+        (e["name"], float(e["ts"]), float(e.get("dur", 0)))
+        for e in kineto["traceEvents"]
+        if str(e.get("name", "")).startswith("commfuse::") and e.get("ph") == "X"
+    ]
+    return {
+        "rank": dist.get_rank(),
+        "labels": [c.label() for p in be.plans for c in p.collectives],
+        "graphs": [r.graph for r in be.reports],
+        "changed": {r.graph: [p.name for p in r.passes if p.changed] for r in be.reports},
+        "events": events,
+        "base_ns": kineto.get("baseTimeNanoseconds"),
+        "recorder": rec.chrome_trace(),
+    }

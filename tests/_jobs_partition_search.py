@@ -14,8 +14,9 @@ from commfuse.reference.numerics import assert_close_tree, train_step_outputs
 
 def small_gpu_topology(**overrides) -> Topology:
     """Two "nodes" of two ranks priced like DGX-H100 links: the 4 gloo ranks of a test."""
-    return Topology(**{**PRESETS["dgx-h100"], "name": "dgx-h100-2x2", "num_nodes": 2, "ranks_per_node": 2,
-                       **overrides})
+    return Topology(
+        **{**PRESETS["dgx-h100"], "name": "dgx-h100-2x2", "num_nodes": 2, "ranks_per_node": 2, **overrides}
+    )
 
 
 def partition_search_matches_eager() -> dict:
@@ -41,12 +42,20 @@ def partition_search_matches_eager() -> dict:
 
         torch._dynamo.reset()
         ref = train_step_outputs(model, inputs, steps=2, lr=0.05, loss_fn=loss)
-        be = commfuse.backend(commfuse.Config(passes=["centauri_partition", "sink_waits"], inner_compiler="eager",
-                                              strict=True, topology=topo))
+        be = commfuse.backend(
+            commfuse.Config(
+                passes=["centauri_partition", "sink_waits"],
+                inner_compiler="eager",
+                strict=True,
+                topology=topo,
+            )
+        )
         got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=loss)
         assert_close_tree(got, ref, dtype=torch.float32, msg=f"partition search rank {rank}")
         searches = [p for r in be.reports for p in r.passes if p.name == "centauri_partition"]
-        return {"changed": any(p.changed for p in searches),
-                "schemes": [f"{d['collective']}={d['scheme']}" for p in searches for d in p.decisions]}
+        return {
+            "changed": any(p.changed for p in searches),
+            "schemes": [f"{d['collective']}={d['scheme']}" for p in searches for d in p.decisions],
+        }
     finally:
         commfuse.session.reset()

@@ -60,15 +60,20 @@ def simple_fsdp_mlp_matches_eager(mode: str, grad_reduction: str = "mean", steps
     ref = train_step_outputs(model, inputs, steps=steps, lr=0.1, loss_fn=_loss)
     be = commfuse.backend(commfuse.Config(passes=[FORCED], inner_compiler="eager", strict=True))
     got = train_step_outputs(model, inputs, backend=be, steps=steps, lr=0.1, loss_fn=_loss)
-    assert_close_tree(got, ref, dtype=torch.float32, msg=f"{mode} rank {dist.get_rank()}",
-                      summands=dist.get_world_size())
+    assert_close_tree(
+        got, ref, dtype=torch.float32, msg=f"{mode} rank {dist.get_rank()}", summands=dist.get_world_size()
+    )
     return {
-        "kinds": {r.graph: {k: v.count for k, v in r.analysis.by_kind.items()}
-                  for r in be.reports if r.analysis},
+        "kinds": {
+            r.graph: {k: v.count for k, v in r.analysis.by_kind.items()} for r in be.reports if r.analysis
+        },
         "counts": [p.counts for r in be.reports for p in r.passes if p.name == FORCED],
         "refusals": [x for r in be.reports for p in r.passes if p.name == FORCED for x in p.refusals],
-        "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got["grads"].values(), ref["grads"].values(), strict=True)
-                            if a is not None),
+        "max_abs_diff": max(
+            float((a - b).abs().max())
+            for a, b in zip(got["grads"].values(), ref["grads"].values(), strict=True)
+            if a is not None
+        ),
     }
 
 

@@ -30,8 +30,14 @@ def _loss(name: str, out: Any) -> torch.Tensor:
     return out.float().mean() if isinstance(out, torch.Tensor) else sum(o.float().mean() for o in out)
 
 
-def record_example(name: str, out_dir: str, steps: int = 2, predict: bool = False,
-                   svg_max_nodes: int = 1, profile: str | None = None) -> dict[str, Any]:
+def record_example(
+    name: str,
+    out_dir: str,
+    steps: int = 2,
+    predict: bool = False,
+    svg_max_nodes: int = 1,
+    profile: str | None = None,
+) -> dict[str, Any]:
     """Compile example `name` (every rank given ``out_dir/dumps``, which commfuse splits into
     ``rank<r>/``), run one warm-up step, then `steps` SGD steps recorded into ``out_dir/record``.
     Also validates in memory on this rank (recorder + backend). ``profile``: cost profile for the predicted timelines."""
@@ -40,8 +46,15 @@ def record_example(name: str, out_dir: str, steps: int = 2, predict: bool = Fals
     model_factory, inputs = _example(name, torch.float32)
     torch._dynamo.reset()
     # svg_max_nodes=1: condensed pictures only (Graphviz on full graphs costs seconds per dump).
-    be = commfuse.backend(example_config(name, inner_compiler="eager", strict=True, svg_max_nodes=svg_max_nodes,
-                                         dump_dir=f"{out_dir}/dumps"))  # each rank writes dumps/rank<r>/
+    be = commfuse.backend(
+        example_config(
+            name,
+            inner_compiler="eager",
+            strict=True,
+            svg_max_nodes=svg_max_nodes,
+            dump_dir=f"{out_dir}/dumps",
+        )
+    )  # each rank writes dumps/rank<r>/
     model = model_factory()
     compiled = torch.compile(model, backend=be)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -61,10 +74,16 @@ def record_example(name: str, out_dir: str, steps: int = 2, predict: bool = Fals
             step(i)
     mem = validate_run(rec, be, profile=profile)
     planned_calls = [c for c in rec.collectives if c.graph != KERNEL_GRAPH]  # not the MoE op's own exchanges
-    return {"rank": rank, "calls": len(planned_calls), "kernel_calls": len(rec.collectives) - len(planned_calls),
-            "in_memory_mismatches": [m.describe() for m in mem.mismatches],
-            "in_memory_checks": len(mem.checks), "losses": losses, "seconds": time.perf_counter() - t0,
-            "planned": sum(len(p.collectives) for p in be.plans)}
+    return {
+        "rank": rank,
+        "calls": len(planned_calls),
+        "kernel_calls": len(rec.collectives) - len(planned_calls),
+        "in_memory_mismatches": [m.describe() for m in mem.mismatches],
+        "in_memory_checks": len(mem.checks),
+        "losses": losses,
+        "seconds": time.perf_counter() - t0,
+        "planned": sum(len(p.collectives) for p in be.plans),
+    }
 
 
 class _Null:

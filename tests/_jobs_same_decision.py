@@ -57,8 +57,13 @@ def uneven_batches_train_like_eager(dynamic: Optional[bool]) -> dict[str, Any]:
     ref = train_step_outputs(model, inputs, steps=steps, lr=0.05, loss_fn=loss)
     # The net of commfuse/agreement.py off: the collectives must match by construction.
     be = commfuse.backend(commfuse.Config(inner_compiler="eager", check_agreement=False))
-    patch = ({"automatic_dynamic_shapes": False} if dynamic is False
-             else {"assume_static_by_default": False} if dynamic else {})
+    patch = (
+        {"automatic_dynamic_shapes": False}
+        if dynamic is False
+        else {"assume_static_by_default": False}
+        if dynamic
+        else {}
+    )
     with torch._dynamo.config.patch(**patch):
         got = train_step_outputs(model, inputs, backend=be, steps=steps, lr=0.05, loss_fn=loss)
     for key in ("loss", "grads"):
@@ -67,8 +72,9 @@ def uneven_batches_train_like_eager(dynamic: Optional[bool]) -> dict[str, Any]:
     lowered = 0
     for r in be.reports:
         assert r.analysis is not None
-        seq = [(c.kind, c.reduce_op, c.dtype, [str(s) for s in c.input_shapes])
-               for c in r.analysis.collectives]
+        seq = [
+            (c.kind, c.reduce_op, c.dtype, [str(s) for s in c.input_shapes]) for c in r.analysis.collectives
+        ]
         if seq not in sequences.setdefault(r.graph, []):
             sequences[r.graph].append(seq)
         lowered += sum(p.counts.get("lowered", 0) for p in r.passes if p.name == "gloo_reduce_scatter")

@@ -31,5 +31,7 @@ def scheduled_fsdp_matches_eager() -> dict:
     got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05)
     assert_bitwise_equal_tree(got, ref, msg=f"schedule_overlap rank {rank}")
     recs = [p for r in be.reports for p in r.passes if p.name == "schedule_overlap"]
-    return {"changed": any(p.changed for p in recs),
-            "orders": [d.get("kept") for p in recs for d in p.decisions]}
+    return {
+        "changed": any(p.changed for p in recs),
+        "orders": [d.get("kept") for p in recs for d in p.decisions],
+    }

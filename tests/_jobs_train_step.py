@@ -34,8 +34,11 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out.float() - target).pow(2).mean()
 
 
-def _setup(layout: str) -> tuple[Callable[[], torch.nn.Module], Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                                 commfuse.Config]:
+def _setup(
+    layout: str,
+) -> tuple[
+    Callable[[], torch.nn.Module], Callable[[int], tuple[torch.Tensor, torch.Tensor]], commfuse.Config
+]:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,))
     if layout in ("simple_fsdp", "ddp"):
@@ -50,6 +53,7 @@ def _setup(layout: str) -> tuple[Callable[[], torch.nn.Module], Callable[[int], 
 
         cfg = commfuse.Config(inner_compiler="eager", strict=True)
     elif layout == "tp_sp":
+
         def model() -> torch.nn.Module:
             return llama.parallelize_llama(llama.build_llama(CFG, seed=0), mesh, sequence_parallel=True)
 
@@ -58,8 +62,9 @@ def _setup(layout: str) -> tuple[Callable[[], torch.nn.Module], Callable[[int], 
             return b.inputs, b.target  # this rank's sequence shard of every sample
 
         # TP groups are declared, as a user would with commfuse.setup(mesh=...).
-        cfg = commfuse.Config(inner_compiler="eager", strict=True,
-                              group_roles={mesh.get_group().group_name: "tp"})
+        cfg = commfuse.Config(
+            inner_compiler="eager", strict=True, group_roles={mesh.get_group().group_name: "tp"}
+        )
     else:
         raise ValueError(layout)
     return model, batch, cfg
@@ -73,8 +78,10 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _state(model: torch.nn.Module) -> dict[str, Any]:
-    return {"grads": {n: _local(p.grad) for n, p in model.named_parameters()},
-            "params": {n: _local(p) for n, p in model.named_parameters()}}
+    return {
+        "grads": {n: _local(p.grad) for n, p in model.named_parameters()},
+        "params": {n: _local(p) for n, p in model.named_parameters()},
+    }
 
 
 def _plain_loop(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> torch.Tensor:
@@ -119,8 +126,9 @@ def train_step_matches_loop(layout: str, microbatches: list[int]) -> dict[str, A
         if m == 1:
             full_batch_grads = got["grads0"]
         elif full_batch_grads is not None:
-            assert_close_tree(got["grads0"], full_batch_grads, dtype=torch.float32,
-                              msg=f"{where}, microbatches={m} vs 1")
+            assert_close_tree(
+                got["grads0"], full_batch_grads, dtype=torch.float32, msg=f"{where}, microbatches={m} vs 1"
+            )
         joint = [r for r in step.reports if r.graph == "joint"]
         seen[m] = {
             "graph_count": step.graph_count,

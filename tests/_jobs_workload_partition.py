@@ -45,11 +45,11 @@ class _TPGatherMLP(nn.Module):
         super().__init__()
         n, r = dist.get_world_size(), dist.get_rank()
         gen = torch.Generator().manual_seed(0)
-        w1 = torch.randn(dim, hidden, generator=gen) / dim ** 0.5
-        w2 = torch.randn(hidden, dim, generator=gen) / hidden ** 0.5
+        w1 = torch.randn(dim, hidden, generator=gen) / dim**0.5
+        w2 = torch.randn(hidden, dim, generator=gen) / hidden**0.5
         cols = hidden // n
-        self.w1 = nn.Parameter(w1[:, r * cols:(r + 1) * cols].clone())
-        self.w2 = nn.Parameter(w2[r * cols:(r + 1) * cols].clone())
+        self.w1 = nn.Parameter(w1[:, r * cols : (r + 1) * cols].clone())
+        self.w2 = nn.Parameter(w2[r * cols : (r + 1) * cols].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = dist.group.WORLD
@@ -63,8 +63,12 @@ def _summary(be: commfuse.CommfuseBackend) -> dict[str, Any]:
     for r in be.reports:
         for p in r.passes:
             if p.name == "workload_partition":
-                out[r.graph] = {"changed": p.changed, "counts": dict(p.counts), "refusals": list(p.refusals),
-                                "kinds": {k: t.count for k, t in r.analysis.by_kind.items()} if r.analysis else {}}
+                out[r.graph] = {
+                    "changed": p.changed,
+                    "counts": dict(p.counts),
+                    "refusals": list(p.refusals),
+                    "kinds": {k: t.count for k, t in r.analysis.by_kind.items()} if r.analysis else {},
+                }
     return out
 
 
@@ -142,7 +146,14 @@ def uneven_chunks_match_eager(case: str) -> dict[str, Any]:
         be = commfuse.backend(cfg)
         got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=_mean)
         assert_close_tree(got, ref, dtype=torch.float32, msg=f"uneven chunks rank {rank}")
-        return {r.graph: [{k: d[k] for k in ("kind", "scheme", "chunk_sizes")} for p in r.passes if p.name == name
-                          for d in p.decisions] for r in be.reports}
+        return {
+            r.graph: [
+                {k: d[k] for k in ("kind", "scheme", "chunk_sizes")}
+                for p in r.passes
+                if p.name == name
+                for d in p.decisions
+            ]
+            for r in be.reports
+        }
     finally:
         commfuse.session.reset()

@@ -35,18 +35,23 @@ def _example(name: str, dtype: torch.dtype) -> tuple[Callable[[], torch.nn.Modul
         cfg = llama.LlamaConfig(n_layers=2, dim=32, n_heads=4, ffn_dim=64, vocab=64)
 
         def model():
-            return llama.parallelize_llama(llama.build_llama(cfg, seed=0).to(dtype), mesh, sequence_parallel=False)
+            return llama.parallelize_llama(
+                llama.build_llama(cfg, seed=0).to(dtype), mesh, sequence_parallel=False
+            )
 
         def inputs(step):
-            return llama.make_inputs(cfg, 2, 8, rank=rank, world_size=world, sequence_parallel=False,
-                                     seed=step).inputs
+            return llama.make_inputs(
+                cfg, 2, 8, rank=rank, world_size=world, sequence_parallel=False, seed=step
+            ).inputs
     elif name == "llama_tp_sp":
         from commfuse.models import llama
 
         cfg = llama.LlamaConfig(n_layers=1, dim=32, n_heads=4, ffn_dim=64)
 
         def model():
-            return llama.parallelize_llama(llama.build_llama(cfg, seed=0).to(dtype), mesh, sequence_parallel=True)
+            return llama.parallelize_llama(
+                llama.build_llama(cfg, seed=0).to(dtype), mesh, sequence_parallel=True
+            )
 
         def inputs(step):
             return llama.make_inputs(cfg, 2, 8, rank=rank, world_size=world, seed=step).inputs.to(dtype)
@@ -54,7 +59,9 @@ def _example(name: str, dtype: torch.dtype) -> tuple[Callable[[], torch.nn.Modul
         from commfuse.models import moe
 
         def model():
-            return moe.parallelize_moe(moe.build_moe(dim=16, num_experts=world * 2, ffn_dim=32, seed=0).to(dtype), mesh)
+            return moe.parallelize_moe(
+                moe.build_moe(dim=16, num_experts=world * 2, ffn_dim=32, seed=0).to(dtype), mesh
+            )
 
         def inputs(step):
             return moe.make_inputs(world * 2, 4, 16, rank=rank, world_size=world, seed=step).inputs.to(dtype)
@@ -66,9 +73,16 @@ def _example(name: str, dtype: torch.dtype) -> tuple[Callable[[], torch.nn.Modul
         capacity = name.endswith("_capacity")
         # Capacity that can drop tokens, made exact on shards by token groups = world
         # (batch 1 so a sequence shard is a run of whole groups).
-        cfg = moe_tp.MoETPConfig(n_layers=2 if layout == "tp_ep" else 1, dim=32, n_heads=4, num_experts=2 * world,
-                                 ffn_dim=32, capacity_factor=1.0 if capacity else 0.0,
-                                 token_groups=world if capacity else 1, vocab=64 if layout == "tp_ep" else None)
+        cfg = moe_tp.MoETPConfig(
+            n_layers=2 if layout == "tp_ep" else 1,
+            dim=32,
+            n_heads=4,
+            num_experts=2 * world,
+            ffn_dim=32,
+            capacity_factor=1.0 if capacity else 0.0,
+            token_groups=world if capacity else 1,
+            vocab=64 if layout == "tp_ep" else None,
+        )
         batch = 1 if capacity else 2
 
         def model():
@@ -88,7 +102,9 @@ def _example(name: str, dtype: torch.dtype) -> tuple[Callable[[], torch.nn.Modul
             return simple_fsdp.data_parallel(llama.build_llama(cfg, seed=0).to(dtype), mesh, "fully_shard")
 
         def inputs(step):
-            return simple_fsdp.make_inputs(cfg, world * 2, 8, rank=rank, world_size=world, seed=step).inputs.to(dtype)
+            return simple_fsdp.make_inputs(
+                cfg, world * 2, 8, rank=rank, world_size=world, seed=step
+            ).inputs.to(dtype)
     else:
         raise ValueError(name)
     return model, inputs
@@ -108,8 +124,9 @@ LOSSES: dict[str, Callable[[Any], torch.Tensor]] = {
 }
 
 
-def compiled_matches_eager(name: str, dtype_name: str, inner: str = "eager", steps: int = 2,
-                           passes: list[str] | None = None) -> dict:
+def compiled_matches_eager(
+    name: str, dtype_name: str, inner: str = "eager", steps: int = 2, passes: list[str] | None = None
+) -> dict:
     """Train `steps` SGD steps eagerly and with backend=commfuse; assert outputs, grads, params close."""
     dtype = getattr(torch, dtype_name)
     model, inputs = _example(name, dtype)
@@ -124,15 +141,23 @@ def compiled_matches_eager(name: str, dtype_name: str, inner: str = "eager", ste
     # of all_reduce, token shards), and the router amplifies those roundings; widen atol for
     # reductions over the world's ranks as the tolerance policy defines it.
     summands = dist.get_world_size() if name.startswith("moe_") and dtype != torch.float32 else None
-    assert_close_tree(got, ref, dtype=dtype, msg=f"{name} {dtype_name} rank {dist.get_rank()}", summands=summands)
+    assert_close_tree(
+        got, ref, dtype=dtype, msg=f"{name} {dtype_name} rank {dist.get_rank()}", summands=summands
+    )
     kinds = sorted({k for r in be.reports if r.analysis for k in r.analysis.by_kind})
     wire = {r.graph: r.analysis.total.wire_bytes for r in be.reports if r.analysis}
-    return {"kinds": kinds, "wire": wire, "passes": [p.model_dump() for r in be.reports for p in r.passes],
-            "wire_before_after": [(r.graph, r.input_wire_bytes, r.output_wire_bytes) for r in be.reports],
-            "graphs": [r.graph for r in be.reports], "state_dict": _state_dict_meta(model, inputs),
-            "planned": [[c.kind for c in p.collectives] for p in be.plans], "steps": steps,
-            "recorded": [c.kind for c in rec.collectives],
-            "completed": all(c.end_ns is not None and c.end_ns >= c.issued_ns for c in rec.collectives)}
+    return {
+        "kinds": kinds,
+        "wire": wire,
+        "passes": [p.model_dump() for r in be.reports for p in r.passes],
+        "wire_before_after": [(r.graph, r.input_wire_bytes, r.output_wire_bytes) for r in be.reports],
+        "graphs": [r.graph for r in be.reports],
+        "state_dict": _state_dict_meta(model, inputs),
+        "planned": [[c.kind for c in p.collectives] for p in be.plans],
+        "steps": steps,
+        "recorded": [c.kind for c in rec.collectives],
+        "completed": all(c.end_ns is not None and c.end_ns >= c.issued_ns for c in rec.collectives),
+    }
 
 
 def _state_dict_meta(model_factory, inputs) -> list:
@@ -196,7 +221,9 @@ def checkpointed_model_matches_eager(selective: bool) -> bool:
     got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05)
     assert_close_tree(got, ref, dtype=torch.float32, msg=f"checkpoint selective={selective} rank {rank}")
     ran = [p.name for r in be.reports for p in r.passes]
-    assert "sink_waits" in ran, [r.model_dump(include={"graph", "skipped_reason", "input_problems"}) for r in be.reports]
+    assert "sink_waits" in ran, [
+        r.model_dump(include={"graph", "skipped_reason", "input_problems"}) for r in be.reports
+    ]
     return True
 
 
@@ -246,9 +273,14 @@ def moe_op_matches_unsharded(capacity_factor: float, top_k: int) -> float:
     x2 = x.detach().clone().requires_grad_()
     (x2_grad,) = torch.autograd.grad((full(x2)[0] * up).sum(), [x2])
     experts = slice(r * 2, r * 2 + 2)
-    pairs = [(got, out[mine]), (xl.grad, x2_grad[mine]), (ep.w1.grad, full.w1.grad[experts]),
-             (ep.w3.grad, full.w3.grad[experts]), (ep.w2.grad, full.w2.grad[experts]),
-             *zip(glob, ref_stats, strict=True)]
+    pairs = [
+        (got, out[mine]),
+        (xl.grad, x2_grad[mine]),
+        (ep.w1.grad, full.w1.grad[experts]),
+        (ep.w3.grad, full.w3.grad[experts]),
+        (ep.w2.grad, full.w2.grad[experts]),
+        *zip(glob, ref_stats, strict=True),
+    ]
     worst = 0.0
     for a, b in pairs:
         torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-5)
@@ -264,7 +296,9 @@ def moe_regroup_matches_grouped_reference() -> dict:
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
-    base = dict(n_layers=1, dim=32, n_heads=4, num_experts=2 * world, ffn_dim=32, capacity_factor=1.0, vocab=64)
+    base = dict(
+        n_layers=1, dim=32, n_heads=4, num_experts=2 * world, ffn_dim=32, capacity_factor=1.0, vocab=64
+    )
 
     def model(groups):
         cfg = moe_tp.MoETPConfig(token_groups=groups, **base)
@@ -278,13 +312,16 @@ def moe_regroup_matches_grouped_reference() -> dict:
     results = {}
     for regroup in (False, True):
         torch._dynamo.reset()
-        be = commfuse.backend(example_config("moe_tp_ep", inner_compiler="eager", strict=True,
-                                             moe_capacity_regroup=regroup))
+        be = commfuse.backend(
+            example_config("moe_tp_ep", inner_compiler="eager", strict=True, moe_capacity_regroup=regroup)
+        )
         got = train_step_outputs(model(1), inputs, backend=be, steps=1, lr=0.05, loss_fn=_moe_tp_loss)
         joint = [r for r in be.reports if r.graph == "joint"][0]
         sharded = [e for e in joint.analysis.embedded if e.what == "dispatch" and not e.backward]
-        results[regroup] = {"dispatch_bytes": [e.logged_bytes for e in sharded],
-                            "refusals": [x for p in joint.passes for x in p.refusals]}
+        results[regroup] = {
+            "dispatch_bytes": [e.logged_bytes for e in sharded],
+            "refusals": [x for p in joint.passes for x in p.refusals],
+        }
         if regroup:
             assert_close_tree(got, ref, dtype=torch.float32, msg=f"regroup rank {dist.get_rank()}")
     return results

@@ -59,9 +59,20 @@ def _init(module: nn.Module, seed: int, router: nn.Parameter) -> None:
 
 
 class EinsumCapacityMoE(_Parallel):
-    def __init__(self, hidden: int, num_experts: int, ffn: int, top_k: int, capacity: int, *,
-                 group: Optional[str] = None, ranks: int = 1, rank: int = 0, sp: bool = False,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        ffn: int,
+        top_k: int,
+        capacity: int,
+        *,
+        group: Optional[str] = None,
+        ranks: int = 1,
+        rank: int = 0,
+        sp: bool = False,
+        seed: int = 0,
+    ) -> None:
         super().__init__(num_experts, group, ranks, rank, sp)
         self.top_k, self.capacity = top_k, capacity
         self.wg = nn.Parameter(torch.empty(num_experts, hidden))
@@ -71,7 +82,9 @@ class EinsumCapacityMoE(_Parallel):
         self.wo = nn.Parameter(torch.empty(self.local, ffn, hidden))
         _init(self, seed + rank, self.wg)
         with torch.no_grad():  # the router is replicated
-            self.wg.copy_(torch.randn(self.wg.shape, generator=torch.Generator().manual_seed(seed)) * 4 / hidden ** .5)
+            self.wg.copy_(
+                torch.randn(self.wg.shape, generator=torch.Generator().manual_seed(seed)) * 4 / hidden**0.5
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self._gather(x)
@@ -89,8 +102,12 @@ class EinsumCapacityMoE(_Parallel):
             filled = filled + mask.sum(0)
             slot = pos.sum(-1)  # [T]
             keep = (slot < c).float()
-            combine = combine + (top_p[:, j] * keep)[:, None, None] * mask[:, :, None].float() \
+            combine = (
+                combine
+                + (top_p[:, j] * keep)[:, None, None]
+                * mask[:, :, None].float()
                 * F.one_hot(slot.clamp(max=c - 1), c)[:, None, :].float()
+            )
         dispatch = (combine > 0).to(x.dtype)
         expert_in = torch.einsum("tec,th->ech", dispatch, tok)
         expert_out = self._experts(expert_in)
@@ -104,7 +121,9 @@ class EinsumCapacityMoE(_Parallel):
         if self.group is not None:
             expert_in = funcol.all_to_all_single_autograd(expert_in.reshape(e * c, h), None, None, self.group)
         rows = expert_in.reshape(n, local, c, h).permute(1, 0, 2, 3).reshape(local, n * c, h)
-        act = F.silu(torch.einsum("esh,ehf->esf", rows, self.wi_0)) * torch.einsum("esh,ehf->esf", rows, self.wi_1)
+        act = F.silu(torch.einsum("esh,ehf->esf", rows, self.wi_0)) * torch.einsum(
+            "esh,ehf->esf", rows, self.wi_1
+        )
         out = torch.einsum("esf,efh->esh", act, self.wo)
         out = out.reshape(local, n, c, h).permute(1, 0, 2, 3).reshape(e * c, h)
         if self.group is not None:
@@ -113,8 +132,19 @@ class EinsumCapacityMoE(_Parallel):
 
 
 class SortDroplessMoE(_Parallel):
-    def __init__(self, hidden: int, num_experts: int, ffn: int, top_k: int, *, group: Optional[str] = None,
-                 ranks: int = 1, rank: int = 0, sp: bool = False, seed: int = 0) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        ffn: int,
+        top_k: int,
+        *,
+        group: Optional[str] = None,
+        ranks: int = 1,
+        rank: int = 0,
+        sp: bool = False,
+        seed: int = 0,
+    ) -> None:
         super().__init__(num_experts, group, ranks, rank, sp)
         self.top_k = top_k
         self.router = nn.Parameter(torch.empty(num_experts, hidden))
@@ -124,13 +154,18 @@ class SortDroplessMoE(_Parallel):
         self.down = nn.Parameter(torch.empty(self.local, hidden, ffn))
         _init(self, seed + rank, self.router)
         with torch.no_grad():
-            self.router.copy_(torch.randn(self.router.shape, generator=torch.Generator().manual_seed(seed))
-                              * 4 / hidden ** .5)
+            self.router.copy_(
+                torch.randn(self.router.shape, generator=torch.Generator().manual_seed(seed))
+                * 4
+                / hidden**0.5
+            )
 
     def _ffn(self, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         outs = []
         for i, chunk in enumerate(rows.split(sizes)):
-            outs.append(F.linear(F.silu(F.linear(chunk, self.gate[i])) * F.linear(chunk, self.up[i]), self.down[i]))
+            outs.append(
+                F.linear(F.silu(F.linear(chunk, self.gate[i])) * F.linear(chunk, self.up[i]), self.down[i])
+            )
         return torch.cat(outs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,7 +194,9 @@ class SortDroplessMoE(_Parallel):
             back = torch.empty_like(ran)
             back[regroup] = ran
             done = funcol.all_to_all_single_autograd(back, send, recv, self.group)
-        y = torch.zeros_like(tok).index_add(0, source, done * weights.flatten()[perm].unsqueeze(-1).to(done.dtype))
+        y = torch.zeros_like(tok).index_add(
+            0, source, done * weights.flatten()[perm].unsqueeze(-1).to(done.dtype)
+        )
         return self._own_chunk(y.reshape(shape))
 
 
@@ -175,17 +212,31 @@ class _Expert(nn.Module):
 
 
 class ExpertLoopMoE(_Parallel):
-    def __init__(self, hidden: int, num_experts: int, ffn: int, top_k: int, *, group: Optional[str] = None,
-                 ranks: int = 1, rank: int = 0, sp: bool = False, seed: int = 0,
-                 scoring: str = "softmax") -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_experts: int,
+        ffn: int,
+        top_k: int,
+        *,
+        group: Optional[str] = None,
+        ranks: int = 1,
+        rank: int = 0,
+        sp: bool = False,
+        seed: int = 0,
+        scoring: str = "softmax",
+    ) -> None:
         super().__init__(num_experts, group, ranks, rank, sp)
         self.top_k, self.scoring = top_k, scoring
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(_Expert(hidden, ffn) for _ in range(self.local))
         _init(self, seed + rank, self.gate.weight)
         with torch.no_grad():
-            self.gate.weight.copy_(torch.randn(self.gate.weight.shape, generator=torch.Generator().manual_seed(seed))
-                                   * 4 / hidden ** .5)
+            self.gate.weight.copy_(
+                torch.randn(self.gate.weight.shape, generator=torch.Generator().manual_seed(seed))
+                * 4
+                / hidden**0.5
+            )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self._gather(hidden_states)

@@ -48,11 +48,16 @@ def rank_pool_4() -> RankPool:
 
 
 def pytest_collection_modifyitems(config, items):
-    unreasoned = [item.nodeid for item in items
-                  if (m := item.get_closest_marker("slow")) is not None and not m.kwargs.get("reason")]
+    unreasoned = [
+        item.nodeid
+        for item in items
+        if (m := item.get_closest_marker("slow")) is not None and not m.kwargs.get("reason")
+    ]
     if unreasoned:
         raise pytest.UsageError(
-            "tests marked slow without a reason (write @pytest.mark.slow(reason=\"...\")): " + ", ".join(unreasoned))
+            'tests marked slow without a reason (write @pytest.mark.slow(reason="...")): '
+            + ", ".join(unreasoned)
+        )
     # Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) every test on real ranks
     # runs in one worker: one pool of each size for the run, and the other worker takes the
     # single-process tests meanwhile.

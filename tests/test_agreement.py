@@ -15,8 +15,17 @@ import sympy
 import torch
 import torch.distributed as dist
 
-from commfuse.agreement import (CACHED, Exchange, FrameRecord, GroupEntry, collective_signature, first_difference,
-                                graph_sequences, group_entries, sequence_hash)
+from commfuse.agreement import (
+    CACHED,
+    Exchange,
+    FrameRecord,
+    GroupEntry,
+    collective_signature,
+    first_difference,
+    graph_sequences,
+    group_entries,
+    sequence_hash,
+)
 from commfuse.core.meta import SETTING_META
 from commfuse.ir.kinds import CollectiveKind
 from commfuse.testing import fake_process_group
@@ -86,25 +95,31 @@ def test_frame_record_orders_graphs_and_marks_a_cache_hit():
 
 
 def test_first_difference_names_the_collective():
-    a = [["forward", "all_reduce", "sum", "float32", [["4"]], False, None],
-         ["forward", "all_gather", None, "float32", [["2"]], False, None]]
+    a = [
+        ["forward", "all_reduce", "sum", "float32", [["4"]], False, None],
+        ["forward", "all_gather", None, "float32", [["2"]], False, None],
+    ]
     b = [a[1], a[0]]
     assert first_difference(a, b, me="rank 1", them="rank 0") == (
         "collective #0: rank 0 issues all_gather(float32, in [2]) in the forward graph but rank 1 issues "
-        "all_reduce(float32, in [4], sum) in the forward graph")
+        "all_reduce(float32, in [4], sum) in the forward graph"
+    )
     assert first_difference(a, a) is None
     assert "but this rank issues no collective" in first_difference(a[:1], a)
 
 
 # -- the protocol, simulated ranks ------------------------------------------------------------------
 def _sigs(kinds, shape="4"):
-    return tuple(("forward", k, "sum" if k == "all_reduce" else None, "float32", [[shape]], False, None)
-                 for k in kinds)
+    return tuple(
+        ("forward", k, "sum" if k == "all_reduce" else None, "float32", [[shape]], False, None) for k in kinds
+    )
 
 
 def _entry(ranks, kinds=("all_reduce",), written=None) -> GroupEntry:
     c, w = _sigs(kinds), _sigs(written or kinds)
-    return GroupEntry(tuple(ranks), sequence_hash([list(x) for x in c]), sequence_hash([list(x) for x in w]), c, w)
+    return GroupEntry(
+        tuple(ranks), sequence_hash([list(x) for x in c]), sequence_hash([list(x) for x in w]), c, w
+    )
 
 
 def _exchange(store, per_rank: dict, *, frame="f", timeout_s=20.0, digest=lambda r: "cfg") -> dict:
@@ -112,8 +127,14 @@ def _exchange(store, per_rank: dict, *, frame="f", timeout_s=20.0, digest=lambda
     out = {}
 
     def rank(r):
-        out[r] = Exchange(store, frame=frame, config_digest=digest(r), rank=r, timeout_s=timeout_s,
-                          config_summary={"bucket_cap_bytes": r}).run(per_rank[r])
+        out[r] = Exchange(
+            store,
+            frame=frame,
+            config_digest=digest(r),
+            rank=r,
+            timeout_s=timeout_s,
+            config_summary={"bucket_cap_bytes": r},
+        ).run(per_rank[r])
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in per_rank]
     for t in threads:
@@ -130,8 +151,13 @@ def _mesh_2x2(tp_kinds_of_rank3=None, tp_kinds=("all_reduce",)):
     (rank 3: ``tp_kinds_of_rank3``, a planted divergence)."""
     tp = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
     dp = {0: (0, 2), 2: (0, 2), 1: (1, 3), 3: (1, 3)}
-    return {r: [_entry(tp[r], tp_kinds_of_rank3 if r == 3 and tp_kinds_of_rank3 else tp_kinds, ("all_reduce",)),
-                _entry(dp[r])] for r in range(4)}
+    return {
+        r: [
+            _entry(tp[r], tp_kinds_of_rank3 if r == 3 and tp_kinds_of_rank3 else tp_kinds, ("all_reduce",)),
+            _entry(dp[r]),
+        ]
+        for r in range(4)
+    }
 
 
 def _tcp_store():
@@ -145,7 +171,9 @@ def test_agreeing_ranks_run_the_compiled_program_over_a_tcp_store():
     out = {}
 
     def rank(r):
-        out[r] = Exchange(clients[r], frame="f", config_digest="cfg", rank=r, timeout_s=20).run(_mesh_2x2()[r])
+        out[r] = Exchange(clients[r], frame="f", config_digest="cfg", rank=r, timeout_s=20).run(
+            _mesh_2x2()[r]
+        )
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
     for t in threads:
@@ -210,7 +238,9 @@ def test_a_timeout_falls_back_releases_the_others_and_settles_for_late_ranks():
     took = time.monotonic() - t
     assert {(v.action, v.timed_out) for v in out.values()} == {("fallback", True)}
     assert sum(v.warn for v in out.values()) == 1 and 1.5 < took < 4.0  # one timeout, not one per rank
-    assert all(v.reason.startswith("no verdict within 2 s (Config.agreement_timeout_s): ") for v in out.values())
+    assert all(
+        v.reason.startswith("no verdict within 2 s (Config.agreement_timeout_s): ") for v in out.values()
+    )
     late = _exchange(store, {3: mesh[3]}, timeout_s=60)[3]
     assert (late.action, late.rounds) == ("fallback", 0)
 
@@ -230,8 +260,11 @@ def test_a_cache_hit_takes_part_without_being_compared():
     cached = dataclasses.replace(_entry((0, 1, 2)), compiled=CACHED)
     out = _exchange(store, {0: [cached], 1: [_entry((0, 1, 2))], 2: [_entry((0, 1, 2))]}, frame="a")
     assert {v.action for v in out.values()} == {"compiled"}
-    out = _exchange(store, {0: [cached], 1: [_entry((0, 1, 2))], 2: [_entry((0, 1, 2), ("all_gather",),
-                                                                             ("all_reduce",))]}, frame="b")
+    out = _exchange(
+        store,
+        {0: [cached], 1: [_entry((0, 1, 2))], 2: [_entry((0, 1, 2), ("all_gather",), ("all_reduce",))]},
+        frame="b",
+    )
     assert {v.action for v in out.values()} == {"fallback"}
 
 
@@ -281,11 +314,16 @@ def test_the_first_call_decides_once_and_later_calls_go_straight_to_the_choice()
     def fallback(x):
         return ("as written", x)
 
-    for action, mode, want in [("compiled", "fallback", "compiled"), ("fallback", "fallback", "as written"),
-                               ("fallback", "raise", AgreementError), ("conflict", "fallback", AgreementError)]:
+    for action, mode, want in [
+        ("compiled", "fallback", "compiled"),
+        ("fallback", "fallback", "as written"),
+        ("fallback", "raise", AgreementError),
+        ("conflict", "fallback", AgreementError),
+    ]:
         decided = []
-        fn = FirstRunChoice(compiled, fallback, lambda a=action, d=decided: d.append(a) or Verdict(a, reason="why"),
-                            mode=mode)
+        fn = FirstRunChoice(
+            compiled, fallback, lambda a=action, d=decided: d.append(a) or Verdict(a, reason="why"), mode=mode
+        )
         assert fn.some_attribute == 7
         if want is AgreementError:
             with pytest.raises(AgreementError, match="why"):

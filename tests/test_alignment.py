@@ -21,13 +21,36 @@ import pytest
 
 from commfuse.core.errors import ConfigError
 from commfuse.trace import nw
-from commfuse.trace.align import (AlignConfig, GapRule, LogicalComm, RankAlignment, align_rank, align_run,
-                                  align_sequences, assign_global_ranks, launches, map_communicators, pair_scores,
-                                  synchronize_clocks)
+from commfuse.trace.align import (
+    AlignConfig,
+    GapRule,
+    LogicalComm,
+    RankAlignment,
+    align_rank,
+    align_run,
+    align_sequences,
+    assign_global_ranks,
+    launches,
+    map_communicators,
+    pair_scores,
+    synchronize_clocks,
+)
 from commfuse.trace.enrich import enriched_trace, load_topology, message_bytes
-from commfuse.trace.kernel_trace import KernelRecord, KernelTrace, parse_kernel_name, read_nsys_sqlite, read_torch_trace
-from commfuse.trace.nccl_log import CommInit, NcclCall, NcclProcessLog, TraceParseWarning, parse_nccl_log, \
-    parse_nccl_logs
+from commfuse.trace.kernel_trace import (
+    KernelRecord,
+    KernelTrace,
+    parse_kernel_name,
+    read_nsys_sqlite,
+    read_torch_trace,
+)
+from commfuse.trace.nccl_log import (
+    CommInit,
+    NcclCall,
+    NcclProcessLog,
+    TraceParseWarning,
+    parse_nccl_log,
+    parse_nccl_logs,
+)
 from commfuse.trace.perturb import SCENARIOS, THESIS_F1, perturb, run_scenario, write_view
 from commfuse.trace.synth import FIXTURE_DIR, SynthConfig, load_sequences, render_log, synthesize
 
@@ -65,11 +88,27 @@ def test_log_splits_processes_and_reads_every_call_line(fixture_logs):
     assert p0.host == "node-1" and p0.device == 0 and p1.device == 1
     assert p0.version == "2.26.2+cuda12.8"  # the version line has no prefix: applied file-wide
     assert [(c.op, c.op_count) for c in p0.calls] == [
-        ("AllReduce", 0), ("AllGather", 1), ("ReduceScatter", 2), ("Send", 3), ("Recv", 3), ("Broadcast", 4),
-        ("AllReduce", 5), ("AllReduce", 5), ("AllReduce", 8)]  # opCount 8: behind a Ray prefix
+        ("AllReduce", 0),
+        ("AllGather", 1),
+        ("ReduceScatter", 2),
+        ("Send", 3),
+        ("Recv", 3),
+        ("Broadcast", 4),
+        ("AllReduce", 5),
+        ("AllReduce", 5),
+        ("AllReduce", 8),
+    ]  # opCount 8: behind a Ray prefix
     ar = p0.calls[0]
     assert (ar.count, ar.dtype, ar.type_size, ar.bytes, ar.reduce_op, ar.comm, ar.nranks, ar.stream) == (
-        131072, "f16", 2, 262144, "sum", "0x55e290bd32d0", 2, "0x32dc6760")
+        131072,
+        "f16",
+        2,
+        262144,
+        "sum",
+        "0x55e290bd32d0",
+        2,
+        "0x32dc6760",
+    )
     assert ar.time_us == pytest.approx(1766081276.800000e6, abs=1.0)
     assert p0.calls[2].reduce_op == "avg" and p0.calls[1].dtype == "bf16"
     assert p0.calls[3].root == 1 and p0.calls[3].recvbuff == "(nil)"
@@ -77,7 +116,11 @@ def test_log_splits_processes_and_reads_every_call_line(fixture_logs):
 
 def test_log_attaches_both_generations_of_tuning_lines(fixture_logs):
     c = fixture_logs[1234].calls
-    assert (c[0].algo, c[0].proto, c[0].channels) == ("RING", "LL", (0, 1))  # "Algo RING proto LL channel{..}"
+    assert (c[0].algo, c[0].proto, c[0].channels) == (
+        "RING",
+        "LL",
+        (0, 1),
+    )  # "Algo RING proto LL channel{..}"
     assert (c[1].algo, c[1].proto) == ("RING", "SIMPLE")  # "8388608 Bytes -> Algo 1 proto 2" (per-rank bytes)
     assert (c[2].algo, c[2].proto) == ("RING", "SIMPLE")  # no op prefix, total bytes = count x size x nranks
     assert (c[5].algo, c[5].proto, c[5].channels) == ("RING", "SIMPLE", (0, 0))  # "... comm 0x..." variant
@@ -89,7 +132,13 @@ def test_log_reads_inits_rings_and_topology(fixture_logs):
     p0, p1 = fixture_logs[1234], fixture_logs[1235]
     i0 = p0.inits["0x55e290bd32d0"]
     assert (i0.rank, i0.nranks, i0.cuda_dev, i0.bus_id, i0.comm_id, i0.complete) == (
-        0, 2, 0, "18000", "0x5ae77eb5ea4ec1ee", True)
+        0,
+        2,
+        0,
+        "18000",
+        "0x5ae77eb5ea4ec1ee",
+        True,
+    )
     assert i0.rings == [[0, 1], [0, 1]] and i0.coll_channels == 2
     assert p1.inits["0x55fca23fc0f0"].rank == 1 and p0.world_rank() == 0 and p1.world_rank() == 1
     assert len(p0.inits) == 1  # "comm 0x... rank 0 nRanks 2 nNodes 1 ..." is not an init line
@@ -97,8 +146,9 @@ def test_log_reads_inits_rings_and_topology(fixture_logs):
     assert (t.max_bw_GBps, t.total_bw_GBps) == (24.0, 264.0)
     assert t.gpus == {"GPU/0-18000": 0, "GPU/0-2a000": 1}
     assert t.intra_node_GBps == 264.0 and t.network_GBps == 12.5
-    assert ("GPU/0-18000", "GPU/0-2a000", "NVL", 264.0) in {(lk.src, lk.dst, lk.kind, lk.bandwidth_GBps)
-                                                           for lk in t.links}
+    assert ("GPU/0-18000", "GPU/0-2a000", "NVL", 264.0) in {
+        (lk.src, lk.dst, lk.kind, lk.bandwidth_GBps) for lk in t.links
+    }
     assert p1.topology is None
 
 
@@ -107,8 +157,12 @@ def test_malformed_and_truncated_lines_are_skipped_with_one_warning():
         logs = parse_nccl_log(LOG)
     assert len(rec) == 1
     skipped = {(s.line, s.reason) for lg in logs for s in lg.skipped}
-    assert skipped == {(50, "malformed call line"), (51, "unknown datatype code 42"),
-                       (52, "unknown algorithm/protocol in tuning line"), (56, "truncated line")}
+    assert skipped == {
+        (50, "malformed call line"),
+        (51, "unknown datatype code 42"),
+        (52, "unknown algorithm/protocol in tuning line"),
+        (56, "truncated line"),
+    }
 
 
 def test_log_parser_never_crashes_on_mutilated_lines(tmp_path):
@@ -119,7 +173,7 @@ def test_log_parser_never_crashes_on_mutilated_lines(tmp_path):
         s = rng.choice(good)
         op = rng.randrange(4)
         if op == 0:
-            s = s[:rng.randrange(len(s) + 1)]  # cut anywhere
+            s = s[: rng.randrange(len(s) + 1)]  # cut anywhere
         elif op == 1:
             s = "".join(ch if not ch.isdigit() or rng.random() > 0.2 else rng.choice("x-.z") for ch in s)
         elif op == 2:
@@ -152,28 +206,43 @@ def test_real_issue_lines_parse():
         "2420736 datatype 7 op 0 root 0 comm 0x7f516c002e10 [nranks=2] stream 0x55f1de7279a0",
     ]
     logs = {lg.host[:6]: lg for lg in parse_nccl_log(lines, name="issues")}
-    assert logs["r24-02"].calls[0].op_count == 0x139d and logs["r24-02"].calls[0].nranks == 128
+    assert logs["r24-02"].calls[0].op_count == 0x139D and logs["r24-02"].calls[0].nranks == 128
     assert logs["r24-02"].device == 2
-    assert (logs["ubuntu"].calls[0].op, logs["ubuntu"].calls[0].op_count) == ("Send", 0xd60)
+    assert (logs["ubuntu"].calls[0].op, logs["ubuntu"].calls[0].op_count) == ("Send", 0xD60)
 
 
 # ----------------------------------------------------------------------------- kernel traces
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", ("AllReduce", "f32", "RING", "LL")),
-    ("ncclDevKernel_ReduceScatter_Sum_bf16_TREE_LL", ("ReduceScatter", "bf16", "TREE", "LL")),
-    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<(unsigned long)4096>)",
-     ("AllGather", None, "RING", "LL")),
-    ("ncclDevKernel_AllReduce_Sum_u32_COLLNET_DIRECT_SIMPLE", ("AllReduce", "u32", "COLLNET_DIRECT", "SIMPLE")),
-    ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", ("SendRecv", None, None, None)),
-    ("ncclDevKernel_Generic_4(ncclDevKernelArgsStorage<4096ul>)", (None, None, None, None)),
-    ("ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)",
-     ("AllReduce", "f32", "RING", "LL")),
-    ("ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)",
-     ("SendRecv", "i8", "RING", "SIMPLE")),
-    ("ncclAllReduceRingLLKernel_sum_f32(CollectiveArgs)", ("AllReduce", "f32", "RING", "LL")),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        (
+            "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+            ("AllReduce", "f32", "RING", "LL"),
+        ),
+        ("ncclDevKernel_ReduceScatter_Sum_bf16_TREE_LL", ("ReduceScatter", "bf16", "TREE", "LL")),
+        (
+            "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<(unsigned long)4096>)",
+            ("AllGather", None, "RING", "LL"),
+        ),
+        (
+            "ncclDevKernel_AllReduce_Sum_u32_COLLNET_DIRECT_SIMPLE",
+            ("AllReduce", "u32", "COLLNET_DIRECT", "SIMPLE"),
+        ),
+        ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", ("SendRecv", None, None, None)),
+        ("ncclDevKernel_Generic_4(ncclDevKernelArgsStorage<4096ul>)", (None, None, None, None)),
+        (
+            "ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)",
+            ("AllReduce", "f32", "RING", "LL"),
+        ),
+        (
+            "ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)",
+            ("SendRecv", "i8", "RING", "SIMPLE"),
+        ),
+        ("ncclAllReduceRingLLKernel_sum_f32(CollectiveArgs)", ("AllReduce", "f32", "RING", "LL")),
+    ],
+)
 def test_kernel_names(name, expected):
     kn = parse_kernel_name(name)
     assert (kn.op, kn.dtype, kn.algo, kn.proto) == expected
@@ -257,21 +326,32 @@ def _score(cols, S, comp, penalty, R, bonus, lead=False, trail=False):
     return total
 
 
-RULES = [GapRule(), GapRule("constant", 3.0), GapRule("geometric", 5.0, 0.3), GapRule("table", table=(5, 9.88, 12.844))]
+RULES = [
+    GapRule(),
+    GapRule("constant", 3.0),
+    GapRule("geometric", 5.0, 0.3),
+    GapRule("table", table=(5, 9.88, 12.844)),
+]
 
 
 def test_nw_is_optimal_against_brute_force():
     rng = random.Random(11)
     for _ in range(250):
         n, m = rng.randint(0, 5), rng.randint(0, 5)
-        S = np.array([[rng.choice([5.0, 10.0, -15.0, -7.5, 2.5]) for _ in range(m)] for _ in range(n)]).reshape(n, m)
+        S = np.array(
+            [[rng.choice([5.0, 10.0, -15.0, -7.5, 2.5]) for _ in range(m)] for _ in range(n)]
+        ).reshape(n, m)
         comp = S > 0
         rule, R, bonus = rng.choice(RULES), rng.choice([1, 2, 3, 32]), rng.choice([0.0, 1.0, 3.0])
         for lead, trail in ((False, False), (True, True), (False, True), (True, False)):
             best = max(_score(c, S, comp, rule.penalty, R, bonus, lead, trail) for c in _alignments(n, m))
-            res = nw.align(S, comp, rule.penalty, max_gap_run=R, bonus=bonus, free_leading=lead, free_trailing=trail)
+            res = nw.align(
+                S, comp, rule.penalty, max_gap_run=R, bonus=bonus, free_leading=lead, free_trailing=trail
+            )
             assert res.score == pytest.approx(best, abs=1e-9)
-            assert _score(res.columns, S, comp, rule.penalty, R, bonus, lead, trail) == pytest.approx(best, abs=1e-9)
+            assert _score(res.columns, S, comp, rule.penalty, R, bonus, lead, trail) == pytest.approx(
+                best, abs=1e-9
+            )
             assert sorted([i for i, _ in res.pairs] + res.log_gaps) == list(range(n))
             assert sorted([j for _, j in res.pairs] + res.kernel_gaps) == list(range(m))
 
@@ -285,7 +365,9 @@ def _reference(S, comp, penalty, R, bonus):
     for i in range(n + 1):
         for j in range(m + 1):
             if i and j:
-                b = X[i - 1, j - 1] + (bonus if comp[i - 1, j - 1] and i > 1 and j > 1 and comp[i - 2, j - 2] else 0)
+                b = X[i - 1, j - 1] + (
+                    bonus if comp[i - 1, j - 1] and i > 1 and j > 1 and comp[i - 2, j - 2] else 0
+                )
                 X[i, j] = max(b, V[i - 1, j - 1], H[i - 1, j - 1]) + S[i - 1, j - 1]
             if i:
                 V[i, j] = max(max(X[i - L, j], H[i - L, j]) - G[L] for L in range(1, i + 1))
@@ -310,9 +392,25 @@ def _k(op, t=0):
 
 
 def _c(op, opc, comm="0xa", count=1, dt=7, t=None, pid=1, host="h", dev=0, root=0, nranks=None):
-    return NcclCall(op=op, op_count=opc, count=count, datatype=dt, redop=0, root=root, comm=comm, nranks=nranks,
-                    stream="0x1", sendbuff="0x2", recvbuff="0x3", host=host, pid=pid, tid=pid, device=dev,
-                    time_us=t, line=opc + 1)
+    return NcclCall(
+        op=op,
+        op_count=opc,
+        count=count,
+        datatype=dt,
+        redop=0,
+        root=root,
+        comm=comm,
+        nranks=nranks,
+        stream="0x1",
+        sendbuff="0x2",
+        recvbuff="0x3",
+        host=host,
+        pid=pid,
+        tid=pid,
+        device=dev,
+        time_us=t,
+        line=opc + 1,
+    )
 
 
 def _align_ops(log_ops, kernel_ops, cfg=None):
@@ -325,8 +423,9 @@ def _align_ops(log_ops, kernel_ops, cfg=None):
 
 def test_thesis_asymmetric_penalty_case():
     """Thesis §4.3.1: a Broadcast kernel never pairs with a Send log line -- two gaps instead."""
-    res = _align_ops(["AllReduce", "AllReduce", "Send", "AllReduce"],
-                     ["AllReduce", "AllReduce", "Broadcast", "AllReduce"])
+    res = _align_ops(
+        ["AllReduce", "AllReduce", "Send", "AllReduce"], ["AllReduce", "AllReduce", "Broadcast", "AllReduce"]
+    )
     assert res.pairs == [(0, 0), (1, 1), (3, 3)] and res.log_gaps == [2] and res.kernel_gaps == [2]
 
 
@@ -336,22 +435,38 @@ def test_thesis_false_positive_case():
     Eq. 4.2 scoring -- what the thesis's equations say -- segment 2 costs two runs of 4 gaps
     (2 x 29, score -28) while spreading the matches needs only runs of 1-3 (score -17.5), so the
     thesis's result implies free end gaps, which its text does not mention."""
-    log = ["AllReduce", "AllReduce", "AllReduce", "ReduceScatter", "AllReduce", "AllReduce", "Broadcast",
-           "ReduceScatter", "AllReduce", "Broadcast", "AllReduce", "ReduceScatter"]
+    log = [
+        "AllReduce",
+        "AllReduce",
+        "AllReduce",
+        "ReduceScatter",
+        "AllReduce",
+        "AllReduce",
+        "Broadcast",
+        "ReduceScatter",
+        "AllReduce",
+        "Broadcast",
+        "AllReduce",
+        "ReduceScatter",
+    ]
     kernels = ["AllReduce", "AllReduce", "Broadcast", "ReduceScatter"]
     res = _align_ops(log, kernels, AlignConfig.thesis(free_end_gaps=True))
     assert [i for i, _ in res.pairs] == [4, 5, 6, 7] and res.score == pytest.approx(5 * (1 + 1 + 2 + 2))
     res = _align_ops(log, kernels)
     assert res.pairs == [(2, 0), (5, 1), (9, 2), (11, 3)] and res.score == pytest.approx(-17.5)
-    segment2 = [("log_gap", i) for i in range(4)] + [("pair", 4 + j, j) for j in range(4)] + \
-        [("log_gap", i) for i in range(8, 12)]
+    segment2 = (
+        [("log_gap", i) for i in range(4)]
+        + [("pair", 4 + j, j) for j in range(4)]
+        + [("log_gap", i) for i in range(8, 12)]
+    )
     assert _score(segment2, *_thesis_matrices(log, kernels)) == pytest.approx(-28)
 
 
 def _thesis_matrices(log_ops, kernel_ops):
     cfg = AlignConfig.thesis()
-    S, comp = pair_scores(launches([_c(o, i) for i, o in enumerate(log_ops)], dedup=False),
-                          [_k(o) for o in kernel_ops], cfg)
+    S, comp = pair_scores(
+        launches([_c(o, i) for i, o in enumerate(log_ops)], dedup=False), [_k(o) for o in kernel_ops], cfg
+    )
     return S, comp, cfg.gap.penalty, cfg.max_gap_run, 0.0
 
 
@@ -378,7 +493,10 @@ def test_thesis_adaptive_gap_case():
     with the kernel gap it needs anyway (runs <= 2, as the thesis reports). Under its own Eq. 4.1/4.3
     weights, though, a Send-AllReduce mismatch costs only 15 x (1 + 0.5)/2 = 11.25, less than a
     second gap, and the optimum takes one: another inconsistency of the thesis (docs/alignment.md)."""
-    log, kernels = ["AllReduce", "Broadcast", "Send", "Recv", "AllReduce", "AllReduce", "AllReduce"], ["AllReduce"] * 5
+    log, kernels = (
+        ["AllReduce", "Broadcast", "Send", "Recv", "AllReduce", "AllReduce", "AllReduce"],
+        ["AllReduce"] * 5,
+    )
 
     def max_run(cols):
         best, cur, prev = 0, 0, None
@@ -389,8 +507,9 @@ def test_thesis_adaptive_gap_case():
 
     flat = AlignConfig.thesis(weights={}, default_weight=1.0)
     res = _align_ops(log, kernels, flat)
-    S, comp = pair_scores(launches([_c(o, i) for i, o in enumerate(log)], dedup=False), [_k(o) for o in kernels],
-                          flat)
+    S, comp = pair_scores(
+        launches([_c(o, i) for i, o in enumerate(log)], dedup=False), [_k(o) for o in kernels], flat
+    )
     assert all(comp[i, j] for i, j in res.pairs) and len(res.pairs) == 4 and max_run(res.columns) <= 2
     res = _align_ops(log, kernels)
     assert sum(1 for i, _ in res.pairs if log[i] != "AllReduce") == 1 and res.score == pytest.approx(-1.25)
@@ -417,24 +536,39 @@ def test_config_errors_name_the_field():
 
 
 def test_dedup_by_comm_and_opcount():
-    calls = [_c("Send", 0), _c("Recv", 0), _c("Send", 0, root=1), _c("Recv", 0, root=1),  # one p2p group
-             _c("AllGather", 1), _c("ReduceScatter", 1),  # a grouped launch of two collectives
-             _c("AllReduce", 2), _c("AllReduce", 2),  # a line logged twice
-             _c("AllReduce", 2, comm="0xb"),  # same opCount, another communicator
-             _c("AllReduce", 0)]  # opCount back to 0 on 0xa: a new communicator at the same address
+    calls = [
+        _c("Send", 0),
+        _c("Recv", 0),
+        _c("Send", 0, root=1),
+        _c("Recv", 0, root=1),  # one p2p group
+        _c("AllGather", 1),
+        _c("ReduceScatter", 1),  # a grouped launch of two collectives
+        _c("AllReduce", 2),
+        _c("AllReduce", 2),  # a line logged twice
+        _c("AllReduce", 2, comm="0xb"),  # same opCount, another communicator
+        _c("AllReduce", 0),
+    ]  # opCount back to 0 on 0xa: a new communicator at the same address
     lau = launches(calls)
     assert [(a.symbol, a.comm, a.op_count, a.epoch, len(a.calls)) for a in lau] == [
-        ("SendRecv", "0xa", 0, 0, 4), ("Mixed", "0xa", 1, 0, 2), ("AllReduce", "0xa", 2, 0, 1),
-        ("AllReduce", "0xb", 2, 0, 1), ("AllReduce", "0xa", 0, 1, 1)]
+        ("SendRecv", "0xa", 0, 0, 4),
+        ("Mixed", "0xa", 1, 0, 2),
+        ("AllReduce", "0xa", 2, 0, 1),
+        ("AllReduce", "0xb", 2, 0, 1),
+        ("AllReduce", "0xa", 0, 1, 1),
+    ]
     assert len(launches(calls, dedup=False)) == len(calls)
-    S, comp = pair_scores(lau[:2], [_k("SendRecv"), _k("ReduceScatter"), _k("AllReduce")], AlignConfig.thesis())
+    S, comp = pair_scores(
+        lau[:2], [_k("SendRecv"), _k("ReduceScatter"), _k("AllReduce")], AlignConfig.thesis()
+    )
     assert comp.tolist() == [[True, False, False], [False, True, False]]
 
 
 def _proc(host, pid, dev, comm, ops, *, comm_id=None, rank=None, nranks=None, counts=None):
     lg = NcclProcessLog(host, pid, "t", devices={dev})
-    lg.calls = [_c(o, i, comm=comm, count=(counts or {}).get(i, 8), pid=pid, host=host, dev=dev, nranks=nranks)
-                for i, o in enumerate(ops)]
+    lg.calls = [
+        _c(o, i, comm=comm, count=(counts or {}).get(i, 8), pid=pid, host=host, dev=dev, nranks=nranks)
+        for i, o in enumerate(ops)
+    ]
     if rank is not None:
         lg.inits[comm] = CommInit(comm, rank, nranks, host, pid, comm_id=comm_id, complete=True)
     return lg
@@ -451,7 +585,9 @@ def test_comm_mapping_by_comm_id_signature_and_similarity():
     # with commIds the grouping is exact, whatever the ranks
     ids = ["0xaa", "0xbb", "0xbb", "0xaa"]
     logs = [_proc("a", 10 + r, r, f"0x{r}", tp, comm_id=ids[r], rank=r // 2, nranks=2) for r in range(4)]
-    logs[0].inits["0xw"] = CommInit("0xw", 0, 4, "a", 10, comm_id="0xcc", complete=True)  # the world gives ranks
+    logs[0].inits["0xw"] = CommInit(
+        "0xw", 0, 4, "a", 10, comm_id="0xcc", complete=True
+    )  # the world gives ranks
     for r in range(1, 4):
         logs[r].inits["0xw"] = CommInit("0xw", r, 4, "a", 10 + r, comm_id="0xcc", complete=True)
     cm = map_communicators(logs)
@@ -459,7 +595,10 @@ def test_comm_mapping_by_comm_id_signature_and_similarity():
     assert got == {"0xaa": (0, 3), "0xbb": (1, 2), "0xcc": (0, 1, 2, 3)} and cm.comms[0].by == "commId"
     # a rank whose log lost lines still joins its group by similarity
     dp = ["AllReduce"] * 30
-    logs = [_proc("a", 20 + r, r, f"0xd{r}", dp, nranks=3, counts={i: 100 + i for i in range(30)}) for r in range(3)]
+    logs = [
+        _proc("a", 20 + r, r, f"0xd{r}", dp, nranks=3, counts={i: 100 + i for i in range(30)})
+        for r in range(3)
+    ]
     logs[2].calls = [c for i, c in enumerate(logs[2].calls) if i % 7 != 3]
     cm = map_communicators(logs)
     assert [lc.ranks for lc in cm.comms] == [(0, 1, 2)] and cm.comms[0].by == "similarity"
@@ -469,8 +608,13 @@ def _fake_alignment(rank, comm, ends_ns, starts_ns):
     lg = NcclProcessLog("h", 100 + rank, "t", devices={rank})
     lg.calls = [_c("AllReduce", i, comm=comm, pid=100 + rank) for i in range(len(ends_ns))]
     lau = launches(lg.calls)
-    ks = [KernelRecord("AllReduce", "AllReduce", int(s), int(e)) for s, e in zip(starts_ns, ends_ns, strict=True)]
-    return RankAlignment(rank, lau, ks, [(i, i) for i in range(len(ks))], [True] * len(ks), 0.0, None, log=lg), lg
+    ks = [
+        KernelRecord("AllReduce", "AllReduce", int(s), int(e))
+        for s, e in zip(starts_ns, ends_ns, strict=True)
+    ]
+    return RankAlignment(
+        rank, lau, ks, [(i, i) for i in range(len(ks))], [True] * len(ks), 0.0, None, log=lg
+    ), lg
 
 
 def test_clock_sync_recovers_offsets_within_200ns():
@@ -547,7 +691,15 @@ def test_fixture_alignment_end_to_end(fixture_run):
     by_rank = {ra.rank: ra for ra in run.ranks}
     assert set(by_rank) == {0, 1}
     got0 = [(by_rank[0].launches[i].op_count, by_rank[0].kernels[j].correlation) for i, j in by_rank[0].pairs]
-    assert got0 == [(0, 101), (1, 102), (2, 103), (3, 104), (4, 105), (5, 106), (8, 109)]  # 107/108: no log line
+    assert got0 == [
+        (0, 101),
+        (1, 102),
+        (2, 103),
+        (3, 104),
+        (4, 105),
+        (5, 106),
+        (8, 109),
+    ]  # 107/108: no log line
     got1 = [(by_rank[1].launches[i].op_count, by_rank[1].kernels[j].correlation) for i, j in by_rank[1].pairs]
     assert got1 == [(0, 201), (1, 202), (2, 203), (3, 204), (4, 205), (5, 206), (8, 209)]
     assert all(by_rank[r].matched for r in (0, 1)) and by_rank[0].offset_from == "launch"
@@ -565,9 +717,18 @@ def test_enriched_trace_fields(fixture_run):
     assert ag["busbw_GBps"] == pytest.approx(ag["algbw_GBps"] * 0.5, rel=1e-3)
     assert ag["peak_busbw_GBps"] == 264.0 and ag["peak_from"] == "NCCL log: slowest GPU link"
     assert ag["efficiency_pct"] == pytest.approx(100 * ag["busbw_GBps"] / 264.0, rel=1e-3)
-    assert (ag["algorithm"], ag["protocol"], ag["tuning_from"]) == ("RING", "SIMPLE", "the communicator's rank 0")
+    assert (ag["algorithm"], ag["protocol"], ag["tuning_from"]) == (
+        "RING",
+        "SIMPLE",
+        "the communicator's rank 0",
+    )
     ar = next(e for e in ev if e["pid"] == 0 and e["args"]["opCount"] == "0")["args"]
-    assert (ar["message_bytes"], ar["bus_factor"], ar["channels"], ar["datatype"]) == (262144, 1.0, [0, 1], "f16")
+    assert (ar["message_bytes"], ar["bus_factor"], ar["channels"], ar["datatype"]) == (
+        262144,
+        1.0,
+        [0, 1],
+        "f16",
+    )
     unaligned = [e["args"]["correlation"] for e in doc["traceEvents"] if e.get("cat") == "nccl,unaligned"]
     assert sorted(unaligned) == [107, 108]
     doc = enriched_trace(fixture_run, load_topology("dgx-h100"))
@@ -579,18 +740,30 @@ def test_two_streams_align_in_launch_order():
     """Two communicators: the second's kernel *starts* first (its stream was free), but the host
     launched them in log order -- alignment follows the launch calls."""
     t0 = 1_766_081_276_000_000.0
-    calls = [_c("AllReduce", 0, comm="0xa", count=64, t=t0), _c("AllGather", 0, comm="0xb", count=8, t=t0 + 30),
-             _c("AllReduce", 1, comm="0xa", count=64, t=t0 + 60), _c("AllGather", 1, comm="0xb", count=8, t=t0 + 90)]
+    calls = [
+        _c("AllReduce", 0, comm="0xa", count=64, t=t0),
+        _c("AllGather", 0, comm="0xb", count=8, t=t0 + 30),
+        _c("AllReduce", 1, comm="0xa", count=64, t=t0 + 60),
+        _c("AllGather", 1, comm="0xb", count=8, t=t0 + 90),
+    ]
     lg = NcclProcessLog("h", 1, "t", calls=calls)
     starts = [t0 + 500, t0 + 40, t0 + 900, t0 + 100]  # the AllGathers start before the AllReduces
-    ks = [KernelRecord(op, op, int(s * 1e3), int(s * 1e3) + 5000, launch_ns=int((t + 4) * 1e3), correlation=c)
-          for c, (op, s, t) in enumerate(zip(["AllReduce", "AllGather"] * 2, starts, [c.time_us for c in calls], strict=True))]
+    ks = [
+        KernelRecord(op, op, int(s * 1e3), int(s * 1e3) + 5000, launch_ns=int((t + 4) * 1e3), correlation=c)
+        for c, (op, s, t) in enumerate(
+            zip(["AllReduce", "AllGather"] * 2, starts, [c.time_us for c in calls], strict=True)
+        )
+    ]
     ra = align_rank(lg, KernelTrace("x", ks, absolute=True))
-    assert [(ra.launches[i].op_count, ra.launches[i].comm, ra.kernels[j].correlation) for i, j in ra.pairs] == [
-        (0, "0xa", 0), (0, "0xb", 1), (1, "0xa", 2), (1, "0xb", 3)]
+    assert [
+        (ra.launches[i].op_count, ra.launches[i].comm, ra.kernels[j].correlation) for i, j in ra.pairs
+    ] == [(0, "0xa", 0), (0, "0xb", 1), (1, "0xa", 2), (1, "0xb", 3)]
     assert ra.offset_from == "launch"
     whole_seconds = [_c(c.op, c.op_count, comm=c.comm, count=c.count, t=t0) for c in calls]
-    assert align_rank(NcclProcessLog("h", 1, "t", calls=whole_seconds), KernelTrace("x", ks)).offset_from == "coarse"
+    assert (
+        align_rank(NcclProcessLog("h", 1, "t", calls=whole_seconds), KernelTrace("x", ks)).offset_from
+        == "coarse"
+    )
 
 
 def test_message_bytes_conventions():
@@ -612,7 +785,10 @@ def test_cli(tmp_path, nsys_file):
         assert main(["align", str(LOG), str(nsys_file.parent), "-o", str(out), "--thesis"]) == 0
         assert main(["align", str(tmp_path / "missing"), str(nsys_file.parent), "-o", str(out)]) == 2
         assert main(["align", str(LOG), str(nsys_file.parent), "-o", str(out), "--topology", "nope"]) == 2
-    assert json.loads(out.read_text())["otherData"]["commfuse_alignment"]["communicators"][0]["ranks"] == [0, 1]
+    assert json.loads(out.read_text())["otherData"]["commfuse_alignment"]["communicators"][0]["ranks"] == [
+        0,
+        1,
+    ]
 
 
 # ----------------------------------------------------------------------------- fixtures from the example models
@@ -636,8 +812,9 @@ def test_synth_and_perturb_are_seeded():
     _, v2 = perturb(again, SCENARIOS["both_drop_20"], seed=1)
     _, v3 = perturb(run, SCENARIOS["both_drop_20"], seed=2)
     assert render_log(run, 0, v1[0].items) == render_log(again, 0, v2[0].items)
-    assert [lau.kernel.start_ns for lau in run.ranks[1].launches] == \
-        [lau.kernel.start_ns for lau in again.ranks[1].launches]
+    assert [lau.kernel.start_ns for lau in run.ranks[1].launches] == [
+        lau.kernel.start_ns for lau in again.ranks[1].launches
+    ]
     assert v1[0].truth != v3[0].truth
     n = len(run.ranks[0].launches)
     kept = sum(1 for v in v1 for _ in v.truth) / (4 * n)

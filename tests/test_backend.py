@@ -49,9 +49,11 @@ def test_backend_registered_by_name_and_entry_point():
 @pytest.mark.slow(reason="starts a fresh Python process that imports torch")
 def test_entry_point_works_without_import():
     # torch.compile(backend="commfuse") in a fresh interpreter that never imports commfuse.
-    code = ("import torch\nm=torch.nn.Linear(4,4)\nc=torch.compile(m, backend='commfuse')\n"
-            "torch._dynamo.config.suppress_errors=False\n"
-            "import torch._dynamo.backends.registry as r\nprint(r.lookup_backend('commfuse').__module__)")
+    code = (
+        "import torch\nm=torch.nn.Linear(4,4)\nc=torch.compile(m, backend='commfuse')\n"
+        "torch._dynamo.config.suppress_errors=False\n"
+        "import torch._dynamo.backends.registry as r\nprint(r.lookup_backend('commfuse').__module__)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "commfuse.backend"
@@ -106,7 +108,11 @@ def test_inductor_inner_compiler_equals_torch_compile(tmp_path, no_compile_cache
     got = _step(torch.compile(_fresh(), backend=commfuse.backend(passes=[], dump_dir=str(tmp_path))), x)
     assert_bitwise_equal_tree(got, ref)
     # The commfuse hooks ran inside Inductor (joint, forward, backward dumps exist).
-    assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == ["backward_000", "forward_000", "joint_000"]
+    assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == [
+        "backward_000",
+        "forward_000",
+        "joint_000",
+    ]
 
 
 @pytest.mark.slow(reason="cold Inductor compile (caches off)")
@@ -181,17 +187,22 @@ def test_config_from_the_environment(no_process_default, tmp_path):
     path.write_text(json.dumps({"schedule_cpsat_max_nodes": 0}))
     mp.setenv(commfuse.CONFIG_ENV, str(path))
     assert commfuse.default_config().schedule_cpsat_max_nodes == 0
-    commfuse.set_default_config(commfuse.Config(strict=True))  # the process-wide default wins over the variable
+    commfuse.set_default_config(
+        commfuse.Config(strict=True)
+    )  # the process-wide default wins over the variable
     assert commfuse.default_config().strict and commfuse.default_config().schedule_cpsat_max_nodes == 60
 
 
-@pytest.mark.parametrize("value, words", [
-    ('{"passes": ["sink_waits"', ["COMMFUSE_CONFIG", "not valid JSON"]),
-    ('{"no_such_field": 1}', ["COMMFUSE_CONFIG", "no_such_field"]),
-    ('{"max_chunks": 0}', ["COMMFUSE_CONFIG", "max_chunks"]),
-    ("[1, 2]", ["COMMFUSE_CONFIG", "not a JSON object and not a readable file"]),
-    ("/nonexistent/commfuse.json", ["COMMFUSE_CONFIG", "/nonexistent/commfuse.json"]),
-])
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ('{"passes": ["sink_waits"', ["COMMFUSE_CONFIG", "not valid JSON"]),
+        ('{"no_such_field": 1}', ["COMMFUSE_CONFIG", "no_such_field"]),
+        ('{"max_chunks": 0}', ["COMMFUSE_CONFIG", "max_chunks"]),
+        ("[1, 2]", ["COMMFUSE_CONFIG", "not a JSON object and not a readable file"]),
+        ("/nonexistent/commfuse.json", ["COMMFUSE_CONFIG", "/nonexistent/commfuse.json"]),
+    ],
+)
 def test_bad_environment_config_names_the_variable_and_the_field(no_process_default, value, words):
     no_process_default.setenv(commfuse.CONFIG_ENV, value)
     with pytest.raises(commfuse.ConfigError) as e:
@@ -232,8 +243,9 @@ def test_roles_come_from_the_dtensor_meshes_the_graph_holds(recwarn):
         assert session.mesh_partitions(tp_slice) == [[(0, 1)]]
         root = commfuse.core.torch_private.device_mesh_root(tp_slice)
         assert session.mesh_partitions(root) == [[(0, 2), (1, 3)], [(0, 1), (2, 3)]]
-        resolved, sources = session.resolved_roles(commfuse.Config(group_roles={mesh.get_group("tp").group_name: "sp"}),
-                                                   roles)
+        resolved, sources = session.resolved_roles(
+            commfuse.Config(group_roles={mesh.get_group("tp").group_name: "sp"}), roles
+        )
         assert resolved[mesh.get_group("tp").group_name] == "sp"  # the user's word wins
         assert sources[mesh.get_group("dp_shard").group_name] == "dtensor"
     with fake_mesh(4, (2, 2), ("stage_x", "tp")) as mesh:
@@ -269,12 +281,18 @@ def test_an_unknown_device_gets_the_generic_topology_with_one_warning():
     assert (t.name, t.num_nodes, t.ranks_per_node, t.device) == ("generic", 2, 4, "Quantum 9000")
 
 
-@pytest.mark.parametrize("env, match", [
-    ({"LOCAL_WORLD_SIZE": "eight", "WORLD_SIZE": "16"}, "LOCAL_WORLD_SIZE='eight' is not an integer"),
-    ({"LOCAL_WORLD_SIZE": "0", "WORLD_SIZE": "16"}, "LOCAL_WORLD_SIZE='0' must be at least 1"),
-    ({"LOCAL_WORLD_SIZE": "3", "WORLD_SIZE": "16"}, "LOCAL_WORLD_SIZE=3 does not divide the world size 16"),
-    ({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "x"}, "WORLD_SIZE='x' is not an integer"),
-])
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"LOCAL_WORLD_SIZE": "eight", "WORLD_SIZE": "16"}, "LOCAL_WORLD_SIZE='eight' is not an integer"),
+        ({"LOCAL_WORLD_SIZE": "0", "WORLD_SIZE": "16"}, "LOCAL_WORLD_SIZE='0' must be at least 1"),
+        (
+            {"LOCAL_WORLD_SIZE": "3", "WORLD_SIZE": "16"},
+            "LOCAL_WORLD_SIZE=3 does not divide the world size 16",
+        ),
+        ({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "x"}, "WORLD_SIZE='x' is not an integer"),
+    ],
+)
 def test_a_malformed_torchrun_environment_names_the_variable(env, match):
     from commfuse.session import detected_topology
 
@@ -289,12 +307,17 @@ def test_the_report_names_the_topology_and_where_it_came_from(monkeypatch):
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     rep = pipeline_for(Config()).run(gm, graph_kind="forward", stages=set())
     assert rep.topology.startswith("none")
-    rep = pipeline_for(Config(topology=Topology.preset("dgx-a100"))).run(gm, graph_kind="forward", stages=set())
+    rep = pipeline_for(Config(topology=Topology.preset("dgx-a100"))).run(
+        gm, graph_kind="forward", stages=set()
+    )
     assert rep.topology == "dgx-a100: 1 node(s) x 8 ranks, device A100-SXM (Config.topology)"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "4")
     rep = pipeline_for(Config()).run(gm, graph_kind="forward", stages=set())
-    assert rep.topology.endswith("(detected from the torchrun environment)") and "2 node(s) x 2 ranks" in rep.topology
+    assert (
+        rep.topology.endswith("(detected from the torchrun environment)")
+        and "2 node(s) x 2 ranks" in rep.topology
+    )
 
 
 @pytest.mark.multirank
@@ -302,7 +325,10 @@ def test_a_topology_that_contradicts_the_world_size_is_refused_by_name(rank_pool
     from _multirank_jobs import topology_against_the_world
 
     for r in rank_pool_2.run(topology_against_the_world):
-        assert "topology: num_nodes*ranks_per_node = 1*8 = 8, but the process group has world_size 2" in r["error"]
+        assert (
+            "topology: num_nodes*ranks_per_node = 1*8 = 8, but the process group has world_size 2"
+            in r["error"]
+        )
         assert r["detected"] == ("cpu-gloo", 2, "detected")
 
 
@@ -316,6 +342,7 @@ def test_inductor_cache_key_covers_the_layout_read_from_dtensors():
     rows = pipeline_for(cfg, dtensor_partitions=[[(0, 1), (2, 3)], [(0, 2), (1, 3)]])
     cols = pipeline_for(cfg, dtensor_partitions=[[(0, 2), (1, 3)], [(0, 1), (2, 3)]])
     assert _layout_digest(rows) != _layout_digest(cols)
-    assert _layout_digest(rows) == _layout_digest(pipeline_for(cfg, dtensor_partitions=[[(0, 1), (2, 3)],
-                                                                                        [(0, 2), (1, 3)]]))
+    assert _layout_digest(rows) == _layout_digest(
+        pipeline_for(cfg, dtensor_partitions=[[(0, 1), (2, 3)], [(0, 2), (1, 3)]])
+    )
     assert _layout_digest(pipeline_for(cfg, dtensor_roles={"1": "tp"})) != _layout_digest(pipeline_for(cfg))

@@ -48,8 +48,17 @@ def test_every_suite_resolves():
 
 def test_every_family_in_quick_suite():
     families = {get_workload(w).family.name for w in get_suite("quick").workloads}
-    assert families == {"llama_tp_sp", "llama_tp", "moe_ep", "simple_fsdp", "dp", "moe_tp_ep", "moe_sp_ep_sp",
-                        "moe_style_sp_ep_sp", "simple_fsdp_ga"}
+    assert families == {
+        "llama_tp_sp",
+        "llama_tp",
+        "moe_ep",
+        "simple_fsdp",
+        "dp",
+        "moe_tp_ep",
+        "moe_sp_ep_sp",
+        "moe_style_sp_ep_sp",
+        "simple_fsdp_ga",
+    }
 
 
 def test_single_pass_baselines_follow_the_pass_registry():
@@ -84,13 +93,18 @@ def test_unknown_names_are_reported():
 
 
 def _record() -> RunRecord:
-    graphs = [GraphCollectives("forward", 10, {"all_gather": KindTotals(2, 100, 50)}, KindTotals(2, 100, 50), {}),
-              GraphCollectives("backward", 12, {"reduce_scatter": KindTotals(2, 100, 50)},
-                               KindTotals(2, 100, 50), {})]
-    r0 = RankMeasurement(0, 2, first_step_s=3.0, step_s=[0.010, 0.020, 0.030, 0.040], peak_alloc_bytes=1000,
-                         graphs=graphs)
-    r1 = RankMeasurement(1, 2, first_step_s=3.5, step_s=[0.015, 0.010, 0.030, 0.050], peak_alloc_bytes=2000,
-                         graphs=graphs)
+    graphs = [
+        GraphCollectives("forward", 10, {"all_gather": KindTotals(2, 100, 50)}, KindTotals(2, 100, 50), {}),
+        GraphCollectives(
+            "backward", 12, {"reduce_scatter": KindTotals(2, 100, 50)}, KindTotals(2, 100, 50), {}
+        ),
+    ]
+    r0 = RankMeasurement(
+        0, 2, first_step_s=3.0, step_s=[0.010, 0.020, 0.030, 0.040], peak_alloc_bytes=1000, graphs=graphs
+    )
+    r1 = RankMeasurement(
+        1, 2, first_step_s=3.5, step_s=[0.015, 0.010, 0.030, 0.050], peak_alloc_bytes=2000, graphs=graphs
+    )
     return RunRecord("llama_tp_sp:s", "eager", 2, [r0, r1])
 
 
@@ -104,8 +118,10 @@ def test_metrics_from_raw_numbers():
     assert m["compile_s"] == pytest.approx(3.5 - 0.025)
     assert m["peak_alloc_bytes"] == 2000
     assert m["logged_bytes"] == 200 and m["wire_bytes"] == 100
-    assert m["collectives"] == {"all_gather": {"count": 2, "logged_bytes": 100, "wire_bytes": 50},
-                                "reduce_scatter": {"count": 2, "logged_bytes": 100, "wire_bytes": 50}}
+    assert m["collectives"] == {
+        "all_gather": {"count": 2, "logged_bytes": 100, "wire_bytes": 50},
+        "reduce_scatter": {"count": 2, "logged_bytes": 100, "wire_bytes": 50},
+    }
     assert m["unrecognised_collectives"] == 0
 
 
@@ -158,8 +174,10 @@ def test_failed_run_has_every_metric_as_none():
 def test_growth_exponent_and_goal_summary():
     assert growth_exponent([4, 8, 16, 32], [1.0, 2.0, 4.0, 8.0]) == pytest.approx(1.0)
     assert growth_exponent([4, 8, 16], [1.0, 4.0, 16.0]) == pytest.approx(2.0)
-    pts = [{"mode": "commfuse-eager", "layers": n, "pipeline_s": 0.1 * n, "error": None, "compile_s": 1.0}
-           for n in (4, 8)]
+    pts = [
+        {"mode": "commfuse-eager", "layers": n, "pipeline_s": 0.1 * n, "error": None, "compile_s": 1.0}
+        for n in (4, 8)
+    ]
     pts.append({"mode": "inductor", "layers": 8, "compile_s": 100.0, "pipeline_s": None, "error": None})
     (line,) = scaling_summary({"scaling": {"points": pts}})
     assert "0.80 s" in line and "0.8% of it" in line and "exponent" in line
@@ -189,7 +207,9 @@ def test_overlap_vs_inductor_small_shapes():
             assert b["rows"]["commfuse_reorder"][kind]["multiset"] == before["multiset"]  # a pure reorder
     calls = doc["estimate_calls"]
     assert all(calls.get(c, 0) > 0 for c in ("collective", "compute", "wait", "free")), calls
-    assert calls["collective"] >= sum(b["rows"]["inductor"][k]["collectives"] for b in doc["blocks"] for k in KINDS)
+    assert calls["collective"] >= sum(
+        b["rows"]["inductor"][k]["collectives"] for b in doc["blocks"] for k in KINDS
+    )
     for ours in ("commfuse", "commfuse_reorder"):
         for scope in ("per_block", "per_graph"):
             v = doc["verdict"][ours][scope]
@@ -200,7 +220,9 @@ def test_overlap_vs_inductor_small_shapes():
 # ------------------------------------------------------------- end to end
 
 
-@pytest.mark.slow(reason="runs benchmarks/run.py end to end in a subprocess (gloo ranks, a scaling point, plots)")
+@pytest.mark.slow(
+    reason="runs benchmarks/run.py end to end in a subprocess (gloo ranks, a scaling point, plots)"
+)
 @pytest.mark.multirank
 def test_suite_runs_and_json_is_complete(tmp_path):
     suite = get_suite(os.environ.get("COMMFUSE_BENCH_SUITE", "smoke"))
@@ -211,8 +233,13 @@ def test_suite_runs_and_json_is_complete(tmp_path):
         cmd += ["--workloads", ",".join(only)]
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        cmd + ["--json", str(out), "--plot", str(tmp_path / "plots"), "--markdown", str(tmp_path / "bench.md")],
-        cwd=REPO, capture_output=True, text=True, timeout=900)
+        cmd
+        + ["--json", str(out), "--plot", str(tmp_path / "plots"), "--markdown", str(tmp_path / "bench.md")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     doc = json.loads(out.read_text())
 
@@ -227,7 +254,9 @@ def test_suite_runs_and_json_is_complete(tmp_path):
         assert r["error"] is None, (w, b, r["error"])
         assert set(r["metrics"]) == set(METRICS), (w, b)
         for name in METRICS:
-            if name == "unrecognised_collectives" or (name == "sim_step_dgx_h100x2" and b.startswith("inductor")):
+            if name == "unrecognised_collectives" or (
+                name == "sim_step_dgx_h100x2" and b.startswith("inductor")
+            ):
                 continue  # None by design (graphs from commfuse's reports / Inductor bucketing ops)
             assert r["metrics"][name] is not None, (w, b, name)
         ranks = r["raw"]["ranks"]
@@ -252,8 +281,13 @@ def test_workloads_flag_restricts_the_suite_and_names_unknown_ones():
     assert {w for w, _ in one.matrix()} == {"llama_tp_sp:s"}
     with pytest.raises(KeyError, match="not in suite 'smoke'"):
         smoke.only(["llama_tp_sp:m"])
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--suite", "smoke", "--workloads",
-                           "nope:s"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--suite", "smoke", "--workloads", "nope:s"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--workloads" in proc.stderr and "nope:s" in proc.stderr
 
 
@@ -263,7 +297,9 @@ def test_workloads_flag_restricts_the_suite_and_names_unknown_ones():
 def test_ab_percentile_and_speedup_direction():
     from benchmarks.ab import percentile, speedup_ratios
 
-    assert [percentile([5, 1, 4, 2, 3], q) for q in (0.0, 0.1, 0.5, 1.0)] == pytest.approx([1.0, 1.4, 3.0, 5.0])
+    assert [percentile([5, 1, 4, 2, 3], q) for q in (0.0, 0.1, 0.5, 1.0)] == pytest.approx(
+        [1.0, 1.4, 3.0, 5.0]
+    )
     # time(baseline) / time(candidate): the candidate taking half the time is a speed-up of 2
     assert speedup_ratios([2.0, 3.0, 1.0], [1.0, 3.0, 2.0]) == [2.0, 1.0, 0.5]
     with pytest.raises(ValueError):
@@ -312,8 +348,13 @@ def test_ab_summary_and_tables_from_raw_numbers():
     from benchmarks.ab import ABRank, ab_tables, settings, summarize
 
     def rank(r: int, cand: list[float], base: list[float]) -> ABRank:
-        runs = {"cand": RankMeasurement(r, 2, 0.5, cand, None), "base": RankMeasurement(r, 2, 0.2, base, None)}
-        return ABRank(r, 2, runs, {"cand": [1.0 + r], "base": [1.0 + r + 1e-6]}, [["cand", "base"], ["base", "cand"]])
+        runs = {
+            "cand": RankMeasurement(r, 2, 0.5, cand, None),
+            "base": RankMeasurement(r, 2, 0.2, base, None),
+        }
+        return ABRank(
+            r, 2, runs, {"cand": [1.0 + r], "base": [1.0 + r + 1e-6]}, [["cand", "base"], ["base", "cand"]]
+        )
 
     ranks = [rank(0, [0.010, 0.012], [0.020, 0.018]), rank(1, [0.011, 0.010], [0.019, 0.024])]
     result = summarize("llama_tp_sp:s", ["cand", "base"], ranks)
@@ -324,10 +365,17 @@ def test_ab_summary_and_tables_from_raw_numbers():
     assert (c["candidate"], c["baseline"]) == ("cand", "base")
     assert c["ratios"] == pytest.approx([0.020 / 0.011, 0.024 / 0.012]) and c["verdict"] == "faster"
     assert result["first_loss_max_abs_diff"] == pytest.approx(1e-6)
-    doc = {"environment": {"date": "d", "machine": {"platform": "p", "logical_cores": 2},
-                           "versions": {"torch": "t"}},
-           "settings": settings([2], 1, 2), "executors": ["cand", "base"], "warnings": [],
-           "results": [json.loads(json.dumps(result)), {"workload": "moe_ep:s", "error": "boom"}]}
+    doc = {
+        "environment": {
+            "date": "d",
+            "machine": {"platform": "p", "logical_cores": 2},
+            "versions": {"torch": "t"},
+        },
+        "settings": settings([2], 1, 2),
+        "executors": ["cand", "base"],
+        "warnings": [],
+        "results": [json.loads(json.dumps(result)), {"workload": "moe_ep:s", "error": "boom"}],
+    }
     text, md = ab_tables(doc), ab_tables(doc, markdown=True)
     assert "cand is 1.909x faster than base" in text and "FAILED: boom" in text
     assert "| llama_tp_sp:s | cand | base | 11.5 | 22.0 | 1.909 |" in md
@@ -336,23 +384,48 @@ def test_ab_summary_and_tables_from_raw_numbers():
 def test_ab_options_are_checked_before_any_rank_starts(capsys):
     from benchmarks.run import main
 
-    for argv, msg in [(["--ab", "eager"], "two or more"), (["--ab", "eager,eager"], "two or more"),
-                      (["--ab", "eager,nope"], "nope"), (["--pairs", "5"], "only with --ab"),
-                      (["--ab", "eager,commfuse-eager", "--workloads", "nope:s"], "nope:s"),
-                      (["--ab", "eager,commfuse-eager", "--pairs", "0"], ">= 1")]:
+    for argv, msg in [
+        (["--ab", "eager"], "two or more"),
+        (["--ab", "eager,eager"], "two or more"),
+        (["--ab", "eager,nope"], "nope"),
+        (["--pairs", "5"], "only with --ab"),
+        (["--ab", "eager,commfuse-eager", "--workloads", "nope:s"], "nope:s"),
+        (["--ab", "eager,commfuse-eager", "--pairs", "0"], ">= 1"),
+    ]:
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 2 and msg in capsys.readouterr().err, argv
 
 
-@pytest.mark.slow(reason="runs benchmarks/run.py --ab in a subprocess: rank start-up, warm-up compile, one compile")
+@pytest.mark.slow(
+    reason="runs benchmarks/run.py --ab in a subprocess: rank start-up, warm-up compile, one compile"
+)
 @pytest.mark.multirank
 def test_ab_runs_end_to_end(tmp_path):
     """``--ab commfuse-eager,eager`` on llama_tp_sp:s, 2 gloo ranks, 3 pairs: JSON and tables complete."""
     out, md = tmp_path / "ab.json", tmp_path / "ab.md"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--ab", "commfuse-eager,eager",
-                           "--workloads", "llama_tp_sp:s", "--pairs", "3", "--warmup", "1", "--json", str(out),
-                           "--markdown", str(md)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "run.py"),
+            "--ab",
+            "commfuse-eager,eager",
+            "--workloads",
+            "llama_tp_sp:s",
+            "--pairs",
+            "3",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "3 pairs (< 20)" in proc.stderr  # the smoke-sized run is flagged
     doc = json.loads(out.read_text())
@@ -362,7 +435,11 @@ def test_ab_runs_end_to_end(tmp_path):
     (r,) = doc["results"]
     assert r["error"] is None and r["world_size"] == 2
     assert r["first_loss_max_abs_diff"] is not None and r["first_loss_max_abs_diff"] < 1e-4  # same start
-    assert r["orders"] == [["commfuse-eager", "eager"], ["eager", "commfuse-eager"], ["commfuse-eager", "eager"]]
+    assert r["orders"] == [
+        ["commfuse-eager", "eager"],
+        ["eager", "commfuse-eager"],
+        ["commfuse-eager", "eager"],
+    ]
     for e in ("commfuse-eager", "eager"):
         assert len(r["executors"][e]["round_s"]) == 3 and r["executors"][e]["first_step_s"] > 0
         assert all(len(rk["runs"][e]["step_s"]) == 3 for rk in r["raw"]["ranks"])
@@ -414,7 +491,9 @@ def _job_declared_step(workload: str) -> tuple[float, dict[str, int]]:
     return float(losses[0]), kinds
 
 
-@pytest.mark.slow(reason="imports torchtitan and transformers in every rank and builds four third-party models")
+@pytest.mark.slow(
+    reason="imports torchtitan and transformers in every rank and builds four third-party models"
+)
 @pytest.mark.multirank
 def test_declared_workloads_step_on_real_ranks_with_their_collectives(rank_pool_2, rank_pool_4):
     """Every declared family at size s, built by its library on real gloo ranks (its own world
@@ -426,7 +505,10 @@ def test_declared_workloads_step_on_real_ranks_with_their_collectives(rank_pool_
     # family -> (kinds its graphs must issue, kinds they must not)
     expected = {
         "titan_llama3_tp_sp": ({"all_gather", "reduce_scatter"}, {"all_reduce", "all_to_all"}),  # SP
-        "titan_deepseek_v3_tp_ep": ({"all_gather", "reduce_scatter", "all_to_all"}, set()),  # SP + EP dispatch
+        "titan_deepseek_v3_tp_ep": (
+            {"all_gather", "reduce_scatter", "all_to_all"},
+            set(),
+        ),  # SP + EP dispatch
         "hf_llama_tp": ({"all_reduce"}, {"reduce_scatter", "all_to_all"}),  # plain TP
         # SimpleFSDP's parameter all_gather / gradient reduce_scatter, SP's, the norms' gradient all_reduce
         "simple_fsdp_tp": ({"all_gather", "reduce_scatter", "all_reduce"}, {"all_to_all"}),
@@ -439,7 +521,9 @@ def test_declared_workloads_step_on_real_ranks_with_their_collectives(rank_pool_
         for rank, (loss, kinds) in enumerate(results):
             assert torch.isfinite(torch.tensor(loss)), (family.name, rank, loss)
             assert must <= set(kinds) and not must_not & set(kinds), (family.name, rank, kinds)
-        assert all(kinds == results[0][1] for _, kinds in results), family.name  # SPMD: the same on every rank
+        assert all(kinds == results[0][1] for _, kinds in results), (
+            family.name
+        )  # SPMD: the same on every rank
 
 
 def test_comm_share_row_bounds_what_communication_can_give():

@@ -17,8 +17,13 @@ import torch
 import torch.fx as fx
 
 from benchmarks.boundary_volume import TABLE, WORKLOADS, formula, pp_ep_formula, trace_workload, volume_row
-from commfuse.models.pipeline_models import PipelineModelConfig, build_stages, make_full_data, make_loss_fn, \
-    position_view
+from commfuse.models.pipeline_models import (
+    PipelineModelConfig,
+    build_stages,
+    make_full_data,
+    make_loss_fn,
+    position_view,
+)
 from commfuse.ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, parse_m2ms
 from commfuse.analysis import boundary
 from commfuse.transforms.boundary_fusion import LAYOUT_META, BoundaryFusion, fuse_boundaries, measured_bytes
@@ -38,8 +43,9 @@ def _calls(gm: fx.GraphModule, op) -> list[fx.Node]:
 def _fuse(name: str, position: int = 0, **kw):
     w = WORKLOADS[name]
     program, inputs = trace_workload(w, position, **kw)
-    rep = fuse_boundaries(program.forward, program.layout, options=w.options,
-                          input_names=[s.name for s in program.inputs])
+    rep = fuse_boundaries(
+        program.forward, program.layout, options=w.options, input_names=[s.name for s in program.inputs]
+    )
     return w, program, inputs, rep
 
 
@@ -52,8 +58,10 @@ def test_each_rule_fires_and_the_fused_program_partitions(name, position):
     fwd = program.forward
     from commfuse.ops import parse_stage_transfer
 
-    transfers = [(parse_stage_transfer(n).src, parse_stage_transfer(n).dst)
-                 for n in _calls(fwd, STAGE_TRANSFER_AUTOGRAD)]
+    transfers = [
+        (parse_stage_transfer(n).src, parse_stage_transfer(n).dst)
+        for n in _calls(fwd, STAGE_TRANSFER_AUTOGRAD)
+    ]
     if w.rule == "p2p_a2a":  # the router weight back to stage 0, the top-k weights and indices forward
         assert sorted(transfers) == [((0, 1), (2, 3))] * 2 + [((2, 3), (0, 1))]
     else:
@@ -70,7 +78,9 @@ def test_each_rule_fires_and_the_fused_program_partitions(name, position):
     fw_m, bw_m = _calls(program.joint, M2MS)
     pf, pb = parse_m2ms(fw_m), parse_m2ms(bw_m)
     assert (pb.src, pb.dst) == (pf.dst, pf.src) and pb.splits == tuple(zip(*pf.splits, strict=True))
-    floating = [n for n in _calls(program.forward, STAGE_TRANSFER_AUTOGRAD) if n.meta["val"].is_floating_point()]
+    floating = [
+        n for n in _calls(program.forward, STAGE_TRANSFER_AUTOGRAD) if n.meta["val"].is_floating_point()
+    ]
     # each transfer, and the backward of each floating one (the top-k indices have no gradient)
     assert len(_calls(program.joint, STAGE_TRANSFER)) == len(transfers) + len(floating)
     parted = partition(program)
@@ -105,16 +115,19 @@ def test_boundary_bytes_equal_the_formulas(name, B, S, H):
     change by exactly that difference."""
     w = dataclasses.replace(WORKLOADS[name], dim=H, ffn_dim=2 * H)
     program, _ = trace_workload(w, 0, batch=2 * B, seq=S)  # 2 micro-batches of B
-    rep = fuse_boundaries(program.forward, program.layout, options=w.options,
-                          input_names=[s.name for s in program.inputs])
+    rep = fuse_boundaries(
+        program.forward, program.layout, options=w.options, input_names=[s.name for s in program.inputs]
+    )
     (d,) = [d for d in rep.decisions if d.applied]
     if w.rule == "p2p_a2a":
         want = pp_ep_formula(B, S, H, 2, E=4, k=1, capacity_factor=1.0)
     else:
         want = formula(w.rule, B, S, H, 2)
     assert (d.volume.bytes_before, d.volume.bytes_after) == want
-    total = {k: sum(sum(v.values()) for v in b.values()) for k, b in (("before", rep.bytes_before),
-                                                                      ("after", rep.bytes_after))}
+    total = {
+        k: sum(sum(v.values()) for v in b.values())
+        for k, b in (("before", rep.bytes_before), ("after", rep.bytes_after))
+    }
     assert total["before"] - total["after"] == d.volume.bytes_before - d.volume.bytes_after
     # and the kinds moved as the rule says
     kinds_before = {k for v in rep.bytes_before.values() for k in v}
@@ -150,14 +163,22 @@ def test_refusals_on_the_pipeline_models_say_why():
     """commfuse.models.pipeline_models: SP stages transfer sequence shards (nothing to fuse: the
     next stage normalises before it gathers), the EP model's boundary feeds a dense block, TP
     needs its contract declared."""
+
     def fused(kind, options):
         cfg = PipelineModelConfig(kind=kind)
         layout = plan_layout(STAGES, 0)
         stages = build_stages(cfg, layout.stages, 0, 2)
         x, t = make_full_data(cfg, 2, 4, 8)
-        prog = trace_forward(layout, stages, make_loss_fn(cfg, 2), position_view(cfg, 2, 0, x)[:2],
-                             position_view(cfg, 2, 0, t)[:2])
-        return fuse_boundaries(prog.forward, layout, options=options, input_names=[s.name for s in prog.inputs])
+        prog = trace_forward(
+            layout,
+            stages,
+            make_loss_fn(cfg, 2),
+            position_view(cfg, 2, 0, x)[:2],
+            position_view(cfg, 2, 0, t)[:2],
+        )
+        return fuse_boundaries(
+            prog.forward, layout, options=options, input_names=[s.name for s in prog.inputs]
+        )
 
     rep = fused("sp", None)
     assert not rep.changed
@@ -180,21 +201,33 @@ def test_pp_ep_needs_reverse_transfers_and_refuses_a_residual():
     MoE) moving everything up to the dispatch would send the dense block's weights: refused by
     minimum cut: the dense block's output is as large as the activation (the transfer stays)."""
     program, _ = trace_workload(WORKLOADS["pp_ep"], 0)
-    rep = fuse_boundaries(program.forward, program.layout, options=BoundaryFusionOptions(rules=("p2p_a2a",)),
-                          input_names=[s.name for s in program.inputs])
+    rep = fuse_boundaries(
+        program.forward,
+        program.layout,
+        options=BoundaryFusionOptions(rules=("p2p_a2a",)),
+        input_names=[s.name for s in program.inputs],
+    )
     assert not rep.changed and "reverse_transfers=True" in rep.decisions[0].reasons["p2p_a2a"]
-    rep = fuse_boundaries(program.forward, program.layout,
-                          options=BoundaryFusionOptions(rules=("p2p_a2a",), reverse_transfers=True))
+    rep = fuse_boundaries(
+        program.forward,
+        program.layout,
+        options=BoundaryFusionOptions(rules=("p2p_a2a",), reverse_transfers=True),
+    )
     assert not rep.changed and "input names are unknown" in rep.decisions[0].reasons["p2p_a2a"]
 
     cfg = PipelineModelConfig(kind="ep")
     layout = plan_layout(STAGES, 0)
     stages = build_stages(cfg, layout.stages, 0, 2)
     x, t = make_full_data(cfg, 2, 4, 8)
-    prog = trace_forward(layout, stages, make_loss_fn(cfg, 2), position_view(cfg, 2, 0, x)[:2],
-                         position_view(cfg, 2, 0, t)[:2])
-    rep = fuse_boundaries(prog.forward, layout, options=BoundaryFusionOptions(reverse_transfers=True),
-                          input_names=[s.name for s in prog.inputs])
+    prog = trace_forward(
+        layout, stages, make_loss_fn(cfg, 2), position_view(cfg, 2, 0, x)[:2], position_view(cfg, 2, 0, t)[:2]
+    )
+    rep = fuse_boundaries(
+        prog.forward,
+        layout,
+        options=BoundaryFusionOptions(reverse_transfers=True),
+        input_names=[s.name for s in prog.inputs],
+    )
     assert not rep.changed and "needs the whole transferred activation" in rep.decisions[0].reasons["p2p_a2a"]
 
 
@@ -257,7 +290,9 @@ def test_registered_pass_reads_the_layout_from_meta_or_the_aliases():
     # after p2p_a2a the boundary carries transfers both ways: without the layout, left alone
     w = WORKLOADS["pp_ep"]
     program, _ = trace_workload(w, 0)
-    fuse_boundaries(program.forward, program.layout, options=w.options, input_names=[s.name for s in program.inputs])
+    fuse_boundaries(
+        program.forward, program.layout, options=w.options, input_names=[s.name for s in program.inputs]
+    )
     bmap, notes = BoundaryMap.from_graph(program.forward)
     assert not bmap.boundaries and "more than one direction" in notes[0]
     res = BoundaryFusion().run(PassContext(program.forward, Config()))
@@ -295,7 +330,9 @@ def _check(out: list[dict], rule: str, exact: bool) -> None:
         for key, run in res["runs"].items():
             plain, fused = run["plain"], run["fused"]
             assert fused["counts"][rule] == 1, (r, key, fused["refusals"])
-            want_ops = ["commfuse.m2ms.default"] + (["commfuse.stage_transfer.default"] if rule == "p2p_a2a" else [])
+            want_ops = ["commfuse.m2ms.default"] + (
+                ["commfuse.stage_transfer.default"] if rule == "p2p_a2a" else []
+            )
             assert fused["joint_ops"] == want_ops, fused["joint_ops"]
             assert fused["state_dict_unchanged"] and plain["state_dict"] == fused["state_dict"]
             assert fused["other_grads_untouched"] and plain["other_grads_untouched"]

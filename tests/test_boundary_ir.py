@@ -136,8 +136,12 @@ def test_autograd_variants_are_synchronous_collectives_the_verifier_accepts():
     gm, ir, ver = _trace(f, _x(0, True), torch.randn(3, 4, requires_grad=True))
     assert ver.ok, ver.problems
     names = [str(c.start.target) for c in ir.collectives]
-    assert names == ["commfuse.m2ms_autograd.default", "commfuse.stage_transfer_autograd.default",
-                     "commfuse.stage_transfer_autograd.default", "commfuse.m2ms_autograd.default"]
+    assert names == [
+        "commfuse.m2ms_autograd.default",
+        "commfuse.stage_transfer_autograd.default",
+        "commfuse.stage_transfer_autograd.default",
+        "commfuse.m2ms_autograd.default",
+    ]
     assert all(c.synchronous and not c.waits and c.logical_output is c.start for c in ir.collectives)
     fwd, bwd = ir.collectives[0], ir.collectives[3]
     # the backward is the reverse scatter: rank 0 receives back what it sent
@@ -180,14 +184,20 @@ def test_default_pipeline_and_every_pass_keep_the_boundary_ops():
         g = torch.Generator().manual_seed(r)
         ins = [torch.randn(4, 4, generator=g), torch.randn(8, 4, generator=g), torch.randn(4, 4, generator=g)]
         with fake_process_group(4, rank=r) as pg:
-            graphs.append(make_fx(lambda *a: _pipeline_program(pg, rows[r], *a), tracing_mode="fake")(  # noqa: B023 - traced now
-                *[t.clone().requires_grad_() for t in ins]))
+            graphs.append(
+                make_fx(lambda *a: _pipeline_program(pg, rows[r], *a), tracing_mode="fake")(  # noqa: B023 - traced now
+                    *[t.clone().requires_grad_() for t in ins]
+                )
+            )
         inputs.append(ins)
     expected = run_reference(graphs, inputs)
 
     def boundary(gm):
-        return [(str(n.target), n.args[1:]) for n in gm.graph.nodes
-                if n.op == "call_function" and n.target in boundary_op_names()]
+        return [
+            (str(n.target), n.args[1:])
+            for n in gm.graph.nodes
+            if n.op == "call_function" and n.target in boundary_op_names()
+        ]
 
     before = [boundary(g) for g in graphs]
     assert len(before[0]) == 4  # m2ms and stage_transfer, forward and backward
@@ -205,9 +215,16 @@ def test_default_pipeline_and_every_pass_keep_the_boundary_ops():
 
 
 # ------------------------------------------------------------------------------- cost model
-TWO_NODES = Topology(name="t", num_nodes=2, ranks_per_node=2, intra_node_bandwidth_GBps=100.0,
-                     inter_node_bandwidth_GBps=10.0, intra_node_latency_us=2.0, inter_node_latency_us=7.0,
-                     collective_launch_us=5.0)
+TWO_NODES = Topology(
+    name="t",
+    num_nodes=2,
+    ranks_per_node=2,
+    intra_node_bandwidth_GBps=100.0,
+    inter_node_bandwidth_GBps=10.0,
+    intra_node_latency_us=2.0,
+    inter_node_latency_us=7.0,
+    collective_launch_us=5.0,
+)
 
 
 def test_transfer_time_by_hand():
@@ -286,7 +303,9 @@ def test_boundary_transitions_reproduce_table2():
     for n in range(2, 9):
         t = V.sp_pp_transition(n)
         assert _eq(t.real_demand, rows["SP+PP"].real_demand) and _eq(t.ratio, rows["SP+PP"].ratio.subs(N, n))
-        assert _eq(t.plans["m2ms"].max_received(), B * S * H)  # every stage-2 rank gets the gathered activation
+        assert _eq(
+            t.plans["m2ms"].max_received(), B * S * H
+        )  # every stage-2 rank gets the gathered activation
         lo, hi = rows["SP+PP"].paper_ratio
         assert lo <= t.ratio <= hi
         p = V.pp_ep_transition(n)
@@ -349,6 +368,7 @@ def test_reference_semantics_by_hand_and_errors():
     bad[0][0] = torch.randn(2, 2, 5)
     with pytest.raises(CollectiveMismatchError, match=r"rank 0 node m2ms .*size 2 along dim 1.*sends 3"):
         run_reference(graphs, bad)
+
     # ranks that disagree on the piece matrix: the receiver expects another piece than was sent
     def other(pg, x, y):
         return W(M2MS(x, 1, [2, 1, 0, 3, 0, 1], SRC, DST, 4, pg.group_name)), y
@@ -361,6 +381,7 @@ def test_reference_semantics_by_hand_and_errors():
 
 def test_input_changed_after_issue_is_no_race():
     """The boundary ops copy what they send when issued: changing x before the wait is allowed."""
+
     def f(pg, x, y):
         t = STAGE_TRANSFER(x, [0, 1], [2, 3], 4, pg.group_name)
         x.add_(y)
@@ -387,9 +408,12 @@ def gloo_boundary(rank_pool_4):
     return rank_pool_4.run(boundary_cases_on_gloo, 0, timeout=180)
 
 
-_GLOO_PARAMS = [pytest.param(case, per_rank, id=f"{case}-{'graph_per_rank' if per_rank else 'one_graph'}")
-                for case in sorted(cc.BOUNDARY_CASES) for per_rank in (False, True)
-                if per_rank or not cc.BOUNDARY_CASES[case].per_rank]
+_GLOO_PARAMS = [
+    pytest.param(case, per_rank, id=f"{case}-{'graph_per_rank' if per_rank else 'one_graph'}")
+    for case in sorted(cc.BOUNDARY_CASES)
+    for per_rank in (False, True)
+    if per_rank or not cc.BOUNDARY_CASES[case].per_rank
+]
 
 
 @pytest.mark.multirank
@@ -404,7 +428,9 @@ def test_reference_matches_gloo(gloo_boundary, case, per_rank):
         if spec.exact:
             assert_bitwise_equal_tree(outs[r], gloo_boundary[r][case], msg=f"{case} on rank {r}")
         else:
-            assert_close_tree(outs[r], gloo_boundary[r][case], msg=f"{case} on rank {r}", summands=cc.WORLD_SIZE)
+            assert_close_tree(
+                outs[r], gloo_boundary[r][case], msg=f"{case} on rank {r}", summands=cc.WORLD_SIZE
+            )
 
 
 def test_reference_max_min_of_signed_zeros_do_not_depend_on_layout():

@@ -14,8 +14,18 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import commfuse
 from commfuse.core.torch_private import c10d_functional
-from commfuse.ops import (M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, m2ms, parse_m2ms,
-                          parse_stage_transfer, stage_transfer, trace_as_rank, trace_position)
+from commfuse.ops import (
+    M2MS,
+    M2MS_AUTOGRAD,
+    STAGE_TRANSFER,
+    STAGE_TRANSFER_AUTOGRAD,
+    m2ms,
+    parse_m2ms,
+    parse_stage_transfer,
+    stage_transfer,
+    trace_as_rank,
+    trace_position,
+)
 from commfuse.testing.fake_pg import fake_process_group
 
 import _jobs_boundary_ops as jobs
@@ -37,12 +47,17 @@ def _calls(gm, target):
 
 
 def test_ops_are_registered_with_the_spec_schemas():
-    assert str(M2MS._schema) == ("commfuse::m2ms(Tensor x, int dim, int[] splits, int[] src, int[] dst, "
-                                 "int group_size, str group_name) -> Tensor")
+    assert str(M2MS._schema) == (
+        "commfuse::m2ms(Tensor x, int dim, int[] splits, int[] src, int[] dst, "
+        "int group_size, str group_name) -> Tensor"
+    )
     assert str(M2MS_AUTOGRAD._schema).startswith("commfuse::m2ms_autograd(Tensor x, int dim, int[] splits")
-    assert str(STAGE_TRANSFER._schema) == ("commfuse::stage_transfer(Tensor x, int[] src, int[] dst, "
-                                           "int group_size, str group_name) -> Tensor")
-    assert str(STAGE_TRANSFER_AUTOGRAD._schema).startswith("commfuse::stage_transfer_autograd(Tensor x, int[] src")
+    assert str(STAGE_TRANSFER._schema) == (
+        "commfuse::stage_transfer(Tensor x, int[] src, int[] dst, int group_size, str group_name) -> Tensor"
+    )
+    assert str(STAGE_TRANSFER_AUTOGRAD._schema).startswith(
+        "commfuse::stage_transfer_autograd(Tensor x, int[] src"
+    )
     assert commfuse.ops.boundary.m2ms is m2ms and "ops" in commfuse.__all__
 
 
@@ -78,13 +93,16 @@ def test_fake_kernel_under_trace_position():
         for r in DST:
             with trace_as_rank(g.group_name, r):
                 # the traced rank's input has the traced rank's row size
-                y = make_fx(lambda x: m2ms(x, 0, MAT, SRC, DST, g), tracing_mode="fake")(torch.randn(ROW[r], 3))
+                y = make_fx(lambda x: m2ms(x, 0, MAT, SRC, DST, g), tracing_mode="fake")(
+                    torch.randn(ROW[r], 3)
+                )
             assert tuple(_calls(y, M2MS)[0].meta["val"].shape) == (COL[r], 3)
         for pos in range(len(DST)):
             with trace_position(g.group_name, pos):
                 # a pipeline rank at position pos: sends as SRC[pos], receives as DST[pos]
-                y = make_fx(lambda x: m2ms(x, 0, MAT, SRC, DST, g),
-                            tracing_mode="fake")(torch.randn(ROW[SRC[pos]], 3))
+                y = make_fx(lambda x: m2ms(x, 0, MAT, SRC, DST, g), tracing_mode="fake")(
+                    torch.randn(ROW[SRC[pos]], 3)
+                )
             assert tuple(_calls(y, M2MS)[0].meta["val"].shape) == (COL[DST[pos]], 3)
         with trace_position(None, None):
             y = make_fx(lambda x: m2ms(x, 0, MAT, SRC, DST, g), tracing_mode="fake")(torch.randn(0, 3))
@@ -126,9 +144,11 @@ def _joint(x, w, y):
 
 
 def _joint_graph(rank, traced_as=None):
-    args = (torch.randn(2, ROW[traced_as if traced_as is not None else rank], requires_grad=True),
-            torch.randn(2, COL[traced_as if traced_as is not None else rank]),
-            torch.randn(3, 4, requires_grad=True))
+    args = (
+        torch.randn(2, ROW[traced_as if traced_as is not None else rank], requires_grad=True),
+        torch.randn(2, COL[traced_as if traced_as is not None else rank]),
+        torch.randn(3, 4, requires_grad=True),
+    )
     if traced_as is None:
         return make_fx(_joint, tracing_mode="fake")(*args)
     with trace_as_rank("0", traced_as):
@@ -186,40 +206,72 @@ def test_parse_from_args_and_helpers():
     assert a.send_peers(1) == (3,)  # the piece to itself is local, the piece to 2 is empty
     assert a.recv_peers(2) == (0,)
     assert a.unit_numel((6, 2)) == 2
-    kw = parse_m2ms((torch.empty(2, 3),), {"dim": 1, "splits": [3], "src": [0], "dst": [1], "group_size": 2,
-                                           "group_name": "g"})
+    kw = parse_m2ms(
+        (torch.empty(2, 3),),
+        {"dim": 1, "splits": [3], "src": [0], "dst": [1], "group_size": 2, "group_name": "g"},
+    )
     assert kw.dim == 1 and kw.splits == ((3,),)
     s = parse_stage_transfer((torch.empty(2), [0, 1], [1, 2], 4, "g"))
-    assert s.sends_to(1) == 2 and s.receives_from(1) == 0 and s.sends_to(3) is None and s.receives_from(0) is None
+    assert (
+        s.sends_to(1) == 2
+        and s.receives_from(1) == 0
+        and s.sends_to(3) is None
+        and s.receives_from(0) is None
+    )
     assert s.pairs() == ((0, 1), (1, 2))
 
 
 # ---------------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda g: m2ms(torch.zeros(6, 2), 0, [1, 2, 3], SRC, DST, g), "splits has 3 entries, expected len\\(src\\)"),
-    (lambda g: m2ms(torch.zeros(6, 2), 0, [[1, 2], [3, 4], [5, 6]], SRC, DST, g), "splits row 0 has 2 entries"),
-    (lambda g: m2ms(torch.zeros(6, 2), 0, [[1, 2, 3]], SRC, DST, g), "splits has 1 rows"),
-    (lambda g: m2ms(torch.zeros(6, 2), 0, [[1, -2, 7], [4, 0, 1], [2, 5, 0]], SRC, DST, g),
-     "splits\\[1\\] = -2 is negative"),
-    (lambda g: m2ms(torch.zeros(6, 2), 0, [[1, 2.0, 3], [4, 0, 1], [2, 5, 0]], SRC, DST, g),
-     "splits\\[1\\] must be an int"),
-    (lambda g: m2ms(torch.zeros(6, 2), 0, MAT, [0, 1, 1], DST, g), "src holds rank 1 twice"),
-    (lambda g: m2ms(torch.zeros(6, 2), 0, MAT, SRC, [1, 2, 4], g), "dst holds rank 4, outside the group of 4"),
-    (lambda g: m2ms(torch.zeros(6, 2), 0, MAT, [-1, 1, 2], DST, g), "src holds rank -1"),
-    (lambda g: m2ms(torch.zeros(6, 2), 0, [], [], DST, g), "src is empty"),
-    (lambda g: m2ms(torch.zeros(6, 2), 2, MAT, SRC, DST, g), "dim 2 is out of range"),
-    (lambda g: m2ms(torch.zeros(()), 0, MAT, SRC, DST, g), "x must have at least one dimension"),
-    (lambda g: m2ms([1, 2], 0, MAT, SRC, DST, g), "x must be a Tensor"),
-    (lambda g: m2ms(torch.zeros(6, 2), 0, MAT, SRC, DST, "no-such-group"), "group 'no-such-group' names no process"),
-    (lambda g: m2ms(torch.zeros(6, 2), 0, MAT, SRC, DST, 3), "group must be a ProcessGroup or a group name"),
-    (lambda g: m2ms(torch.zeros(6, 2), 0, MAT, "0,1", DST, g), "src must be a list of group ranks"),
-    (lambda g: stage_transfer(torch.zeros(2), [0, 1], [1], g), "src has 2 ranks and dst 1"),
-    (lambda g: stage_transfer(torch.zeros(2), [0, 1], [2, 2], g), "dst holds rank 2 twice"),
-    (lambda g: stage_transfer(torch.zeros(2), [0], [7], g), "dst holds rank 7, outside the group of 4"),
-    (lambda g: M2MS(torch.zeros(6, 2), 0, [1] * 9, SRC, DST, 0, "0"), "group_size must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda g: m2ms(torch.zeros(6, 2), 0, [1, 2, 3], SRC, DST, g),
+            "splits has 3 entries, expected len\\(src\\)",
+        ),
+        (
+            lambda g: m2ms(torch.zeros(6, 2), 0, [[1, 2], [3, 4], [5, 6]], SRC, DST, g),
+            "splits row 0 has 2 entries",
+        ),
+        (lambda g: m2ms(torch.zeros(6, 2), 0, [[1, 2, 3]], SRC, DST, g), "splits has 1 rows"),
+        (
+            lambda g: m2ms(torch.zeros(6, 2), 0, [[1, -2, 7], [4, 0, 1], [2, 5, 0]], SRC, DST, g),
+            "splits\\[1\\] = -2 is negative",
+        ),
+        (
+            lambda g: m2ms(torch.zeros(6, 2), 0, [[1, 2.0, 3], [4, 0, 1], [2, 5, 0]], SRC, DST, g),
+            "splits\\[1\\] must be an int",
+        ),
+        (lambda g: m2ms(torch.zeros(6, 2), 0, MAT, [0, 1, 1], DST, g), "src holds rank 1 twice"),
+        (
+            lambda g: m2ms(torch.zeros(6, 2), 0, MAT, SRC, [1, 2, 4], g),
+            "dst holds rank 4, outside the group of 4",
+        ),
+        (lambda g: m2ms(torch.zeros(6, 2), 0, MAT, [-1, 1, 2], DST, g), "src holds rank -1"),
+        (lambda g: m2ms(torch.zeros(6, 2), 0, [], [], DST, g), "src is empty"),
+        (lambda g: m2ms(torch.zeros(6, 2), 2, MAT, SRC, DST, g), "dim 2 is out of range"),
+        (lambda g: m2ms(torch.zeros(()), 0, MAT, SRC, DST, g), "x must have at least one dimension"),
+        (lambda g: m2ms([1, 2], 0, MAT, SRC, DST, g), "x must be a Tensor"),
+        (
+            lambda g: m2ms(torch.zeros(6, 2), 0, MAT, SRC, DST, "no-such-group"),
+            "group 'no-such-group' names no process",
+        ),
+        (
+            lambda g: m2ms(torch.zeros(6, 2), 0, MAT, SRC, DST, 3),
+            "group must be a ProcessGroup or a group name",
+        ),
+        (lambda g: m2ms(torch.zeros(6, 2), 0, MAT, "0,1", DST, g), "src must be a list of group ranks"),
+        (lambda g: stage_transfer(torch.zeros(2), [0, 1], [1], g), "src has 2 ranks and dst 1"),
+        (lambda g: stage_transfer(torch.zeros(2), [0, 1], [2, 2], g), "dst holds rank 2 twice"),
+        (lambda g: stage_transfer(torch.zeros(2), [0], [7], g), "dst holds rank 7, outside the group of 4"),
+        (
+            lambda g: M2MS(torch.zeros(6, 2), 0, [1] * 9, SRC, DST, 0, "0"),
+            "group_size must be a positive int",
+        ),
+    ],
+)
 def test_bad_input_raises_value_error_naming_the_argument(call, match):
     with fake_process_group(4, rank=0) as g:
         with pytest.raises(ValueError, match=match):
@@ -236,7 +288,9 @@ def test_input_size_mismatch_is_caught_when_tracing():
 
 
 def _bad(records):
-    return [r for r in records if not all(v for k, v in r.items() if k.endswith(("equal", "_ok", "contiguous")))]
+    return [
+        r for r in records if not all(v for k, v in r.items() if k.endswith(("equal", "_ok", "contiguous")))
+    ]
 
 
 @pytest.mark.multirank
@@ -297,5 +351,10 @@ def test_fake_kernel_on_a_live_group_and_size_check(rank_pool_4):
 @pytest.mark.multirank
 def test_torch_compile_aot_eager_matches_eager(rank_pool_2):
     for res in rank_pool_2.run(jobs.compile_matches_eager, timeout=240):
-        assert res == {"loss_equal": True, "grad_equal": True, "frames": 1, "has_m2ms": True,
-                       "has_stage_transfer": True}
+        assert res == {
+            "loss_equal": True,
+            "grad_equal": True,
+            "frames": 1,
+            "has_m2ms": True,
+            "has_stage_transfer": True,
+        }

@@ -35,7 +35,9 @@ def _rs(x, g, op="sum", dim=0):
 
 def _trace(fn, shapes, dtypes=None):
     dtypes = dtypes or [torch.float32] * len(shapes)
-    return make_fx(fn, tracing_mode="fake")(*[torch.randn(s).to(d) for s, d in zip(shapes, dtypes, strict=True)])
+    return make_fx(fn, tracing_mode="fake")(
+        *[torch.randn(s).to(d) for s, d in zip(shapes, dtypes, strict=True)]
+    )
 
 
 def _run(gm, **cfg):
@@ -73,8 +75,9 @@ def test_all_gathers_become_one_with_rank_major_restacking():
     assert _kinds(gm) == {"all_gather": 1}
     assert rec.counts["buckets"] == 1 and rec.counts["collectives_removed"] == 2
     # flat shards in, one gather, rows per rank split per member and re-stacked
-    FileCheck().check("aten.cat").check_count(AG_OP, 1, exactly=True).check("wait_tensor") \
-        .check("view.default").check("split_with_sizes").run(gm.code)
+    FileCheck().check("aten.cat").check_count(AG_OP, 1, exactly=True).check("wait_tensor").check(
+        "view.default"
+    ).check("split_with_sizes").run(gm.code)
 
 
 def test_reduce_scatters_become_one_on_rank_major_chunks():
@@ -86,8 +89,9 @@ def test_reduce_scatters_become_one_on_rank_major_chunks():
     with fake_process_group(4):
         gm, rec = _bucketed(f, [(8, 3), (2, 8), (4,)])
     assert _kinds(gm) == {"reduce_scatter": 1} and rec.counts["collectives_bucketed"] == 3
-    FileCheck().check("aten.cat").check_count(RS_OP, 1, exactly=True).check("wait_tensor") \
-        .check("split_with_sizes").run(gm.code)
+    FileCheck().check("aten.cat").check_count(RS_OP, 1, exactly=True).check("wait_tensor").check(
+        "split_with_sizes"
+    ).run(gm.code)
 
 
 def test_all_reduces_become_one_flat():
@@ -101,13 +105,18 @@ def test_all_reduces_become_one_flat():
     assert _kinds(gm) == {"all_reduce": 1}
     FileCheck().check("aten.cat").check_count(AR_OP, 1, exactly=True).check("split_with_sizes").run(gm.code)
     (d, summary) = rec.decisions
-    assert d["kind"] == "all_reduce" and d["message_bytes"] == (12 + 7) * 4 and d["cap_bytes"] == DEFAULT_CAP_BYTES
+    assert (
+        d["kind"] == "all_reduce"
+        and d["message_bytes"] == (12 + 7) * 4
+        and d["cap_bytes"] == DEFAULT_CAP_BYTES
+    )
     assert summary["simulated_makespan_us"][1] < summary["simulated_makespan_us"][0]
 
 
 def test_a_bucket_reading_one_value_twice_does_not_leak_into_the_next():
     """Two members of one input, then two of different inputs with the same shapes: the
     spliced template (cached by shape) must read each member's own input in both buckets."""
+
     def f(a):
         g = dist.group.WORLD
         b = funcol.all_reduce(a, "sum", g) + funcol.all_reduce(a, "sum", g)
@@ -120,6 +129,7 @@ def test_a_bucket_reading_one_value_twice_does_not_leak_into_the_next():
 
 def test_bf16_and_different_kinds_interleaved():
     """Interleaved kinds form one bucket per kind; bf16 reductions stay bitwise on the reference."""
+
     def f(a, b, c, d):
         g = dist.group.WORLD
         return _ag(a, g), _rs(b, g), _ag(c, g), _rs(d, g)
@@ -157,7 +167,9 @@ def test_refuses_different_dtype_and_reduce_op():
 def test_refuses_different_groups():
     with fake_process_group(4):
         g1, g2 = dist.new_group([0, 1, 2, 3]), dist.new_group([0, 1, 2, 3])
-        gm = _trace(lambda a, b: (funcol.all_reduce(a, "sum", g1), funcol.all_reduce(b, "sum", g2)), [(4,), (4,)])
+        gm = _trace(
+            lambda a, b: (funcol.all_reduce(a, "sum", g1), funcol.all_reduce(b, "sum", g2)), [(4,), (4,)]
+        )
         rec = _run(gm)
     assert not rec.changed and any("different group" in r for r in rec.refusals), rec.refusals
 
@@ -177,13 +189,16 @@ def test_refuses_a_member_that_depends_on_another():
         x = _ag(a, g)
         return _ag(x * 2, g)
 
-    gm, rec, _ = _refused(f, [(2, 2)], "dependency: its input depends on the result of all_gather_into_tensor")
+    gm, rec, _ = _refused(
+        f, [(2, 2)], "dependency: its input depends on the result of all_gather_into_tensor"
+    )
     assert _kinds(gm) == {"all_gather": 2}
 
 
 def test_result_needed_early_is_not_merged_into_a_late_bucket():
     """x's result is needed by the matmul before z's input exists: issuing both where z is
     ready would make the matmul wait for data computed later."""
+
     def f(a, b, w):
         g = dist.group.WORLD
         y = _ag(a, g) @ w
@@ -197,6 +212,7 @@ def test_result_needed_early_is_not_merged_into_a_late_bucket():
 def test_refuses_a_bucket_that_exposes_hidden_communication():
     """A large gather hidden under matmuls is not delayed into the bucket of a gather whose
     input only exists after them: the simulator prices the merged one exposed."""
+
     def f(a, b, m):
         g = dist.group.WORLD
         x = _ag(a, g)
@@ -207,8 +223,14 @@ def test_refuses_a_bucket_that_exposes_hidden_communication():
         return x.sum() + r.sum()
 
     topo = commfuse.Topology.preset("dgx-h100")
-    _, rec, _ = _refused(f, [(1 << 20,), (8, 1024), (1024, 1024)], "would expose overlapped communication",
-                         world=8, topology=topo, bucket_cap_bytes=1 << 30)
+    _, rec, _ = _refused(
+        f,
+        [(1 << 20,), (8, 1024), (1024, 1024)],
+        "would expose overlapped communication",
+        world=8,
+        topology=topo,
+        bucket_cap_bytes=1 << 30,
+    )
     assert not rec.changed
 
 
@@ -250,11 +272,16 @@ def test_cap_from_the_cost_model():
     """The cap is the message size at which latency is LATENCY_SHARE of the collective's time."""
     topo = commfuse.Topology.preset("dgx-h100", num_nodes=2)
     est = AnalyticCostModel(topo, backend="nccl")
-    for kind, n in ((CollectiveKind.ALL_GATHER, 8), (CollectiveKind.REDUCE_SCATTER, 16), (CollectiveKind.ALL_REDUCE, 16)):
+    for kind, n in (
+        (CollectiveKind.ALL_GATHER, 8),
+        (CollectiveKind.REDUCE_SCATTER, 16),
+        (CollectiveKind.ALL_REDUCE, 16),
+    ):
         cap = latency_bound_cap(est, kind, n)
         t = lambda s, kind=kind, n=n: est.collectives.time(kind, s, n).time_us  # noqa: E731
         assert t(cap) >= t(1) / LATENCY_SHARE > t(int(cap * 0.99)), (kind, n, cap)
         assert 1 << 20 < cap < 1 << 30
+
     # the pass uses it when a topology is given
     def f(a, b):
         g = dist.group.WORLD
@@ -263,7 +290,9 @@ def test_cap_from_the_cost_model():
     with fake_process_group(8):
         gm, rec = _bucketed(f, [(4, 4), (4, 4)], world=8, topology=commfuse.Topology.preset("dgx-h100"))
     est1 = AnalyticCostModel(commfuse.Topology.preset("dgx-h100"), backend="nccl")
-    assert rec.decisions[0]["cap_bytes"] == latency_bound_cap(est1, CollectiveKind.ALL_GATHER, 8, tuple(range(8)))
+    assert rec.decisions[0]["cap_bytes"] == latency_bound_cap(
+        est1, CollectiveKind.ALL_GATHER, 8, tuple(range(8))
+    )
 
 
 # ---------------------------------------------------------------- SimpleFSDP graphs

@@ -12,7 +12,7 @@ from commfuse.ir.kinds import CollectiveKind
 
 @pytest.mark.parametrize("a,b", [(100.0, 0.001), (0.0, 0.5), (42.0, 0.0)])
 def test_alpha_beta_fit_recovers_exact_lines(a, b):
-    xs = [1024.0 * 4 ** i for i in range(6)]
+    xs = [1024.0 * 4**i for i in range(6)]
     fa, fb = fit_alpha_beta(xs, [a + b * x if a + b * x > 0 else 1e-9 for x in xs])
     assert fa == pytest.approx(a, rel=1e-6, abs=1e-6) and fb == pytest.approx(b, rel=1e-6, abs=1e-9)
 
@@ -23,8 +23,9 @@ def test_fits_become_profile_params():
     (f,) = params.fits
     assert f.kind is CollectiveKind.ALL_REDUCE and f.group_size == 2
     assert f.time_us(5e4) == pytest.approx(510.0)
-    comp = fit_compute([Sample("matmul", x, [2 + 1e-6 * x] * 3) for x in (1e5, 1e6, 1e7)]
-                       + [Sample("view", 0, [1.5] * 3)])
+    comp = fit_compute(
+        [Sample("matmul", x, [2 + 1e-6 * x] * 3) for x in (1e5, 1e6, 1e7)] + [Sample("view", 0, [1.5] * 3)]
+    )
     assert comp.fits["matmul"].unit == "flops" and comp.fits["conv"] == comp.fits["matmul"]
     assert comp.view_us == 1.5
 
@@ -52,5 +53,7 @@ def test_the_committed_profile_changes_decisions_and_every_rank_makes_the_same(r
     per_rank = rank_pool_2.run(decisions_job, ["llama_tp:s"], str(PROFILE), timeout=300)
     assert per_rank[0] == per_rank[1]
     runs = per_rank[0]["llama_tp:s"]
-    differ = [(a["graph"], a["pass"]) for a, b in zip(runs["nominal"], runs["calibrated"], strict=True) if a != b]
+    differ = [
+        (a["graph"], a["pass"]) for a, b in zip(runs["nominal"], runs["calibrated"], strict=True) if a != b
+    ]
     assert ("backward", "schedule_overlap") in differ, differ

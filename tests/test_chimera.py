@@ -37,7 +37,9 @@ def _rms(h, w):
 
 
 # ---------------------------------------------------------------- split_all_reduce
-@pytest.mark.parametrize("shape,n,dim", [((6, 8, 16), 4, 1), ((8, 16), 2, 0), ((3, 5, 8), 4, 2), ((3, 5), 4, None)])
+@pytest.mark.parametrize(
+    "shape,n,dim", [((6, 8, 16), 4, 1), ((8, 16), 2, 0), ((3, 5, 8), 4, 2), ((3, 5), 4, None)]
+)
 def test_split_dim_choice_and_values(shape, n, dim):
     def f(x):
         return funcol.all_reduce(x, "sum", dist.group.WORLD) * 2
@@ -82,20 +84,26 @@ def _norm_after_all_reduce(x, w, bias):
 def test_motion_runs_norm_on_shards(n, dtype):
     with fake_process_group(n):
         gm = make_fx(_norm_after_all_reduce, tracing_mode="fake")(
-            torch.randn(2, 8, 16, dtype=dtype), torch.randn(16, 16, dtype=dtype), torch.randn(2, 8, 16, dtype=dtype))
+            torch.randn(2, 8, 16, dtype=dtype),
+            torch.randn(16, 16, dtype=dtype),
+            torch.randn(2, 8, 16, dtype=dtype),
+        )
         before = _copy(gm)
         recs = _optimize(gm, ["split_all_reduce", "collective_motion"])
         counts = recs["collective_motion"].counts
         assert counts["gathers_removed"] == 2 and counts["gathers_inserted"] == 1, recs["collective_motion"]
         # reduce_scatter -> norm on the shard -> one all_gather before the matmul
         code = gm.code
-        assert code.index("reduce_scatter_tensor") < code.index("rsqrt") < code.rindex("all_gather_into_tensor")
+        assert (
+            code.index("reduce_scatter_tensor") < code.index("rsqrt") < code.rindex("all_gather_into_tensor")
+        )
         check_equivalent(before, gm, n)
 
 
 def test_motion_refuses_inputs_not_known_to_be_replicated():
     """A norm weight that is a plain graph input may differ per rank: without a TP role
     given by the user the norm must not move (rank j would normalise shard j with its own copy)."""
+
     def f(x, w):
         h = funcol.all_reduce(x, "sum", dist.group.WORLD)
         return _rms(h, w[0]) @ w
@@ -144,6 +152,7 @@ def test_motion_leaves_gather_feeding_a_matmul():
 def test_motion_refuses_when_it_would_add_bytes():
     """Two views of the gathered value feed matmuls after an elementwise op: moving would
     need one gather per consumer branch -- refused with the byte count."""
+
     def f(x, w):
         g = funcol.all_gather_tensor(x, 0, dist.group.WORLD)
         a, b = g.exp(), g.cos()
@@ -172,8 +181,9 @@ def _wire_by_direction(gm) -> dict[str, int]:
     ir = CollectiveIR(gm)
     out = {"forward": 0, "backward": 0}
     for c in ir.collectives:
-        out["backward" if c.start in ir.backward_nodes or c.inputs[0] in ir.backward_nodes else "forward"] += \
-            c.wire_bytes
+        out[
+            "backward" if c.start in ir.backward_nodes or c.inputs[0] in ir.backward_nodes else "forward"
+        ] += c.wire_bytes
     return out
 
 
@@ -184,9 +194,12 @@ def expected_tp_llama_wire(n: int, elt: int = 4) -> dict[str, dict[str, float]]:
     logits = (n - 1) * B * S * (V // n) * elt  # the head's output gather, untouched
     return {
         "before": {"forward": (1 + 2 * LAYERS) * ar * m + logits, "backward": (5 * LAYERS + 1) * ar * m},
-        "after": {"forward": (1 + 2 * LAYERS) * ar * m + logits,
-                  "backward": (5 * LAYERS + 1) * half * m + (2 * LAYERS + 1) * half * m
-                  + (2 * LAYERS + 1) * ar * H * elt},
+        "after": {
+            "forward": (1 + 2 * LAYERS) * ar * m + logits,
+            "backward": (5 * LAYERS + 1) * half * m
+            + (2 * LAYERS + 1) * half * m
+            + (2 * LAYERS + 1) * ar * H * elt,
+        },
     }
 
 
@@ -206,7 +219,9 @@ def _check_tp_llama(n, gm, group):
     kinds = _kinds(gm)
     # every activation all_reduce became reduce_scatter (+ all_gather where a matmul needs the
     # full value); the only all_reduces left are the norm weights' gradients ([H] each)
-    assert kinds.count("reduce_scatter") == (1 + 2 * LAYERS) + (5 * LAYERS + 1)  # forward + backward all_reduces
+    assert kinds.count("reduce_scatter") == (1 + 2 * LAYERS) + (
+        5 * LAYERS + 1
+    )  # forward + backward all_reduces
     ar = [c for c in CollectiveIR(gm).collectives if c.kind.value == "all_reduce"]
     assert len(ar) == 2 * LAYERS + 1 and all(math.prod(c.input_shapes[0]) == H for c in ar)
     assert _wire_by_direction(gm) == pytest.approx(want["after"])
@@ -216,6 +231,7 @@ def _check_tp_llama(n, gm, group):
 def test_chimera_leaves_graph_without_fusible_pattern_unchanged():
     """Data-parallel gradient all_reduces feed the graph outputs directly: nothing to move
     or fuse; the graph is restored exactly and the report says why."""
+
     def g(x, w):
         return funcol.all_reduce(x.t() @ x @ w, "avg", dist.group.WORLD)
 

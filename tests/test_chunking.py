@@ -21,7 +21,9 @@ def test_hidden_collective_is_not_partitioned():
     assert (p.num_chunks, p.granularity, p.first) == (1, (1.0,), None)
 
 
-@pytest.mark.parametrize("comm,inn,want", [(10, 5, 2), (10, 4, 3), (10, 1, 8), (100, 1, 8), (10, 0, 8), (10, 9.9, 2)])
+@pytest.mark.parametrize(
+    "comm,inn,want", [(10, 5, 2), (10, 4, 3), (10, 1, 8), (100, 1, 8), (10, 0, 8), (10, 9.9, 2)]
+)
 def test_chunk_count_is_comm_over_independent_compute_rounded_up(comm, inn, want):
     p = operation_level_plan(comp_cost=50, comm_cost=comm, in_cost=inn, max_chunks=8)
     assert p.num_chunks == want and p.granularity == tuple([1 / want] * want)
@@ -60,8 +62,9 @@ def _graph():
         return out, z
 
     with fake_process_group(4):
-        gm = make_fx(f, tracing_mode="fake")(torch.randn(16, 64), torch.randn(64, 64), torch.randn(64, 64),
-                                             torch.randn(64, 64))
+        gm = make_fx(f, tracing_mode="fake")(
+            torch.randn(16, 64), torch.randn(64, 64), torch.randn(64, 64), torch.randn(64, 64)
+        )
     return gm
 
 
@@ -72,8 +75,11 @@ def test_in_cost_counts_only_independent_compute_before_the_first_use():
         ctx = PassContext(gm, commfuse.Config(), topology=topo)
         (c,) = ctx.ir.collectives
         est = ctx.cost.model
-        mm_indep = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default
-                        and n.args[0].op == "placeholder")
+        mm_indep = next(
+            n
+            for n in gm.graph.nodes
+            if n.target is torch.ops.aten.mm.default and n.args[0].op == "placeholder"
+        )
         got = independent_compute_us(ctx.gm, ctx.ir, c, est)
     assert got == pytest.approx(est.compute_time_us(mm_indep))
 

@@ -45,7 +45,9 @@ def dump_dir(tmp_path_factory) -> Path:
     """A real dump dir of one small forward graph (rank0/forward_000/...)."""
     d = tmp_path_factory.mktemp("dumps")
     with fake_process_group(2, rank=0):
-        commfuse.optimize(_traced_forward(), Config(passes=["sink_waits"], dump_dir=str(d)), graph_kind="forward")
+        commfuse.optimize(
+            _traced_forward(), Config(passes=["sink_waits"], dump_dir=str(d)), graph_kind="forward"
+        )
     return d
 
 
@@ -86,8 +88,15 @@ def test_top_level_help_lists_every_command_and_the_exit_statuses(capsys):
         assert f"    {c.name}" in out
     for status in ("  0 ", "  1 ", "  2 ", f"  {EXIT_PIPE_CLOSED} "):
         assert status in out
-    assert {c.name for c in COMMANDS} == {"demo", "calibrate", "report", "volume", "validate", "align",
-                                          "profile-overlap"}
+    assert {c.name for c in COMMANDS} == {
+        "demo",
+        "calibrate",
+        "report",
+        "volume",
+        "validate",
+        "align",
+        "profile-overlap",
+    }
 
 
 @pytest.mark.parametrize("name", [c.name for c in COMMANDS])
@@ -138,8 +147,9 @@ def test_corrupt_recorder_trace_names_the_file(tmp_path, dump_dir, capsys):
     rec.mkdir()
     (rec / "rank0.json").write_text(CORRUPT)
     assert main(["validate", str(rec), str(dump_dir)]) == 2
-    _one_error_line(capsys.readouterr().err,
-                    f"commfuse validate: {rec / 'rank0.json'}: not valid JSON (recorder trace)")
+    _one_error_line(
+        capsys.readouterr().err, f"commfuse validate: {rec / 'rank0.json'}: not valid JSON (recorder trace)"
+    )
 
 
 def test_a_json_file_of_the_wrong_shape_names_the_file(tmp_path, dump_dir, capsys):
@@ -147,11 +157,15 @@ def test_a_json_file_of_the_wrong_shape_names_the_file(tmp_path, dump_dir, capsy
     rec.mkdir()
     (rec / "rank0.json").write_text("[1]")
     assert main(["validate", str(rec), str(dump_dir)]) == 2
-    _one_error_line(capsys.readouterr().err,
-                    f"commfuse validate: {rec / 'rank0.json'}: not a recorder trace: expected a JSON object, got list")
+    _one_error_line(
+        capsys.readouterr().err,
+        f"commfuse validate: {rec / 'rank0.json'}: not a recorder trace: expected a JSON object, got list",
+    )
     (rec / "rank0.json").write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "comm"}]}))
     assert main(["validate", str(rec), str(dump_dir)]) == 2
-    _one_error_line(capsys.readouterr().err, f"commfuse validate: {rec / 'rank0.json'}: recorder trace: event")
+    _one_error_line(
+        capsys.readouterr().err, f"commfuse validate: {rec / 'rank0.json'}: recorder trace: event"
+    )
 
 
 def test_corrupt_cost_profile_names_the_file(tmp_path, dump_dir, capsys):
@@ -161,14 +175,23 @@ def test_corrupt_cost_profile_names_the_file(tmp_path, dump_dir, capsys):
     _one_error_line(capsys.readouterr().err, f"commfuse report: {prof}: cannot read profile file: Expecting")
     prof.write_text("[1, 2]")
     assert main(["report", str(dump_dir), "-o", str(tmp_path / "r.html"), "--profile", str(prof)]) == 2
-    _one_error_line(capsys.readouterr().err, f"commfuse report: {prof}: a profile file must hold a JSON object")
+    _one_error_line(
+        capsys.readouterr().err, f"commfuse report: {prof}: a profile file must hold a JSON object"
+    )
 
 
 def test_corrupt_topology_file_names_the_file(tmp_path, capsys):
     topo = tmp_path / "topo.json"
     topo.write_text(CORRUPT)
-    argv = ["align", str(ALIGN_FIX / "nccl_node-1.log"), str(ALIGN_FIX / "torch_trace_rank0.json"),
-            "-o", str(tmp_path / "e.json"), "--topology", str(topo)]
+    argv = [
+        "align",
+        str(ALIGN_FIX / "nccl_node-1.log"),
+        str(ALIGN_FIX / "torch_trace_rank0.json"),
+        "-o",
+        str(tmp_path / "e.json"),
+        "--topology",
+        str(topo),
+    ]
     assert main(argv) == 2
     _one_error_line(capsys.readouterr().err, f"commfuse align: {topo}: cannot read topology file: Expecting")
 
@@ -222,12 +245,21 @@ def test_validate_says_why_it_exits_1(monkeypatch, tmp_path, capsys):
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
 
 
 def test_python_m_commfuse_smoke():
-    r = subprocess.run([sys.executable, "-m", "commfuse", "--version"], capture_output=True, text=True,
-                       env=_env(), cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "commfuse", "--version"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert (r.returncode, r.stdout, r.stderr) == (0, f"commfuse {__version__}\n", "")
 
 
@@ -235,8 +267,13 @@ def test_closed_stdout_is_a_quiet_exit_141(dump_dir):
     """``commfuse volume DIR | head``: the reader is gone. The read end is closed before the child
     writes anything, so its write fails whatever the output's size (a reader that closes after one
     line would race with a child whose whole output fits the pipe buffer)."""
-    p = subprocess.Popen([sys.executable, "-m", "commfuse", "volume", str(dump_dir), "--collectives"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "commfuse", "volume", str(dump_dir), "--collectives"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        cwd=ROOT,
+    )
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == EXIT_PIPE_CLOSED

@@ -19,8 +19,10 @@ transformers = pytest.importorskip("transformers", reason="the conformance extra
 
 from _jobs_conformance import hf_trains_like_eager  # noqa: E402
 
-pytestmark = [pytest.mark.multirank,
-              pytest.mark.slow(reason="third-party models: cold Inductor compiles of whole models on gloo ranks")]
+pytestmark = [
+    pytest.mark.multirank,
+    pytest.mark.slow(reason="third-party models: cold Inductor compiles of whole models on gloo ranks"),
+]
 
 
 SHAPES = [(2, 32), (2, 24)]
@@ -39,14 +41,24 @@ def llama_checkpoint(tmp_path_factory):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     path = tmp_path_factory.mktemp("hf-llama")
-    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=64, use_cache=False)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return str(path)
 
 
-def test_hf_llama_tp_plan_without_setup_trains_like_eager_and_prices_tp_to_sp_motion(rank_pool_2, llama_checkpoint):
+def test_hf_llama_tp_plan_without_setup_trains_like_eager_and_prices_tp_to_sp_motion(
+    rank_pool_2, llama_checkpoint
+):
     """Zero configuration: no commfuse.setup(); the TP role comes from the mesh dim name ("tp") of
     the DTensor parameters transformers created. Chimera's TP -> SP motion rewrites the all_reduces
     into reduce_scatters and all_gathers; on this tiny model the step-time gate predicts that
@@ -73,9 +85,20 @@ def qwen3_moe_checkpoint(tmp_path_factory):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     path = tmp_path_factory.mktemp("hf-qwen3-moe")
-    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
-                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, use_cache=False)
+    cfg = Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return str(path)
@@ -97,7 +120,9 @@ def _trains_like_eager_and_rewrites(results):
 
 def test_hf_qwen3_moe_tensor_parallel_experts_trains_like_eager(rank_pool_2, qwen3_moe_checkpoint):
     """transformers' MoE TP plan (experts sharded by columns/rows, all_reduces)."""
-    results = rank_pool_2.run(hf_trains_like_eager, qwen3_moe_checkpoint, {"tp_size": 2}, MOE_SHAPES, timeout=600)
+    results = rank_pool_2.run(
+        hf_trains_like_eager, qwen3_moe_checkpoint, {"tp_size": 2}, MOE_SHAPES, timeout=600
+    )
     _trains_like_eager_and_rewrites(results)
     assert results[0]["collectives_before"].get("all_reduce", 0) > 0
     # bucketing merged all_reduces of the same group
@@ -107,7 +132,8 @@ def test_hf_qwen3_moe_tensor_parallel_experts_trains_like_eager(rank_pool_2, qwe
 def test_hf_qwen3_moe_expert_parallel_trains_like_eager(rank_pool_2, qwen3_moe_checkpoint):
     """transformers' expert parallel (``ep_size``; its dispatch exchanges tokens with all_to_all),
     attention tensor parallel on the same two ranks."""
-    results = rank_pool_2.run(hf_trains_like_eager, qwen3_moe_checkpoint, {"tp_size": 2, "ep_size": 2}, MOE_SHAPES,
-                              timeout=600)
+    results = rank_pool_2.run(
+        hf_trains_like_eager, qwen3_moe_checkpoint, {"tp_size": 2, "ep_size": 2}, MOE_SHAPES, timeout=600
+    )
     _trains_like_eager_and_rewrites(results)
     assert results[0]["collectives_before"].get("all_to_all", 0) > 0

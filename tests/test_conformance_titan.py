@@ -27,8 +27,10 @@ pytest.importorskip("torchtitan", reason="the conformance extra is not installed
 
 from _jobs_conformance import titan_trains_like_eager  # noqa: E402
 
-pytestmark = [pytest.mark.multirank,
-              pytest.mark.slow(reason="third-party models: cold Inductor compiles of transformer blocks on gloo ranks")]
+pytestmark = [
+    pytest.mark.multirank,
+    pytest.mark.slow(reason="third-party models: cold Inductor compiles of transformer blocks on gloo ranks"),
+]
 
 SHAPES = [(2, 32), (2, 24)]
 # The SimpleFSDP x TP case trains at the first shape only: a step at the second is a second set of
@@ -86,7 +88,9 @@ def test_deepseek_v3_tp_ep_dropless_moe_compiles_every_region(rank_pool_2):
 
 
 def test_llama3_sharded_data_parallel_times_tp_on_a_2x2_mesh(rank_pool_4):
-    results = rank_pool_4.run(titan_trains_like_eager, "llama3", {"dp_shard": 2, "tp": 2}, STATIC_SHAPES, timeout=900)
+    results = rank_pool_4.run(
+        titan_trains_like_eager, "llama3", {"dp_shard": 2, "tp": 2}, STATIC_SHAPES, timeout=900
+    )
     _same_numbers(results, STATIC_SHAPES)
     _rewritten(results)
     before = results[0]["collectives_before"]
@@ -106,8 +110,9 @@ def test_deepseek_v3_tp2_by_ep2_on_4_ranks(rank_pool_4):
     reduce_scatter of a gradient) are refused by fuse_collectives: the pair has no fused form
     across groups (all_reduce + reduce_scatter). Asserted: the same numbers as eager, never more
     bytes, the same collectives on every rank. About 100 s on 2 cores: one shape, one layer."""
-    results = rank_pool_4.run(titan_trains_like_eager, "deepseek_v3", {"dp_shard": 2, "tp": 2, "ep": 2},
-                              STATIC_SHAPES, timeout=900)
+    results = rank_pool_4.run(
+        titan_trains_like_eager, "deepseek_v3", {"dp_shard": 2, "tp": 2, "ep": 2}, STATIC_SHAPES, timeout=900
+    )
     _same_numbers(results, STATIC_SHAPES)
     _rewritten(results)
     before = results[0]["collectives_before"]
@@ -119,8 +124,9 @@ def test_deepseek_v3_tp2_by_ep2_on_4_ranks(rank_pool_4):
 def test_llama3_configured_through_the_environment_variable_behaves_as_configured(rank_pool_2):
     """torchtitan's apply_compile takes a backend name: COMMFUSE_CONFIG configures it, identically
     on every rank. Here: no passes, so every collective stays as torchtitan issued it."""
-    results = rank_pool_2.run(titan_trains_like_eager, "llama3", {"tp": 2}, SHAPES[:1],
-                              env_config='{"passes": []}', timeout=600)
+    results = rank_pool_2.run(
+        titan_trains_like_eager, "llama3", {"tp": 2}, SHAPES[:1], env_config='{"passes": []}', timeout=600
+    )
     for rank, r in enumerate(results):
         assert_close_tree(r["loss"], r["ref_loss"], rtol=1e-4, atol=1e-5, msg=f"loss on rank {rank}")
         assert_close_tree(r["grads"], r["ref_grads"], rtol=1e-4, atol=1e-5, msg=f"gradients on rank {rank}")

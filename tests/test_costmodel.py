@@ -70,25 +70,31 @@ def test_detect_is_pure_and_consistent():
     assert Topology.detect(8, 4, "H100").ranks_per_node == 4
 
 
-@pytest.mark.parametrize("args, match", [
-    ((16, 3, "cpu"), "world_size 16 is not divisible by local_world_size 3"),
-    ((0, 1, "cpu"), "world_size must be a positive int"),
-    ((4, -2, "cpu"), "local_world_size must be a positive int"),
-    ((2, 2, ""), "device_name must be a non-empty string"),
-    ((2, 2, "RTX A4000"), "device_name 'RTX A4000' matches no preset"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((16, 3, "cpu"), "world_size 16 is not divisible by local_world_size 3"),
+        ((0, 1, "cpu"), "world_size must be a positive int"),
+        ((4, -2, "cpu"), "local_world_size must be a positive int"),
+        ((2, 2, ""), "device_name must be a non-empty string"),
+        ((2, 2, "RTX A4000"), "device_name 'RTX A4000' matches no preset"),
+    ],
+)
 def test_detect_errors(args, match):
     with pytest.raises(ConfigError, match=match):
         Topology.detect(*args)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(peak_tflops_bf16=0), "peak_tflops_bf16"),
-    (dict(memory_bandwidth_GBps=-1), "memory_bandwidth_GBps"),
-    (dict(num_sms=-1), "num_sms"),
-    (dict(contention_kappa=-0.1), "contention_kappa"),
-    (dict(num_sms=8, nccl_channels=8), "nccl_channels"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(peak_tflops_bf16=0), "peak_tflops_bf16"),
+        (dict(memory_bandwidth_GBps=-1), "memory_bandwidth_GBps"),
+        (dict(num_sms=-1), "num_sms"),
+        (dict(contention_kappa=-0.1), "contention_kappa"),
+        (dict(num_sms=8, nccl_channels=8), "nccl_channels"),
+    ],
+)
 def test_topology_validation_names_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         Topology(**kwargs)
@@ -109,7 +115,9 @@ def test_topology_file_errors_name_file_and_field(tmp_path):
 def test_busbw_factors_exact():
     n = 8
     assert bus_factor(K.ALL_REDUCE, n) == 2 * 7 / 8
-    assert bus_factor(K.ALL_GATHER, n) == bus_factor(K.REDUCE_SCATTER, n) == bus_factor(K.ALL_TO_ALL, n) == 7 / 8
+    assert (
+        bus_factor(K.ALL_GATHER, n) == bus_factor(K.REDUCE_SCATTER, n) == bus_factor(K.ALL_TO_ALL, n) == 7 / 8
+    )
     assert bus_factor(K.BROADCAST, n) == bus_factor(K.SEND, n) == 1.0
     t = Topology.preset("dgx-h100")
     m = CollectiveModel(t)
@@ -184,9 +192,13 @@ def test_gloo_reduce_scatter_costs_all_reduce():
 def test_params_fits_take_precedence_and_multipliers():
     t = Topology.preset("cpu-gloo")
     params = CollectiveParams(
-        fits=[AlphaBeta(kind=K.ALL_REDUCE, group_size=2, alpha_us=100.0, beta_us_per_byte=0.001),
-              AlphaBeta(kind=K.ALL_GATHER, alpha_us=7.0, beta_us_per_byte=0.0)],
-        bandwidth_multiplier={K.ALL_TO_ALL: 2.0}, latency_multiplier={K.ALL_TO_ALL: 0.0})
+        fits=[
+            AlphaBeta(kind=K.ALL_REDUCE, group_size=2, alpha_us=100.0, beta_us_per_byte=0.001),
+            AlphaBeta(kind=K.ALL_GATHER, alpha_us=7.0, beta_us_per_byte=0.0),
+        ],
+        bandwidth_multiplier={K.ALL_TO_ALL: 2.0},
+        latency_multiplier={K.ALL_TO_ALL: 0.0},
+    )
     m, plain = CollectiveModel(t, "gloo", params), CollectiveModel(t, "gloo")
     e = m.time(K.ALL_REDUCE, 10_000, 2)
     assert e.time_us == 100.0 + 10.0 and e.algorithm == "fitted:ring"
@@ -237,15 +249,25 @@ def test_concrete_symint_sizes():
 
 
 def _nodes(gm, name):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and getattr(n.target, "__name__", "").startswith(name)]
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and getattr(n.target, "__name__", "").startswith(name)
+    ]
 
 
 def test_compute_flops_exact_mm_bmm_linear():
     def f(a, b, x, y, w, bias):
         return a @ b, torch.bmm(x, y), F.linear(a, w, bias), a.t().contiguous().view(-1)
 
-    args = (torch.randn(6, 10), torch.randn(10, 12), torch.randn(3, 4, 5), torch.randn(3, 5, 7),
-            torch.randn(9, 10), torch.randn(9))
+    args = (
+        torch.randn(6, 10),
+        torch.randn(10, 12),
+        torch.randn(3, 4, 5),
+        torch.randn(3, 5, 7),
+        torch.randn(9, 10),
+        torch.randn(9),
+    )
     gm = make_fx(f, tracing_mode="fake")(*args)
     (mm,), (bmm,), (addmm,) = _nodes(gm, "mm.default"), _nodes(gm, "bmm"), _nodes(gm, "addmm")
     assert op_cost(mm).flops == 2 * 6 * 10 * 12 and op_cost(mm).family == "matmul"
@@ -293,8 +315,11 @@ def test_roofline_params_and_unknown_ops():
     assert math.isclose(em.time_us, max(em.flops / (t.peak_tflops_fp32 * 1e6), em.bytes / 3350e3))
     unknown = [m.estimate(n) for n in gm.graph.nodes if n.op == "call_function" and m.estimate(n).flagged]
     assert unknown and all(u.family == "unknown" and u.time_us > 0 for u in unknown)
-    p = ComputeParams(multiplier={"pointwise": 3.0}, fits={"matmul": FamilyFit(a_us=5.0, b_us_per_unit=1e-6)},
-                      overhead_us=1.0)
+    p = ComputeParams(
+        multiplier={"pointwise": 3.0},
+        fits={"matmul": FamilyFit(a_us=5.0, b_us_per_unit=1e-6)},
+        overhead_us=1.0,
+    )
     mp = ComputeModel(t, p)
     assert math.isclose(mp.time_us(relu), 3 * e.time_us + 1.0)
     assert math.isclose(mp.time_us(mm), 5.0 + 1e-6 * em.flops + 1.0) and mp.estimate(mm).bound == "fitted"
@@ -313,9 +338,11 @@ def _est(family, flops, nbytes, out_numel, t):
 def test_lagom_slowdown_at_least_one_and_monotone_in_nc(preset):
     t = Topology.preset(preset)
     cm = ContentionModel(t, "nccl")
-    kernels = [_est("matmul", 2 * 4096 ** 3, 3 * 2 * 4096 ** 2, 4096 ** 2, t),  # compute-bound GEMM
-               _est("pointwise", 1 << 26, 3 * 2 << 26, 1 << 26, t),  # memory-bound
-               _est("matmul", 2 * 300 * 300 * 64, 2 * 300 * 364, 300 * 300, t)]  # few tiles
+    kernels = [
+        _est("matmul", 2 * 4096**3, 3 * 2 * 4096**2, 4096**2, t),  # compute-bound GEMM
+        _est("pointwise", 1 << 26, 3 * 2 << 26, 1 << 26, t),  # memory-bound
+        _est("matmul", 2 * 300 * 300 * 64, 2 * 300 * 364, 300 * 300, t),
+    ]  # few tiles
     for k in kernels:
         assert cm.slowdown(k, None) == 1.0
         prev = 1.0
@@ -336,7 +363,7 @@ def test_lagom_slowdown_at_least_one_and_monotone_in_nc(preset):
 
 def test_cpu_gloo_kappa():
     t = Topology.preset("cpu-gloo")
-    k = _est("matmul", 10 ** 9, 10 ** 6, 10 ** 4, t)
+    k = _est("matmul", 10**9, 10**6, 10**4, t)
     assert ContentionModel(t, "gloo").slowdown(k, object()) == 1.0 + t.contention_kappa
     assert ContentionModel(t, "gloo", kappa=0.5).slowdown(k, object()) == 1.5
     assert ContentionModel(t, "gloo", kappa=0.5).slowdown(k, None) == 1.0
@@ -352,12 +379,28 @@ def test_cpu_gloo_kappa():
 
 def _profile() -> CostProfile:
     return CostProfile(
-        topology="cpu-gloo", backend="gloo", contention_kappa=0.25,
-        collective=CollectiveParams(fits=[AlphaBeta(kind=K.ALL_REDUCE, group_size=2, alpha_us=80.0,
-                                                    beta_us_per_byte=2e-3, min_bytes=1024, max_bytes=1 << 24)],
-                                    bandwidth_multiplier={K.ALL_TO_ALL: 0.8}, latency_multiplier={K.SEND: 2.0}),
-        compute=ComputeParams(fits={"matmul": FamilyFit(a_us=3.0, b_us_per_unit=2e-5)}, multiplier={"norm": 1.5}),
-        provenance=Provenance.here("test"))
+        topology="cpu-gloo",
+        backend="gloo",
+        contention_kappa=0.25,
+        collective=CollectiveParams(
+            fits=[
+                AlphaBeta(
+                    kind=K.ALL_REDUCE,
+                    group_size=2,
+                    alpha_us=80.0,
+                    beta_us_per_byte=2e-3,
+                    min_bytes=1024,
+                    max_bytes=1 << 24,
+                )
+            ],
+            bandwidth_multiplier={K.ALL_TO_ALL: 0.8},
+            latency_multiplier={K.SEND: 2.0},
+        ),
+        compute=ComputeParams(
+            fits={"matmul": FamilyFit(a_us=3.0, b_us_per_unit=2e-5)}, multiplier={"norm": 1.5}
+        ),
+        provenance=Provenance.here("test"),
+    )
 
 
 def test_profile_round_trip(tmp_path):
@@ -366,27 +409,39 @@ def test_profile_round_trip(tmp_path):
     p.save(path)
     q = CostProfile.load(path)
     assert q == p and q.fingerprint() == p.fingerprint()
-    assert q.collective.bandwidth_multiplier == {K.ALL_TO_ALL: 0.8} and '"all_to_all": 0.8' in path.read_text()
+    assert (
+        q.collective.bandwidth_multiplier == {K.ALL_TO_ALL: 0.8} and '"all_to_all": 0.8' in path.read_text()
+    )
     assert q.provenance.torch_version == torch.__version__ and q.provenance.date
     m = q.build_model()
     assert isinstance(m, AnalyticCostModel) and m.backend == "gloo" and m.contention.kappa == 0.25
     assert m.collectives.time(K.ALL_REDUCE, 1000, 2).time_us == 82.0
     assert CostProfile.load(path).build_model().collectives.time(K.REDUCE_SCATTER, 1000, 2).time_us == 82.0
-    spec = CostProfile(topology="measured", topology_spec=Topology(name="measured", ranks_per_node=2),
-                       backend="gloo", num_nodes=3)
+    spec = CostProfile(
+        topology="measured",
+        topology_spec=Topology(name="measured", ranks_per_node=2),
+        backend="gloo",
+        num_nodes=3,
+    )
     assert spec.resolve_topology().world_size == 6
 
 
-@pytest.mark.parametrize("content, match", [
-    (None, "cannot read profile file"),
-    ("{not json", "cannot read profile file"),
-    ("[1, 2]", "must hold a JSON object"),
-    (lambda d: d["collective"]["fits"][0].update(alpha_us=-1), r"'collective\.fits\.0\.alpha_us'"),
-    (lambda d: d.update(backend="mpi"), r"'backend'"),
-    (lambda d: d.update(topology="dgx-z"), r"topology 'dgx-z' is not a preset"),
-    (lambda d: d["compute"].update(multiplier={"gemm": 2}), r"'compute\.multiplier'.*unknown op families"),
-    (lambda d: d.update(extra_field=1), r"'extra_field'"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (None, "cannot read profile file"),
+        ("{not json", "cannot read profile file"),
+        ("[1, 2]", "must hold a JSON object"),
+        (lambda d: d["collective"]["fits"][0].update(alpha_us=-1), r"'collective\.fits\.0\.alpha_us'"),
+        (lambda d: d.update(backend="mpi"), r"'backend'"),
+        (lambda d: d.update(topology="dgx-z"), r"topology 'dgx-z' is not a preset"),
+        (
+            lambda d: d["compute"].update(multiplier={"gemm": 2}),
+            r"'compute\.multiplier'.*unknown op families",
+        ),
+        (lambda d: d.update(extra_field=1), r"'extra_field'"),
+    ],
+)
 def test_profile_bad_files_name_file_and_field(tmp_path, content, match):
     path = tmp_path / "bad.json"
     if callable(content):
@@ -403,7 +458,9 @@ def test_profile_bad_files_name_file_and_field(tmp_path, content, match):
 # --------------------------------------------------------------------------- the estimator on a graph
 
 
-@pytest.mark.parametrize("preset, backend", [("dgx-h100", "nccl"), ("cpu-gloo", "gloo"), ("pcie-8gpu", "nccl")])
+@pytest.mark.parametrize(
+    "preset, backend", [("dgx-h100", "nccl"), ("cpu-gloo", "gloo"), ("pcie-8gpu", "nccl")]
+)
 def test_analytic_model_answers_every_collective(preset, backend):
     with fake_process_group(8):
         gm = trace_all_kinds()
@@ -458,7 +515,9 @@ def test_in_graph_collective_latency_prices_graph_collectives_only():
         gm = trace_all_kinds()
         ir = CollectiveIR(gm)
     base = _profile().build_model()
-    extra = _profile().model_copy(update={"runtime": RuntimeParams(collective_in_graph_us=50.0)}).build_model()
+    extra = (
+        _profile().model_copy(update={"runtime": RuntimeParams(collective_in_graph_us=50.0)}).build_model()
+    )
     for c in ir.collectives:
         b, e = base.collective(c), extra.collective(c)
         assert e.time_us == pytest.approx(b.time_us + 50.0) and e.wire_bytes == b.wire_bytes, c.name
@@ -468,34 +527,44 @@ def test_in_graph_collective_latency_prices_graph_collectives_only():
 
 def test_attention_backward_is_its_own_family_and_falls_back_to_attention():
     q, k, v = (torch.randn(2, 2, 8, 4) for _ in range(3))
-    bwd = make_fx(torch.func.grad(lambda q, k, v: F.scaled_dot_product_attention(q, k, v).sum(),
-                                  argnums=(0, 1, 2)))(q, k, v)
+    bwd = make_fx(
+        torch.func.grad(lambda q, k, v: F.scaled_dot_product_attention(q, k, v).sum(), argnums=(0, 1, 2))
+    )(q, k, v)
     (b_node,) = [n for n in bwd.graph.nodes if "attention" in str(n.target) and "backward" in str(n.target)]
     c = op_cost(b_node)
     assert c.family == "attention_bw"
     t = Topology.preset("cpu-gloo")
     only_fw = ComputeParams(fits={"attention": FamilyFit(a_us=10.0, b_us_per_unit=1e-6)})
     assert ComputeModel(t, only_fw).time_us(b_node) == pytest.approx(10.0 + 1e-6 * c.flops)
-    both = ComputeParams(fits={"attention": FamilyFit(a_us=10.0, b_us_per_unit=1e-6),
-                               "attention_bw": FamilyFit(a_us=30.0, b_us_per_unit=2e-6)})
+    both = ComputeParams(
+        fits={
+            "attention": FamilyFit(a_us=10.0, b_us_per_unit=1e-6),
+            "attention_bw": FamilyFit(a_us=30.0, b_us_per_unit=2e-6),
+        }
+    )
     assert ComputeModel(t, both).time_us(b_node) == pytest.approx(30.0 + 2e-6 * c.flops)
     assert ComputeModel(t, ComputeParams(multiplier={"attention": 2.0})).time_us(b_node) == pytest.approx(
-        2 * ComputeModel(t).time_us(b_node))
+        2 * ComputeModel(t).time_us(b_node)
+    )
 
 
 def test_step_runtime_fit_recovers_the_terms():
     from commfuse.tools.calibrate import _nnls3, fit_step_runtime
 
     fixed, per, per_dt = 350.0, 4.0, 28.0
-    rows = [(1.0, float(n), 0.0, fixed + per * n) for n in (2, 8, 24)] + \
-           [(1.0, 0.0, float(n), fixed + per_dt * n) for n in (2, 8, 24)]
+    rows = [(1.0, float(n), 0.0, fixed + per * n) for n in (2, 8, 24)] + [
+        (1.0, 0.0, float(n), fixed + per_dt * n) for n in (2, 8, 24)
+    ]
     assert _nnls3(rows) == pytest.approx((fixed, per, per_dt))
     # negative least-squares solutions are clamped to the best non-negative one
     assert _nnls3([(1.0, 1.0, 0.0, 10.0), (1.0, 2.0, 0.0, 5.0), (1.0, 0.0, 1.0, 7.0)])[1] == 0.0
 
     def rank(noise):  # measure_step_runtime_job's rows: [dtensor, n, step us, graph us]
-        return [[dt, n, [fixed + (per_dt if dt else per) * n + 100.0 + noise] * 3, [100.0] * 3]
-                for dt in (False, True) for n in (2, 8, 24)]
+        return [
+            [dt, n, [fixed + (per_dt if dt else per) * n + 100.0 + noise] * 3, [100.0] * 3]
+            for dt in (False, True)
+            for n in (2, 8, 24)
+        ]
 
     assert fit_step_runtime([rank(0.0), rank(-5.0)]) == pytest.approx((fixed, per, per_dt))  # slowest rank
 
@@ -503,12 +572,18 @@ def test_step_runtime_fit_recovers_the_terms():
 def test_in_graph_latency_fit_is_the_median_excess_over_the_sweep_fit():
     from commfuse.tools.calibrate import fit_in_graph_latency, merge_in_graph
 
-    params = CollectiveParams(fits=[AlphaBeta(kind=k, group_size=2, alpha_us=100.0, beta_us_per_byte=0.0)
-                                    for k in (K.ALL_REDUCE, K.ALL_GATHER)])
+    params = CollectiveParams(
+        fits=[
+            AlphaBeta(kind=k, group_size=2, alpha_us=100.0, beta_us_per_byte=0.0)
+            for k in (K.ALL_REDUCE, K.ALL_GATHER)
+        ]
+    )
     count = 4
     # per collective 100 (fit) + excess; graph = compute 50 + count x (100 + excess)
-    rows = [[k, 4096, gap, [50.0 + count * (100.0 + ex)] * 3, [50.0] * 3]
-            for k, gap, ex in (("all_reduce", 3, 20.0), ("all_reduce", 10, 40.0), ("all_gather", 3, 60.0))]
+    rows = [
+        [k, 4096, gap, [50.0 + count * (100.0 + ex)] * 3, [50.0] * 3]
+        for k, gap, ex in (("all_reduce", 3, 20.0), ("all_reduce", 10, 40.0), ("all_gather", 3, 60.0))
+    ]
     samples = merge_in_graph([rows, rows], count=count)
     assert [s.per_collective_us() for s in samples] == pytest.approx([120.0, 140.0, 160.0])
     assert fit_in_graph_latency(samples, params, 2) == pytest.approx(40.0)
@@ -527,8 +602,9 @@ def test_calibration_graphs_are_synthetic_and_priced():
     assert len(gm(*args)) == 12  # a gradient per weight: forward and backward in one graph
     vm, _ = _view_graph()
     views = sum(1 for n in vm.graph.nodes if n.op == "call_function" and op_cost(n).family == "view")
-    assert views > 100 and all(op_cost(n).family in ("view", "free")
-                               for n in vm.graph.nodes if n.op == "call_function")
+    assert views > 100 and all(
+        op_cost(n).family in ("view", "free") for n in vm.graph.nodes if n.op == "call_function"
+    )
     assert fit_view_us([2.0 * views] * 3) == pytest.approx(2.0)
     params = ComputeParams(view_us=1.0)
     ops = sum(v for f, v in fams.items() if f not in ("free", "view"))

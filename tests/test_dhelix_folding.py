@@ -7,8 +7,15 @@ import random
 
 import pytest
 
-from commfuse.dhelix import (ChunkAction, PipelineSchedule, folded_layer_map, one_f_one_b, phase_durations,
-                             simulate, w_schedule)
+from commfuse.dhelix import (
+    ChunkAction,
+    PipelineSchedule,
+    folded_layer_map,
+    one_f_one_b,
+    phase_durations,
+    simulate,
+    w_schedule,
+)
 from commfuse.dhelix.folding import Block, w_waves
 
 CASES = [(2, 2), (2, 5), (3, 3), (3, 8), (4, 4), (4, 12), (5, 7)]

@@ -23,7 +23,9 @@ def strands():
         commfuse.setup(topology=topo, mesh=mesh)
         try:
             cfg = llama.LlamaConfig(n_layers=1, dim=s["dim"], n_heads=s["n_heads"], ffn_dim=s["ffn_dim"])
-            model = llama.parallelize_llama(llama.build_llama(cfg, seed=0), mesh["tp"], sequence_parallel=True)
+            model = llama.parallelize_llama(
+                llama.build_llama(cfg, seed=0), mesh["tp"], sequence_parallel=True
+            )
             data = llama.make_inputs(cfg, s["batch"], s["seq"], rank=0, world_size=8, sequence_parallel=True)
             graphs = capture_aot_graphs(model, data.inputs, loss=lambda out: llama.loss_fn(out, data))
             yield graphs, topo, layer_strands(graphs, topo)
@@ -65,7 +67,11 @@ def test_movable_rule_rejects_activation_gradients(strands):
     from commfuse.dhelix.from_graph import movable_ops
 
     graphs, _, _ = strands
-    mms = [n for n in graphs.backward.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.mm.default]
+    mms = [
+        n
+        for n in graphs.backward.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.mm.default
+    ]
     movable = set(movable_ops(graphs.backward))
     assert movable and len(movable) < len(mms)  # the data-gradient GEMMs feed further compute
     for n in mms:
@@ -96,11 +102,21 @@ def test_runner_flag_registered(strands, monkeypatch, capsys):
     import benchmarks.dhelix_report as rep
     from benchmarks import run
 
-    assert run._REPORTS["dhelix_report"][:4] == ("benchmarks.dhelix_report", "run_dhelix_report", "dhelix_tables",
-                                                 "dhelix")
+    assert run._REPORTS["dhelix_report"][:4] == (
+        "benchmarks.dhelix_report",
+        "run_dhelix_report",
+        "dhelix_tables",
+        "dhelix",
+    )
     _, _, st = strands
-    canned = {"workload": "tiny", "model": "analytic", "oef": "default", "source": "dhelix.md", "capture_s": 0.0,
-              "rows": [_plan_row("dgx-a100", st)]}
+    canned = {
+        "workload": "tiny",
+        "model": "analytic",
+        "oef": "default",
+        "source": "dhelix.md",
+        "capture_s": 0.0,
+        "rows": [_plan_row("dgx-a100", st)],
+    }
     monkeypatch.setattr(rep, "run_dhelix_report", lambda: canned)  # the flag dispatches; no re-capture
     assert run.main(["--dhelix-report"]) == 0
     out = capsys.readouterr().out

@@ -7,8 +7,19 @@ import random
 
 import pytest
 
-from commfuse.dhelix import (SEGMENT_KINDS, InfeasiblePlanError, OEFTable, Segment, best_plan, default_oef,
-                             legal_orders, merge_overlapping, overlap_table, pair_time, search_plans)
+from commfuse.dhelix import (
+    SEGMENT_KINDS,
+    InfeasiblePlanError,
+    OEFTable,
+    Segment,
+    best_plan,
+    default_oef,
+    legal_orders,
+    merge_overlapping,
+    overlap_table,
+    pair_time,
+    search_plans,
+)
 from commfuse.dhelix.plan_dp import STEP_KINDS, _least_budget, step_peak
 
 PAIRS = [(a, b) for i, a in enumerate(SEGMENT_KINDS) for b in SEGMENT_KINDS[i:]]
@@ -33,11 +44,16 @@ def brute_force(fwd, bwd, oef, budget, mem_start):
             if best is None or key < best[0]:
                 best = (key, tuple(codes), peak)
             return
-        for kind, ni, nj, t in (("pair", i + 1, j + 1, lambda: P[i + 1][j + 1]), ("fwd", i + 1, j, lambda: P[i + 1][0]),
-                                ("bwd", i, j + 1, lambda: P[0][j + 1])):
+        for kind, ni, nj, t in (
+            ("pair", i + 1, j + 1, lambda: P[i + 1][j + 1]),
+            ("fwd", i + 1, j, lambda: P[i + 1][0]),
+            ("bwd", i, j + 1, lambda: P[0][j + 1]),
+        ):
             if ni > nf or nj > nb:
                 continue
-            pk = step_peak(kind, mem(i, j), fwd[i] if kind != "bwd" else None, bwd[j] if kind != "fwd" else None)
+            pk = step_peak(
+                kind, mem(i, j), fwd[i] if kind != "bwd" else None, bwd[j] if kind != "fwd" else None
+            )
             if pk <= budget:
                 walk(ni, nj, cost + t(), codes + [kind], max(peak, pk))
 
@@ -47,8 +63,10 @@ def brute_force(fwd, bwd, oef, budget, mem_start):
 
 
 def _random_strand(rng, n, prefix, sign):
-    return [Segment(f"{prefix}{k}", rng.choice(SEGMENT_KINDS), rng.randint(0, 8),
-                    sign * rng.randint(-2, 6)) for k in range(n)]
+    return [
+        Segment(f"{prefix}{k}", rng.choice(SEGMENT_KINDS), rng.randint(0, 8), sign * rng.randint(-2, 6))
+        for k in range(n)
+    ]
 
 
 def test_dp_matches_exhaustive_search_on_random_instances():
@@ -81,15 +99,25 @@ def test_dp_matches_exhaustive_search_on_random_instances():
 
 
 def test_hand_checked_pairing():
-    oef = OEFTable.from_mapping({("compute", "compute"): 0.0, ("compute", "comm_local"): 1.0,
-                                 ("compute", "comm_cross"): 1.0, ("comm_local", "comm_local"): 0.0,
-                                 ("comm_local", "comm_cross"): 1.0, ("comm_cross", "comm_cross"): 0.0})
+    oef = OEFTable.from_mapping(
+        {
+            ("compute", "compute"): 0.0,
+            ("compute", "comm_local"): 1.0,
+            ("compute", "comm_cross"): 1.0,
+            ("comm_local", "comm_local"): 0.0,
+            ("comm_local", "comm_cross"): 1.0,
+            ("comm_cross", "comm_cross"): 0.0,
+        }
+    )
     fwd = [Segment("A", "compute", 4), Segment("Bc", "comm_local", 2)]
     bwd = [Segment("C", "comm_local", 3), Segment("D", "compute", 5)]
     plan = best_plan(fwd, bwd, oef)
     # A||C = max(4,3) = 4, Bc||D = max(2,5) = 5; sequential would be 14, A||D (OEF 0) = 9 alone
     assert plan.total_time == 9
-    assert [(s.kind, s.fwd, s.bwd, s.time) for s in plan.steps] == [("pair", "A", "C", 4), ("pair", "Bc", "D", 5)]
+    assert [(s.kind, s.fwd, s.bwd, s.time) for s in plan.steps] == [
+        ("pair", "A", "C", 4),
+        ("pair", "Bc", "D", 5),
+    ]
 
 
 def test_eq1_inverse_and_table():
@@ -97,7 +125,9 @@ def test_eq1_inverse_and_table():
     # Eq. 1 round trip: OEF = (Ti + Tj - P) / min(Ti, Tj)
     p = pair_time("compute", 6.0, "comm_cross", 2.0, oef)
     assert (6.0 + 2.0 - p) / 2.0 == pytest.approx(oef("compute", "comm_cross"))
-    P = overlap_table([Segment("f", "compute", 3)], [Segment("b", "comm_local", 1), Segment("c", "compute", 2)], oef)
+    P = overlap_table(
+        [Segment("f", "compute", 3)], [Segment("b", "comm_local", 1), Segment("c", "compute", 2)], oef
+    )
     assert P[0] == (0.0, 1.0, 2.0) and P[1][0] == 3.0
     assert P[1][1] == pytest.approx(3 + 1 - 0.9 * 1) and P[1][2] == pytest.approx(3 + 2 - 0.1 * 2)
 
@@ -149,11 +179,18 @@ def test_legal_orders_and_search():
     with pytest.raises(ValueError, match="limit=3"):
         legal_orders(list("abcd"), {}, limit=3)
 
-    seg = {"dgrad": Segment("dgrad", "compute", 4, -1), "rs": Segment("rs", "comm_local", 3, 0),
-           "wgrad": Segment("wgrad", "compute", 4, -1), "ag": Segment("ag", "comm_local", 2, 0)}
+    seg = {
+        "dgrad": Segment("dgrad", "compute", 4, -1),
+        "rs": Segment("rs", "comm_local", 3, 0),
+        "wgrad": Segment("wgrad", "compute", 4, -1),
+        "ag": Segment("ag", "comm_local", 2, 0),
+    }
     bwd_cands = [[seg[o] for o in order] for order in legal_orders(ops, deps)]
-    fwd = [Segment("ag_f", "comm_local", 2, 1), Segment("gemm_f", "compute", 4, 1),
-           Segment("rs_f", "comm_local", 3, 1)]
+    fwd = [
+        Segment("ag_f", "comm_local", 2, 1),
+        Segment("gemm_f", "compute", 4, 1),
+        Segment("rs_f", "comm_local", 3, 1),
+    ]
     res = search_plans([fwd], bwd_cands, default_oef())
     each = [best_plan(fwd, b, default_oef()).total_time for b in bwd_cands]
     assert res.plan.total_time == min(each)
@@ -164,8 +201,12 @@ def test_legal_orders_and_search():
 
 def test_merge_overlapping():
     oef = default_oef()
-    segs = [Segment("a", "compute", 2, 1), Segment("w", "compute", 5, -2), Segment("r", "comm_cross", 3, 0),
-            Segment("z", "comm_local", 1, 0)]
+    segs = [
+        Segment("a", "compute", 2, 1),
+        Segment("w", "compute", 5, -2),
+        Segment("r", "comm_cross", 3, 0),
+        Segment("z", "comm_local", 1, 0),
+    ]
     out = merge_overlapping(segs, [("r", "w")], oef)
     assert [s.name for s in out] == ["a", "w+r", "z"]
     m = out[1]

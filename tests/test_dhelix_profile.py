@@ -8,16 +8,36 @@ import json
 import pytest
 
 from commfuse.dhelix.overlap import OEFTable, default_oef, pair_time
-from commfuse.dhelix.profile import (COMM_KINDS, COMPUTE_KINDS, SCHEMA_VERSION, OEFEntry, OEFProfile, overlap_effectiveness,
-                                     load_oef_profile, oef_for, oef_table, read_oef_profile, save_oef_profile)
+from commfuse.dhelix.profile import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    SCHEMA_VERSION,
+    OEFEntry,
+    OEFProfile,
+    overlap_effectiveness,
+    load_oef_profile,
+    oef_for,
+    oef_table,
+    read_oef_profile,
+    save_oef_profile,
+)
 from commfuse.core.errors import ConfigError
 
 import _jobs_dhelix_profile as jobs
 
 
 def _profile(entries, scope="local") -> OEFProfile:
-    return OEFProfile(SCHEMA_VERSION, {"hostname": "h"}, "2026-11-25T00:00:00+00:00", 2, "gloo", scope, 3,
-                      (4096,), tuple(entries))
+    return OEFProfile(
+        SCHEMA_VERSION,
+        {"hostname": "h"},
+        "2026-11-25T00:00:00+00:00",
+        2,
+        "gloo",
+        scope,
+        3,
+        (4096,),
+        tuple(entries),
+    )
 
 
 def _entry(a, b, oef, size=4096):
@@ -43,15 +63,26 @@ def test_measured_table_identical_on_every_rank_and_sane(rank_pool_2):
 
 
 def test_eq1_inverts_pair_time():
-    t = OEFTable.from_mapping({(a, b): 0.6 for a in ("compute", "comm_local", "comm_cross")
-                               for b in ("compute", "comm_local", "comm_cross")})
+    t = OEFTable.from_mapping(
+        {
+            (a, b): 0.6
+            for a in ("compute", "comm_local", "comm_cross")
+            for b in ("compute", "comm_local", "comm_cross")
+        }
+    )
     p = pair_time("compute", 80.0, "comm_local", 30.0, t)
     assert overlap_effectiveness(80.0, 30.0, p) == pytest.approx(0.6)
 
 
 def test_save_load_round_trip(tmp_path):
-    p = _profile([_entry("matmul", "all_gather", 0.7), _entry("elementwise", "all_gather", 0.3),
-                  _entry("all_reduce", "all_to_all", -0.4), _entry("all_reduce", "all_reduce", 1.2)])
+    p = _profile(
+        [
+            _entry("matmul", "all_gather", 0.7),
+            _entry("elementwise", "all_gather", 0.3),
+            _entry("all_reduce", "all_to_all", -0.4),
+            _entry("all_reduce", "all_reduce", 1.2),
+        ]
+    )
     f = tmp_path / "oef.json"
     save_oef_profile(str(f), p)
     q = read_oef_profile(str(f))
@@ -64,18 +95,31 @@ def test_save_load_round_trip(tmp_path):
 
 
 def test_oef_for_measured_clamped_and_fallback():
-    p = _profile([_entry("matmul", "all_gather", 0.7), _entry("all_to_all", "all_reduce", -0.4),
-                  _entry("matmul", "reduce_scatter", 0.2, size=10), _entry("matmul", "reduce_scatter", 0.8, size=1000)])
+    p = _profile(
+        [
+            _entry("matmul", "all_gather", 0.7),
+            _entry("all_to_all", "all_reduce", -0.4),
+            _entry("matmul", "reduce_scatter", 0.2, size=10),
+            _entry("matmul", "reduce_scatter", 0.8, size=1000),
+        ]
+    )
     assert oef_for("all_gather", "matmul", p) == pytest.approx(0.7)  # either order
     assert oef_for("all_reduce", "all_to_all", p) == 0.0  # negative gain planned as no gain
     assert oef_for("matmul", "reduce_scatter", p) == pytest.approx(0.5)  # median over sizes
     assert oef_for("matmul", "reduce_scatter", p, size=900) == pytest.approx(0.8)  # nearest size
     assert oef_for("elementwise", "all_gather", p) == default_oef()("compute", "comm_local")
-    custom = OEFTable.from_mapping({(a, b): 0.25 for a in ("compute", "comm_local", "comm_cross")
-                                    for b in ("compute", "comm_local", "comm_cross")})
+    custom = OEFTable.from_mapping(
+        {
+            (a, b): 0.25
+            for a in ("compute", "comm_local", "comm_cross")
+            for b in ("compute", "comm_local", "comm_cross")
+        }
+    )
     assert oef_for("elementwise", "all_gather", p, fallback=custom) == 0.25
     assert oef_for("matmul", "all_gather", None) == default_oef()("compute", "comm_local")
-    assert oef_for("matmul", "all_gather", _profile([], scope="cross")) == default_oef()("compute", "comm_cross")
+    assert oef_for("matmul", "all_gather", _profile([], scope="cross")) == default_oef()(
+        "compute", "comm_cross"
+    )
     with pytest.raises(ConfigError, match="'gemm'"):
         oef_for("gemm", "all_gather", p)
 
@@ -93,8 +137,20 @@ def _good():
     return d
 
 
-@pytest.mark.parametrize("field", ["schema_version", "machine", "date", "world_size", "backend", "comm_scope",
-                                   "repeats", "sizes", "entries"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "schema_version",
+        "machine",
+        "date",
+        "world_size",
+        "backend",
+        "comm_scope",
+        "repeats",
+        "sizes",
+        "entries",
+    ],
+)
 def test_missing_field_named(tmp_path, field):
     d = _good()
     del d[field]

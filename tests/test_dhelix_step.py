@@ -27,7 +27,9 @@ RANK_LAYERS = 2
 def test_interleaved_step_equals_plain_loop_on_4_ranks(rank_pool_4, layout):
     import _jobs_dhelix as jobs
 
-    results = rank_pool_4.run(jobs.dhelix_step_matches_loop, layout, [2, 4], n_layers=RANK_LAYERS, timeout=900)
+    results = rank_pool_4.run(
+        jobs.dhelix_step_matches_loop, layout, [2, 4], n_layers=RANK_LAYERS, timeout=900
+    )
     seen = results[0]
     for m, s in seen.items():
         assert s["passes_failed"] == [], s
@@ -60,13 +62,22 @@ def test_report_measures_the_step_with_and_without_interleaving(rank_pool_4):
     assert row["ranks"] == 4 and row["kept"] == "interleaved" and row["same_plan_on_all_ranks"]
     assert row["plain_median_ms"] > 0 and row["interleaved_median_ms"] > 0
     assert row["max_abs_diff"] < 1e-4  # the two compiled steps compute the same step
-    doc = {"workload": "w", "model": "m", "oef": "o", "source": "s", "capture_s": 0.0, "rows": [],
-           "measured": [row], "measured_setup": "4 gloo ranks"}
+    doc = {
+        "workload": "w",
+        "model": "m",
+        "oef": "o",
+        "source": "s",
+        "capture_s": 0.0,
+        "rows": [],
+        "measured": [row],
+        "measured_setup": "4 gloo ranks",
+    }
     out = dhelix_tables(doc)
     assert "MEASURED" in out and "tp_sp" in out
 
 
 # ---------------------------------------------------------------- one process
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
@@ -90,7 +101,9 @@ def _plain_loop(model, x, y, m: int) -> torch.Tensor:
 
 
 def _interleave_decision(step) -> dict:
-    found = [p for r in step.reports if r.graph == "forward" for p in r.passes if p.name == "dhelix_interleave"]
+    found = [
+        p for r in step.reports if r.graph == "forward" for p in r.passes if p.name == "dhelix_interleave"
+    ]
     assert found and found[0].decisions, [(r.graph, [p.name for p in r.passes]) for r in step.reports]
     return found[0].decisions[0]
 
@@ -200,7 +213,9 @@ def test_dhelix_config_errors_name_the_field(tmp_path):
     with pytest.raises(ValueError, match="dhelix=True needs inner_compiler"):
         commfuse.Config(dhelix=True)
     with pytest.raises(ValueError, match="dhelix_oef_profile"):
-        commfuse.Config(inner_compiler="eager", dhelix=True, dhelix_oef_profile=str(tmp_path / "missing.json"))
+        commfuse.Config(
+            inner_compiler="eager", dhelix=True, dhelix_oef_profile=str(tmp_path / "missing.json")
+        )
     assert "dhelix_interleave" in DHELIX.pass_names() and "schedule_overlap" not in DHELIX.pass_names()
 
 

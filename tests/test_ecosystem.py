@@ -42,6 +42,7 @@ def _step(model, x):
 @pytest.fixture
 def no_inductor(monkeypatch):
     """Fail the test if commfuse hands anything to Inductor (the eager inner compiler must not)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("Inductor was called")
 
@@ -56,13 +57,20 @@ def test_options_configure_a_compile_by_name(tmp_path, no_inductor):
     ref = _step(_model(), x)
     torch._dynamo.reset()
     before = len(commfuse.recent_reports())
-    compiled = torch.compile(_model(), backend="commfuse",
-                             options={"inner_compiler": "eager", "passes": ["sink_waits"], "dump_dir": str(tmp_path)})
+    compiled = torch.compile(
+        _model(),
+        backend="commfuse",
+        options={"inner_compiler": "eager", "passes": ["sink_waits"], "dump_dir": str(tmp_path)},
+    )
     assert_bitwise_equal_tree(_step(compiled, x), ref)  # eager inner compiler: bitwise eager, no Inductor
     reps = commfuse.recent_reports()[before:]
     assert [r.graph for r in reps] == ["joint", "forward", "backward"]
     assert [[p.name for p in r.passes] for r in reps[1:]] == [["sink_waits"], ["sink_waits"]]
-    assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == ["backward_000", "forward_000", "joint_000"]
+    assert sorted(p.name for p in (tmp_path / "rank0").iterdir()) == [
+        "backward_000",
+        "forward_000",
+        "joint_000",
+    ]
 
 
 def test_options_on_a_backend_object_override_its_config(no_inductor):
@@ -180,8 +188,10 @@ def test_rank_invariant_warnings_once_rank_local_ones_everywhere_and_dumps_per_r
     assert r0["graphs"] == r1["graphs"] == ["graph_000"]
     index = read_dump_index(tmp_path / "dumps")
     assert index["world_size"] == 2
-    assert [(e["rank"], e["dir"], e["graphs"]) for e in index["ranks"]] == [(0, "rank0", ["graph_000"]),
-                                                                         (1, "rank1", ["graph_000"])]
+    assert [(e["rank"], e["dir"], e["graphs"]) for e in index["ranks"]] == [
+        (0, "rank0", ["graph_000"]),
+        (1, "rank1", ["graph_000"]),
+    ]
 
 
 # ----------------------------------------------------------------------------- dumps per rank
@@ -222,10 +232,14 @@ def test_each_rank_dumps_into_its_own_directory_and_the_readers_follow(tmp_path,
     volume report, the HTML page and ``commfuse volume --rank`` reading either rank."""
     for rank in (1, 0):
         with fake_process_group(2, rank=rank):
-            commfuse.optimize(_traced_forward(), Config(passes=["sink_waits"], dump_dir=str(tmp_path)),
-                              graph_kind="forward")
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["index.json", "rank0",
-                                                                                         "rank1"]
+            commfuse.optimize(
+                _traced_forward(), Config(passes=["sink_waits"], dump_dir=str(tmp_path)), graph_kind="forward"
+            )
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "index.json",
+        "rank0",
+        "rank1",
+    ]
     index = read_dump_index(tmp_path)
     assert index["world_size"] == 2
     assert [(e["rank"], e["graphs"]) for e in index["ranks"]] == [(0, ["forward_000"]), (1, ["forward_000"])]

@@ -30,8 +30,12 @@ from commfuse.testing.graphs import _copy, capture_aot_graphs
 from commfuse.ops.moe_layer.comm_volume import chunks_of
 from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD
 from commfuse.ops.moe_layer import cost as moe_cost
-from commfuse.transforms.expert_exchange_partition import (DROPLESS, TokenChunkPlan, plan_exchange_partition,
-                                                           plan_token_chunks)
+from commfuse.transforms.expert_exchange_partition import (
+    DROPLESS,
+    TokenChunkPlan,
+    plan_exchange_partition,
+    plan_token_chunks,
+)
 from commfuse.transforms.partition_search import score_graph
 
 PASS = "expert_exchange_partition"
@@ -71,8 +75,9 @@ def _exchange(experts: int, mid=None, C: int = C, D: int = D):
 
 def _trace(fn, experts: int, C: int = C, D: int = D, H: int = H):
     local = experts // N
-    return make_fx(fn, tracing_mode="fake")(torch.randn(experts, C, D), torch.randn(local, D, H),
-                                            torch.randn(local, H, D))
+    return make_fx(fn, tracing_mode="fake")(
+        torch.randn(experts, C, D), torch.randn(local, D, H), torch.randn(local, H, D)
+    )
 
 
 def test_exchange_cut_into_chunks_that_overlap_expert_compute():
@@ -91,9 +96,25 @@ def test_exchange_cut_into_chunks_that_overlap_expert_compute():
         # dispatch 0, dispatch 1, then chunk 0's wait before chunk 0's compute and combine,
         # chunk 1's wait after chunk 0's combine is issued: the exchange overlaps compute; the
         # combine's chunks interleave back per expert (a stack of the per-expert slot halves)
-        (FileCheck().check(A2A).check(A2A).check(WAIT).check("aten.bmm").check("aten.gelu").check("aten.bmm")
-         .check(A2A).check(WAIT).check("aten.bmm").check("aten.gelu").check("aten.bmm").check(A2A)
-         .check(WAIT).check(WAIT).check("aten.stack").run(gm.code))
+        (
+            FileCheck()
+            .check(A2A)
+            .check(A2A)
+            .check(WAIT)
+            .check("aten.bmm")
+            .check("aten.gelu")
+            .check("aten.bmm")
+            .check(A2A)
+            .check(WAIT)
+            .check("aten.bmm")
+            .check("aten.gelu")
+            .check("aten.bmm")
+            .check(A2A)
+            .check(WAIT)
+            .check(WAIT)
+            .check("aten.stack")
+            .run(gm.code)
+        )
         check_equivalent(before, gm, N)
 
 
@@ -114,7 +135,8 @@ def test_chunk_count_from_algorithm_1_and_forced_two():
         # a bandwidth-bound one (8 MiB): no independent compute, Algorithm 1 allows max_chunks,
         # the pipeline model picks more than two
         gm = make_fx(_exchange(8, C=256, D=1024), tracing_mode="fake")(
-            torch.randn(8, 256, 1024), torch.randn(2, 1024, 4096), torch.randn(2, 4096, 1024))
+            torch.randn(8, 256, 1024), torch.randn(2, 1024, 4096), torch.randn(2, 4096, 1024)
+        )
         ctx = PassContext(gm, commfuse.Config(topology=topo, uniform_batches=True), topology=topo)
         plan = plan_exchange_partition(ctx, _a2a_starts(gm)[0])
         assert not isinstance(plan, str), plan
@@ -144,15 +166,23 @@ def _moe_op(capacity_factor: float, backward: bool = False):
     """One commfuse::moe_layer call (top-2, E = 2 per rank) on the world, or its backward."""
     g = dist.group.WORLD.group_name
     if backward:
-        return lambda go, x, rw, w1, w3, w2: list(MOE_LAYER_BACKWARD(
-            go, torch.zeros(2 * N), torch.zeros(()), x, rw, w1, w3, w2, 2, capacity_factor, 1, g, 1.0))
+        return lambda go, x, rw, w1, w3, w2: list(
+            MOE_LAYER_BACKWARD(
+                go, torch.zeros(2 * N), torch.zeros(()), x, rw, w1, w3, w2, 2, capacity_factor, 1, g, 1.0
+            )
+        )
     return lambda x, rw, w1, w3, w2: list(MOE_LAYER(x, rw, w1, w3, w2, 2, capacity_factor, 1, g))
 
 
 def _moe_trace(capacity_factor: float, backward: bool = False, tokens: int = 12, h: int = 8, f: int = 16):
     e = 2 * N
-    ins = [torch.randn(tokens, h), torch.randn(e, h) * h ** -0.5, torch.randn(2, h, f) * h ** -0.5,
-           torch.randn(2, h, f) * h ** -0.5, torch.randn(2, f, h) * f ** -0.5]
+    ins = [
+        torch.randn(tokens, h),
+        torch.randn(e, h) * h**-0.5,
+        torch.randn(2, h, f) * h**-0.5,
+        torch.randn(2, h, f) * h**-0.5,
+        torch.randn(2, f, h) * f**-0.5,
+    ]
     if backward:
         ins.insert(0, torch.randn(tokens, h))
     return make_fx(_moe_op(capacity_factor, backward), tracing_mode="fake")(*ins)
@@ -187,8 +217,12 @@ def test_chunked_moe_op_equals_the_whole_one_on_one_rank():
     call equal the whole call's (float64: only the summation order of weight gradients differs)."""
     torch.manual_seed(0)
     t, h, f, e = 13, 8, 16, 4
-    ins = [torch.randn(t, h, dtype=torch.float64), torch.randn(e, h, dtype=torch.float64),
-           *(torch.randn(e, h, f, dtype=torch.float64) for _ in range(2)), torch.randn(e, f, h, dtype=torch.float64)]
+    ins = [
+        torch.randn(t, h, dtype=torch.float64),
+        torch.randn(e, h, dtype=torch.float64),
+        *(torch.randn(e, h, f, dtype=torch.float64) for _ in range(2)),
+        torch.randn(e, f, h, dtype=torch.float64),
+    ]
 
     def run(chunks):
         params = [p.detach().requires_grad_() for p in ins]
@@ -207,11 +241,13 @@ def test_capacity_moe_op_and_no_group_refused():
         gm = _moe_trace(1.0)
         rec = _run(gm)
         assert not rec.changed and _moe_chunks(gm) == [1]
-        assert any("token chunks would change which rows are dropped" in r for r in rec.refusals), rec.refusals
+        assert any("token chunks would change which rows are dropped" in r for r in rec.refusals), (
+            rec.refusals
+        )
         x = torch.randn(12, 8)
-        gm = make_fx(lambda x, rw, w1, w3, w2: list(MOE_LAYER(x, rw, w1, w3, w2, 1, 0.0, 1, "")),
-                     tracing_mode="fake")(x, torch.randn(4, 8), *(torch.randn(4, 8, 16) for _ in range(2)),
-                                          torch.randn(4, 16, 8))
+        gm = make_fx(
+            lambda x, rw, w1, w3, w2: list(MOE_LAYER(x, rw, w1, w3, w2, 1, 0.0, 1, "")), tracing_mode="fake"
+        )(x, torch.randn(4, 8), *(torch.randn(4, 8, 16) for _ in range(2)), torch.randn(4, 16, 8))
         rec = _run(gm)
         assert not rec.changed and any("no expert-parallel group" in r for r in rec.refusals), rec.refusals
 
@@ -298,7 +334,9 @@ def _scored(gm, topo, passes, **cfg):
     return score_graph(PassContext(gm, config, topology=topo))
 
 
-@pytest.mark.slow(reason="runs a dim-512 MoE block's forward and backward under AOTAutograd and simulates 6 graphs")
+@pytest.mark.slow(
+    reason="runs a dim-512 MoE block's forward and backward under AOTAutograd and simulates 6 graphs"
+)
 def test_partition_predicted_no_slower_than_unpartitioned_and_two_chunk_baseline(moe_graphs):
     """DGX-H100, 8 EP ranks. Forward: the pass's cut exposes less communication than the
     unpartitioned graph and graph_trainer's two chunks, and the step is predicted faster.
@@ -316,7 +354,12 @@ def test_partition_predicted_no_slower_than_unpartitioned_and_two_chunk_baseline
             two = _scored(gm, topo, [PASS, "sink_waits"], workload_chunks=2)
             ours = _scored(gm, topo, [PASS, "sink_waits"])
             got[kind] = (plain, two, ours)
-            assert ours.makespan_us <= min(plain.makespan_us, two.makespan_us) + 1e-6, (kind, plain, two, ours)
+            assert ours.makespan_us <= min(plain.makespan_us, two.makespan_us) + 1e-6, (
+                kind,
+                plain,
+                two,
+                ours,
+            )
     plain, two, ours = got["forward"]
     assert ours.exposed_comm_us < two.exposed_comm_us < plain.exposed_comm_us
     assert ours.makespan_us < plain.makespan_us
@@ -363,10 +406,16 @@ def test_token_chunks_are_not_priced_from_sizes_ranks_may_not_share():
     g = None
     with fake_process_group(N):
         g = dist.group.WORLD.group_name
-        ins = [torch.randn(12, 8), torch.randn(2 * N, 8), *(torch.randn(2, 8, 16) for _ in range(2)),
-               torch.randn(2, 16, 8)]
-        gm = make_fx(lambda x, rw, w1, w3, w2: list(MOE_LAYER(x, rw, w1, w3, w2, 2, 0.0, 1, g)),
-                     tracing_mode="symbolic")(*ins)
+        ins = [
+            torch.randn(12, 8),
+            torch.randn(2 * N, 8),
+            *(torch.randn(2, 8, 16) for _ in range(2)),
+            torch.randn(2, 16, 8),
+        ]
+        gm = make_fx(
+            lambda x, rw, w1, w3, w2: list(MOE_LAYER(x, rw, w1, w3, w2, 2, 0.0, 1, g)),
+            tracing_mode="symbolic",
+        )(*ins)
         ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo)
         (node,) = [n for n in gm.graph.nodes if n.target is MOE_LAYER]
         assert ctx.cost.model.compute_time_us(node) > 0
@@ -402,8 +451,9 @@ def _exchange_on(n: int, experts: int, C: int, D: int = D, H: int = H):
         back = y.view(local, n, C, D).transpose(0, 1).reshape(experts * C, D)
         return funcol.all_to_all_single(back, None, None, g)
 
-    return make_fx(f, tracing_mode="fake")(torch.randn(experts, C, D), torch.randn(local, D, H),
-                                           torch.randn(local, H, D))
+    return make_fx(f, tracing_mode="fake")(
+        torch.randn(experts, C, D), torch.randn(local, D, H), torch.randn(local, H, D)
+    )
 
 
 def _chunk_rows(gm) -> list[int]:
@@ -443,7 +493,9 @@ def test_chunk_pipeline_of_uneven_chunks():
     from commfuse.costmodel.pipeline import chunk_pipeline_us, pipeline_us
 
     for k in (1, 2, 3, 5):
-        assert chunk_pipeline_us([4.0] * k, [9.0 / k] * k, [2.0] * k, 1.5) == pipeline_us(4.0, 9.0, 2.0, k, 1.5)
+        assert chunk_pipeline_us([4.0] * k, [9.0 / k] * k, [2.0] * k, 1.5) == pipeline_us(
+            4.0, 9.0, 2.0, k, 1.5
+        )
     # 2:1:1: dispatches arrive at 2, 3, 4; compute 4, 2, 2 ends at 6, 8, 10; combines 2, 1, 1
     # end at 8, 9, 11
     assert chunk_pipeline_us([2.0, 1.0, 1.0], [4.0, 2.0, 2.0], [2.0, 1.0, 1.0]) == 11.0
@@ -493,8 +545,22 @@ def test_algorithm1_uneven_sizes_cut_into_the_chunk_exchanges(two_nodes, monkeyp
         assert _chunk_rows(gm) == [32, 16, 16, 32, 16, 16]
         assert all(c.extra.get("equal_splits") and c.group.name == "0" for c in starts)
         # dispatches first, then per chunk: wait, expert compute, combine issued
-        (FileCheck().check(A2A).check(A2A).check(A2A).check(WAIT).check("aten.bmm").check(A2A)
-         .check(WAIT).check("aten.bmm").check(A2A).check(WAIT).check("aten.bmm").check(A2A).run(gm.code))
+        (
+            FileCheck()
+            .check(A2A)
+            .check(A2A)
+            .check(A2A)
+            .check(WAIT)
+            .check("aten.bmm")
+            .check(A2A)
+            .check(WAIT)
+            .check("aten.bmm")
+            .check(A2A)
+            .check(WAIT)
+            .check("aten.bmm")
+            .check(A2A)
+            .run(gm.code)
+        )
         check_equivalent(before, gm, N, groups={"0": "world", **s.reference_groups()})
 
 
@@ -537,8 +603,9 @@ def test_uneven_exchange_trains_like_eager_on_4_ranks(rank_pool_4):
     # 64 tokens per rank: 20 capacity slots per expert (top-2 of 8, factor 1.25), which the 4
     # units of 2:1:1 divide; the forced pass takes Algorithm 1's cut (the pass itself keeps the
     # even one on this pipeline model)
-    results = rank_pool_4.run(jobs.moe_matches_eager, ("expert_exchange_partition_forced",), seq=32,
-                              two_nodes=True, timeout=300)
+    results = rank_pool_4.run(
+        jobs.moe_matches_eager, ("expert_exchange_partition_forced",), seq=32, two_nodes=True, timeout=300
+    )
     got = results[0]
     assert all(r == got for r in results)  # every rank decided the same
     for graph in ("forward", "backward"):  # the backward's weight gradients: uneven partial sums
@@ -555,8 +622,9 @@ def test_forced_pass_cuts_wherever_algorithm1_is_uneven(two_nodes):
         topo, _ = two_nodes(N)
         gm = _exchange_on(N, 8, C=8)
         before = _copy(gm)
-        commfuse.optimize(gm, commfuse.Config(passes=["expert_exchange_partition_forced"], topology=topo,
-                                              strict=True))
+        commfuse.optimize(
+            gm, commfuse.Config(passes=["expert_exchange_partition_forced"], topology=topo, strict=True)
+        )
         rec = commfuse.last_report(gm).passes[-1]
         assert rec.counts["exchanges_cut_unevenly"] == 1, rec.refusals
         assert rec.decisions[0]["sizes"] == [32, 16, 16]

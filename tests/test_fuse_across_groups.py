@@ -64,7 +64,11 @@ def _fuse(n1, n2, build, shape, *, declare=True, world_group=True):
         gm = _trace(build(ga, gb), [shape])
         before = _copy(gm)
         rec = _fuse_in(gm)
-        groups = {ga.group_name: a_blocks, gb.group_name: b_blocks, dist.group.WORLD.group_name: [list(range(n))]}
+        groups = {
+            ga.group_name: a_blocks,
+            gb.group_name: b_blocks,
+            dist.group.WORLD.group_name: [list(range(n))],
+        }
         if any(rec.counts.values()):
             check_equivalent(before, gm, n, groups=groups)
         wire = (_wire(before), _wire(gm))  # the groups resolve inside the fake world only
@@ -100,7 +104,7 @@ def test_gather_then_exchange_on_two_mesh_dims_is_one_scatter(n1, n2):
 def test_exchange_then_scatter_on_two_mesh_dims_is_one_scatter(n1, n2, op):
     """The backward's pair: A2A over B + RS over A -> one m2ms and a local reduction."""
     shape = (2 * n2, 3, 2 * n1)
-    (before, after), gm, rec = _fuse(n1, n2, lambda ga, gb: (lambda x: RS(A2A(x, 0, 1, gb), op, 2, ga)), shape)
+    (before, after), gm, rec = _fuse(n1, n2, lambda ga, gb: lambda x: RS(A2A(x, 0, 1, gb), op, 2, ga), shape)
     assert rec.counts["m2ms_a2a_rs"] == 1 and not rec.refusals, (rec.counts, rec.refusals)
     assert _kinds(gm) == Counter({"many_to_many_scatter": 1})
     w = FLOAT * 2 * n2 * 3 * 2 * n1
@@ -114,11 +118,11 @@ def test_pairs_on_two_mesh_dims_are_refused_with_the_reason():
     assert not any(rec.counts.values()) and _kinds(gm) == Counter({"all_gather": 1, "all_to_all": 1})
     assert any("on the other ranks are unknown" in r for r in rec.refusals), rec.refusals
     # the exchange splits the gathered dim: each rank's pieces would differ
-    _, gm, rec = _fuse(2, 2, lambda ga, gb: (lambda x: A2A(AG(x, 1, ga), 1, 0, gb)), (2, 4, 2))
+    _, gm, rec = _fuse(2, 2, lambda ga, gb: lambda x: A2A(AG(x, 1, ga), 1, 0, gb), (2, 4, 2))
     assert not any(rec.counts.values())
     assert any("splits the gathered dim" in r for r in rec.refusals), rec.refusals
     # a pair with no fused form across groups (all_gather + reduce_scatter)
-    _, gm, rec = _fuse(2, 2, lambda ga, gb: (lambda x: RS(AG(x, 1, ga), "sum", 0, gb)), (2, 4, 2))
+    _, gm, rec = _fuse(2, 2, lambda ga, gb: lambda x: RS(AG(x, 1, ga), "sum", 0, gb), (2, 4, 2))
     assert any("no fused form across groups" in r for r in rec.refusals), rec.refusals
 
 
@@ -132,15 +136,25 @@ def test_a_plane_without_a_process_group_is_refused():
         gm = _trace(_ag_a2a(ga, gb), [(4, 3, 2)])
         rec = _fuse_in(gm)
         assert not any(rec.counts.values())
-        assert any("no process group spans their plane (ranks 0,1,2,3)" in r for r in rec.refusals), rec.refusals
+        assert any("no process group spans their plane (ranks 0,1,2,3)" in r for r in rec.refusals), (
+            rec.refusals
+        )
         planes = dist.new_subgroups_by_enumeration([[0, 1, 2, 3], [4, 5, 6, 7]])[0]
         gm = _trace(_ag_a2a(ga, gb), [(4, 3, 2)])
         before = _copy(gm)
         rec = _fuse_in(gm)
         assert rec.counts["m2ms_ag_a2a"] == 1, rec.refusals
         assert [c.group.name for c in CollectiveIR(gm).collectives] == [planes.group_name]
-        check_equivalent(before, gm, n, groups={ga.group_name: a_blocks, gb.group_name: b_blocks,
-                                                planes.group_name: [[0, 1, 2, 3], [4, 5, 6, 7]]})
+        check_equivalent(
+            before,
+            gm,
+            n,
+            groups={
+                ga.group_name: a_blocks,
+                gb.group_name: b_blocks,
+                planes.group_name: [[0, 1, 2, 3], [4, 5, 6, 7]],
+            },
+        )
 
 
 @pytest.mark.multirank
@@ -198,8 +212,16 @@ def test_tensor_parallel_all_reduce_then_exchange_becomes_reduce_scatter_and_one
         _fuse_in(gm, passes=("chimera",))
         kinds = _kinds(gm)
         wire = (_wire(before), _wire(gm))
-        check_equivalent(before, gm, n1 * n2, groups={ga.group_name: a_blocks, gb.group_name: b_blocks,
-                                                      dist.group.WORLD.group_name: [list(range(n1 * n2))]})
+        check_equivalent(
+            before,
+            gm,
+            n1 * n2,
+            groups={
+                ga.group_name: a_blocks,
+                gb.group_name: b_blocks,
+                dist.group.WORLD.group_name: [list(range(n1 * n2))],
+            },
+        )
     assert kinds == Counter({"reduce_scatter": 1, "many_to_many_scatter": 1}), kinds
     x = 4 * 4 * 4 * 2  # bytes of one rank's input
     # all_reduce 2(N1-1)/N1 |x| + all_to_all (N2-1)/N2 |x|  ->  reduce_scatter (N1-1)/N1 |x| + the m2ms of
@@ -215,13 +237,15 @@ def test_two_gathers_or_two_scatters_on_two_mesh_dims_are_one_collective_on_the_
     """AG on A + AG on B -> one all_gather on the plane's group; RS on A + RS on B (one reduce op)
     -> one reduce_scatter on it. The same bytes per rank, one collective instead of two."""
     d1, d2 = dims
-    (before, after), gm, rec = _fuse(n1, n2, lambda ga, gb: (lambda x: AG(AG(x, d1, ga), d2, gb)), (2, 3, 2))
+    (before, after), gm, rec = _fuse(n1, n2, lambda ga, gb: lambda x: AG(AG(x, d1, ga), d2, gb), (2, 3, 2))
     assert rec.counts["plane_ag_ag"] == 1 and _kinds(gm) == Counter({"all_gather": 1}), rec.refusals
     assert before == after
     shape = (2, 2 * n1 * n2, 2 * n2)
     for op in ("sum", "avg", "max"):
-        (before, after), gm, rec = _fuse(n1, n2, lambda ga, gb, op=op: (lambda x: RS(RS(x, op, d1, ga), op, d2, gb)), shape)
+        (before, after), gm, rec = _fuse(
+            n1, n2, lambda ga, gb, op=op: lambda x: RS(RS(x, op, d1, ga), op, d2, gb), shape
+        )
         assert rec.counts["plane_rs_rs"] == 1 and _kinds(gm) == Counter({"reduce_scatter": 1}), rec.refusals
         assert before == after
-    _, gm, rec = _fuse(n1, n2, lambda ga, gb: (lambda x: RS(RS(x, "sum", d1, ga), "max", d2, gb)), shape)
+    _, gm, rec = _fuse(n1, n2, lambda ga, gb: lambda x: RS(RS(x, "sum", d1, ga), "max", d2, gb), shape)
     assert any("are not one reduction" in r for r in rec.refusals), rec.refusals

@@ -141,8 +141,10 @@ def test_fusion_is_equivalent(pair, n):
 
 # Every dim combination once for the rows with special cases (same/different dims,
 # the N*N pre-permutation), at 4 ranks where chunk order mistakes cannot hide.
-@pytest.mark.parametrize("s1, c1, s2, c2", [(0, 1, 0, 1), (0, 1, 1, 0), (1, 0, 1, 1), (0, 0, 0, 1), (1, 1, 0, 0),
-                                            (0, 1, 2, 0), (2, 2, 2, 1)])
+@pytest.mark.parametrize(
+    "s1, c1, s2, c2",
+    [(0, 1, 0, 1), (0, 1, 1, 0), (1, 0, 1, 1), (0, 0, 0, 1), (1, 1, 0, 0), (0, 1, 2, 0), (2, 2, 2, 1)],
+)
 def test_a2a_a2a_dims(s1, c1, s2, c2):
     n = 4
     shape = [2, 3, 1]
@@ -298,14 +300,18 @@ def test_refuses_the_same_ranks_in_another_order():
 def test_refuses_different_groups_of_unknown_ranks():
     """Names no live process group has: ranks unknown, so only equal names would do."""
     with fake_process_group(4):
+
         def f(x):
             y = c10d.wait_tensor(c10d.all_gather_into_tensor(x, 4, "elsewhere_a"))
             return c10d.wait_tensor(c10d.all_gather_into_tensor(y, 4, "elsewhere_b"))
 
         gm = _trace(f, [(2, 3)])
         assert [c.group.ranks for c in CollectiveIR(gm).collectives] == [None, None]
-        rec = _refused(gm, "groups differ (names 'elsewhere_a' vs 'elsewhere_b'; "
-                           "ranks of 'elsewhere_a' and 'elsewhere_b' unknown)")
+        rec = _refused(
+            gm,
+            "groups differ (names 'elsewhere_a' vs 'elsewhere_b'; "
+            "ranks of 'elsewhere_a' and 'elsewhere_b' unknown)",
+        )
     assert len(rec.refusals) == 1
 
 
@@ -336,6 +342,7 @@ def test_refuses_unequal_all_to_all_splits():
 def test_refuses_non_divisible_dims():
     """A dim-1 gather then a raw dim-0 reduce_scatter of a dim the group size does not divide."""
     with fake_process_group(2):
+
         def f(x):
             y = AG(x, 1, dist.group.WORLD)
             return c10d.wait_tensor(c10d.reduce_scatter_tensor(y, "sum", 2, "0"))

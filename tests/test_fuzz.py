@@ -93,7 +93,9 @@ def test_forced_variants_are_fuzz_targets_not_product_passes():
         for name in FORCED_PASS_NAMES:
             unregister_pass(name)
         assert FORCED_PASS_NAMES.isdisjoint(available_passes())
-        with pytest.raises(ConfigError, match=r"^Config\.passes: unknown pass name\(s\) \['centauri_partition_forced'\]"):
+        with pytest.raises(
+            ConfigError, match=r"^Config\.passes: unknown pass name\(s\) \['centauri_partition_forced'\]"
+        ):
             Config(passes=["centauri_partition_forced"])
     finally:
         register_forced_passes()
@@ -148,8 +150,10 @@ def test_generator_covers_every_op_and_family():
 
 
 def test_shrink_is_greedy_and_keeps_the_failure():
-    progs = (generate_program(random.Random(i), family="tp", world_size=4, dtype="bfloat16", max_blocks=12)
-             for i in range(100))
+    progs = (
+        generate_program(random.Random(i), family="tp", world_size=4, dtype="bfloat16", max_blocks=12)
+        for i in range(100)
+    )
     prog = next(p for p in progs if len(p.ops) >= 6 and any(o["op"] == "matmul" for o in p.ops))
 
     def has_matmul(p: Program) -> bool:  # a stand-in failure: "the program contains a matmul"
@@ -161,7 +165,9 @@ def test_shrink_is_greedy_and_keeps_the_failure():
 
 
 # -- the CI campaign ---------------------------------------------------------------------
-@pytest.mark.slow(reason="the CI fuzz slice: the frozen corpus through every registered pass and the default pipeline (~2 min)")
+@pytest.mark.slow(
+    reason="the CI fuzz slice: the frozen corpus through every registered pass and the default pipeline (~2 min)"
+)
 def test_fuzz_campaign(capsys):
     """The CI slice (tests/fuzz_corpus/ci.json), every registered pass alone and the default
     pipeline, in two processes (one a core)."""
@@ -187,7 +193,9 @@ EXECUTOR_SAMPLE = 16
 
 
 @pytest.mark.multirank
-@pytest.mark.slow(reason="fuzz programs through commfuse's runtime with Inductor-compiled regions on gloo rank pools")
+@pytest.mark.slow(
+    reason="fuzz programs through commfuse's runtime with Inductor-compiled regions on gloo rank pools"
+)
 def test_ci_corpus_sample_runs_through_the_default_executor(rank_pool_2, rank_pool_4):
     """The first programs of the CI slice the pools can run, optimised by the default pipeline,
     lowered by the runtime with Inductor-compiled regions and run on every rank: the values
@@ -196,10 +204,15 @@ def test_ci_corpus_sample_runs_through_the_default_executor(rank_pool_2, rank_po
 
     programs = sample([p for _, p in load_corpus(CI_CORPUS).programs], EXECUTOR_SAMPLE)
     assert len(programs) == EXECUTOR_SAMPLE and {p.world_size for p in programs} == {2, 4}
-    failures = [(p, f) for p in programs
-                if (f := check_executed(p, rank_pool_2 if p.world_size == 2 else rank_pool_4,
-                                        compile_regions=True)) is not None]
-    assert not failures, "\n\n".join(f"{f.pipeline} {f.kind}: {f.message[:2000]}\n{p.dumps()}" for p, f in failures)
+    failures = [
+        (p, f)
+        for p in programs
+        if (f := check_executed(p, rank_pool_2 if p.world_size == 2 else rank_pool_4, compile_regions=True))
+        is not None
+    ]
+    assert not failures, "\n\n".join(
+        f"{f.pipeline} {f.kind}: {f.message[:2000]}\n{p.dumps()}" for p, f in failures
+    )
 
 
 # Programs the executor sample of a campaign found failing, frozen as a corpus (one per line, with
@@ -208,8 +221,10 @@ EXECUTOR_CORPUS = Path(__file__).parent / "fuzz_corpus" / "executor.json"
 
 
 @pytest.mark.multirank
-@pytest.mark.slow(reason="the executor's regression programs through the runtime with Inductor-compiled regions "
-                         "(~3 s after the CI sample above warmed the pools' Inductor, ~20 s alone)")
+@pytest.mark.slow(
+    reason="the executor's regression programs through the runtime with Inductor-compiled regions "
+    "(~3 s after the CI sample above warmed the pools' Inductor, ~20 s alone)"
+)
 def test_executor_regression_corpus_runs_through_the_default_executor():
     """Every program of tests/fuzz_corpus/executor.json (found failing by ``--execute N``), run as
     the executor sample runs it: the values equal the reference's, no region falls back to eager.
@@ -220,9 +235,14 @@ def test_executor_regression_corpus_runs_through_the_default_executor():
 
     programs = [p for _, p in load_corpus(EXECUTOR_CORPUS).programs]
     assert programs and all(executable(p) for p in programs)
-    failures = [(p, f) for p in programs
-                if (f := check_executed(p, get_pool(p.world_size), compile_regions=True)) is not None]
-    assert not failures, "\n\n".join(f"{f.pipeline} {f.kind}: {f.message[:2000]}\n{p.dumps()}" for p, f in failures)
+    failures = [
+        (p, f)
+        for p in programs
+        if (f := check_executed(p, get_pool(p.world_size), compile_regions=True)) is not None
+    ]
+    assert not failures, "\n\n".join(
+        f"{f.pipeline} {f.kind}: {f.message[:2000]}\n{p.dumps()}" for p, f in failures
+    )
 
 
 # Seed 20261204 program 76 (executor sample program 56): bf16, softmax → layer_norm over 2
@@ -235,7 +255,8 @@ _EXECUTOR_BF16_LAYER_NORM = json.loads(
     '": [1], "group": "world", "in": ["v2"], "op": "stage_transfer", "out": ["v3"], "src": [0]}'
     ', {"in": ["v2"], "op": "layer_norm", "out": ["v4"]}, {"in": ["v4", "v4"], "op": "scores", '
     '"out": ["v5"]}], "outputs": ["v3", "v5"], "seed": 571315247, "tp_contract": false, "world_'
-    'size": 2}')
+    'size": 2}'
+)
 
 
 @pytest.mark.parametrize("which", ["bf16_layer_norm_76", "float32_moe_34"])
@@ -257,13 +278,22 @@ def test_executor_rounding_only_judgement(which):
     prep = prepare(program, [])
     traced = prep.traced
     expected = list(prep.reference.run(traced.inputs))
-    ins64 = [[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in r]
-             for r in traced.inputs]
+    ins64 = [
+        [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in r]
+        for r in traced.inputs
+    ]
     gms = [_in_float64(g) for g in traced.graphs]
     with _float64_inside():
-        truth = ReferenceInterpreter(gms[0] if len(gms) == 1 else gms, program.world_size, traced.groups).run(ins64)
-    rounded = [[t.to(e.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                for t, e in zip(_flat(tr), _flat(ex), strict=True)] for tr, ex in zip(truth, expected, strict=True)]
+        truth = ReferenceInterpreter(gms[0] if len(gms) == 1 else gms, program.world_size, traced.groups).run(
+            ins64
+        )
+    rounded = [
+        [
+            t.to(e.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+            for t, e in zip(_flat(tr), _flat(ex), strict=True)
+        ]
+        for tr, ex in zip(truth, expected, strict=True)
+    ]
     if which == "bf16_layer_norm_76":  # the reference itself is beyond tolerance of the float64 result
         assert compare_outputs(rounded, expected, exact=False, program=program, scaled=True) is not None
     assert executed_rounding_only(prep, expected, rounded)
@@ -285,25 +315,35 @@ def test_ci_corpus_exercises_every_registered_pass():
     corpus = load_corpus(CI_CORPUS)
     assert corpus.command.startswith("python -m commfuse.fuzz --write-corpus")
     assert len({i for i, _ in corpus.programs}) == len(corpus.programs) >= 100
-    unexercised = [name for name in available_passes()
-                   if not any(fuzz_target(name).accepts(p) for _, p in corpus.programs)]
-    assert not unexercised, (f"no program of {CI_CORPUS} is fuzzed with {unexercised}: rewrite the corpus with "
-                             f"`{corpus.command.replace('FILE', str(CI_CORPUS))}` (more --programs if needed)")
+    unexercised = [
+        name
+        for name in available_passes()
+        if not any(fuzz_target(name).accepts(p) for _, p in corpus.programs)
+    ]
+    assert not unexercised, (
+        f"no program of {CI_CORPUS} is fuzzed with {unexercised}: rewrite the corpus with "
+        f"`{corpus.command.replace('FILE', str(CI_CORPUS))}` (more --programs if needed)"
+    )
 
 
 def test_corpus_roundtrip_and_bad_files_name_the_field(tmp_path):
     frozen = make_corpus(20240, 3, start=6, features=FEATURES)
     assert [i for i, _ in frozen.programs] == [6, 7, 8]
-    assert [p.dumps() for _, p in frozen.programs] == [program_for(20240, i, all_pipelines(), FEATURES).dumps()
-                                                      for i in (6, 7, 8)]
+    assert [p.dumps() for _, p in frozen.programs] == [
+        program_for(20240, i, all_pipelines(), FEATURES).dumps() for i in (6, 7, 8)
+    ]
     again = load_corpus(save_corpus(tmp_path / "c.json", frozen))
     assert (again.seed, again.start, again.features) == (20240, 6, tuple(FEATURES))
     assert [(i, p.dumps()) for i, p in again.programs] == [(i, p.dumps()) for i, p in frozen.programs]
     rep = run_campaign(corpus=again, pipelines=[single_pass_pipeline("sink_waits")])
     assert rep.programs == 3 and rep.seed == 20240
     bad = tmp_path / "bad.json"
-    for text, field in (("{", "cannot read"), ('{"format": 2}', "'format'"), ('{"format": 1, "seed": 1}', "'programs'"),
-                        ('{"format": 1, "seed": 1, "programs": [{"index": 0}]}', "programs[0]")):
+    for text, field in (
+        ("{", "cannot read"),
+        ('{"format": 2}', "'format'"),
+        ('{"format": 1, "seed": 1}', "'programs'"),
+        ('{"format": 1, "seed": 1, "programs": [{"index": 0}]}', "programs[0]"),
+    ):
         bad.write_text(text)
         with pytest.raises(CorpusError, match=re.escape(field)) as e:
             load_corpus(bad)
@@ -335,7 +375,7 @@ class _SwapResults(GraphPass):
         order = {n: i for i, n in enumerate(ctx.gm.graph.nodes)}
         cs = [c for c in ctx.ir.collectives if not c.coalesced and len(c.waits) == 1 and c.waits[0].users]
         for i, a in enumerate(cs):
-            for b in cs[i + 1:]:
+            for b in cs[i + 1 :]:
                 wa, wb = a.waits[0], b.waits[0]
                 if (a.output_shapes[0], a.dtype) != (b.output_shapes[0], b.dtype):
                     continue
@@ -368,11 +408,15 @@ class _SinkPastMutations(GraphPass):
         return PassResult(changed=moved > 0)
 
 
-@pytest.mark.parametrize("cls, kind, max_ops", [
-    (_WrongReduceOp, "mismatch", 3),
-    (_SwapResults, "mismatch", 5),
-    (_SinkPastMutations, "reference_error", 5),
-], ids=["wrong_reduce_op", "swapped_results", "wait_sunk_past_mutation"])
+@pytest.mark.parametrize(
+    "cls, kind, max_ops",
+    [
+        (_WrongReduceOp, "mismatch", 3),
+        (_SwapResults, "mismatch", 5),
+        (_SinkPastMutations, "reference_error", 5),
+    ],
+    ids=["wrong_reduce_op", "swapped_results", "wait_sunk_past_mutation"],
+)
 @pytest.mark.slow(reason="fuzzes until the planted bug is found (up to 400 programs), then shrinks it")
 def test_wrong_pass_is_caught_shrunk_saved_and_replayed(capsys, tmp_path, cls, kind, max_ops):
     register_pass(cls)
@@ -380,13 +424,21 @@ def test_wrong_pass_is_caught_shrunk_saved_and_replayed(capsys, tmp_path, cls, k
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            rep = run_campaign(400, seed=3, pipelines=[single_pass_pipeline(cls.name)], stop_after_failures=1,
-                               save_dir=tmp_path)
+            rep = run_campaign(
+                400,
+                seed=3,
+                pipelines=[single_pass_pipeline(cls.name)],
+                stop_after_failures=1,
+                save_dir=tmp_path,
+            )
         assert rep.bugs, f"the fuzzer missed the wrong pass {cls.name} in {rep.programs} programs"
         bug = rep.bugs[0]
-        _say(capsys, f"{cls.name}: caught at program {bug.index} ({bug.failure.kind}), shrunk from "
-                      f"{len(bug.program.ops)} to {len(bug.shrunk.ops)} ops in {bug.shrink_checks} checks, "
-                      f"{time.perf_counter() - t0:.1f} s: {bug.shrunk.summary()}")
+        _say(
+            capsys,
+            f"{cls.name}: caught at program {bug.index} ({bug.failure.kind}), shrunk from "
+            f"{len(bug.program.ops)} to {len(bug.shrunk.ops)} ops in {bug.shrink_checks} checks, "
+            f"{time.perf_counter() - t0:.1f} s: {bug.shrunk.summary()}",
+        )
         assert bug.failure.kind == kind and bug.failure.pipeline == cls.name
         assert len(bug.shrunk.ops) <= min(max_ops, len(bug.program.ops))
         reg = load_regression(bug.saved)
@@ -405,8 +457,9 @@ def test_regression_roundtrip(tmp_path):
     assert res.ok, [f.headline() for f in res.failures]
     from commfuse.fuzz.check import Failure
 
-    reg = make_regression(prog, Failure("sink_waits", "mismatch", "example"), single_pass_pipeline("sink_waits"),
-                          status="fixed")
+    reg = make_regression(
+        prog, Failure("sink_waits", "mismatch", "example"), single_pass_pipeline("sink_waits"), status="fixed"
+    )
     path = save_regression(tmp_path, reg)
     again = load_regression(path)
     assert again.status == "fixed" and again.program.dumps() == prog.dumps()
@@ -431,7 +484,7 @@ def test_saved_regression_case(path):
     if reg.status == "open":
         if fails:
             pytest.xfail(f"open bug: {reg.title}: {fails[0].headline()}")
-        pytest.fail(f"{path.name} is marked open but passes now: set \"status\": \"fixed\" in the file")
+        pytest.fail(f'{path.name} is marked open but passes now: set "status": "fixed" in the file')
     assert not fails, "\n".join(f.message for f in fails)
 
 
@@ -456,13 +509,26 @@ def test_moe_layer_family_places_the_layer_as_models_do():
             n = len(p.groups[op["group"]][0]) if op.get("ep", True) else 1
             e = inputs[op["in"][2]]["shape"][0] * n
             cf = op["capacity_factor"]
-            mode = "dropless" if cf <= 0 else "binding" if capacity_can_bind(cf, op["top_k"], e) else "cannot_bind"
+            mode = (
+                "dropless"
+                if cf <= 0
+                else "binding"
+                if capacity_can_bind(cf, op["top_k"], e)
+                else "cannot_bind"
+            )
             gathered = x is not None and x["op"] == "all_gather" and x["group"] == op["group"]
             router = "input" if rw in inputs else made[rw]["op"]
             assert router != "input" or inputs[rw].get("replicated") or not op.get("ep", True)
             groups = "N" if op["token_groups"] == len(p.groups[op["group"]][0]) > 1 else op["token_groups"]
-            seen |= {("top_k", op["top_k"]), ("mode", mode), ("token_groups", groups), ("gathered", gathered),
-                     ("router", router), ("joint", p.joint), ("ep", op.get("ep", True))}
+            seen |= {
+                ("top_k", op["top_k"]),
+                ("mode", mode),
+                ("token_groups", groups),
+                ("gathered", gathered),
+                ("router", router),
+                ("joint", p.joint),
+                ("ep", op.get("ep", True)),
+            }
             stats = set(op["out"][1:])
             aux = {o for q in p.ops if q["op"] == "moe_aux_loss" and set(q["in"]) == stats for o in q["out"]}
             assert (stats | aux) & set(p.outputs), p.summary()
@@ -471,9 +537,21 @@ def test_moe_layer_family_places_the_layer_as_models_do():
             for k, spec in enumerate(p.inputs):
                 if spec.get("replicated"):
                     assert all(torch.equal(ins[r][k], ins[0][k]) for r in range(p.world_size))
-    expected = {("top_k", 1), ("top_k", 2), ("mode", "dropless"), ("mode", "binding"), ("mode", "cannot_bind"),
-                ("token_groups", 1), ("token_groups", "N"), ("gathered", True), ("router", "input"),
-                ("router", "all_gather"), ("joint", True), ("joint", False), ("ep", False)}
+    expected = {
+        ("top_k", 1),
+        ("top_k", 2),
+        ("mode", "dropless"),
+        ("mode", "binding"),
+        ("mode", "cannot_bind"),
+        ("token_groups", 1),
+        ("token_groups", "N"),
+        ("gathered", True),
+        ("router", "input"),
+        ("router", "all_gather"),
+        ("joint", True),
+        ("joint", False),
+        ("ep", False),
+    }
     assert expected <= seen, sorted(expected - seen)
 
 
@@ -490,10 +568,13 @@ def test_collective_motion_moves_moe_layer_in_fuzz_programs(index):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prep = prepare(p, [pipe, single_pass_pipeline("sink_waits")])  # motion on a copy
-        tokens = [[shape_of(n.args[0])[0] for n in gm.graph.nodes if n.target is MOE_LAYER]
-                  for gm in (prep.traced.graphs[0], prep.optimised["collective_motion"][0])]
-        assert tokens[1] != tokens[0], f"motion no longer moves the layer in {p.summary()} (generator changed? " \
-                                       f"pick another index)"
+        tokens = [
+            [shape_of(n.args[0])[0] for n in gm.graph.nodes if n.target is MOE_LAYER]
+            for gm in (prep.traced.graphs[0], prep.optimised["collective_motion"][0])
+        ]
+        assert tokens[1] != tokens[0], (
+            f"motion no longer moves the layer in {p.summary()} (generator changed? pick another index)"
+        )
         res = check_program(p, [pipe])
     assert res.ok and res.pipelines_changed == ["collective_motion"], [f.headline() for f in res.failures]
 
@@ -518,8 +599,12 @@ def _adjacent_collectives(p: Program) -> list[tuple[dict, dict]]:
         if not OPS[op["op"]].collective or len(op["in"]) != 1:
             continue
         first = made.get(op["in"][0])
-        if first is not None and OPS[first["op"]].collective and readers[op["in"][0]] == 1 \
-                and op["in"][0] not in p.outputs:
+        if (
+            first is not None
+            and OPS[first["op"]].collective
+            and readers[op["in"][0]] == 1
+            and op["in"][0] not in p.outputs
+        ):
             out.append((first, op))
     return out
 
@@ -569,10 +654,24 @@ def test_group_pairs_family_puts_adjacent_collectives_on_aliased_reordered_and_m
             res = check_program(p, [], check_ir=True)
             assert res.ok, [f.headline() for f in res.failures]
             valid.add((kind, p.per_rank))
-    expected = {("alias", "world"), ("alias", "p1"), ("reorder", "world"), ("reorder", "p1"), ("reorder", "all"),
-                ("reorder", "some"), ("mesh", (2, 2)), ("mesh", (2, 4)), ("mesh", (4, 2)), ("mesh", "ep"),
-                ("pair", "alias"), ("pair", "reorder"), ("pair", "mesh"), ("kinds", "all_gather", "all_gather"),
-                ("kinds", "reduce_scatter", "all_gather"), ("kinds", "all_to_all", "all_to_all")}
+    expected = {
+        ("alias", "world"),
+        ("alias", "p1"),
+        ("reorder", "world"),
+        ("reorder", "p1"),
+        ("reorder", "all"),
+        ("reorder", "some"),
+        ("mesh", (2, 2)),
+        ("mesh", (2, 4)),
+        ("mesh", (4, 2)),
+        ("mesh", "ep"),
+        ("pair", "alias"),
+        ("pair", "reorder"),
+        ("pair", "mesh"),
+        ("kinds", "all_gather", "all_gather"),
+        ("kinds", "reduce_scatter", "all_gather"),
+        ("kinds", "all_to_all", "all_to_all"),
+    }
     assert expected <= seen, sorted(expected - seen)
     assert {("alias", False), ("reorder", False), ("reorder", True), ("mesh", False)} <= valid, valid
     # campaigns: a slot of its own; the constrained slots of passes that also name it draw the ordinary mix
@@ -603,8 +702,10 @@ def test_fuse_collectives_on_group_pairs_programs():
         with warnings.catch_warnings(), fake_process_group(p.world_size, rank=0):
             warnings.simplefilter("ignore")
             gm, _ = trace_rank(p, 0, make_inputs(p, 0))
-            declared = SimpleNamespace(partitions=[part for role, part in p.groups.items() if role != "world"],
-                                       group_with_members=process_group_with_members)
+            declared = SimpleNamespace(
+                partitions=[part for role, part in p.groups.items() if role != "world"],
+                group_with_members=process_group_with_members,
+            )
             for pair in find_pairs(CollectiveIR(gm).collectives):
                 a, b = pair.first.group, pair.second.group
                 if a.name == b.name:
@@ -636,8 +737,16 @@ def test_fuse_collectives_on_group_pairs_programs():
             evidence[k] = evidence.get(k, 0) + 1
         if len(evidence) == 4 and min(evidence.values()) >= 2:
             break
-    assert set(evidence) == {"same ranks, other names: fusible", "same ranks, other order: refused",
-                             "two mesh dims: refused", "two mesh dims: fused"} and min(evidence.values()) >= 2, evidence
+    assert (
+        set(evidence)
+        == {
+            "same ranks, other names: fusible",
+            "same ranks, other order: refused",
+            "two mesh dims: refused",
+            "two mesh dims: fused",
+        }
+        and min(evidence.values()) >= 2
+    ), evidence
 
 
 @pytest.mark.parametrize("wrong, kinds", [("as_sets", {"reorder"}), ("by_size", {"reorder", "mesh"})])
@@ -648,8 +757,9 @@ def test_group_pairs_catch_a_wrong_same_members(monkeypatch, wrong, kinds):
     from commfuse.ir.collective import GroupInfo
 
     def as_sets(self, other):
-        return self.name == other.name or (self.ranks is not None and other.ranks is not None
-                                           and sorted(self.ranks) == sorted(other.ranks))
+        return self.name == other.name or (
+            self.ranks is not None and other.ranks is not None and sorted(self.ranks) == sorted(other.ranks)
+        )
 
     def by_size(self, other):
         return self.name == other.name or self.size == other.size
@@ -669,7 +779,9 @@ def test_group_pairs_catch_a_wrong_same_members(monkeypatch, wrong, kinds):
             caught.add(_group_pair_kind(p))
             if caught == kinds:
                 break
-    assert caught == kinds, f"the wrong same_members ({wrong}) went unnoticed on {sorted(kinds - caught)} programs"
+    assert caught == kinds, (
+        f"the wrong same_members ({wrong}) went unnoticed on {sorted(kinds - caught)} programs"
+    )
 
 
 # -- the moe family's dropless exchange ------------------------------------------------------
@@ -684,15 +796,20 @@ def test_moe_family_dropless_exchange_gives_hidden_exchange_partition_both_chain
     aten = torch.ops.aten
     p = program_for(0, 1, family="moe")
     ops = [o["op"] for o in p.ops]
-    assert {"gather_rows", "scatter_rows"} <= set(ops) and p.per_rank and not p.joint, \
+    assert {"gather_rows", "scatter_rows"} <= set(ops) and p.per_rank and not p.joint, (
         f"{p.summary()} (generator changed? pick another index)"
+    )
     pipe = single_pass_pipeline("hidden_exchange_partition")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prep = prepare(p, [pipe])
         for before, gm in zip(prep.traced.graphs, prep.optimised[pipe.name], strict=True):
-            dirs = sorted(d["direction"] for rep in gm.meta.get(REPORTS_META, []) for rec in rep.passes
-                          for d in rec.decisions)
+            dirs = sorted(
+                d["direction"]
+                for rep in gm.meta.get(REPORTS_META, [])
+                for rec in rep.passes
+                for d in rec.decisions
+            )
             assert dirs == ["consumer", "producer"], dirs
             puts = [sum(n.target is aten.index_put.default for n in g.graph.nodes) for g in (before, gm)]
             assert puts == [1, 2], puts

@@ -39,8 +39,10 @@ CPU_2x2 = Topology.preset("cpu-gloo", num_nodes=2)  # 2 nodes x 2 ranks
 
 
 def _trace(fn, *shapes, dtype=torch.float32):
-    args = [torch.randn(s).to(dtype) if dtype.is_floating_point else torch.randint(0, 7, s, dtype=dtype)
-            for s in shapes]
+    args = [
+        torch.randn(s).to(dtype) if dtype.is_floating_point else torch.randint(0, 7, s, dtype=dtype)
+        for s in shapes
+    ]
     return make_fx(fn, tracing_mode="fake")(*args)
 
 
@@ -86,20 +88,15 @@ def test_lowers_sum_and_avg_where_the_schedule_put_them():
         keep = {n.name for n in gm.graph.nodes if n.op == "call_function"}
         rec = _run(gm, topology=CPU_2x2)
         assert rec.changed and rec.counts == {"lowered": 2, "kept": 0} and not rec.refusals, rec
-        FileCheck() \
-            .check("all_to_all_single.default(x_1, [2, 2, 2, 2], [2, 2, 2, 2], '0')") \
-            .check("all_reduce.default(y_1, 'sum', '0')") \
-            .check("aten.tanh") \
-            .check("wait_tensor.default(all_to_all_single)") \
-            .check("aten.split.Tensor(wait_tensor_3, 2)") \
-            .check("aten.add.Tensor(getitem, getitem_1)") \
-            .check("aten.add.Tensor(add_2, getitem_2)") \
-            .check("aten.add.Tensor(add_3, getitem_3)") \
-            .check("aten.repeat.default(add_4") \
-            .check("all_to_all_single.default(mul, [2, 2, 2, 2], [2, 2, 2, 2], '0')") \
-            .check("aten.div.Tensor(add_7, 4)") \
-            .check("wait_tensor.default(all_reduce)") \
-            .run(gm.code)
+        FileCheck().check("all_to_all_single.default(x_1, [2, 2, 2, 2], [2, 2, 2, 2], '0')").check(
+            "all_reduce.default(y_1, 'sum', '0')"
+        ).check("aten.tanh").check("wait_tensor.default(all_to_all_single)").check(
+            "aten.split.Tensor(wait_tensor_3, 2)"
+        ).check("aten.add.Tensor(getitem, getitem_1)").check("aten.add.Tensor(add_2, getitem_2)").check(
+            "aten.add.Tensor(add_3, getitem_3)"
+        ).check("aten.repeat.default(add_4").check(
+            "all_to_all_single.default(mul, [2, 2, 2, 2], [2, 2, 2, 2], '0')"
+        ).check("aten.div.Tensor(add_7, 4)").check("wait_tensor.default(all_reduce)").run(gm.code)
         FileCheck().check_not("reduce_scatter").run(gm.code)
         assert _kinds(gm) == ["all_to_all", "all_reduce", "all_to_all"]
         # every issue point and every wait where it was: same total order of starts, same groups
@@ -109,17 +106,55 @@ def test_lowers_sum_and_avg_where_the_schedule_put_them():
 
 REFERENCE_CASES = {
     # name: (program, input shape, dtype, world)
-    "sum_fp32_n4": (lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 4, "0")) * 3, (8, 3), torch.float32, 4),
-    "avg_fp32_n4": (lambda x: W(c10d.reduce_scatter_tensor.default(x, "avg", 4, "0")) - 1, (4, 2, 3), torch.float32,
-                    4),
-    "sum_fp32_n8": (lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 8, "0")) + 0, (16, 5), torch.float32, 8),
-    "sum_fp32_n2": (lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 2, "0")) + 0, (2, 7), torch.float32, 2),
-    "sum_bf16_n4": (lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 4, "0")) + 0, (8, 16), torch.bfloat16, 4),
-    "avg_fp16_n4": (lambda x: W(c10d.reduce_scatter_tensor.default(x, "avg", 4, "0")) + 0, (8, 16), torch.float16, 4),
-    "sum_int32_n4": (lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 4, "0")) + 0, (8, 2), torch.int32, 4),
+    "sum_fp32_n4": (
+        lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 4, "0")) * 3,
+        (8, 3),
+        torch.float32,
+        4,
+    ),
+    "avg_fp32_n4": (
+        lambda x: W(c10d.reduce_scatter_tensor.default(x, "avg", 4, "0")) - 1,
+        (4, 2, 3),
+        torch.float32,
+        4,
+    ),
+    "sum_fp32_n8": (
+        lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 8, "0")) + 0,
+        (16, 5),
+        torch.float32,
+        8,
+    ),
+    "sum_fp32_n2": (
+        lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 2, "0")) + 0,
+        (2, 7),
+        torch.float32,
+        2,
+    ),
+    "sum_bf16_n4": (
+        lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 4, "0")) + 0,
+        (8, 16),
+        torch.bfloat16,
+        4,
+    ),
+    "avg_fp16_n4": (
+        lambda x: W(c10d.reduce_scatter_tensor.default(x, "avg", 4, "0")) + 0,
+        (8, 16),
+        torch.float16,
+        4,
+    ),
+    "sum_int32_n4": (
+        lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 4, "0")) + 0,
+        (8, 2),
+        torch.int32,
+        4,
+    ),
     # DTensor's dim-1 scatter: the shuffle (chunk + cat to dim 0) stays in front of the all_to_all
-    "dim1_sum_fp32_n4": (lambda x: funcol.reduce_scatter_single(x, "sum", 1, dist.group.WORLD) * 1, (3, 8, 2),
-                         torch.float32, 4),
+    "dim1_sum_fp32_n4": (
+        lambda x: funcol.reduce_scatter_single(x, "sum", 1, dist.group.WORLD) * 1,
+        (3, 8, 2),
+        torch.float32,
+        4,
+    ),
 }
 
 
@@ -136,13 +171,16 @@ def test_equal_to_the_reduce_scatter_on_the_reference(case):
         assert c.dtype == dtype and c.group.size == world  # the collective moves the input dtype
         old = {n.name for n in before.graph.nodes}
         adds = [n for n in gm.graph.nodes if n.target == torch.ops.aten.add.Tensor and n.name not in old]
-        assert len(adds) == world - 1 and all(a.meta["val"].dtype == dtype for a in adds)  # in the input dtype
+        assert len(adds) == world - 1 and all(
+            a.meta["val"].dtype == dtype for a in adds
+        )  # in the input dtype
         # the adds run in group-rank order, one rounding each: the reference's canonical order, bitwise
         check_equivalent(before, gm, world, exact=True)
 
 
 def test_bucketed_reduce_scatter_is_lowered_after_bucketing():
     """The default pipeline's order: buckets first, then the bucket's one reduce_scatter lowered."""
+
     def f(x, y):
         a = funcol.reduce_scatter_single(x, "sum", 0, dist.group.WORLD)
         b = funcol.reduce_scatter_single(y, "sum", 0, dist.group.WORLD)
@@ -167,7 +205,9 @@ def test_in_the_default_pipeline_after_sink_waits():
 def test_decision_records_both_predictions_from_the_cost_model():
     size = 1 << 20  # 1 MiB input, 4 ranks over 2 nodes
     with fake_process_group(4):
-        gm = _trace(lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 4, "0")) + 0, (size // 4 // 64, 64))
+        gm = _trace(
+            lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 4, "0")) + 0, (size // 4 // 64, 64)
+        )
         rec = _run(gm, topology=CPU_2x2)
     (d,) = rec.decisions
     model = CollectiveModel(CPU_2x2, "gloo")
@@ -176,7 +216,9 @@ def test_decision_records_both_predictions_from_the_cost_model():
     assert d["reduce_scatter_algorithm"] == rs.algorithm == "gloo-allreduce-emulation"
     assert d["all_to_all_us"] == pytest.approx(model.time(K.ALL_TO_ALL, size, 4).time_us, abs=1e-3)
     # the local sum: N-1 adds, each reading two chunks and writing one, at the memory bandwidth
-    assert d["local_sum_us"] == pytest.approx(3 * 3 * (size / 4) / (CPU_2x2.memory_bandwidth_GBps * 1e3), rel=1e-3)
+    assert d["local_sum_us"] == pytest.approx(
+        3 * 3 * (size / 4) / (CPU_2x2.memory_bandwidth_GBps * 1e3), rel=1e-3
+    )
     assert d["lowered"] and d["replacement_us"] < d["reduce_scatter_us"]
     assert (d["input_bytes"], d["group_size"], d["topology"]) == (size, 4, "cpu-gloo")
 
@@ -184,7 +226,9 @@ def test_decision_records_both_predictions_from_the_cost_model():
 def test_without_a_topology_a_cpu_input_is_priced_on_one_cpu_gloo_node():
     size = 64 << 20  # large: where the 2-nodes preset would keep it (1 GB/s NIC share for the all_to_all)
     with fake_process_group(4):
-        gm = _trace(lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 4, "0")) + 0, (size // 4 // 64, 64))
+        gm = _trace(
+            lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 4, "0")) + 0, (size // 4 // 64, 64)
+        )
         before = copy.deepcopy(gm)
         rec = _run(gm)
         kept = _run(before, topology=CPU_2x2)
@@ -200,8 +244,14 @@ def test_without_a_topology_a_cpu_input_is_priced_on_one_cpu_gloo_node():
 
 def test_cost_model_can_say_no():
     # fast links, slow memory: the local sum costs more than gloo's extra all_reduce half
-    slow_memory = Topology(name="fast-link-cpu", ranks_per_node=4, intra_node_bandwidth_GBps=1000.0,
-                           intra_node_latency_us=0.0, collective_launch_us=0.0, memory_bandwidth_GBps=0.01)
+    slow_memory = Topology(
+        name="fast-link-cpu",
+        ranks_per_node=4,
+        intra_node_bandwidth_GBps=1000.0,
+        intra_node_latency_us=0.0,
+        collective_launch_us=0.0,
+        memory_bandwidth_GBps=0.01,
+    )
     with fake_process_group(4):
         gm = _trace(lambda x: W(c10d.reduce_scatter_tensor.default(x, "sum", 4, "0")) + 0, (64, 64))
         code = gm.code
@@ -232,22 +282,39 @@ def _coalesced(x, y):
     return W(a), W(b)
 
 
-@pytest.mark.parametrize("fn, shapes, dtype, reason", [
-    (lambda x: W(c10d.reduce_scatter_tensor.default(x, "max", 4, "0")) + 1, [(8, 4)], torch.float32,
-     "reduce op 'max'"),
-    (lambda x: W(c10d.reduce_scatter_tensor.default(x, "product", 4, "0")) + 1, [(8, 4)], torch.float32,
-     "reduce op 'product'"),
-    (lambda x: W(c10d.reduce_scatter_tensor.default(x, "avg", 4, "0")) + 1, [(8, 4)], torch.int32,
-     "reduce op 'avg' on integer dtype"),
-    (_coalesced, [(8, 4), (4, 4)], torch.float32, "coalesced reduce_scatter"),
-])
+@pytest.mark.parametrize(
+    "fn, shapes, dtype, reason",
+    [
+        (
+            lambda x: W(c10d.reduce_scatter_tensor.default(x, "max", 4, "0")) + 1,
+            [(8, 4)],
+            torch.float32,
+            "reduce op 'max'",
+        ),
+        (
+            lambda x: W(c10d.reduce_scatter_tensor.default(x, "product", 4, "0")) + 1,
+            [(8, 4)],
+            torch.float32,
+            "reduce op 'product'",
+        ),
+        (
+            lambda x: W(c10d.reduce_scatter_tensor.default(x, "avg", 4, "0")) + 1,
+            [(8, 4)],
+            torch.int32,
+            "reduce op 'avg' on integer dtype",
+        ),
+        (_coalesced, [(8, 4), (4, 4)], torch.float32, "coalesced reduce_scatter"),
+    ],
+)
 def test_refusals(fn, shapes, dtype, reason):
     with fake_process_group(4):
         gm = _trace(fn, *shapes, dtype=dtype)
         code = gm.code
         rec = _run(gm)
         assert gm.code == code and not rec.changed and not rec.decisions
-        assert rec.refusals and all(reason in r and "reduce_scatter kept" in r for r in rec.refusals), rec.refusals
+        assert rec.refusals and all(reason in r and "reduce_scatter kept" in r for r in rec.refusals), (
+            rec.refusals
+        )
 
 
 def test_nccl_topology_is_left_alone():
@@ -291,7 +358,9 @@ def _check_lowered(results, graphs=("backward",)):
     for r in results:
         for g in graphs:
             assert r[g]["counts"]["lowered"] > 0 and r[g]["counts"]["kept"] == 0, r[g]
-            assert r[g]["kinds"].get("all_to_all", 0) > 0 and "reduce_scatter" not in r[g]["kinds"], r[g]["kinds"]
+            assert r[g]["kinds"].get("all_to_all", 0) > 0 and "reduce_scatter" not in r[g]["kinds"], r[g][
+                "kinds"
+            ]
         # one decision, one order: identical on every rank
         assert r == results[0]
 
@@ -307,8 +376,15 @@ def test_two_ranks_simple_fsdp_mlp_matches_eager(rank_pool_2):
 @pytest.mark.multirank
 def test_four_ranks_two_nodes_bucketed_llama_matches_eager(rank_pool_4):
     """2 nodes x 2 ranks; buckets first (as the default pipeline does), then the lowering."""
-    results = rank_pool_4.run(jobs.simple_fsdp_matches_eager, "llama", "float32",
-                              ["bucket_collectives", "sink_waits", PASS], "mean", 2, timeout=300)
+    results = rank_pool_4.run(
+        jobs.simple_fsdp_matches_eager,
+        "llama",
+        "float32",
+        ["bucket_collectives", "sink_waits", PASS],
+        "mean",
+        2,
+        timeout=300,
+    )
     _check_lowered(results)
     assert all(d["topology"] == "cpu-gloo" for d in results[0]["backward"]["decisions"])
 

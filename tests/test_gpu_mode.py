@@ -22,8 +22,12 @@ def _row(graph: str, family: str, predicted: float, measured, error=None) -> Nod
     return NodeTiming(graph, f"n{predicted}", "aten.x", family, "memory", 0, 0, predicted, measured, error)
 
 
-ROWS = [_row("forward", "matmul", 10.0, 12.0), _row("forward", "matmul", 20.0, 30.0),
-        _row("backward", "pointwise", 1.0, 4.0), _row("backward", "attention_bw", 5.0, None, "RuntimeError: x")]
+ROWS = [
+    _row("forward", "matmul", 10.0, 12.0),
+    _row("forward", "matmul", 20.0, 30.0),
+    _row("backward", "pointwise", 1.0, 4.0),
+    _row("backward", "attention_bw", 5.0, None, "RuntimeError: x"),
+]
 
 
 def test_aggregate_sums_and_ratios_per_family_graph_and_overall():
@@ -43,15 +47,18 @@ def test_nodes_are_predicted_and_timed_alone_with_the_given_timer():
     from commfuse.costmodel.analytic import AnalyticCostModel
     from commfuse.costmodel.topology import Topology
 
-    gm = make_fx(lambda a, b: (a @ b).relu().t().sum(0), tracing_mode="fake")(torch.randn(32, 16), torch.randn(16, 8))
+    gm = make_fx(lambda a, b: (a @ b).relu().t().sum(0), tracing_mode="fake")(
+        torch.randn(32, 16), torch.randn(16, 8)
+    )
     calls = []
 
     def timer(fn, reps, repeats):
         calls.append(fn())
         return 7.0
 
-    rows = kernels.time_graph_nodes([("forward", gm)], AnalyticCostModel(Topology.preset("dgx-h100")), "cpu",
-                                    timer=timer)
+    rows = kernels.time_graph_nodes(
+        [("forward", gm)], AnalyticCostModel(Topology.preset("dgx-h100")), "cpu", timer=timer
+    )
     assert [r.family for r in rows] == ["matmul", "pointwise", "reduction"]  # the view (t) is not timed
     assert all(r.measured_us == 7.0 and r.predicted_us > 0 and r.error is None for r in rows)
     assert calls[0].shape == (32, 8)  # the op ran on real inputs of the traced shapes
@@ -73,24 +80,49 @@ def test_materialize_keeps_shape_strides_and_dtype_of_a_fake_value():
 
 
 def _calibration() -> dict:
-    return {"layer": {**kernels.LAYER_8B, "seq": 4096, "batch": 1, "dtype": "bfloat16", "kv_heads": 32},
-            "preset": "dgx-h100", "note": None, **kernels.aggregate(ROWS),
-            "device_model": {"device": "H100-SXM", "peak_tflops_bf16": 989.0, "memory_bandwidth_GBps": 3350.0},
-            "whole_graph_measured_us": {"forward": 40.0, "backward": "RuntimeError: y"},
-            "top_ops": [{"graph": "forward", "node": "mm", "op": "aten.mm", "family": "matmul", "bound": "compute",
-                         "predicted_us": 20.0, "measured_us": 30.0}]}
+    return {
+        "layer": {**kernels.LAYER_8B, "seq": 4096, "batch": 1, "dtype": "bfloat16", "kv_heads": 32},
+        "preset": "dgx-h100",
+        "note": None,
+        **kernels.aggregate(ROWS),
+        "device_model": {"device": "H100-SXM", "peak_tflops_bf16": 989.0, "memory_bandwidth_GBps": 3350.0},
+        "whole_graph_measured_us": {"forward": 40.0, "backward": "RuntimeError: y"},
+        "top_ops": [
+            {
+                "graph": "forward",
+                "node": "mm",
+                "op": "aten.mm",
+                "family": "matmul",
+                "bound": "compute",
+                "predicted_us": 20.0,
+                "measured_us": 30.0,
+            }
+        ],
+    }
 
 
-ENV = {"date": "2026-11-27T13:00:00+00:00", "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130",
-       "cuda": "13.0", "nccl": "2.27.7", "python": "3.12.3", "commfuse": "0.1.0"}
+ENV = {
+    "date": "2026-11-27T13:00:00+00:00",
+    "device": "NVIDIA H100 80GB HBM3",
+    "torch": "2.11.0+cu130",
+    "cuda": "13.0",
+    "nccl": "2.27.7",
+    "python": "3.12.3",
+    "commfuse": "0.1.0",
+}
 
 
 def test_report_from_synthetic_parts(tmp_path):
     plans = [{"graph": "forward", "collectives": 6, "streams": 2, "events": 3, "side_stream_nodes": 4}]
     parts = {
-        "runtime": {"ok": True, "wall_s": 3.0, "plans": plans, "max_abs_diff": 0.0,
-                    "recorded": {"collectives": 6, "completed_by_work_callback": 6},
-                    "streams": {"plan": plans[0], "stream_ops": {"record": 1, "wait": 1}, "max_abs_diff": 0.0}},
+        "runtime": {
+            "ok": True,
+            "wall_s": 3.0,
+            "plans": plans,
+            "max_abs_diff": 0.0,
+            "recorded": {"collectives": 6, "completed_by_work_callback": 6},
+            "streams": {"plan": plans[0], "stream_ops": {"record": 1, "wait": 1}, "max_abs_diff": 0.0},
+        },
         "inductor_regions": {"ok": True, "wall_s": 40.0, "regions_compiled": 9, "fallbacks": []},
         "dhelix": mode.run_part(lambda: 1 / 0),
         "calibration": {"ok": True, "wall_s": 20.0, **_calibration()},
@@ -138,8 +170,11 @@ def test_wheels_are_unpacked_into_a_directory_first_on_sys_path(tmp_path, monkey
     assert wheels.ensure_wheels(tmp_path, names=("json",)) is None  # nothing missing: nothing done
     info = wheels.ensure_wheels(tmp_path, names=(name, "json"), target=tmp_path / "unpacked")
     try:
-        assert info == {"path": str(tmp_path / "unpacked"), "wheels": [f"{name}-1.0-py3-none-any.whl"],
-                        "missing": [name]}
+        assert info == {
+            "path": str(tmp_path / "unpacked"),
+            "wheels": [f"{name}-1.0-py3-none-any.whl"],
+            "missing": [name],
+        }
         assert sys.path[0] == info["path"]
         assert __import__(name).VALUE == 7
     finally:
@@ -166,13 +201,19 @@ def test_carried_wheels_are_the_locked_versions():
     for whl in wheels.WHEEL_DIR.glob("*.whl"):
         name, version, *tags = whl.stem.split("-")
         carried[re.sub(r"[-_.]+", "-", name).lower()] = (version, tags)
-    assert set(carried) == {"pydantic", "pydantic-core", "annotated-types", "typing-inspection",
-                            "typing-extensions"}
-    assert {n: v for n, (v, _) in carried.items()} == {n: pins[n] for n in carried}, \
+    assert set(carried) == {
+        "pydantic",
+        "pydantic-core",
+        "annotated-types",
+        "typing-inspection",
+        "typing-extensions",
+    }
+    assert {n: v for n, (v, _) in carried.items()} == {n: pins[n] for n in carried}, (
         "the carried wheels differ from .ci/lock.txt: run `bash scripts/gpu_wheels.sh`"
+    )
     core_tags = "-".join(carried["pydantic-core"][1])
     assert "cp312" in core_tags and "manylinux" in core_tags and "x86_64" in core_tags
-    assert sum(p.stat().st_size for p in wheels.WHEEL_DIR.glob("*.whl")) < 10 * 2 ** 20
+    assert sum(p.stat().st_size for p in wheels.WHEEL_DIR.glob("*.whl")) < 10 * 2**20
 
 
 def test_funcol_autograd_prefers_the_current_name_and_falls_back(monkeypatch):
@@ -180,8 +221,9 @@ def test_funcol_autograd_prefers_the_current_name_and_falls_back(monkeypatch):
 
     from commfuse.core.torch_private import funcol_autograd
 
-    assert funcol_autograd("all_gather") is getattr(funcol, "all_gather_single_autograd",
-                                                    getattr(funcol, "all_gather_tensor_autograd", None))
+    assert funcol_autograd("all_gather") is getattr(
+        funcol, "all_gather_single_autograd", getattr(funcol, "all_gather_tensor_autograd", None)
+    )
     monkeypatch.delattr(funcol, "reduce_scatter_single_autograd", raising=False)
     assert funcol_autograd("reduce_scatter") is funcol.reduce_scatter_tensor_autograd
     with pytest.raises(AttributeError, match="neither"):
@@ -211,8 +253,12 @@ def _sized(family: str, flops: int, nbytes: int, measured: float) -> NodeTiming:
 
 
 def test_fit_compute_params_fits_a_line_per_family_and_scales_a_single_size():
-    rows = [_sized("matmul", 1000, 0, 12.0), _sized("matmul", 3000, 0, 32.0),  # 2 us + 0.01 us/FLOP
-            _sized("pointwise", 0, 400, 8.0), _sized("attention", 500, 0, None)]
+    rows = [
+        _sized("matmul", 1000, 0, 12.0),
+        _sized("matmul", 3000, 0, 32.0),  # 2 us + 0.01 us/FLOP
+        _sized("pointwise", 0, 400, 8.0),
+        _sized("attention", 500, 0, None),
+    ]
     fits = kernels.fit_compute_params(rows).fits
     assert fits["matmul"].unit == "flops"
     assert fits["matmul"].a_us == pytest.approx(2.0) and fits["matmul"].b_us_per_unit == pytest.approx(0.01)
@@ -227,11 +273,20 @@ def test_calibration_writes_a_loadable_profile_and_the_holdout_table(tmp_path):
     from commfuse.costmodel.profile import CostProfile
 
     fitted = kernels.fit_compute_params([_sized("matmul", 1000, 0, 12.0), _sized("matmul", 3000, 0, 32.0)])
-    holdout = {"seq": 2048, "nominal": kernels.aggregate(ROWS),
-               "fitted": kernels.aggregate([NodeTiming(**{**r.__dict__, "predicted_us": r.measured_us or 1.0})
-                                            for r in ROWS])}
-    cal = {"ok": True, "wall_s": 9.0, **_calibration(), "fitted_compute": fitted.model_dump(mode="json"),
-           "holdout": holdout}
+    holdout = {
+        "seq": 2048,
+        "nominal": kernels.aggregate(ROWS),
+        "fitted": kernels.aggregate(
+            [NodeTiming(**{**r.__dict__, "predicted_us": r.measured_us or 1.0}) for r in ROWS]
+        ),
+    }
+    cal = {
+        "ok": True,
+        "wall_s": 9.0,
+        **_calibration(),
+        "fitted_compute": fitted.model_dump(mode="json"),
+        "holdout": holdout,
+    }
     doc = mode.assemble(ENV, {"calibration": cal}, command="python benchmarks/run.py --gpu")
     md = mode.markdown(doc)
     assert "checked on the same layer at 2048 tokens" in md

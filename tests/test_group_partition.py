@@ -33,9 +33,16 @@ from commfuse.testing.graphs import _copy
 from _jobs_group_partition import TOPO_2x2, compiled_matches_eager, counting_new_group, setup_counts
 
 # Latency-bound CPU topology: the hierarchical sequences are predicted faster on small tensors.
-TOPO_2x4 = Topology(name="test-2x4", num_nodes=2, ranks_per_node=4, intra_node_bandwidth_GBps=100.0,
-                    inter_node_bandwidth_GBps=1.0, intra_node_latency_us=1.0, inter_node_latency_us=5.0,
-                    collective_launch_us=0.1)
+TOPO_2x4 = Topology(
+    name="test-2x4",
+    num_nodes=2,
+    ranks_per_node=4,
+    intra_node_bandwidth_GBps=100.0,
+    inter_node_bandwidth_GBps=1.0,
+    intra_node_latency_us=1.0,
+    inter_node_latency_us=5.0,
+    collective_launch_us=0.1,
+)
 # Launch-bound: one more collective never pays.
 TOPO_SLOW_LAUNCH = TOPO_2x2.model_copy(update={"collective_launch_us": 500.0})
 W = "0"  # the world's group name in a fake world
@@ -57,8 +64,13 @@ def _ints(gm, world, seed=0):
     out = []
     for r in range(world):
         g = torch.Generator().manual_seed(seed * 31 + r)
-        out.append([torch.randint(-8, 8, tuple(n.meta["val"].shape), generator=g).float()
-                    for n in gm.graph.nodes if n.op == "placeholder"])
+        out.append(
+            [
+                torch.randint(-8, 8, tuple(n.meta["val"].shape), generator=g).float()
+                for n in gm.graph.nodes
+                if n.op == "placeholder"
+            ]
+        )
     return out
 
 
@@ -75,12 +87,15 @@ def _run_pass(gm, topo, **cfg):
 # ---------------------------------------------------------------- layout and set-up
 def _centauri_subgroups(r: int, dims: tuple[int, ...]) -> list[set[int]]:
     """Centauri's G'_i for rank r on the mesh `dims`, straight from the index formula."""
+
     def index(q):
-        return [(q // math.prod(dims[k + 1:])) % dims[k] for k in range(len(dims))]
+        return [(q // math.prod(dims[k + 1 :])) % dims[k] for k in range(len(dims))]
 
     world = math.prod(dims)
-    return [{q for q in range(world) if all(index(q)[j] == index(r)[j] for j in range(len(dims)) if j != i)}
-            for i in range(len(dims))]
+    return [
+        {q for q in range(world) if all(index(q)[j] == index(r)[j] for j in range(len(dims)) if j != i)}
+        for i in range(len(dims))
+    ]
 
 
 @pytest.mark.parametrize("a,b", [(2, 2), (2, 4), (4, 2), (3, 2)])
@@ -94,12 +109,15 @@ def test_blocks_follow_the_index_formula(a, b):
     assert hierarchy_layout(parent, Topology(num_nodes=a, ranks_per_node=b)) == (a, b)
 
 
-@pytest.mark.parametrize("ranks,reason", [
-    ((0, 1, 2, 3), "group inside one node"),
-    ((0, 4), "one rank per node"),
-    ((0, 1, 2, 4), r"uneven ranks per node \(\[3, 1\]\)"),
-    ((4, 5, 0, 1), "not ascending"),
-])
+@pytest.mark.parametrize(
+    "ranks,reason",
+    [
+        ((0, 1, 2, 3), "group inside one node"),
+        ((0, 4), "one rank per node"),
+        ((0, 1, 2, 4), r"uneven ranks per node \(\[3, 1\]\)"),
+        ((4, 5, 0, 1), "not ascending"),
+    ],
+)
 def test_layout_refusals(ranks, reason):
     import re
 
@@ -137,9 +155,16 @@ def test_setup_creates_every_subgroup_once_in_one_order_on_every_rank():
     s0, s5 = sessions[0], sessions[5]
     assert sorted(s0.subgroups) == [(0, 1, 2, 3, 4, 5, 6, 7), (0, 2, 4, 6)]
     assert sorted(s5.subgroups) == [(0, 1, 2, 3, 4, 5, 6, 7), (1, 3, 5, 7)]
-    assert (s5.subgroups[tuple(range(8))].intra, s5.subgroups[tuple(range(8))].inter) == ((4, 5, 6, 7), (1, 5))
+    assert (s5.subgroups[tuple(range(8))].intra, s5.subgroups[tuple(range(8))].inter) == (
+        (4, 5, 6, 7),
+        (1, 5),
+    )
     # the world's aliases are the same names on every rank; each alias stands for its partition
-    assert s0.subgroups[tuple(range(8))].intra_name == s5.subgroups[tuple(range(8))].intra_name == "commfuse.intra.0:8"
+    assert (
+        s0.subgroups[tuple(range(8))].intra_name
+        == s5.subgroups[tuple(range(8))].intra_name
+        == "commfuse.intra.0:8"
+    )
     assert s0.reference_groups()["commfuse.intra.0:8"] == world_intra
     assert s0.reference_groups()[subgroup_names((0, 2, 4, 6))[0]] == dp_intra
     assert s0.reference_groups()[subgroup_names((1, 3, 5, 7))[1]] == [[0, 4], [2, 6], [1, 5], [3, 7]]
@@ -171,7 +196,9 @@ def _ar(op="sum"):
 
 
 def _apply(gm, topo, order):
-    ctx = PassContext(gm, commfuse.Config(topology=topo), topology=topo, session=commfuse.session.current_session())
+    ctx = PassContext(
+        gm, commfuse.Config(topology=topo), topology=topo, session=commfuse.session.current_session()
+    )
     (c,) = ctx.ir.collectives
     code = gm.code
     plan = plan_group_partition(ctx, c, order=order)
@@ -199,13 +226,20 @@ def _rewritten_on_the_last_rank(fn, shape, world, order):
 # (kind, order) -> the collectives in graph order (kind, level) and whether a block reorder appears
 SEQUENCES = {
     ("ag", "inter_first"): ([("all_gather_into_tensor", "inter"), ("all_gather_into_tensor", "intra")], True),
-    ("ag", "intra_first"): ([("all_gather_into_tensor", "intra"), ("all_gather_into_tensor", "inter")], False),
+    ("ag", "intra_first"): (
+        [("all_gather_into_tensor", "intra"), ("all_gather_into_tensor", "inter")],
+        False,
+    ),
     ("rs", "intra_first"): ([("reduce_scatter_tensor", "intra"), ("reduce_scatter_tensor", "inter")], True),
     ("rs", "inter_first"): ([("reduce_scatter_tensor", "inter"), ("reduce_scatter_tensor", "intra")], False),
-    ("ar", "intra_first"): ([("reduce_scatter_tensor", "intra"), ("all_reduce", "inter"),
-                             ("all_gather_into_tensor", "intra")], False),
-    ("ar", "inter_first"): ([("reduce_scatter_tensor", "inter"), ("all_reduce", "intra"),
-                             ("all_gather_into_tensor", "inter")], False),
+    ("ar", "intra_first"): (
+        [("reduce_scatter_tensor", "intra"), ("all_reduce", "inter"), ("all_gather_into_tensor", "intra")],
+        False,
+    ),
+    ("ar", "inter_first"): (
+        [("reduce_scatter_tensor", "inter"), ("all_reduce", "intra"), ("all_gather_into_tensor", "inter")],
+        False,
+    ),
 }
 
 
@@ -213,15 +247,19 @@ SEQUENCES = {
 @pytest.mark.parametrize("kind,order", list(SEQUENCES))
 @pytest.mark.parametrize("dim", [0, 1])
 def test_sequence_text_and_exact_values(world, kind, order, dim):
-    fn, shape = {"ag": (_ag(dim), (2, 3, 4)), "rs": (_rs(dim), (world * 2, world, 3)),
-                 "ar": (_ar(), (world, 2, 3))}[kind]
+    fn, shape = {
+        "ag": (_ag(dim), (2, 3, 4)),
+        "rs": (_rs(dim), (world * 2, world, 3)),
+        "ar": (_ar(), (world, 2, 3)),
+    }[kind]
     if kind == "ar" and dim == 1:
         fn, shape = _ar(), (3, 4, 5)  # dim 0 not divisible: the split moves to dim 1
     with fake_process_group(world, rank=world - 1):
         s, gm, before, plan, starts, (intra, inter) = _rewritten_on_the_last_rank(fn, shape, world, order)
         seq, reorder = SEQUENCES[(kind, order)]
-        assert [(n.target.__name__.split(".")[0], n.args[-1]) for n in starts] == \
-            [(op, intra if lvl == "intra" else inter) for op, lvl in seq]
+        assert [(n.target.__name__.split(".")[0], n.args[-1]) for n in starts] == [
+            (op, intra if lvl == "intra" else inter) for op, lvl in seq
+        ]
         assert plan.dim == (dim if kind != "ar" else (0 if shape[0] % 2 == 0 else 1))
         fc = FileCheck()
         if kind == "rs" and reorder:
@@ -234,8 +272,10 @@ def test_sequence_text_and_exact_values(world, kind, order, dim):
         assert ("transpose" in gm.code) == reorder
         # the IR resolves the aliases to this rank's sub-groups (the last rank: node 1, local b-1)
         b = world // 2
-        assert {c.group.ranks for c in CollectiveIR(gm).collectives} == \
-            {tuple(range(b, world)), (b - 1, world - 1)}
+        assert {c.group.ranks for c in CollectiveIR(gm).collectives} == {
+            tuple(range(b, world)),
+            (b - 1, world - 1),
+        }
         check_equivalent(before, gm, world, groups=_groups(s), exact=True, inputs=_ints(before, world))
 
 
@@ -251,19 +291,23 @@ A2A_SEQUENCES = {  # order -> the levels in graph order, and the block reorders 
 def test_all_to_all_two_level_exchange_text_bytes_and_exact_values(world, order, split_dim):
     """Each level exchanges the whole buffer (the bytes per level derived in the module docstring);
     the received blocks come out in group-rank order, bitwise."""
+
     def fn(x):
         g = dist.group.WORLD
         if split_dim == 0:
             return funcol.all_to_all_single(x, None, None, g) * 2
         # DTensor's Shard(1) -> Shard(0) form: dim-1 chunks, exchanged along dim 0
-        return funcol.all_to_all_single(torch.cat(torch.chunk(x, world, 1), 0).contiguous(), None, None, g) * 2
+        return (
+            funcol.all_to_all_single(torch.cat(torch.chunk(x, world, 1), 0).contiguous(), None, None, g) * 2
+        )
 
     shape = (world * 2, 3) if split_dim == 0 else (2, world * 3)
     with fake_process_group(world, rank=world - 1):
         s, gm, before, plan, starts, (intra, inter) = _rewritten_on_the_last_rank(fn, shape, world, order)
         levels, transposes = A2A_SEQUENCES[order]
-        assert [(n.target.__name__.split(".")[0], n.args[-1]) for n in starts] == \
-            [("all_to_all_single", intra if lvl == "intra" else inter) for lvl in levels]
+        assert [(n.target.__name__.split(".")[0], n.args[-1]) for n in starts] == [
+            ("all_to_all_single", intra if lvl == "intra" else inter) for lvl in levels
+        ]
         assert gm.code.count("aten.transpose") == transposes
         nbytes = math.prod(shape) * 4
         assert [lv.message_bytes for lv in plan.levels] == [nbytes, nbytes]
@@ -298,6 +342,7 @@ def test_reduce_ops_avg_and_max(op):
 def test_the_pass_on_a_graph_with_every_kind_and_a_chain():
     """Pass-chosen orders, a gather of a gathered tensor (the second rewrite must read the first's
     result), a view-form dim-1 gather (local dims before it are 1) and an all_to_all."""
+
     def f(x, y, z, u):
         g = dist.group.WORLD
         a = funcol.all_gather_tensor(funcol.all_gather_tensor(x, 0, g) * 3, 1, g)
@@ -346,12 +391,16 @@ def test_strided_mesh_dim_group_uses_its_own_subgroups():
         s = commfuse.setup(topology=TOPO_2x4, mesh=mesh)
         dp = mesh.get_group("dp")
         gm = make_fx(lambda x: funcol.reduce_scatter_tensor(x, "avg", 0, dp) * 2, tracing_mode="fake")(
-            torch.randn(8, 3))
+            torch.randn(8, 3)
+        )
         before = _copy(gm)
         rec = _run_pass(gm, TOPO_2x4)
         assert rec.counts["partitioned"] == 1, rec.refusals
         intra, inter = subgroup_names((0, 2, 4, 6))
-        assert {c.group.name: c.group.ranks for c in CollectiveIR(gm).collectives} == {intra: (0, 2), inter: (2, 6)}
+        assert {c.group.name: c.group.ranks for c in CollectiveIR(gm).collectives} == {
+            intra: (0, 2),
+            inter: (2, 6),
+        }
         groups = {dp.group_name: [[0, 2, 4, 6], [1, 3, 5, 7]], **s.reference_groups()}
         check_equivalent(before, gm, 8, groups=groups, exact=True, inputs=_ints(before, 8))
 
@@ -362,24 +411,28 @@ def _refused(fn, shapes, world=4, topo=TOPO_2x2, setup=True, group=None, **cfg):
         if setup:
             commfuse.setup(topology=topo)
         gm = make_fx(fn(group() if group else dist.group.WORLD), tracing_mode="fake")(
-            *[torch.randn(s) for s in shapes])
+            *[torch.randn(s) for s in shapes]
+        )
         code = gm.code
         rec = _run_pass(gm, topo, **cfg)
         assert not rec.changed and gm.code == code
         return rec.refusals
 
 
-@pytest.mark.parametrize("case,expected", [
-    ("intra_node", "group inside one node"),
-    ("one_per_node", "one rank per node"),
-    ("not_set_up", "sub-groups not set up"),
-    ("not_divisible", "no dim of shape [3, 5] is divisible"),
-    ("all_to_all", "all_to_all with unequal (or data-dependent) splits"),
-    ("coalesced", "coalesced or in-place"),
-    ("no_topology", "no topology"),
-    ("product", "reduce op 'product'"),
-    ("not_faster", "not faster"),
-])
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ("intra_node", "group inside one node"),
+        ("one_per_node", "one rank per node"),
+        ("not_set_up", "sub-groups not set up"),
+        ("not_divisible", "no dim of shape [3, 5] is divisible"),
+        ("all_to_all", "all_to_all with unequal (or data-dependent) splits"),
+        ("coalesced", "coalesced or in-place"),
+        ("no_topology", "no topology"),
+        ("product", "reduce op 'product'"),
+        ("not_faster", "not faster"),
+    ],
+)
 def test_refusals_leave_the_graph_and_say_why(case, expected):
     ag = lambda g: lambda x: funcol.all_gather_tensor(x, 0, g)  # noqa: E731
     kw: dict = {}
@@ -393,9 +446,15 @@ def test_refusals_leave_the_graph_and_say_why(case, expected):
     elif case == "not_divisible":
         fn, shapes = (lambda g: lambda x: funcol.all_reduce(x, "sum", g)), [(3, 5)]
     elif case == "all_to_all":
-        fn, shapes = (lambda g: lambda x: funcol.all_to_all_single(x, [1, 1, 1, 1], [2, 1, 0, 1], g)), [(4, 2)]
+        fn, shapes = (
+            (lambda g: lambda x: funcol.all_to_all_single(x, [1, 1, 1, 1], [2, 1, 0, 1], g)),
+            [(4, 2)],
+        )
     elif case == "coalesced":
-        fn, shapes = (lambda g: lambda x, y: funcol.all_gather_into_tensor_coalesced([x, y], g)), [(2, 2), (2, 2)]
+        fn, shapes = (
+            (lambda g: lambda x, y: funcol.all_gather_into_tensor_coalesced([x, y], g)),
+            [(2, 2), (2, 2)],
+        )
     elif case == "no_topology":
         kw = dict(setup=False, topo=None)
     elif case == "product":
@@ -440,19 +499,29 @@ def test_subgroups_created_once_identically_on_every_rank(rank_pool_4):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("workload,expected", [
-    ("fsdp", {"forward": 4, "backward": 4}),  # all_gathers / gradient reduce_scatters of 2 weights + 2 biases
-    ("dp", {"backward": 4}),  # gradient all_reduces of 2 weights + 2 biases
-    ("tp", {"forward": 1, "backward": 1}),  # sequence all_gather (dim 1) and its reduce_scatter
-    ("ep", {"forward": 2, "backward": 2}),  # dispatch and combine all_to_all, and their gradients
-])
+@pytest.mark.parametrize(
+    "workload,expected",
+    [
+        (
+            "fsdp",
+            {"forward": 4, "backward": 4},
+        ),  # all_gathers / gradient reduce_scatters of 2 weights + 2 biases
+        ("dp", {"backward": 4}),  # gradient all_reduces of 2 weights + 2 biases
+        ("tp", {"forward": 1, "backward": 1}),  # sequence all_gather (dim 1) and its reduce_scatter
+        ("ep", {"forward": 2, "backward": 2}),  # dispatch and combine all_to_all, and their gradients
+    ],
+)
 def test_training_matches_unoptimised_program_on_2_nodes_x_2(rank_pool_4, workload, expected):
     """Forward outputs, gradients and SGD-updated parameters equal eager's (fp32 policy, asserted
     in the job); no group created while compiling; the flat collectives are gone."""
     res = rank_pool_4.run(compiled_matches_eager, workload, timeout=240)
     for r, out in enumerate(res):
         assert out["created"] == [[0, 1], [2, 3], [0, 2], [1, 3]], (r, out["created"])
-        assert out["counts"]["joint"]["partitioned"] == sum(expected.values()), (r, out["counts"], out["refusals"])
+        assert out["counts"]["joint"]["partitioned"] == sum(expected.values()), (
+            r,
+            out["counts"],
+            out["refusals"],
+        )
         for graph, n in expected.items():
             kinds = out["kinds"][graph]
             assert not any(k.endswith("@" + out["world"]) for k in kinds), kinds  # nothing flat left

@@ -108,9 +108,7 @@ def _rank_inputs(step: int) -> torch.Tensor:
 
 def _job_eager_vs_aot_eager() -> dict[str, dict]:
     eager = train_step_outputs(_make_all_reduce_mlp, _rank_inputs, steps=2, lr=0.1)
-    compiled = train_step_outputs(
-        _make_all_reduce_mlp, _rank_inputs, backend="aot_eager", steps=2, lr=0.1
-    )
+    compiled = train_step_outputs(_make_all_reduce_mlp, _rank_inputs, backend="aot_eager", steps=2, lr=0.1)
     return {"eager": eager, "compiled": compiled}
 
 
@@ -274,9 +272,7 @@ def test_fake_mesh_builds_named_2d_mesh() -> None:
         assert tuple(mesh.shape) == (8, 8)
         assert mesh["tp"].size() == 8
         assert mesh.get_group("dp").size() == 8
-        gm = make_fx(lambda x: funcol.all_reduce(x, "sum", (mesh, 1)), tracing_mode="fake")(
-            torch.randn(4)
-        )
+        gm = make_fx(lambda x: funcol.all_reduce(x, "sum", (mesh, 1)), tracing_mode="fake")(torch.randn(4))
         assert torch.ops._c10d_functional.all_reduce.default in _call_targets(gm)
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="does not multiply"):
@@ -330,8 +326,7 @@ def _ring_reduce_scatter_order_sum(parts: list[torch.Tensor], dtype: torch.dtype
     n = len(parts)
     chunks = [p.chunk(n) for p in parts]
     out = [
-        _sum_in_order([c[i] for c in chunks], [(i + 1 + k) % n for k in range(n)], dtype)
-        for i in range(n)
+        _sum_in_order([c[i] for c in chunks], [(i + 1 + k) % n for k in range(n)], dtype) for i in range(n)
     ]
     return torch.cat(out)
 

@@ -80,8 +80,15 @@ def _dropless(dtype=torch.float32, grouped: bool = False, saved: bool = False):
 
 def _inputs(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(T, D, generator=g), torch.tensor(COUNTS[r]), torch.randn(2, D, F, generator=g),
-             torch.randn(2, F, D, generator=g)] for r in range(N)]
+    return [
+        [
+            torch.randn(T, D, generator=g),
+            torch.tensor(COUNTS[r]),
+            torch.randn(2, D, F, generator=g),
+            torch.randn(2, F, D, generator=g),
+        ]
+        for r in range(N)
+    ]
 
 
 def _trace(fn):
@@ -107,13 +114,33 @@ def test_exchange_with_unbacked_splits_cut_along_the_hidden_dim():
     tokens = [s for s in starts if s.meta["val"].dim() == 2]
     # every block has the exchange's split sizes (the same unbacked symbols) and half its columns
     assert all(s.meta["val"].shape[1] == D // 2 for s in tokens)
-    assert len({str(s.args[1:3]) for s in tokens[:2]}) == 1 and len({str(s.args[1:3]) for s in tokens[2:]}) == 1
+    assert (
+        len({str(s.args[1:3]) for s in tokens[:2]}) == 1 and len({str(s.args[1:3]) for s in tokens[2:]}) == 1
+    )
     mm_op = "aten.mm"
     # dispatch: both blocks issued, block 0 waited and multiplied before block 1 is waited,
     # partial sums added; combine: block 0 multiplied and sent before block 1 is multiplied
-    (FileCheck().check(A2A).check(A2A).check(WAIT).check(mm_op).check(WAIT).check(mm_op).check("aten.add")
-     .check("aten.relu").check(mm_op).check("aten.index_put").check(A2A).check(mm_op).check("aten.index_put")
-     .check(A2A).check(WAIT).check(WAIT).check("aten.cat").run(gm.code))
+    (
+        FileCheck()
+        .check(A2A)
+        .check(A2A)
+        .check(WAIT)
+        .check(mm_op)
+        .check(WAIT)
+        .check(mm_op)
+        .check("aten.add")
+        .check("aten.relu")
+        .check(mm_op)
+        .check("aten.index_put")
+        .check(A2A)
+        .check(mm_op)
+        .check("aten.index_put")
+        .check(A2A)
+        .check(WAIT)
+        .check(WAIT)
+        .check("aten.cat")
+        .run(gm.code)
+    )
     check_equivalent(before, gm, N, inputs=_inputs(1))
 
 
@@ -126,8 +153,18 @@ def test_bfloat16_grouped_experts_cut_where_exact():
         before = _copy(gm)
         rec = _run(gm)
     assert sorted(d["direction"] for d in rec.decisions) == ["consumer", "producer"], rec.refusals
-    (FileCheck().check(A2A).check(A2A).check(WAIT).check("aten._grouped_mm").check(WAIT).check("aten._grouped_mm")
-     .check("aten.cat").check("aten._grouped_mm").run(gm.code))
+    (
+        FileCheck()
+        .check(A2A)
+        .check(A2A)
+        .check(WAIT)
+        .check("aten._grouped_mm")
+        .check(WAIT)
+        .check("aten._grouped_mm")
+        .check("aten.cat")
+        .check("aten._grouped_mm")
+        .run(gm.code)
+    )
     check_equivalent(before, gm, N, inputs=_inputs(4))
 
 
@@ -161,6 +198,7 @@ def test_matmul_operand_read_from_the_exchanged_rows_refused():
     """``rows.T @ relu(rows)``: the hidden dim is an output dim of the matmul, but its other
     operand is computed from the whole exchanged rows, so it cannot be ready before the blocks
     are: refused with the reason (hoisted, it would read the blocks' concatenation before it exists)."""
+
     def f(x):
         r = funcol.all_to_all_single(x, None, None, dist.group.WORLD)
         return r.t() @ torch.relu(r)
@@ -227,7 +265,9 @@ def _titan_trains_like_eager_with_the_pass(pool, degrees: dict[str, int], shapes
     passes = [*DEFAULT_PIPELINE[:3], PASS, *DEFAULT_PIPELINE[3:]]
     # forced to graph_trainer's two blocks: on this machine's gloo model no cut is predicted faster
     config = json.dumps({"inner_compiler": "eager", "passes": passes, "workload_chunks": 2})
-    results = pool.run(titan_trains_like_eager, "deepseek_v3", degrees, shapes, env_config=config, timeout=600)
+    results = pool.run(
+        titan_trains_like_eager, "deepseek_v3", degrees, shapes, env_config=config, timeout=600
+    )
     for rank, r in enumerate(results):
         assert_close_tree(r["loss"], r["ref_loss"], rtol=1e-5, atol=1e-6, msg=f"loss on rank {rank}")
         assert_close_tree(r["grads"], r["ref_grads"], rtol=1e-5, atol=1e-6, msg=f"gradients on rank {rank}")
@@ -255,8 +295,12 @@ def test_deepseek_v3_sharded_tp_ep_exchange_cut_on_4_ranks(rank_pool_4):
     """deepseek_v3 with SimpleFSDP 2 x TP 2 x EP 2 on 4 gloo ranks (graph_trainer's SimpleFSDP;
     EP on the TP ranks, as torchtitan places it): the same three exchanges cut, loss and every
     gradient equal to eager on every rank."""
-    results = _titan_trains_like_eager_with_the_pass(rank_pool_4, {"dp_shard": 2, "tp": 2, "ep": 2}, [(2, 32)])
+    results = _titan_trains_like_eager_with_the_pass(
+        rank_pool_4, {"dp_shard": 2, "tp": 2, "ep": 2}, [(2, 32)]
+    )
     r = results[0]
     # gloo_reduce_scatter lowers each reduce_scatter it takes to an all_to_all; the rest are the cuts
     lowered = r["collectives_before"]["reduce_scatter"] - r["collectives"]["reduce_scatter"]
-    assert r["collectives"]["all_to_all"] == r["collectives_before"]["all_to_all"] + lowered + 3, r["collectives"]
+    assert r["collectives"]["all_to_all"] == r["collectives_before"]["all_to_all"] + lowered + 3, r[
+        "collectives"
+    ]

@@ -62,7 +62,9 @@ def test_bad_user_inputs_name_the_field():
         commfuse.Config(agreement_timeout_s=0)
     with pytest.raises(ValueError, match="group_roles"):
         commfuse.Config(group_roles={"0": "zp"})
-    with pytest.raises(commfuse.ConfigError, match="mesh: commfuse.setup needs a DeviceMesh with mesh_dim_names"):
+    with pytest.raises(
+        commfuse.ConfigError, match="mesh: commfuse.setup needs a DeviceMesh with mesh_dim_names"
+    ):
         with fake_process_group(2):
             from torch.distributed.device_mesh import init_device_mesh
 

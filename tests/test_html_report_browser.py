@@ -85,8 +85,14 @@ def test_report_page_in_chromium(page_path):
             browser.close()
     assert console == [], console
     assert dialogs == [] and failed == []
-    assert headings == ["What commfuse did", "Communication volume", "Collectives", "Pass decisions", "Graphs",
-                        "Timelines"]
+    assert headings == [
+        "What commfuse did",
+        "Communication volume",
+        "Collectives",
+        "Pass decisions",
+        "Graphs",
+        "Timelines",
+    ]
     assert n_rows > 0 and ("all_gather" in row_text or "reduce_scatter" in row_text), row_text
     assert images and all(ok and w > 0 for ok, w in images), images  # every graph picture decoded
     assert timelines == 2 + 2 * 2  # as run on the first screen; before and as run under Timelines
@@ -110,9 +116,14 @@ def _first_screen(page_path: Path, shot: Path | None, *, zoom_shot: Path | None 
             page.goto(page_path.as_uri(), wait_until="load")
             if shot is not None:
                 page.screenshot(path=str(shot))
-            figures = {c.get_attribute("data-figure"): (c.get_attribute("data-before"), c.get_attribute("data-after"),
-                                                        c.inner_text())
-                       for c in page.locator("td.figure").all()}
+            figures = {
+                c.get_attribute("data-figure"): (
+                    c.get_attribute("data-before"),
+                    c.get_attribute("data-after"),
+                    c.inner_text(),
+                )
+                for c in page.locator("td.figure").all()
+            }
             in_view = page.evaluate("""() => Array.from(document.querySelectorAll(
                 'table.summary, svg.timeline.predicted, div.executor')).filter(e => {
                 const r = e.getBoundingClientRect(); return r.top < innerHeight && r.bottom > 0 && r.width > 0;
@@ -134,13 +145,24 @@ def _first_screen(page_path: Path, shot: Path | None, *, zoom_shot: Path | None 
                     page.screenshot(path=str(zoom_shot))
                 img.click()  # closes again
                 page.wait_for_timeout(100)
-                zoom = {"before": before, "natural": natural, "after": after, "fixed": fixed,
-                        "closed": img.bounding_box()["width"]}
+                zoom = {
+                    "before": before,
+                    "natural": natural,
+                    "after": after,
+                    "fixed": fixed,
+                    "closed": img.bounding_box()["width"],
+                }
         finally:
             browser.close()
     assert console == [], console
-    return {"figures": figures, "in_view": in_view, "summary": summary_text, "layers": layer_blocks,
-            "open_layers": open_layers, "zoom": zoom}
+    return {
+        "figures": figures,
+        "in_view": in_view,
+        "summary": summary_text,
+        "layers": layer_blocks,
+        "open_layers": open_layers,
+        "zoom": zoom,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -176,21 +198,36 @@ def _f(figures: dict, key: str) -> tuple[float, float]:
 
 @pytest.mark.slow(reason="compiles the demo's model and starts headless Chromium")
 def test_demo_report_first_screen(demo_dumps, tmp_path):
-    page_path = write_html(demo_dumps, tmp_path / "report.html",
-                           title="commfuse demo: TP+SP Llama (2 layers, mesh dim tp, 4 ranks)")
+    page_path = write_html(
+        demo_dumps,
+        tmp_path / "report.html",
+        title="commfuse demo: TP+SP Llama (2 layers, mesh dim tp, 4 ranks)",
+    )
     IMAGES.mkdir(parents=True, exist_ok=True)
     got = _first_screen(page_path, IMAGES / "report-summary.png", zoom_shot=IMAGES / "report-graph-zoom.png")
     fig = got["figures"]
     # like with like: forward vs forward, backward vs backward, and the step
-    assert {"time-forward", "time-backward", "time-step", "exposed-step", "wire-forward", "wire-backward",
-            "count-forward", "count-backward", "count-step"} <= set(fig)
+    assert {
+        "time-forward",
+        "time-backward",
+        "time-step",
+        "exposed-step",
+        "wire-forward",
+        "wire-backward",
+        "count-forward",
+        "count-backward",
+        "count-step",
+    } <= set(fig)
     for key in ("time-step", "exposed-step"):
         b, a = _f(fig, key)
         assert 0 < a <= b * 1.001, (key, b, a)  # a prediction, never worse than before
     for g in ("forward", "backward"):
         b, a = _f(fig, f"wire-{g}")
         assert b == a > 0  # TP+SP on gloo: commfuse moves the collectives, the bytes stay
-        assert _f(fig, f"count-{g}") == (8.0, 8.0)  # 2 layers x (attention, MLP) x (all_gather, reduce_scatter)
+        assert _f(fig, f"count-{g}") == (
+            8.0,
+            8.0,
+        )  # 2 layers x (attention, MLP) x (all_gather, reduce_scatter)
     # the gloo lowering is shown apart, and not in the figures above
     assert "div.executor" in got["in_view"] and "gloo_reduce_scatter" in got["summary"]
     assert "reduce_scatter → " in got["summary"] and "all_to_all" in got["summary"]
@@ -260,7 +297,9 @@ def dump_32_layers(out: Path) -> None:
 @pytest.mark.slow(reason="traces a 32-layer graph and starts headless Chromium")
 def test_32_layer_report_first_screen(tmp_path):
     dump_32_layers(tmp_path / "dumps")
-    page_path = write_html(tmp_path / "dumps", tmp_path / "report.html", title="commfuse report: 32-layer TP+SP stack")
+    page_path = write_html(
+        tmp_path / "dumps", tmp_path / "report.html", title="commfuse report: 32-layer TP+SP stack"
+    )
     got = _first_screen(page_path, IMAGES / "report-32-layers.png")
     fig = got["figures"]
     assert _f(fig, "count-forward") == (64.0, 64.0)

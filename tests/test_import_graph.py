@@ -34,8 +34,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("passmgr", ("commfuse.passmgr",)),
     ("transforms", ("commfuse.transforms",)),
     ("lowering", ("commfuse.lowering",)),
-    ("front end", ("commfuse.config", "commfuse.session", "commfuse.agreement", "commfuse.api",
-                   "commfuse.train_step", "commfuse.train_step_split", "commfuse.backend", "commfuse.passes")),
+    (
+        "front end",
+        (
+            "commfuse.config",
+            "commfuse.session",
+            "commfuse.agreement",
+            "commfuse.api",
+            "commfuse.train_step",
+            "commfuse.train_step_split",
+            "commfuse.backend",
+            "commfuse.passes",
+        ),
+    ),
     ("tools", ("commfuse.tools", "commfuse.reports", "commfuse.trace", "commfuse.models")),
     ("harness", ("commfuse.testing", "commfuse.fuzz")),
     ("package", ("commfuse", "commfuse.__main__")),
@@ -142,12 +153,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def upward(graph: dict[str, set[str]]) -> list[str]:
-    return [f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
-            for m, ts in sorted(graph.items()) for t in sorted(ts) if layer_of(t) > layer_of(m)]
+    return [
+        f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+        for m, ts in sorted(graph.items())
+        for t in sorted(ts)
+        if layer_of(t) > layer_of(m)
+    ]
 
 
 def test_every_module_has_a_layer():
-    missing = [m for m in modules() if not any(m == p or m.startswith(p + ".") for _, ps in LAYERS for p in ps)]
+    missing = [
+        m for m in modules() if not any(m == p or m.startswith(p + ".") for _, ps in LAYERS for p in ps)
+    ]
     assert not missing, f"modules in no layer of LAYERS: {missing}"
 
 
@@ -173,8 +190,12 @@ def test_only_the_fuzzer_imports_the_fuzzer():
     module outside commfuse.fuzz imports it: ``import commfuse`` (or commfuse.testing) leaves
     them out of the product's pass table."""
     graph, _ = imports()
-    bad = [f"{m} imports {t}" for m, ts in sorted(graph.items()) for t in sorted(ts)
-           if _in_fuzzer(t) and not _in_fuzzer(m)]
+    bad = [
+        f"{m} imports {t}"
+        for m, ts in sorted(graph.items())
+        for t in sorted(ts)
+        if _in_fuzzer(t) and not _in_fuzzer(m)
+    ]
     assert not bad, "modules outside the fuzzer import it:\n" + "\n".join(bad)
 
 
@@ -182,11 +203,14 @@ def _in_fuzzer(module: str) -> bool:
     return module == "commfuse.fuzz" or module.startswith("commfuse.fuzz.")
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from commfuse.ir import kinds\n", {"commfuse.ir.kinds"}),
-    ("def f():\n    from commfuse.ir import kinds\n", set()),
-    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from commfuse.backend import x\n", set()),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from commfuse.ir import kinds\n", {"commfuse.ir.kinds"}),
+        ("def f():\n    from commfuse.ir import kinds\n", set()),
+        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from commfuse.backend import x\n", set()),
+    ],
+)
 def test_the_checker_reads_imports_as_python_does(tmp_path, monkeypatch, source, expected):
     """The checker itself: module-level imports count, function-local ones are reported apart,
     TYPE_CHECKING blocks are ignored."""

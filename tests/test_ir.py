@@ -22,7 +22,9 @@ class TestCollectiveKinds(TestCase):
         with fake_process_group(8):
             gm = trace_all_kinds()
             report = commfuse.analyze(gm)
-        self.assertExpectedInline(summary(report), """\
+        self.assertExpectedInline(
+            summary(report),
+            """\
 all_reduce: all_reduce g0/8 dim=None in=[[8, 16]] out=[[8, 16]] logged=512 wire=896 role=tp(inferred)
 all_gather_into_tensor: all_gather g0/8 dim=1 in=[[8, 16]] out=[[64, 16]] logged=512 wire=3584 role=sp(inferred)
 reduce_scatter_tensor: reduce_scatter g0/8 dim=1 in=[[128, 2]] out=[[16, 2]] logged=128 wire=896 role=sp(inferred)
@@ -32,9 +34,13 @@ all_reduce_coalesced: all_reduce g0/8 dim=None in=[[8, 16], [16, 16]] out=[[8, 1
 all_gather_into_tensor_coalesced: all_gather g0/8 dim=0 in=[[8, 16], [16, 16]] out=[[64, 16], [128, 16]] logged=1536 wire=10752 role=fsdp(inferred)
 reduce_scatter_tensor_coalesced: reduce_scatter g0/8 dim=0 in=[[16, 16], [16, 16]] out=[[2, 16], [2, 16]] logged=256 wire=1792 role=unknown(unknown)
 isend: send g0/8 dim=None in=[[8, 16]] out=[[0]] logged=512 wire=512 role=pp(inferred)
-irecv: recv g0/8 dim=None in=[[8, 16]] out=[[8, 16]] logged=512 wire=0 role=pp(inferred)""")
+irecv: recv g0/8 dim=None in=[[8, 16]] out=[[8, 16]] logged=512 wire=0 role=pp(inferred)""",
+        )
         self.assertEqual(report.total.count, 10)
-        self.assertEqual(set(report.by_kind), {k.value for k in CollectiveKind} - {"batch_p2p", "many_to_many_scatter", "reduce", "p2p"})
+        self.assertEqual(
+            set(report.by_kind),
+            {k.value for k in CollectiveKind} - {"batch_p2p", "many_to_many_scatter", "reduce", "p2p"},
+        )
         self.assertEqual(report.by_group["0"].count, 10)
 
     def test_report_is_json(self):
@@ -77,11 +83,14 @@ def tp_sp_graphs():
 
 def test_tp_sp_joint_graph_sees_dim1_collectives(tp_sp_graphs):
     _, reports = tp_sp_graphs
-    TestCase().assertExpectedInline(summary(reports["joint"]), """\
+    TestCase().assertExpectedInline(
+        summary(reports["joint"]),
+        """\
 all_gather_into_tensor: all_gather g0/4 dim=1 in=[[2, 2, 16]] out=[[8, 2, 16]] logged=256 wire=768 role=sp(inferred)
 reduce_scatter_tensor: reduce_scatter g0/4 dim=1 in=[[8, 2, 16]] out=[[2, 2, 16]] logged=256 wire=768 role=sp(inferred)
 all_gather_into_tensor_1: all_gather g0/4 dim=1 in=[[2, 2, 16]] out=[[8, 2, 16]] logged=256 wire=768 role=sp(inferred)
-reduce_scatter_tensor_1: reduce_scatter g0/4 dim=1 in=[[8, 2, 16]] out=[[2, 2, 16]] logged=256 wire=768 role=sp(inferred)""")
+reduce_scatter_tensor_1: reduce_scatter g0/4 dim=1 in=[[8, 2, 16]] out=[[2, 2, 16]] logged=256 wire=768 role=sp(inferred)""",
+    )
     # The logical output of the SP gather is the cat along dim 1, the logical input of the scatter the
     # tensor before the split along dim 1.
     c = reports["joint"].collectives
@@ -138,7 +147,10 @@ def test_dim_types_permute_softmax_and_opaque():
     aten = torch.ops.aten
     assert dims.out(by_target[aten._softmax.default]) == (OD, OD, ND)
     assert dims.out(by_target[aten.permute.default]) == (ND, OD, OD)
-    assert dims.out(by_target[aten.view.default if aten.view.default in by_target else aten.reshape.default])[0] == ND
+    assert (
+        dims.out(by_target[aten.view.default if aten.view.default in by_target else aten.reshape.default])[0]
+        == ND
+    )
     assert dims.out(by_target[aten.cumsum.default]) == (ND, ND, ND)
     s = dims[by_target[aten.sum.dim_IntList]]
     assert s.inputs[0] == (OD, CD, OD) and s.out == (OD, OD)
@@ -151,6 +163,7 @@ def test_symbolic_shapes_stay_symbolic():
     import torch.distributed as dist
 
     with fake_process_group(4):
+
         def f(x):
             return funcol.all_gather_tensor(x, 0, dist.group.WORLD) * 2
 
@@ -195,9 +208,12 @@ def test_simple_fsdp_graph_tagging():
         graphs = _capture_example("fsdp", 8)
         fw = commfuse.analyze(graphs["forward"])
         bw = commfuse.analyze(graphs["backward"])
-    assert fw.collectives and {(c.kind, c.role, c.logical_dim) for c in fw.collectives} == {("all_gather", "fsdp", 0)}
+    assert fw.collectives and {(c.kind, c.role, c.logical_dim) for c in fw.collectives} == {
+        ("all_gather", "fsdp", 0)
+    }
     assert bw.collectives and {(c.kind, c.role, c.reduce_op) for c in bw.collectives} == {
-        ("reduce_scatter", "fsdp", "avg")}
+        ("reduce_scatter", "fsdp", "avg")
+    }
     # Every parameter is gathered once in forward and its gradient reduce-scattered once in backward.
     assert len(fw.collectives) == len(bw.collectives)
     ag = fw.collectives[0]
@@ -261,11 +277,14 @@ def test_group_same_members():
     assert GroupInfo("a", None, None).same_members(GroupInfo("a", None, None))
 
 
-@pytest.mark.parametrize("splits,rank_local", [
-    ((None, None), False),  # equal splits: the traced op carries the even division of dim 0
-    (([2, 2, 2, 2], [2, 2, 2, 2]), False),  # the same division, written out
-    (([2, 2, 2, 2], [1, 3, 2, 2]), True),  # what this rank receives: another rank's may differ
-])
+@pytest.mark.parametrize(
+    "splits,rank_local",
+    [
+        ((None, None), False),  # equal splits: the traced op carries the even division of dim 0
+        (([2, 2, 2, 2], [2, 2, 2, 2]), False),  # the same division, written out
+        (([2, 2, 2, 2], [1, 3, 2, 2]), True),  # what this rank receives: another rank's may differ
+    ],
+)
 def test_all_to_all_split_sizes_derived_from_the_shape_are_not_rank_local(splits, rank_local):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -275,8 +294,10 @@ def test_all_to_all_split_sizes_derived_from_the_shape_are_not_rank_local(splits
 
     out_splits, in_splits = splits
     with fake_process_group(4):
-        gm = make_fx(lambda x: funcol.all_to_all_single(x, out_splits, in_splits, dist.group.WORLD) + 1,
-                     tracing_mode="fake")(torch.randn(8, 3))
+        gm = make_fx(
+            lambda x: funcol.all_to_all_single(x, out_splits, in_splits, dist.group.WORLD) + 1,
+            tracing_mode="fake",
+        )(torch.randn(8, 3))
         ir = CollectiveIR(gm)
     (c,) = ir.collectives
     assert c.extra["rank_local_sizes"] is rank_local

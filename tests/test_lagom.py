@@ -18,9 +18,24 @@ from torch.testing import FileCheck
 import commfuse
 from commfuse.costmodel import AnalyticCostModel, Topology
 from commfuse.costmodel.lagom import (
-    MAX_ROUNDS, NCCL_BUFFSIZE_LL, NCCL_BUFFSIZE_LL128, NCCL_BUFFSIZE_SIMPLE, NCCL_DEFAULT_CHUNK,
-    CommunicatorPool, PoolGroupPlan, SettingTimeModel, brute_force, communicator_memory_bytes, default_setting,
-    evaluate_settings, ladder_for, lagom_search, plan_communicator_pool, pool_alias, validate_communicator_ctas)
+    MAX_ROUNDS,
+    NCCL_BUFFSIZE_LL,
+    NCCL_BUFFSIZE_LL128,
+    NCCL_BUFFSIZE_SIMPLE,
+    NCCL_DEFAULT_CHUNK,
+    CommunicatorPool,
+    PoolGroupPlan,
+    SettingTimeModel,
+    brute_force,
+    communicator_memory_bytes,
+    default_setting,
+    evaluate_settings,
+    ladder_for,
+    lagom_search,
+    plan_communicator_pool,
+    pool_alias,
+    validate_communicator_ctas,
+)
 from commfuse.costmodel.topology import PRESETS
 from commfuse.core.errors import ConfigError
 from commfuse.ir import CollectiveIR
@@ -39,8 +54,9 @@ def _est(topo: Topology) -> AnalyticCostModel:
 
 
 def _scheduled(gm, topo):
-    commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], topology=topo, strict=True),
-                      graph_kind="forward")
+    commfuse.optimize(
+        gm, commfuse.Config(passes=["schedule_overlap"], topology=topo, strict=True), graph_kind="forward"
+    )
     return gm
 
 
@@ -62,7 +78,9 @@ def _chain(n_coll: int, world: int = 8, d: int = 1024):
                 h = h + c10d.wait_tensor(c10d.all_gather_into_tensor(h[: d // world], world, g))
         return h
 
-    return make_fx(f, tracing_mode="fake")(torch.randn(d, d), *[torch.randn(d // world, d) for _ in range(n_coll)])
+    return make_fx(f, tracing_mode="fake")(
+        torch.randn(d, d), *[torch.randn(d // world, d) for _ in range(n_coll)]
+    )
 
 
 def _two(kinds, n, sizes, ncomp, world):
@@ -87,8 +105,9 @@ def _two(kinds, n, sizes, ncomp, world):
         return h, w[0].sum() + w[1].sum()
 
     rows = [s // (world if k == "ag" else 1) for k, s in zip(kinds, sizes, strict=True)]
-    return make_fx(f, tracing_mode="fake")(torch.randn(n, n), torch.randn(rows[0], sizes[0]),
-                                           torch.randn(rows[1], sizes[1]))
+    return make_fx(f, tracing_mode="fake")(
+        torch.randn(n, n), torch.randn(rows[0], sizes[0]), torch.randn(rows[1], sizes[1])
+    )
 
 
 # ------------------------------------------------------------------ the time model
@@ -103,7 +122,9 @@ def test_time_model_fewer_resources_slower_collective_faster_compute():
         lad = ladder_for(c, 16, H100.num_sms, None)
         times = [model.comm_time_us(c, s) for s in lad]
         assert [s.channels for s in lad] == [1, 2, 4, 8, 16, 32]
-        assert all(a > b for a, b in zip(times, times[1:], strict=False))  # more channels: faster, to the link's limit
+        assert all(
+            a > b for a, b in zip(times, times[1:], strict=False)
+        )  # more channels: faster, to the link's limit
         mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
         slow = [model.slowdown(mm, ((s.channels, s.chunk_bytes),)) for s in lad]
         assert all(a < b for a, b in zip(slow, slow[1:], strict=False)) and slow[0] > 1.0
@@ -124,7 +145,10 @@ def test_ladders_without_and_with_a_pool():
     # (1,2) runs 2 channels, (4,4) 4, (16,16) equals the default (the graph's own group wins),
     # (8,64) runs NCCL's default 16 too: only the default is kept for 16
     assert [(s.channels, s.pool_group_alias) for s in lad] == [
-        (2, "commfuse.cta1-2.0:8"), (4, "commfuse.cta4-4.0:8"), (16, None)]
+        (2, "commfuse.cta1-2.0:8"),
+        (4, "commfuse.cta4-4.0:8"),
+        (16, None),
+    ]
     assert all(s.chunk_bytes == NCCL_DEFAULT_CHUNK for s in lad)  # chunk is process-wide in NCCL
     other = CommunicatorPool(((1, 2),), frozenset({(0, 1)}))
     assert ladder_for(c, 16, 132, other) == [default_setting(16)]  # no pool group for this group
@@ -156,12 +180,17 @@ def test_reused_simulator_equals_a_fresh_one():
                     return CollectiveEstimate(model.comm_time_us(c, picks[c.name]), e.wire_bytes, e.algorithm)
 
             def slow(node, conc, picks=picks):
-                return model.slowdown(node, tuple(sorted((picks[c.name].channels, picks[c.name].chunk_bytes)
-                                                         for c in conc)))
+                return model.slowdown(
+                    node, tuple(sorted((picks[c.name].channels, picks[c.name].chunk_bytes) for c in conc))
+                )
 
             ref = Simulator(gm, Fixed(), slowdown=slow, ir=ir).simulate()
             assert (got.makespan_us, got.compute_us, got.comm_us, got.exposed_comm_us) == (
-                ref.makespan_us, ref.compute_us, ref.comm_us, ref.exposed_comm_us)
+                ref.makespan_us,
+                ref.compute_us,
+                ref.comm_us,
+                ref.exposed_comm_us,
+            )
         assert judge.evaluate({}) == evaluate_settings(gm, est, {})  # unnamed collectives: NCCL defaults
 
 
@@ -177,7 +206,7 @@ def test_search_terminates_and_grows_linearly(n):
     assert r.evaluations <= 2 * MAX_ROUNDS * rungs * n + 2
     # what it actually costs on this chain: about one evaluation per rung per collective
     assert r.evaluations <= (rungs + 1) * n + 2
-    assert r.brute_force_combinations == rungs ** n
+    assert r.brute_force_combinations == rungs**n
     if n >= 4:
         assert r.evaluations * 40 < r.brute_force_combinations
     assert r.makespan_us <= r.makespan_default_us
@@ -228,8 +257,11 @@ def test_matches_brute_force_with_a_pool():
     assert all(s.channels in (1, 2, 4, 8, 16) for s in r.settings.values())
     for s in r.settings.values():
         assert (s.pool_group_alias is None) == (s.channels == 16)
-    assert r.extra_communicators == {s.pool_group_alias: communicator_memory_bytes(s.channels)
-                                     for s in r.settings.values() if s.pool_group_alias}
+    assert r.extra_communicators == {
+        s.pool_group_alias: communicator_memory_bytes(s.channels)
+        for s in r.settings.values()
+        if s.pool_group_alias
+    }
 
 
 def test_close_to_brute_force_on_random_two_collective_graphs():
@@ -293,8 +325,11 @@ def test_gloo_topology_returns_empty_result_with_note():
 # ------------------------------------------------------------------ the pass
 def _run_pass(gm, topo, tmp_path=None, **cfg):
     cfg.setdefault("passes", ["schedule_overlap", "lagom_tune"])
-    commfuse.optimize(gm, commfuse.Config(topology=topo, strict=True, dump_dir=str(tmp_path) if tmp_path else None,
-                                          **cfg), graph_kind="forward")
+    commfuse.optimize(
+        gm,
+        commfuse.Config(topology=topo, strict=True, dump_dir=str(tmp_path) if tmp_path else None, **cfg),
+        graph_kind="forward",
+    )
     rep = commfuse.last_report(gm)
     return rep, next(p for p in rep.passes if p.name == "lagom_tune")
 
@@ -308,7 +343,9 @@ def test_pass_writes_meta_and_report_decisions(tmp_path):
         direct = lagom_search(ref, _est(H100))
     assert rec.error is None and not rec.changed
     assert gm.code == ref.code  # only meta written: the same ops in the same order
-    FileCheck().check("all_gather_into_tensor").check("all_reduce").check("all_gather_into_tensor").run(gm.code)
+    FileCheck().check("all_gather_into_tensor").check("all_reduce").check("all_gather_into_tensor").run(
+        gm.code
+    )
     assert rep.analysis.sequence_hashes == commfuse.analyze(ref).sequence_hashes
     for c in ir.collectives:
         meta = c.start.meta[SETTING_META]
@@ -332,8 +369,11 @@ def test_pass_uses_the_session_pool(monkeypatch):
     from commfuse import session as S
 
     plan = plan_communicator_pool([tuple(range(8))], [(1, 2), (4, 4)])
-    monkeypatch.setattr(S, "_SESSION", S.Session(topology=H100, communicator_ctas=((1, 2), (4, 4)),
-                                                 communicator_pool_plan=plan))
+    monkeypatch.setattr(
+        S,
+        "_SESSION",
+        S.Session(topology=H100, communicator_ctas=((1, 2), (4, 4)), communicator_pool_plan=plan),
+    )
     with fake_process_group(8):
         gm = prefetch_graph(2048, 8)  # three weight gathers hidden under matmuls
         # the same batch on every rank: the matmuls are priced (by default they are not,
@@ -352,8 +392,9 @@ def test_pass_uses_the_session_pool(monkeypatch):
     assert summary["pool"] == [[1, 2], [4, 4]]
     assert rec.counts["pool_group_settings"] == sum(m["pool_group_alias"] is not None for m in metas) >= 1
     assert summary["extra_memory_bytes_estimate"] == sum(
-        communicator_memory_bytes(m["channels"]) for m in {m["pool_group_alias"]: m for m in metas
-                                                           if m["pool_group_alias"]}.values())
+        communicator_memory_bytes(m["channels"])
+        for m in {m["pool_group_alias"]: m for m in metas if m["pool_group_alias"]}.values()
+    )
 
 
 def test_pass_is_a_noop_with_a_note_on_gloo():
@@ -379,14 +420,17 @@ def test_setting_meta_key_is_the_lowerings():
 
 
 # ------------------------------------------------------------------ the pool at set-up
-@pytest.mark.parametrize("bad, match", [
-    ([(4, 2)], r"communicator_ctas\[0\]: min_ctas 4 > max_ctas 2"),
-    ([(1, 2), (0, 4)], r"communicator_ctas\[1\]\.min_ctas: must be >= 1"),
-    ([(1, -3)], r"communicator_ctas\[0\]\.max_ctas: must be >= 1"),
-    ([(1,)], r"communicator_ctas\[0\]: expected a \(min_ctas, max_ctas\) pair"),
-    ([(True, 2)], r"communicator_ctas\[0\]\.min_ctas: expected an int"),
-    ("1-2", r"communicator_ctas: expected a list"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([(4, 2)], r"communicator_ctas\[0\]: min_ctas 4 > max_ctas 2"),
+        ([(1, 2), (0, 4)], r"communicator_ctas\[1\]\.min_ctas: must be >= 1"),
+        ([(1, -3)], r"communicator_ctas\[0\]\.max_ctas: must be >= 1"),
+        ([(1,)], r"communicator_ctas\[0\]: expected a \(min_ctas, max_ctas\) pair"),
+        ([(True, 2)], r"communicator_ctas\[0\]\.min_ctas: expected an int"),
+        ("1-2", r"communicator_ctas: expected a list"),
+    ],
+)
 def test_setup_rejects_bad_communicator_ctas(bad, match):
     try:
         with pytest.raises(ConfigError, match=match):
@@ -402,8 +446,9 @@ def test_validate_drops_duplicates():
 
 def test_pool_plan_configs_ranks_names_and_order():
     with fake_mesh(8, (2, 4), ("dp", "tp")) as mesh:
-        plan = commfuse.session.communicator_pool_plan(8, [(1, 2), (4, 4)], mesh=mesh,
-                                                       groups=[[[0, 1, 2, 3], [4, 5, 6, 7]], [[3]]])
+        plan = commfuse.session.communicator_pool_plan(
+            8, [(1, 2), (4, 4)], mesh=mesh, groups=[[[0, 1, 2, 3], [4, 5, 6, 7]], [[3]]]
+        )
     got = [(p.ranks, p.min_ctas, p.max_ctas, p.alias) for p in plan]
     world = tuple(range(8))
     dp = [(0, 4), (1, 5), (2, 6), (3, 7)]
@@ -423,7 +468,11 @@ def test_setup_on_fake_backend_ignores_pool_with_warning():
         with fake_process_group(4):
             with pytest.warns(UserWarning, match="communicator_ctas is ignored on backend 'fake'"):
                 s = commfuse.setup(communicator_ctas=[(1, 2)])
-            assert s.communicator_ctas == ((1, 2),) and s.communicator_pool_plan == [] and not s.communicator_pool
+            assert (
+                s.communicator_ctas == ((1, 2),)
+                and s.communicator_pool_plan == []
+                and not s.communicator_pool
+            )
             assert not any(a.startswith("commfuse.cta") for a in s.alias_blocks)
     finally:
         commfuse.session.reset()

@@ -44,6 +44,7 @@ def test_eq1_formulas_and_choice():
 
 def _weight_first_backward(dp, tp):
     """One TP+FSDP linear layer's backward written weight-gradient first."""
+
     def bwd(x_full, w_shard, tangents_1):
         dy = funcol.all_gather_tensor(tangents_1, 0, tp)
         w = funcol.all_gather_tensor(w_shard, 0, dp)
@@ -52,7 +53,10 @@ def _weight_first_backward(dp, tp):
         dx = torch.tanh(dy) @ w
         dx_s = funcol.reduce_scatter_tensor(dx, "sum", 0, tp)
         return dx_s, dw_s
-    return make_fx(bwd, tracing_mode="fake")(torch.randn(S, H), torch.randn(F // 2, H), torch.randn(S // 4, F))
+
+    return make_fx(bwd, tracing_mode="fake")(
+        torch.randn(S, H), torch.randn(F // 2, H), torch.randn(S // 4, F)
+    )
 
 
 @pytest.fixture
@@ -85,8 +89,12 @@ def test_parts_of_a_tp_fsdp_layer(tp_fsdp):
     order = preferred_order(free, [layer])
     names = [free.nodes[i].name for i in chain_of(free, order)]
     # activation first: the TP reduction of dx is issued before the weight-gradient reduction
-    assert names == ["all_gather_into_tensor", "all_gather_into_tensor_1", "reduce_scatter_tensor_1",
-                     "reduce_scatter_tensor"]
+    assert names == [
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_1",
+        "reduce_scatter_tensor_1",
+        "reduce_scatter_tensor",
+    ]
     pos = {i: k for k, i in enumerate(order)}
     assert all(pos[q] < pos[i] for i in range(free.size) for q in free.preds[i])  # topological
 
@@ -96,8 +104,17 @@ def test_schedule_overlap_keeps_the_layer_order_when_it_is_faster(tp_fsdp):
     gm, roles = tp_fsdp
     before = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     # Activation first keeps x_full and dx live together (+80 MiB): allow it here.
-    commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], topology=DGX, strict=True, group_roles=roles,
-                                          schedule_memory_budget=2.0), graph_kind="backward")
+    commfuse.optimize(
+        gm,
+        commfuse.Config(
+            passes=["schedule_overlap"],
+            topology=DGX,
+            strict=True,
+            group_roles=roles,
+            schedule_memory_budget=2.0,
+        ),
+        graph_kind="backward",
+    )
     rec = commfuse.last_report(gm).passes[0]
     d = rec.decisions[0]
     assert d["layer_level"]["applied"] and d["layer_level"]["layers"][0]["choice"] == "activation_first"
@@ -113,8 +130,9 @@ def test_memory_budget_rejects_the_layer_order(tp_fsdp):
     gm, roles = tp_fsdp
     # the same batch on every rank: the budget counts its activations (by default only what every
     # rank shares, tests/test_same_decision.py)
-    cfg = commfuse.Config(passes=["schedule_overlap"], topology=DGX, strict=True, group_roles=roles,
-                          uniform_batches=True)
+    cfg = commfuse.Config(
+        passes=["schedule_overlap"], topology=DGX, strict=True, group_roles=roles, uniform_batches=True
+    )
     commfuse.optimize(gm, cfg, graph_kind="backward")
     d = commfuse.last_report(gm).passes[0].decisions[0]
     layer_variants = [v for v in d["greedy"] if v["priority"].startswith("layer:")]
@@ -124,8 +142,17 @@ def test_memory_budget_rejects_the_layer_order(tp_fsdp):
 
 def test_switched_off_and_forward_graphs_have_no_layer_level(tp_fsdp):
     gm, roles = tp_fsdp
-    commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], topology=DGX, strict=True, group_roles=roles,
-                                          schedule_layer_level=False), graph_kind="backward")
+    commfuse.optimize(
+        gm,
+        commfuse.Config(
+            passes=["schedule_overlap"],
+            topology=DGX,
+            strict=True,
+            group_roles=roles,
+            schedule_layer_level=False,
+        ),
+        graph_kind="backward",
+    )
     d = commfuse.last_report(gm).passes[0].decisions[0]
     assert "layer_level" not in d and not any(v["priority"].startswith("layer:") for v in d["greedy"])
 
@@ -139,13 +166,17 @@ def model_graphs():
     with fake_mesh(8) as mesh:
         model = simple_fsdp.data_parallel(llama.build_llama(cfg, seed=0), mesh, "fully_shard")
         b = simple_fsdp.make_inputs(cfg, 8, 512, rank=0, world_size=8)
-        out["fsdp"] = capture_aot_graphs(model, b.inputs, loss=lambda o: simple_fsdp.loss_fn(o, b))["backward"]
+        out["fsdp"] = capture_aot_graphs(model, b.inputs, loss=lambda o: simple_fsdp.loss_fn(o, b))[
+            "backward"
+        ]
     cfg = llama.LlamaConfig(n_layers=2, dim=512, n_heads=8, ffn_dim=2048)
     with fake_mesh(8) as mesh:
         model = llama.parallelize_llama(llama.build_llama(cfg, seed=0), mesh, sequence_parallel=True)
         data = llama.make_inputs(cfg, 2, 512, rank=0, world_size=8, sequence_parallel=True, seed=1)
-        out["tp_sp"] = (capture_aot_graphs(model, data.inputs, loss=lambda o: llama.loss_fn(o, data))["backward"],
-                        mesh.get_group().group_name)
+        out["tp_sp"] = (
+            capture_aot_graphs(model, data.inputs, loss=lambda o: llama.loss_fn(o, data))["backward"],
+            mesh.get_group().group_name,
+        )
     return out
 
 

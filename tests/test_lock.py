@@ -12,10 +12,20 @@ _spec.loader.exec_module(check_lock)
 
 
 def test_freeze_lines_are_read_with_names_normalised_and_commfuse_left_out():
-    freeze = ["# Editable Git install with no remote (commfuse==0.1.0)", "-e /work/main",
-              "Typing_Extensions==4.16.0", "torch==2.13.0+cpu", "commfuse==0.1.0", "ruamel.yaml==0.18.1", ""]
-    assert check_lock.parse_pins(freeze) == {"typing-extensions": "4.16.0", "torch": "2.13.0",
-                                             "ruamel-yaml": "0.18.1"}
+    freeze = [
+        "# Editable Git install with no remote (commfuse==0.1.0)",
+        "-e /work/main",
+        "Typing_Extensions==4.16.0",
+        "torch==2.13.0+cpu",
+        "commfuse==0.1.0",
+        "ruamel.yaml==0.18.1",
+        "",
+    ]
+    assert check_lock.parse_pins(freeze) == {
+        "typing-extensions": "4.16.0",
+        "torch": "2.13.0",
+        "ruamel-yaml": "0.18.1",
+    }
 
 
 def test_every_kind_of_difference_is_named():
@@ -33,5 +43,14 @@ def test_the_lock_states_its_platform_and_pins_torch_as_the_readme_installs_it()
     body = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert len(body) == len(pins) and all(line.count("==") == 1 for line in body)
     # What the README's install resolves includes the test, bench and conformance extras.
-    for name in ("pytest", "pytest-xdist", "matplotlib", "transformers", "torchtitan", "pydantic", "ruff", "mypy"):
+    for name in (
+        "pytest",
+        "pytest-xdist",
+        "matplotlib",
+        "transformers",
+        "torchtitan",
+        "pydantic",
+        "ruff",
+        "mypy",
+    ):
         assert name in pins, name

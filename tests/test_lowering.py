@@ -18,9 +18,15 @@ from commfuse.lowering.streams import stream_program
 from commfuse.testing.fake_pg import fake_process_group
 
 from _graphs import prefetch_graph
-from _jobs_lowering import (POOL_ALIAS, a_graph_that_fails_to_lower_falls_back,
-                            coalesced_avg_reduce_scatter_is_divided, lowered_matches_functional, recorder_sees_overlap,
-                            regions_fall_back_to_eager, synchronous_ops_leave_nothing_pending)
+from _jobs_lowering import (
+    POOL_ALIAS,
+    a_graph_that_fails_to_lower_falls_back,
+    coalesced_avg_reduce_scatter_is_divided,
+    lowered_matches_functional,
+    recorder_sees_overlap,
+    regions_fall_back_to_eager,
+    synchronous_ops_leave_nothing_pending,
+)
 
 
 @pytest.fixture
@@ -45,7 +51,11 @@ def test_plan_follows_graph_order(gm):
 
 
 def test_plan_routes_to_pool_group_only_when_registered(gm):
-    _starts(gm)[1].meta[SETTING_META] = {"min_ctas": 2, "max_ctas": 2, "pool_group_alias": "commfuse.cta2-2.x"}
+    _starts(gm)[1].meta[SETTING_META] = {
+        "min_ctas": 2,
+        "max_ctas": 2,
+        "pool_group_alias": "commfuse.cta2-2.x",
+    }
     plan = build_plan(gm, "forward", group_available=lambda name: True)
     assert [c.issue_group != c.group for c in plan.collectives] == [False, True, False]
     assert plan.collectives[1].issue_group == "commfuse.cta2-2.x"
@@ -59,8 +69,9 @@ def test_lowered_module_issues_in_plan_order_and_input_is_untouched(gm):
     before = gm.code
     lowered = lower_graph(gm, build_plan(gm, "forward"))
     code = lowered.module.code
-    FileCheck().check("commfuse_issue_0").check("commfuse_wait").check("commfuse_issue_1") \
-        .check("commfuse_wait").check("commfuse_issue_2").check("commfuse_wait").run(code)
+    FileCheck().check("commfuse_issue_0").check("commfuse_wait").check("commfuse_issue_1").check(
+        "commfuse_wait"
+    ).check("commfuse_issue_2").check("commfuse_wait").run(code)
     assert "_c10d_functional" not in code
     assert gm.code == before
 
@@ -77,11 +88,11 @@ def test_stream_program_orders_events_and_keep_alives(gm):
     producer = plan.events[0].producer
     assert prog.index(("fork",)) == sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     assert prog.index(("record", 0)) == prog.index(producer) + 1
-    assert prog[i - 3:i] == [("switch", 1), ("wait", 0), prog[i - 1]] and prog[i - 1][0] == "keep"
-    assert prog[i + 1:i + 3] == [("record", 1), ("switch", 0)]
+    assert prog[i - 3 : i] == [("switch", 1), ("wait", 0), prog[i - 1]] and prog[i - 1][0] == "keep"
+    assert prog[i + 1 : i + 3] == [("record", 1), ("switch", 0)]
     consumer = prog.index(plan.events[1].consumer)
     w = prog.index(("wait", 1))
-    assert w < consumer and all(p[0] == "keep" for p in prog[w + 1:consumer])
+    assert w < consumer and all(p[0] == "keep" for p in prog[w + 1 : consumer])
     assert prog[-2:] == [("join",), "output"]
 
 
@@ -110,6 +121,7 @@ def commfuse_wait_stand_in(t):
 def _graph_with_a_region_sized_4s0():
     """x: (s0, 3) -> [region 1] y = x.repeat(4, 1) -> runtime call -> [region 2] y.view(-1) * 2:
     region 2's only input is sized 4*s0, which binds no symbol."""
+
     def f(x):
         y = x.repeat(4, 1).clone()
         return (y.view(-1) * 2,)
@@ -133,7 +145,9 @@ def test_a_region_is_given_the_input_that_binds_its_symbols():
     x = next(n for n in gm.graph.nodes if n.op == "placeholder")
     assert len(anchors) == 1 and anchors[0].args == (x,)
     assert ids[anchors[0].name] == max(ids.values())  # the last region, the one after the wait
-    split = split_module(gm, gm, lambda n: ids[n.name], keep_original_order=True, keep_original_node_name=True)
+    split = split_module(
+        gm, gm, lambda n: ids[n.name], keep_original_order=True, keep_original_node_name=True
+    )
     last = getattr(split, f"submod_{max(ids.values())}")
     assert [n.name for n in last.graph.nodes if n.op == "placeholder"] == ["x_1", "clone"]
 
@@ -176,12 +190,17 @@ def test_a_region_whose_inputs_bind_its_symbols_gets_nothing():
 
 @pytest.mark.multirank
 @pytest.mark.slow(reason="2 gloo ranks; the inductor case compiles forward and backward cold")
-@pytest.mark.parametrize("inner_compiler, instead", [("eager", "runs op by op"),
-                                                     ("inductor", "is compiled by Inductor as a whole")])
+@pytest.mark.parametrize(
+    "inner_compiler, instead",
+    [("eager", "runs op by op"), ("inductor", "is compiled by Inductor as a whole")],
+)
 def test_a_graph_that_fails_to_lower_falls_back_with_one_warning(rank_pool_2, inner_compiler, instead):
     r0, r1 = rank_pool_2.run(a_graph_that_fails_to_lower_falls_back, inner_compiler, timeout=300)
     # decided from the graph both ranks share, so both fall back alike and rank 0 says so for both
-    assert sorted(w.split(" graph")[0] for w in r0["warnings"]) == ["commfuse: the backward", "commfuse: the forward"]
+    assert sorted(w.split(" graph")[0] for w in r0["warnings"]) == [
+        "commfuse: the backward",
+        "commfuse: the forward",
+    ]
     assert all(instead in w and "planted: lowering failed" in w for w in r0["warnings"]), r0["warnings"]
     assert r1["warnings"] == []
 
@@ -200,6 +219,7 @@ def test_a_region_input_in_another_layout_is_copied_into_the_one_compiled_for():
             seen.append([tuple(a.stride()) for a in args])
             assert args[0].stride() == (6, 1), "compiled for (6, 1)"
             return list(sub(*args))
+
         return run
 
     region = compile_guarded(strict_compiler, gm, [torch.zeros(4, 6), torch.zeros(4, 6)], "region r")
@@ -218,8 +238,11 @@ def _rec(issued, done):
 def test_recorder_overlap_is_measured_against_compute_regions():
     r = Recorder(rank=3)
     r.collectives.append(_rec(1000, 5000))  # in flight 4 us
-    r.regions += [RegionRecord("g#0", 0, 2000), RegionRecord("g#0", 4000, 8000),
-                  RegionRecord("g#0", 2000, 4000, kind="wait")]
+    r.regions += [
+        RegionRecord("g#0", 0, 2000),
+        RegionRecord("g#0", 4000, 8000),
+        RegionRecord("g#0", 2000, 4000, kind="wait"),
+    ]
     s = r.summary()
     assert s["inflight_us"] == 4.0 and s["overlapped_us"] == 2.0 and s["overlap_ratio"] == 0.5
     assert s["blocked_in_wait_us"] == 2.0 and s["by_kind"]["all_gather"]["count"] == 1
@@ -278,7 +301,9 @@ def test_a_graph_without_collectives_that_does_not_compile_runs_eagerly():
     def broken(sub, inputs):
         raise RuntimeError("planted")
 
-    with pytest.warns(RuntimeWarning, match="the forward graph .one compute region, no collective. did not compile"):
+    with pytest.warns(
+        RuntimeWarning, match="the forward graph .one compute region, no collective. did not compile"
+    ):
         fn = lower_runtime(gm, "forward", compile_regions=broken, example_inputs=[torch.ones(3)])
     (out,) = fn([torch.ones(3)])
     assert torch.equal(out, torch.tanh(torch.ones(3)) * 2)

@@ -15,8 +15,14 @@ import commfuse
 from commfuse.costmodel import AnalyticCostModel, Topology
 from commfuse.costmodel.simulator import Simulator
 from commfuse.ir.graph_ir import CollectiveIR
-from commfuse.schedule.model_level import (GroupingCosts, grouping_fits, exposed_comm_us, grouped_order, microbatch_graph,
-                                         best_grouping)
+from commfuse.schedule.model_level import (
+    GroupingCosts,
+    grouping_fits,
+    exposed_comm_us,
+    grouped_order,
+    microbatch_graph,
+    best_grouping,
+)
 from commfuse.schedule.list_scheduler import build_problem
 from commfuse.testing.fake_pg import fake_mesh
 from commfuse.testing.graphs import capture_aot_graphs
@@ -29,9 +35,16 @@ MB = 3
 def _random_inputs(rng: random.Random) -> GroupingCosts:
     mb = rng.randint(1, 8)
     m = rng.choice([0.0, rng.uniform(1, 10)])
-    return GroupingCosts(c_ag=rng.uniform(0, 100), c_rs=rng.uniform(0, 100), c_fw=rng.uniform(0, 60),
-                     c_bw=rng.uniform(0, 60), m=m, memory=rng.choice([None, rng.uniform(0, 50)]),
-                     microbatches=mb, concurrent=rng.random() < 0.5)
+    return GroupingCosts(
+        c_ag=rng.uniform(0, 100),
+        c_rs=rng.uniform(0, 100),
+        c_fw=rng.uniform(0, 60),
+        c_bw=rng.uniform(0, 60),
+        m=m,
+        memory=rng.choice([None, rng.uniform(0, 50)]),
+        microbatches=mb,
+        concurrent=rng.random() < 0.5,
+    )
 
 
 def test_eq2_solver_equals_brute_force():
@@ -39,13 +52,19 @@ def test_eq2_solver_equals_brute_force():
     for _ in range(500):
         x = _random_inputs(rng)
         sol = best_grouping(x)
-        pairs = [(a, b) for a, b in itertools.product(range(1, x.microbatches + 1), repeat=2) if grouping_fits(x, a, b)]
+        pairs = [
+            (a, b)
+            for a, b in itertools.product(range(1, x.microbatches + 1), repeat=2)
+            if grouping_fits(x, a, b)
+        ]
         if not pairs:
             assert (sol.l1, sol.l2) == (1, 1)  # nothing fits: depth-first
             continue
         best = min(exposed_comm_us(x, a, b) for a, b in pairs)
         assert sol.t == pytest.approx(best) and grouping_fits(x, sol.l1, sol.l2)
-        assert (sol.l1, sol.l2) == min(p for p in pairs if exposed_comm_us(x, *p) <= best + 1e-9)  # ties: smallest
+        assert (sol.l1, sol.l2) == min(
+            p for p in pairs if exposed_comm_us(x, *p) <= best + 1e-9
+        )  # ties: smallest
 
 
 def test_eq2_memory_and_pipeline_constraints():
@@ -100,8 +119,13 @@ def test_grouped_orders_are_topological_and_group_layers(step_graphs, kind):
 @pytest.mark.parametrize("kind", ["forward", "backward"])
 def test_schedule_overlap_records_eq2_and_its_brute_force(step_graphs, kind):
     gm = fx.GraphModule(step_graphs[kind], copy.deepcopy(step_graphs[kind].graph))
-    commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], topology=TOPO, strict=True,
-                                          model_level_brute_force=True), graph_kind=kind)
+    commfuse.optimize(
+        gm,
+        commfuse.Config(
+            passes=["schedule_overlap"], topology=TOPO, strict=True, model_level_brute_force=True
+        ),
+        graph_kind=kind,
+    )
     d = commfuse.last_report(gm).passes[0].decisions[0]
     ml = d["model_level"]
     assert ml["phase"] == kind and ml["microbatches"] == MB
@@ -120,8 +144,11 @@ def test_schedule_overlap_records_eq2_and_its_brute_force(step_graphs, kind):
 @pytest.mark.slow(reason="traces train steps with several micro-batches (module fixture)")
 def test_model_level_switch_and_graphs_without_microbatches(step_graphs):
     gm = fx.GraphModule(step_graphs["forward"], copy.deepcopy(step_graphs["forward"].graph))
-    commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], topology=TOPO, strict=True,
-                                          schedule_model_level=False), graph_kind="forward")
+    commfuse.optimize(
+        gm,
+        commfuse.Config(passes=["schedule_overlap"], topology=TOPO, strict=True, schedule_model_level=False),
+        graph_kind="forward",
+    )
     assert "model_level" not in commfuse.last_report(gm).passes[0].decisions[0]
     with pytest.raises(ValueError, match="model_level_memory_bytes"):
         commfuse.Config(model_level_memory_bytes=0)

@@ -144,7 +144,11 @@ def _llama_counts(config: llama.LlamaConfig, sp: bool) -> tuple[dict[str, int], 
         # Per block: gather before attention and FFN, reduce-scatter after wo
         # and w2; the backward mirrors it. Norm-weight grads stay Partial
         # DTensors (reduced outside the graph), so no all_reduce.
-        fw = {"all_gather_into_tensor": 2 * n + 2 * head, "reduce_scatter_tensor": 2 * n + head, "all_reduce": 0}
+        fw = {
+            "all_gather_into_tensor": 2 * n + 2 * head,
+            "reduce_scatter_tensor": 2 * n + head,
+            "all_reduce": 0,
+        }
         bw = {"all_gather_into_tensor": 2 * n + head, "reduce_scatter_tensor": 2 * n + head, "all_reduce": 0}
     else:
         # Forward: all_reduce after wo and w2. Backward: each column-parallel
@@ -299,7 +303,9 @@ def mesh8():
     torch._dynamo.reset()
 
 
-def _compile_graphs(model: nn.Module, inputs: torch.Tensor, loss_of: Callable[[Any], torch.Tensor]) -> GraphRecorder:
+def _compile_graphs(
+    model: nn.Module, inputs: torch.Tensor, loss_of: Callable[[Any], torch.Tensor]
+) -> GraphRecorder:
     rec = GraphRecorder()
     loss_of(torch.compile(model, backend=rec.backend, fullgraph=True)(inputs)).backward()
     assert rec.forward_graphs and rec.backward_graphs

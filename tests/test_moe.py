@@ -19,7 +19,11 @@ from commfuse.ops.moe_layer.routing import assign, capacity, capacity_can_bind, 
 from commfuse.testing.fake_pg import fake_mesh
 from commfuse.testing.graphs import capture_aot_graphs
 
-from _multirank_jobs import compiled_matches_eager, moe_op_matches_unsharded, moe_regroup_matches_grouped_reference
+from _multirank_jobs import (
+    compiled_matches_eager,
+    moe_op_matches_unsharded,
+    moe_regroup_matches_grouped_reference,
+)
 
 
 # ------------------------------------------------------------------ the op, one process
@@ -29,7 +33,7 @@ def _autograd_reference(x, layer):
     a = assign(experts, layer.num_experts, layer.capacity_factor, layer.token_groups)
     out = torch.zeros_like(x)
     for t, e, j in zip(a.token.tolist(), a.expert.tolist(), a.choice.tolist(), strict=True):
-        y = gates[t, j] * swiglu(x[t:t + 1], layer.w1[e], layer.w3[e], layer.w2[e])
+        y = gates[t, j] * swiglu(x[t : t + 1], layer.w1[e], layer.w3[e], layer.w2[e])
         out = out.index_add(0, torch.tensor([t]), y)
     return out, probs.sum(0), torch.logsumexp(logits, -1).pow(2).sum()
 
@@ -45,8 +49,9 @@ def test_op_forward_and_backward_match_autograd(capacity_factor, top_k):
     loss = (out * up).sum() + stats.probs_sum.pow(2).sum() + 0.1 * stats.z_sum
     grads = torch.autograd.grad(loss, [x, *layer.parameters()])
     ref_out, ref_probs, ref_z = _autograd_reference(x, layer)
-    ref_grads = torch.autograd.grad((ref_out * up).sum() + ref_probs.pow(2).sum() + 0.1 * ref_z,
-                                    [x, *layer.parameters()])
+    ref_grads = torch.autograd.grad(
+        (ref_out * up).sum() + ref_probs.pow(2).sum() + 0.1 * ref_z, [x, *layer.parameters()]
+    )
     torch.testing.assert_close(out, ref_out)
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)  # router math runs in float32
@@ -114,9 +119,17 @@ B, S, H, E, K, N = 2, 8, 32, 8, 2, 4
 def _joint(layout: str, mesh, capacity_factor: float = 0.0, batch: int = B, token_groups: int = 1):
     from commfuse.models.moe_tp import MoETPConfig, build_moe_tp, parallelize_moe_tp
 
-    cfg = MoETPConfig(n_layers=1, dim=H, n_heads=4, num_experts=E, ffn_dim=32, top_k=K,
-                      capacity_factor=capacity_factor, token_groups=token_groups,
-                      vocab=64 if layout == "tp_ep" else None)
+    cfg = MoETPConfig(
+        n_layers=1,
+        dim=H,
+        n_heads=4,
+        num_experts=E,
+        ffn_dim=32,
+        top_k=K,
+        capacity_factor=capacity_factor,
+        token_groups=token_groups,
+        vocab=64 if layout == "tp_ep" else None,
+    )
     model = parallelize_moe_tp(build_moe_tp(cfg), mesh, layout)
     if layout == "tp_ep":
         x = torch.randint(0, 64, (batch, S))
@@ -127,8 +140,11 @@ def _joint(layout: str, mesh, capacity_factor: float = 0.0, batch: int = B, toke
 
 def _chimera(gm, **cfg):
     group = next(iter(CollectiveIR(gm).groups))
-    commfuse.optimize(gm, commfuse.Config(passes=["chimera"], group_roles={group: "tp"}, strict=True, **cfg),
-                      graph_kind="joint")
+    commfuse.optimize(
+        gm,
+        commfuse.Config(passes=["chimera"], group_roles={group: "tp"}, strict=True, **cfg),
+        graph_kind="joint",
+    )
     return commfuse.last_report(gm).passes[0]
 
 
@@ -176,14 +192,26 @@ def expected_sp_ep_sp(n: int = N, elt: int = 4) -> dict[str, dict[str, dict[str,
     r = _Ring(n, elt)
     ag, ar, fwd_moe, bwd_moe = r.half(m), r.ar, r.moe_forward, r.moe_backward
     return {
-        "before": {"forward": {"all_gather": 2 * ag, "reduce_scatter": ag, "moe": fwd_moe(t)},
-                   "backward": {"all_gather": 2 * ag, "reduce_scatter": ag, "moe": bwd_moe(t)}},
+        "before": {
+            "forward": {"all_gather": 2 * ag, "reduce_scatter": ag, "moe": fwd_moe(t)},
+            "backward": {"all_gather": 2 * ag, "reduce_scatter": ag, "moe": bwd_moe(t)},
+        },
         # the MoE gather and its backward mirror are gone; the layer runs on T/n tokens; the
         # router statistics (2 x [E] + scalar) and the router-weight gradient [E, H] are all-reduced
-        "after": {"forward": {"all_gather": ag, "reduce_scatter": ag, "moe": fwd_moe(t // n),
-                              "all_reduce": ar(2 * E * 4) + ar(4)},
-                  "backward": {"all_gather": ag, "reduce_scatter": ag, "moe": bwd_moe(t // n),
-                               "all_reduce": ar(E * H * 4)}},
+        "after": {
+            "forward": {
+                "all_gather": ag,
+                "reduce_scatter": ag,
+                "moe": fwd_moe(t // n),
+                "all_reduce": ar(2 * E * 4) + ar(4),
+            },
+            "backward": {
+                "all_gather": ag,
+                "reduce_scatter": ag,
+                "moe": bwd_moe(t // n),
+                "all_reduce": ar(E * H * 4),
+            },
+        },
     }
 
 
@@ -211,12 +239,24 @@ def expected_tp_ep(n: int = N, elt: int = 4) -> dict[str, dict[str, dict[str, in
     half, ar, fwd_moe, bwd_moe = r.half(m), r.ar, r.moe_forward, r.moe_backward
     logits = (n - 1) * B * S * (V // n) * elt
     return {
-        "before": {"forward": {"all_reduce": 2 * ar(m), "all_gather": logits, "moe": fwd_moe(t)},
-                   "backward": {"all_reduce": 4 * ar(m), "moe": bwd_moe(t)}},
-        "after": {"forward": {"reduce_scatter": 2 * half, "all_gather": 2 * half + logits, "moe": fwd_moe(t // n),
-                              "all_reduce": ar(2 * E * 4) + ar(4)},
-                  "backward": {"reduce_scatter": 4 * half, "all_gather": 2 * half, "moe": bwd_moe(t // n),
-                               "all_reduce": 3 * ar(H * 4) + ar(E * H * 4)}},
+        "before": {
+            "forward": {"all_reduce": 2 * ar(m), "all_gather": logits, "moe": fwd_moe(t)},
+            "backward": {"all_reduce": 4 * ar(m), "moe": bwd_moe(t)},
+        },
+        "after": {
+            "forward": {
+                "reduce_scatter": 2 * half,
+                "all_gather": 2 * half + logits,
+                "moe": fwd_moe(t // n),
+                "all_reduce": ar(2 * E * 4) + ar(4),
+            },
+            "backward": {
+                "reduce_scatter": 4 * half,
+                "all_gather": 2 * half,
+                "moe": bwd_moe(t // n),
+                "all_reduce": 3 * ar(H * 4) + ar(E * H * 4),
+            },
+        },
     }
 
 
@@ -262,8 +302,13 @@ def test_other_expert_parallel_group_is_refused():
             out, *_ = moe_layer(full, router, w1, w3, w2, 1, 0.0, 1, b.group_name)
             return out.relu()
 
-        gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 8), torch.randn(4, 8), torch.randn(2, 8, 16),
-                                             torch.randn(2, 8, 16), torch.randn(2, 16, 8))
+        gm = make_fx(f, tracing_mode="fake")(
+            torch.randn(4, 8),
+            torch.randn(4, 8),
+            torch.randn(2, 8, 16),
+            torch.randn(2, 8, 16),
+            torch.randn(2, 16, 8),
+        )
         cfg = commfuse.Config(passes=["collective_motion"], group_roles={a.group_name: "tp"}, strict=True)
         commfuse.optimize(gm, cfg)
         rec = commfuse.last_report(gm).passes[0]
@@ -285,17 +330,27 @@ def test_op_moves_onto_sequence_shards_when_its_expert_group_is_the_other_mesh_d
     with fake_mesh(4, (2, 2), ("ep", "tp")) as mesh:
         cfg = MoETPConfig(n_layers=1, dim=H, n_heads=4, num_experts=4, ffn_dim=32, top_k=K)
         model = parallelize_moe_tp(build_moe_tp(cfg), mesh["tp"], "sp_ep_sp", ep_mesh=mesh["ep"])
-        joint = capture_aot_graphs(model, torch.randn(B, seq // 2, H), loss=lambda o: o[0].float().mean() + o[1]).joint
+        joint = capture_aot_graphs(
+            model, torch.randn(B, seq // 2, H), loss=lambda o: o[0].float().mean() + o[1]
+        ).joint
 
         def moe_nodes(gm):
-            return [n for n in gm.graph.nodes if n.target in (torch.ops.commfuse.moe_layer.default,
-                                                                torch.ops.commfuse.moe_layer_backward.default)]
+            return [
+                n
+                for n in gm.graph.nodes
+                if n.target
+                in (torch.ops.commfuse.moe_layer.default, torch.ops.commfuse.moe_layer_backward.default)
+            ]
 
         tp = mesh["tp"].get_group().group_name
         session.reset()
-        gm = capture_aot_graphs(model, torch.randn(B, seq // 2, H), loss=lambda o: o[0].float().mean() + o[1]).joint
+        gm = capture_aot_graphs(
+            model, torch.randn(B, seq // 2, H), loss=lambda o: o[0].float().mean() + o[1]
+        ).joint
         rec = _chimera(gm, step_time_gate=False)
-        assert any(f"is not the gathered group {tp} and does not cross it" in r for r in rec.refusals), rec.refusals
+        assert any(f"is not the gathered group {tp} and does not cross it" in r for r in rec.refusals), (
+            rec.refusals
+        )
         assert [tuple(n.args[0].meta["val"].shape) for n in moe_nodes(gm)[:1]] == [(B, seq, H)]
         try:
             commfuse.setup(mesh=mesh)
@@ -309,8 +364,11 @@ def test_op_moves_onto_sequence_shards_when_its_expert_group_is_the_other_mesh_d
         assert bwd.args[12] == 1.0
         # the expert-weight gradients (w1, w3 [2 local, H, ffn], w2 [2, ffn, H]; H = ffn = 32)
         # all-reduced over TP
-        reduced = [tuple(c.input_shapes[0]) for c in CollectiveIR(joint).collectives
-                   if c.kind.value == "all_reduce" and c.group.name == tp]
+        reduced = [
+            tuple(c.input_shapes[0])
+            for c in CollectiveIR(joint).collectives
+            if c.kind.value == "all_reduce" and c.group.name == tp
+        ]
         assert reduced.count((2, 32, 32)) == 3, reduced
 
 
@@ -331,15 +389,26 @@ def test_across_mesh_dims_the_expert_weights_must_be_known_identical_over_the_ga
             full = funcol.all_gather_tensor(x, 0, tp)
             return list(MOE_LAYER(full, rw, w1, w3, w2, 2, 0.0, 1, ep.group_name))
 
-        gm = make_fx(f, tracing_mode="fake")(torch.randn(8, H), torch.randn(4, H), torch.randn(2, H, 16),
-                                             torch.randn(2, H, 16), torch.randn(2, 16, H))
+        gm = make_fx(f, tracing_mode="fake")(
+            torch.randn(8, H),
+            torch.randn(4, H),
+            torch.randn(2, H, 16),
+            torch.randn(2, H, 16),
+            torch.randn(2, 16, H),
+        )
         for trusted in (False, True):
             refusals: list[str] = []
-            plans = plan_regions(gm, CollectiveIR(gm).collectives, refusals, lambda g, trusted=trusted: trusted,
-                                 crossing=lambda seed, group: None)
+            plans = plan_regions(
+                gm,
+                CollectiveIR(gm).collectives,
+                refusals,
+                lambda g, trusted=trusted: trusted,
+                crossing=lambda seed, group: None,
+            )
             moved = [n for p in plans for n in p.ops if n.target is MOE_LAYER]
             if trusted:
                 assert moved, refusals
             else:
-                assert not moved and any("expert weights are not known to be identical" in r for r in refusals), \
-                    refusals
+                assert not moved and any(
+                    "expert weights are not known to be identical" in r for r in refusals
+                ), refusals

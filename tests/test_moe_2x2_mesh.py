@@ -32,8 +32,10 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.multirank,
-              pytest.mark.slow(reason="compiles MoE decoder blocks on 4 gloo ranks and trains them against eager")]
+pytestmark = [
+    pytest.mark.multirank,
+    pytest.mark.slow(reason="compiles MoE decoder blocks on 4 gloo ranks and trains them against eager"),
+]
 
 FLOAT = 4
 STYLES = ["gshard", "dropless"]
@@ -45,8 +47,14 @@ def _run(pool, style, layout, **config):
 
     results = pool.run(jobs.moe_block_on_2x2_mesh, style, layout, timeout=600, **config)
     # the same decisions and the same graphs (collectives per kind, wire bytes) on every rank
-    same = [json.dumps([r["counts"], {g: (d["before"], d["after"], d["wire"]) for g, d in r["graphs"].items()}],
-                       sort_keys=True, default=str) for r in results]
+    same = [
+        json.dumps(
+            [r["counts"], {g: (d["before"], d["after"], d["wire"]) for g, d in r["graphs"].items()}],
+            sort_keys=True,
+            default=str,
+        )
+        for r in results
+    ]
     assert len(set(same)) == 1, same
     for rank, r in enumerate(results):
         assert {"forward", "backward"} <= set(r["graphs"]), r["graphs"]
@@ -80,8 +88,11 @@ def test_moe_block_with_tp_and_ep_on_separate_mesh_dims_trains_like_eager(rank_p
     EP group are the rows sent: over the 4 ranks 4 x (2 x 32 + 16 x (16 + 33) x 4) +
     4 x 16 x (16 + 17) x 4 = 21248 B."""
     results = _run(rank_pool_4, style, layout)
-    expected = ({"all_reduce@tp": 512 + 3 * 512} if layout == "tp_ep"
-                else {"all_gather@tp": 4 * 256, "all_to_all@tp": 2 * 512})
+    expected = (
+        {"all_reduce@tp": 512 + 3 * 512}
+        if layout == "tp_ep"
+        else {"all_gather@tp": 4 * 256, "all_to_all@tp": 2 * 512}
+    )
     for r in results:
         assert r["counts"].get(f"dynamo:moe_recognition.{style}_rewritten") == 1, r["counts"]
         sent = dict(r["recorded_sent"])

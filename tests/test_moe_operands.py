@@ -10,7 +10,14 @@ import torch.fx as fx
 
 from commfuse.moe import MoELayer
 from commfuse.ops.moe_layer.comm_volume import chunks_of
-from commfuse.ops.moe_layer.op import CHUNKS_ARG, MOE_LAYER, MOE_LAYER_BACKWARD, MOE_OPS, MoeOperands, arg_names
+from commfuse.ops.moe_layer.op import (
+    CHUNKS_ARG,
+    MOE_LAYER,
+    MOE_LAYER_BACKWARD,
+    MOE_OPS,
+    MoeOperands,
+    arg_names,
+)
 from commfuse.testing.graphs import capture_aot_graphs
 
 H, E, F, TOP_K, CAPACITY, GROUPS = 8, 4, 16, 2, 1.5, 2
@@ -19,7 +26,9 @@ H, E, F, TOP_K, CAPACITY, GROUPS = 8, 4, 16, 2, 1.5, 2
 @pytest.fixture(scope="module")
 def joint() -> fx.GraphModule:
     layer = MoELayer(H, E, F, top_k=TOP_K, capacity_factor=CAPACITY, token_groups=GROUPS)
-    return capture_aot_graphs(layer, torch.randn(2, 6, H), loss=lambda o: o[0].float().mean() + o[1].z_sum).joint
+    return capture_aot_graphs(
+        layer, torch.randn(2, 6, H), loss=lambda o: o[0].float().mean() + o[1].z_sum
+    ).joint
 
 
 def _only(gm: fx.GraphModule, target) -> fx.Node:
@@ -67,10 +76,19 @@ def test_backward_node_fields(joint):
 def test_keyword_arguments_and_replaced_operands():
     g = fx.Graph()
     x, rw, w1, w3, w2 = (g.placeholder(n) for n in ("x", "rw", "w1", "w3", "w2"))
-    node = g.call_function(MOE_LAYER, (x, rw, w1, w3, w2, 1), {"capacity_factor": 0.0, "token_groups": 1,
-                                                                "group_name": "ep", "chunks": 3})
+    node = g.call_function(
+        MOE_LAYER,
+        (x, rw, w1, w3, w2, 1),
+        {"capacity_factor": 0.0, "token_groups": 1, "group_name": "ep", "chunks": 3},
+    )
     ops = MoeOperands.of(node)
-    assert (ops.top_k, ops.capacity_factor, ops.token_groups, ops.group_name, ops.chunks) == (1, 0.0, 1, "ep", 3)
+    assert (ops.top_k, ops.capacity_factor, ops.token_groups, ops.group_name, ops.chunks) == (
+        1,
+        0.0,
+        1,
+        "ep",
+        3,
+    )
     assert chunks_of(node) == 3
     # rebuilt positionally, keyword arguments included; a trailing default left out as tracing does
     assert ops.args() == (x, rw, w1, w3, w2, 1, 0.0, 1, "ep", 3)

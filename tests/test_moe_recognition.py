@@ -39,8 +39,11 @@ def _compile(model, x, *, scalar_outputs: bool = True, passes=("moe_recognition"
     rewritten only with ``moe_recognition="always"`` (the default here; "auto" is tested apart)."""
     cfg.setdefault("moe_recognition", "always")
     graphs = []
-    be = commfuse.backend(commfuse.Config(passes=list(passes) if passes is not None else None,
-                                          inner_compiler="eager", strict=True, **cfg))
+    be = commfuse.backend(
+        commfuse.Config(
+            passes=list(passes) if passes is not None else None, inner_compiler="eager", strict=True, **cfg
+        )
+    )
 
     def backend(gm, example_inputs):
         compiled = be(gm, example_inputs)
@@ -92,9 +95,18 @@ def test_dropless_torchtitan_style_becomes_one_op():
     (rec,) = _recognition(reports)
     assert rec.counts == {"dropless_rewritten": 1} and not rec.refusals, rec
     # torchtitan stores w1/w3 [E, F, H] and w2 [E, H, F]: the op gets them transposed
-    FileCheck().check("torch.transpose(l_self_parameters_w1_, -2, -1)").check(MOE_OP) \
-        .check_same(f"2, 0.0, 1, '{group}')").run(gm.code)
-    for gone in (".item()", "_assert_scalar", "sym_sum", "all_to_all_single", "argsort", "histc", "scatter_add"):
+    FileCheck().check("torch.transpose(l_self_parameters_w1_, -2, -1)").check(MOE_OP).check_same(
+        f"2, 0.0, 1, '{group}')"
+    ).run(gm.code)
+    for gone in (
+        ".item()",
+        "_assert_scalar",
+        "sym_sum",
+        "all_to_all_single",
+        "argsort",
+        "histc",
+        "scatter_add",
+    ):
         assert gone not in gm.code, gone
 
 
@@ -124,8 +136,10 @@ def test_top1_token_counts_map_onto_the_op():
     eager, compiled = model(), model()
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         torch._dynamo.reset()
-        cm = torch.compile(compiled, backend=commfuse.backend(commfuse.Config(inner_compiler="eager",
-                                                                              moe_recognition="always")))
+        cm = torch.compile(
+            compiled,
+            backend=commfuse.backend(commfuse.Config(inner_compiler="eager", moe_recognition="always")),
+        )
         for _ in range(2):
             eager(x), cm(x)
         torch._dynamo.reset()
@@ -154,7 +168,9 @@ class _TwoGroupGShard(ms.GShardMoE):
     def _experts(self, dispatched, cap):
         e, d = self.num_experts, self.dim
         n, local = self.ep_size, self.num_experts // self.ep_size
-        sent = funcol.all_to_all_single_autograd(dispatched.reshape(e * cap, d), None, None, self.ep_group_name)
+        sent = funcol.all_to_all_single_autograd(
+            dispatched.reshape(e * cap, d), None, None, self.ep_group_name
+        )
         rows = sent.reshape(n, local, cap, d).transpose(0, 1).reshape(local, n * cap, d)
         h = torch.bmm(F.silu(torch.bmm(rows, self.w1)) * torch.bmm(rows, self.w3), self.w2)
         back = h.reshape(local, n, cap, d).transpose(0, 1).reshape(e * cap, d)
@@ -180,8 +196,9 @@ def _refused_case(case, mesh):
     if case == "sigmoid":
         return _ep_layer(mesh, "dropless", score_func="sigmoid"), "sigmoid router scores"
     if case == "low_precision_router":
-        return _ep_layer(mesh, "dropless", fp32_router=False).to(torch.bfloat16), \
-            "router logits computed in torch.bfloat16"
+        return _ep_layer(mesh, "dropless", fp32_router=False).to(
+            torch.bfloat16
+        ), "router logits computed in torch.bfloat16"
     if case == "route_scale":
         return _ep_layer(mesh, "dropless", route_scale=2.0), "(gates) is also used by"
     if case == "combine_in_another_sort_order":
@@ -196,8 +213,9 @@ def _refused_case(case, mesh):
     raise ValueError(case)
 
 
-@pytest.mark.parametrize("case", ["sigmoid", "low_precision_router", "route_scale", "two_groups",
-                                  "combine_in_another_sort_order"])
+@pytest.mark.parametrize(
+    "case", ["sigmoid", "low_precision_router", "route_scale", "two_groups", "combine_in_another_sort_order"]
+)
 def test_refusals_leave_the_graph_and_say_why(case):
     with fake_mesh(4) as mesh:
         model, why = _refused_case(case, mesh)
@@ -218,7 +236,9 @@ def _kept_statistic_case(case, mesh):
     return moe_model.build_moe(dim=16, num_experts=8, ffn_dim=32, num_token_groups=2), "one_hot"
 
 
-@pytest.mark.parametrize("case", ["counts_of_all_choices", "extra_use_of_dispatch_mask", "per_group_statistic"])
+@pytest.mark.parametrize(
+    "case", ["counts_of_all_choices", "extra_use_of_dispatch_mask", "per_group_statistic"]
+)
 def test_statistics_the_op_does_not_return_stay_computed(case):
     """A value of the routing read outside the layer (counts of every choice, the dispatch mask,
     per-group statistics) is beyond the templates; by meaning the layer becomes the op and the
@@ -335,7 +355,7 @@ def test_graph_break_is_reported():
 
 @pytest.mark.parametrize("mode", ["auto", "off"])
 def test_pure_expert_parallel_layer_is_left_alone_unless_forced(mode):
-    """"auto": a layer whose tokens are plain inputs (no TP/SP upstream) is not rewritten,
+    """ "auto": a layer whose tokens are plain inputs (no TP/SP upstream) is not rewritten,
     since motion has nothing to move and the op's backward sends more than the user's."""
     with fake_mesh(4) as mesh:
         (gm,), reports = _compile(_ep_layer(mesh, "gshard"), torch.randn(2, 4, 16), moe_recognition=mode)
@@ -372,19 +392,23 @@ def test_sp_ep_sp_gather_moves_past_recognised_moe():
     """SP+EP+SP block with the GShard style (capacity that cannot bind): unoptimised, every
     rank gathers the sequence and dispatches every token; after recognition chimera runs the
     MoE on sequence shards and the gather (and its backward mirror) disappears."""
+
     def joint(passes):
         with fake_mesh(4) as mesh:
             cfg = ms.MoEStyleConfig(style="gshard", dim=32, num_experts=8, ffn_dim=32, capacity_factor=4.0)
             block = ms.parallelize_moe_style_tp(ms.build_moe_style_tp(cfg), mesh, "sp_ep_sp")
             group = mesh.get_group().group_name
-            _, reports = _compile(block, torch.randn(2, 2, 32), passes=passes, group_roles={group: "tp"},
-                                  step_time_gate=False)  # the rewrite is under test, not its price at this size
+            _, reports = _compile(
+                block, torch.randn(2, 2, 32), passes=passes, group_roles={group: "tp"}, step_time_gate=False
+            )  # the rewrite is under test, not its price at this size
         return next(r for r in reports if r.graph == "joint")
 
     before, after = joint([]), joint(None)  # None: the default pipeline
     wire = {name: r.analysis.total.wire_bytes for name, r in (("before", before), ("after", after))}
     assert wire["after"] < wire["before"] / 2, wire
-    assert before.analysis.by_kind["all_gather"].count == 4 and after.analysis.by_kind["all_gather"].count == 2
+    assert (
+        before.analysis.by_kind["all_gather"].count == 4 and after.analysis.by_kind["all_gather"].count == 2
+    )
     counts = {k: v for p in after.passes for k, v in p.counts.items()}
     assert counts["collective_motion.ops_on_shards"] > 0 and counts["collective_motion.gathers_removed"] == 2
 
@@ -396,8 +420,14 @@ def _variants(n: int, seed: int = 7):
         style = rng.choice(["gshard", "dropless"])
         e = rng.choice([4, 6, 8])
         k = rng.choice([1, 2])
-        cfg = ms.MoEStyleConfig(style=style, dim=rng.choice([8, 12]), num_experts=e, ffn_dim=rng.choice([8, 16]),
-                                top_k=k, capacity_factor=rng.choice([0.5, 1.0, 1.25, float(e)]))
+        cfg = ms.MoEStyleConfig(
+            style=style,
+            dim=rng.choice([8, 12]),
+            num_experts=e,
+            ffn_dim=rng.choice([8, 16]),
+            top_k=k,
+            capacity_factor=rng.choice([0.5, 1.0, 1.25, float(e)]),
+        )
         options = {"route_norm": False} if style == "dropless" and k == 1 else {}
         yield cfg, options, (rng.choice([1, 2]), rng.choice([3, 4, 6]), cfg.dim)
 
@@ -406,6 +436,7 @@ def _variants(n: int, seed: int = 7):
 def test_random_variants_match_eager(cfg, options, shape):
     """Layers without expert parallelism (every expert local): recognised and equal to eager,
     outputs, loss and gradients over two SGD steps (capacity that drops tokens included)."""
+
     def model():
         return ms.build_moe_style(cfg, seed=3, **options)
 
@@ -443,13 +474,15 @@ def _independent_variants(n: int, seed: int = 11):
             yield style, k, shape, functools.partial(user.ExpertLoopMoE, h, e, f, k, seed=5)
 
 
-@pytest.mark.parametrize("style,k,shape,model", list(_independent_variants(6)),
-                         ids=lambda v: str(v) if not callable(v) else "")
+@pytest.mark.parametrize(
+    "style,k,shape,model", list(_independent_variants(6)), ids=lambda v: str(v) if not callable(v) else ""
+)
 def test_random_independent_variants_match_eager(style, k, shape, model):
     """Independently written layers with random sizes, top-k and capacity, all experts local:
     with k > 1 recognised by meaning; with k = 1 they renormalise the one gate to 1, which
     commfuse::moe_layer does not (it keeps the probability), so the probes refuse them. Either way
     the same numbers as eager over two SGD steps."""
+
     def inputs(step):
         return torch.randn(*shape, generator=torch.Generator().manual_seed(step))
 
@@ -472,9 +505,15 @@ def test_random_independent_variants_match_eager(style, k, shape, model):
 
 # ------------------------------------------------------------------ numerics, 4 gloo ranks
 @pytest.mark.multirank
-@pytest.mark.parametrize("style,dtype,layout", [("gshard", "float32", "ep"), ("dropless", "float32", "ep"),
-                                                ("dropless", "bfloat16", "ep"),
-                                                ("dropless", "float32", "sp_ep_sp")])
+@pytest.mark.parametrize(
+    "style,dtype,layout",
+    [
+        ("gshard", "float32", "ep"),
+        ("dropless", "float32", "ep"),
+        ("dropless", "bfloat16", "ep"),
+        ("dropless", "float32", "sp_ep_sp"),
+    ],
+)
 @pytest.mark.slow(reason="trains on real gloo ranks against eager, forward and backward compiled per rank")
 def test_styles_match_eager_on_4_ranks(rank_pool_4, style, dtype, layout):
     steps = 1 if dtype == "bfloat16" else 2
@@ -486,8 +525,15 @@ def test_styles_match_eager_on_4_ranks(rank_pool_4, style, dtype, layout):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("style,layout", [("einsum_capacity", "sp_ep_sp"), ("sort_dropless", "sp_ep_sp"),
-                                          ("expert_loop", "sp_ep_sp"), ("einsum_capacity", "ep")])
+@pytest.mark.parametrize(
+    "style,layout",
+    [
+        ("einsum_capacity", "sp_ep_sp"),
+        ("sort_dropless", "sp_ep_sp"),
+        ("expert_loop", "sp_ep_sp"),
+        ("einsum_capacity", "ep"),
+    ],
+)
 @pytest.mark.slow(reason="trains independently written MoE layers on real gloo ranks against eager")
 def test_independent_styles_match_eager_on_4_ranks(rank_pool_4, style, layout):
     """Independently written layers on 4 gloo ranks, the same numbers as eager (outputs, loss,

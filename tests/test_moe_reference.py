@@ -39,13 +39,19 @@ def _trace(fn, *args, world=4, rank=0):
 
 def _weights(e_local, seed, n_ranks=4):
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(e_local, H, F, generator=g) / H ** 0.5, torch.randn(e_local, H, F, generator=g) / H ** 0.5,
-             torch.randn(e_local, F, H, generator=g) / F ** 0.5] for _ in range(n_ranks)]
+    return [
+        [
+            torch.randn(e_local, H, F, generator=g) / H**0.5,
+            torch.randn(e_local, H, F, generator=g) / H**0.5,
+            torch.randn(e_local, F, H, generator=g) / F**0.5,
+        ]
+        for _ in range(n_ranks)
+    ]
 
 
 def _moe_inputs(n, tokens, e_local, seed=0):
     g = torch.Generator().manual_seed(seed + 100)
-    router = torch.randn(e_local * n, H, generator=g) / H ** 0.5
+    router = torch.randn(e_local * n, H, generator=g) / H**0.5
     ws = _weights(e_local, seed, n)
     return [[torch.randn(tokens, H, generator=g), router.clone(), *ws[r]] for r in range(n)]
 
@@ -56,8 +62,12 @@ def gloo_moe(rank_pool_4):
     return rank_pool_4.run(cc.gloo_job, list(cc.MOE_CASES), 0, timeout=180)
 
 
-_PARAMS = [pytest.param(case, per_rank, id=f"{case}-{'graph_per_rank' if per_rank else 'one_graph'}")
-           for case in cc.MOE_CASES for per_rank in (False, True) if per_rank or not cc.MOE_CASES[case].per_rank]
+_PARAMS = [
+    pytest.param(case, per_rank, id=f"{case}-{'graph_per_rank' if per_rank else 'one_graph'}")
+    for case in cc.MOE_CASES
+    for per_rank in (False, True)
+    if per_rank or not cc.MOE_CASES[case].per_rank
+]
 
 
 @pytest.mark.multirank
@@ -75,6 +85,7 @@ def test_moe_cases_cover_the_semantics():
     """The gloo cases run forward and backward (the op, and autograd through it), dropless and
     binding capacity, top_k 1 and 2, on sub-groups and with uneven token counts; the capacity
     cases do drop tokens (else they would test the dropless path twice)."""
+
     def value(node, env):  # a graph input, seen through detach / alias
         while node.op != "placeholder":
             (node,) = node.all_input_nodes
@@ -89,7 +100,7 @@ def test_moe_cases_cover_the_semantics():
             if n.target not in (MOE_LAYER, MOE_LAYER_BACKWARD):
                 continue
             off = 3 if n.target is MOE_LAYER_BACKWARD else 0
-            k, cf, tg, group = n.args[5 + off:9 + off]
+            k, cf, tg, group = n.args[5 + off : 9 + off]
             seen.add(("fwd" if off == 0 else "bwd", k, "capacity" if cf > 0 else "dropless"))
             if cf > 0 and group:
                 x, rw = value(n.args[off], env), value(n.args[off + 1], env)
@@ -126,13 +137,16 @@ def test_forward_is_the_single_process_layer_with_all_experts():
 def test_backward_sums_expert_gradients_over_ranks_and_scales_them():
     ins = _moe_inputs(2, 6, 2, seed=3)
     g = torch.Generator().manual_seed(9)
-    grads = [[torch.randn(6, H, generator=g), torch.randn(4, generator=g), torch.randn((), generator=g)]
-             for _ in range(2)]
+    grads = [
+        [torch.randn(6, H, generator=g), torch.randn(4, generator=g), torch.randn((), generator=g)]
+        for _ in range(2)
+    ]
     scale = [0.5, 3.0]
 
     def f(r):
         return lambda go, gp, gz, x, rw, w1, w3, w2: list(
-            MOE_LAYER_BACKWARD(go, gp, gz, x, rw, w1, w3, w2, 1, 0.0, 1, "0", scale[r]))
+            MOE_LAYER_BACKWARD(go, gp, gz, x, rw, w1, w3, w2, 1, 0.0, 1, "0", scale[r])
+        )
 
     gms = [_trace(f(r), *grads[r], *ins[r], world=2, rank=r) for r in range(2)]
     outs = run_reference(gms, [grads[r] + ins[r] for r in range(2)])
@@ -141,7 +155,7 @@ def test_backward_sums_expert_gradients_over_ranks_and_scales_them():
     for r in range(2):
         assert torch.equal(outs[r][0], single[r][0]) and torch.equal(outs[r][1], single[r][1])
         for k in (2, 3, 4):
-            expected = (single[0][k] + single[1][k])[2 * r:2 * r + 2] * scale[r]
+            expected = (single[0][k] + single[1][k])[2 * r : 2 * r + 2] * scale[r]
             assert torch.equal(outs[r][k], expected)
 
 
@@ -151,7 +165,9 @@ def test_ranks_must_agree_on_router_and_attributes():
     gm = _trace(_fwd_graph(1, 1.0, 1), *ins[0])
     bad = [list(i) for i in ins]
     bad[2][1] = bad[2][1] + 1e-3
-    with pytest.raises(CollectiveMismatchError, match=r"router_w differs between ranks .*rank 2 node moe_layer"):
+    with pytest.raises(
+        CollectiveMismatchError, match=r"router_w differs between ranks .*rank 2 node moe_layer"
+    ):
         run_reference(gm, bad)
     gms = [_trace(_fwd_graph(2 if r == 3 else 1, 1.0, 1), *ins[r], rank=r) for r in range(4)]
     with pytest.raises(CollectiveMismatchError, match=r"top_k differs between ranks: \[1, 1, 1, 2\]"):
@@ -166,7 +182,9 @@ def test_ranks_must_agree_on_router_and_attributes():
     with pytest.raises(CollectiveMismatchError, match="4 experts but the 4 ranks hold 2 local experts"):
         wide = [[i[0], i[1], *(torch.cat([w, w]) for w in i[2:])] for i in ins]
         run_reference(_trace(_fwd_graph(1, 1.0, 1), *wide[0]), wide)
-    with pytest.raises(ReferenceSemanticsError, match=r"rank 0 node moe_layer .*do not split into token_groups=3"):
+    with pytest.raises(
+        ReferenceSemanticsError, match=r"rank 0 node moe_layer .*do not split into token_groups=3"
+    ):
         run_reference(_trace(_fwd_graph(1, 1.0, 3), *ins[0]), ins)
 
 
@@ -203,10 +221,18 @@ def _joint_sp_moe(x, rw, w1, w3, w2):
 
 
 def test_random_inputs_replicate_the_router_of_every_moe_layer():
-    gm = _trace(_joint_sp_moe, torch.randn(2, H), torch.randn(4, H), torch.randn(1, H, F), torch.randn(1, H, F),
-                torch.randn(1, F, H))
+    gm = _trace(
+        _joint_sp_moe,
+        torch.randn(2, H),
+        torch.randn(4, H),
+        torch.randn(1, H, F),
+        torch.randn(1, H, F),
+        torch.randn(1, F, H),
+    )
     ins = random_inputs(gm, 4, seed=1)
     assert all(torch.equal(ins[r][1], ins[0][1]) for r in range(4))  # the router (2nd argument)
-    assert not torch.equal(ins[1][0], ins[0][0]) and not torch.equal(ins[1][2], ins[0][2])  # the rest per rank
+    assert not torch.equal(ins[1][0], ins[0][0]) and not torch.equal(
+        ins[1][2], ins[0][2]
+    )  # the rest per rank
     outs = check_equivalent(gm, gm, 4, seed=1, exact=True)
     assert len(outs) == 4 and outs[0][0].shape == (8, H)

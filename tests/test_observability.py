@@ -106,7 +106,9 @@ def check_chrome_trace(trace: object) -> list[str]:
         if "args" in ev and not isinstance(ev["args"], dict):
             problems.append(f"{where}: args not an object")
         if ev.get("ph") == "M":
-            if ev.get("name") not in _METADATA or not isinstance(ev.get("args", {}).get("name", 0), (str, int)):
+            if ev.get("name") not in _METADATA or not isinstance(
+                ev.get("args", {}).get("name", 0), (str, int)
+            ):
                 problems.append(f"{where}: metadata event without a known name / args.name")
             continue
         if not number(ev.get("ts")):
@@ -140,10 +142,14 @@ def test_pipeline_emits_graphs_and_decisions_as_structured_artifacts(captured_tr
     kind = rep.graph
     assert f"commfuse_{kind}_input" in arts and "def forward" in arts[f"commfuse_{kind}_input"][0][1]
     for p in rep.passes:
-        (env, payload), = arts[f"commfuse_{kind}_pass_{p.name}"]
+        ((env, payload),) = arts[f"commfuse_{kind}_pass_{p.name}"]
         got = json.loads(payload)
-        assert (got["name"], got["changed"], got["refusals"], got["counts"]) == \
-            (p.name, p.changed, p.refusals, p.counts)
+        assert (got["name"], got["changed"], got["refusals"], got["counts"]) == (
+            p.name,
+            p.changed,
+            p.refusals,
+            p.counts,
+        )
         assert env["rank"] == 0  # the fake group's rank: each rank's trace says whose it is
         assert (f"commfuse_{kind}_after_{p.name}" in arts) == p.changed
     assert any(p.changed for p in rep.passes) and any(p.refusals for p in rep.passes)
@@ -186,8 +192,12 @@ def test_torch_trace_and_torch_logs_of_a_compile(tmp_path):
             (y.to_local() if hasattr(y, "to_local") else y).float().mean().backward()
         print(json.dumps([r.model_dump(include={"graph", "passes"}) for r in be.reports]))
     """)
-    env = {**os.environ, "TORCH_TRACE": str(tmp_path / "trace"), "TORCH_LOGS": "commfuse",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "TORCH_TRACE": str(tmp_path / "trace"),
+        "TORCH_LOGS": "commfuse",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     reports = json.loads(out.stdout.strip().splitlines()[-1])
@@ -196,13 +206,15 @@ def test_torch_trace_and_torch_logs_of_a_compile(tmp_path):
     events = parse_structured_trace(files[0].read_text())
     arts = commfuse_artifacts(events)
     assert any("dynamo_start" in env for env, _ in events)  # torch's own events, same file
-    assert any(env.get("artifact", {}).get("name") == "aot_forward_graph" or "aot_forward_graph" in env
-               for env, _ in events)
+    assert any(
+        env.get("artifact", {}).get("name") == "aot_forward_graph" or "aot_forward_graph" in env
+        for env, _ in events
+    )
     for rep in reports:
         kind = rep["graph"]
         assert f"commfuse_{kind}_input" in arts, kind
         for p in rep["passes"]:
-            (env, payload), = arts[f"commfuse_{kind}_pass_{p['name']}"]
+            ((env, payload),) = arts[f"commfuse_{kind}_pass_{p['name']}"]
             assert json.loads(payload)["refusals"] == p["refusals"]
             assert env["frame_id"] == 0 and env["frame_compile_id"] == 0  # filed under the compile
             if p["changed"]:
@@ -212,8 +224,11 @@ def test_torch_trace_and_torch_logs_of_a_compile(tmp_path):
     # TORCH_LOGS=commfuse: one INFO line per pass that ran and one per graph
     for rep in reports:
         for p in rep["passes"]:
-            assert re.search(rf"commfuse: {rep['graph']} graph: {p['name']}: "
-                             rf"{'changed' if p['changed'] else 'unchanged'}", out.stderr), (rep["graph"], p["name"])
+            assert re.search(
+                rf"commfuse: {rep['graph']} graph: {p['name']}: "
+                rf"{'changed' if p['changed'] else 'unchanged'}",
+                out.stderr,
+            ), (rep["graph"], p["name"])
         assert re.search(rf"commfuse: {rep['graph']} graph: \d+ pass\(es\) ran", out.stderr)
 
 
@@ -254,7 +269,7 @@ def test_runtime_labels_the_plan_for_the_profiler_only(monkeypatch):
         with torch.profiler.profile() as prof:
             fn(list(args))
         names = [e.name for e in prof.events() if e.name.startswith("commfuse::")]
-        plan, = plans
+        (plan,) = plans
         for c in plan.collectives:
             assert c.label() in names and f"commfuse::wait:{c.kind}[{c.role or c.group}]:{c.start}" in names
         assert sum(n.startswith("commfuse::graph:forward#") for n in names) == 1
@@ -299,16 +314,26 @@ def test_each_rank_traces_profiles_and_records_its_own_plan(rank_pool_2, tmp_pat
         assert recorded
         for e in recorded:
             # issued inside the profiler's label of the same collective (clocks agree to well under 5 ms)
-            label_of = [(ts, dur) for name, ts, dur in r["events"] if name.endswith(f"]:{e['args']['name']}")
-                        and name.startswith(f"commfuse::{e['args']['kind']}[")]
+            label_of = [
+                (ts, dur)
+                for name, ts, dur in r["events"]
+                if name.endswith(f"]:{e['args']['name']}")
+                and name.startswith(f"commfuse::{e['args']['kind']}[")
+            ]
             at = e["ts"] + offset
-            assert any(ts - 5e3 <= at <= ts + dur + 5e3 for ts, dur in label_of), (e["name"], at, label_of[:3])
+            assert any(ts - 5e3 <= at <= ts + dur + 5e3 for ts, dur in label_of), (
+                e["name"],
+                at,
+                label_of[:3],
+            )
 
 
 # ----------------------------------------------------------------------------- the recorder's trace
 def test_recorder_trace_is_a_chrome_trace_with_its_clock():
     r = Recorder(rank=1)
-    r.collectives.append(CollectiveRecord(0, "ag", "g#0", "all_gather", "0", "0", 8, 8, 64, 1_000, done_ns=5_000))
+    r.collectives.append(
+        CollectiveRecord(0, "ag", "g#0", "all_gather", "0", "0", 8, 8, 64, 1_000, done_ns=5_000)
+    )
     r.collectives.append(CollectiveRecord(1, "rs", "g#0", "reduce_scatter", "0", "pool", None, 8, 8, 6_000))
     r.regions += [RegionRecord("g#0", 0, 2_000), RegionRecord("g#0", 2_000, 4_000, kind="wait")]
     trace = json.loads(json.dumps(r.chrome_trace()))  # what write() puts in rank<r>.json
@@ -321,6 +346,10 @@ def test_recorder_trace_is_a_chrome_trace_with_its_clock():
     with pytest.raises(ValueError, match="baseTimeNanoseconds"):
         profiler_offset_us(trace, {})
     # the checker does catch what Perfetto would not load
-    bad = {"traceEvents": [{"name": "x", "ph": "X", "pid": 0, "tid": 0, "ts": float("nan")},
-                           {"name": "y", "ph": "Q", "pid": "p", "tid": 0, "ts": 1}]}
+    bad = {
+        "traceEvents": [
+            {"name": "x", "ph": "X", "pid": 0, "tid": 0, "ts": float("nan")},
+            {"name": "y", "ph": "Q", "pid": "p", "tid": 0, "ts": 1},
+        ]
+    }
     assert len(check_chrome_trace(bad)) >= 4

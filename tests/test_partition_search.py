@@ -29,7 +29,9 @@ def test_chunk_candidates_are_powers_of_two_up_to_the_bound():
 
 def test_scheme_description_names_each_level():
     assert Scheme().describe() == "unchanged"
-    assert Scheme("broadcast_roots", "inter_first", 4).describe() == "broadcast_roots+group:inter_first+chunks:4"
+    assert (
+        Scheme("broadcast_roots", "inter_first", 4).describe() == "broadcast_roots+group:inter_first+chunks:4"
+    )
     assert Scheme(chunks=2).complexity() < Scheme(chunks=4).complexity()
 
 
@@ -37,7 +39,9 @@ def test_without_topology_the_search_refuses_and_leaves_the_graph():
     with fake_mesh(4) as mesh:
         gm = _fsdp_graphs(mesh, dim=64)["forward"]
         before = gm.code
-        commfuse.optimize(gm, commfuse.Config(passes=["centauri_partition"], strict=True), graph_kind="forward")
+        commfuse.optimize(
+            gm, commfuse.Config(passes=["centauri_partition"], strict=True), graph_kind="forward"
+        )
         rec = commfuse.last_report(gm).passes[0]
     assert not rec.changed and gm.code == before
     assert "no topology" in rec.refusals[0]
@@ -64,10 +68,13 @@ def test_forced_pass_cuts_in_algorithm1s_uneven_granularity_or_says_why_not(shap
     try:
         with fake_process_group(8):
             s = commfuse.setup(topology=topo)
-            gm = make_fx(lambda x: torch.relu(funcol.all_reduce(x, "sum", dist.group.WORLD)),
-                         tracing_mode="fake")(torch.randn(shape))
+            gm = make_fx(
+                lambda x: torch.relu(funcol.all_reduce(x, "sum", dist.group.WORLD)), tracing_mode="fake"
+            )(torch.randn(shape))
             before, code = _copy(gm), gm.code
-            commfuse.optimize(gm, commfuse.Config(passes=["centauri_partition_forced"], strict=True, topology=topo))
+            commfuse.optimize(
+                gm, commfuse.Config(passes=["centauri_partition_forced"], strict=True, topology=topo)
+            )
             rec = commfuse.last_report(gm).passes[0]
             assert rec.changed == changed, rec
             if changed:
@@ -75,7 +82,11 @@ def test_forced_pass_cuts_in_algorithm1s_uneven_granularity_or_says_why_not(shap
                 assert (d["scheme"], d["chunk_sizes"]) == ("group:intra_first+chunks:3(4:1:3)", [16, 4, 12])
                 assert "granularity 0.5, 0.125, 0.375" in d["granularity"]
                 colls = CollectiveIR(gm).collectives
-                assert [c.input_shapes[0][0] for c in colls if c.kind.value == "reduce_scatter"] == [16, 4, 12]
+                assert [c.input_shapes[0][0] for c in colls if c.kind.value == "reduce_scatter"] == [
+                    16,
+                    4,
+                    12,
+                ]
                 check_equivalent(before, gm, 8, groups={"0": "world", **s.reference_groups()})
             else:
                 assert gm.code == code and "4:1:3) infeasible" in rec.refusals[0], rec.refusals
@@ -83,12 +94,15 @@ def test_forced_pass_cuts_in_algorithm1s_uneven_granularity_or_says_why_not(shap
         commfuse.session.reset()
 
 
-@pytest.mark.parametrize("topo,hierarchical", [
-    # latency-bound 2 x 4 (the fuzz topology): one inter-node message per peer node, not per rank
-    ("latency", True),
-    # bandwidth-bound: the two-level exchange moves the buffer twice and pays two reorders
-    ("bandwidth", False),
-])
+@pytest.mark.parametrize(
+    "topo,hierarchical",
+    [
+        # latency-bound 2 x 4 (the fuzz topology): one inter-node message per peer node, not per rank
+        ("latency", True),
+        # bandwidth-bound: the two-level exchange moves the buffer twice and pays two reorders
+        ("bandwidth", False),
+    ],
+)
 def test_search_picks_the_two_level_all_to_all_where_the_simulator_prefers_it(topo, hierarchical):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -101,15 +115,27 @@ def test_search_picks_the_two_level_all_to_all_where_the_simulator_prefers_it(to
     from commfuse.transforms.group_partition import GroupPartition
 
     latency = GroupPartition.fuzz.topology
-    topology = latency if topo == "latency" else latency.model_copy(update={
-        "inter_node_bandwidth_GBps": 400.0, "intra_node_bandwidth_GBps": 400.0, "inter_node_latency_us": 0.1,
-        "intra_node_latency_us": 0.1, "memory_bandwidth_GBps": 50.0})
+    topology = (
+        latency
+        if topo == "latency"
+        else latency.model_copy(
+            update={
+                "inter_node_bandwidth_GBps": 400.0,
+                "intra_node_bandwidth_GBps": 400.0,
+                "inter_node_latency_us": 0.1,
+                "intra_node_latency_us": 0.1,
+                "memory_bandwidth_GBps": 50.0,
+            }
+        )
+    )
     rows = 8 if topo == "latency" else 8 * 4096
     with fake_process_group(8):
         s = commfuse.setup(topology=topology)
         try:
-            gm = make_fx(lambda x: funcol.all_to_all_single(x.tanh(), None, None, dist.group.WORLD) * 2,
-                         tracing_mode="fake")(torch.randn(rows, 64))
+            gm = make_fx(
+                lambda x: funcol.all_to_all_single(x.tanh(), None, None, dist.group.WORLD) * 2,
+                tracing_mode="fake",
+            )(torch.randn(rows, 64))
             before = _copy(gm)
             rec = _search(gm, topology)
             kinds = [(c.kind.value, c.group.size) for c in CollectiveIR(gm).collectives]
@@ -135,8 +161,11 @@ def _fsdp_graphs(mesh, dim: int = 256, seq: int = 64, ffn: int | None = None):
 
 
 def _search(gm: fx.GraphModule, topo: Topology, **cfg) -> commfuse.passmgr.report.PassRecord:
-    commfuse.optimize(gm, commfuse.Config(passes=["centauri_partition"], topology=topo, strict=True, **cfg),
-                      graph_kind="forward")
+    commfuse.optimize(
+        gm,
+        commfuse.Config(passes=["centauri_partition"], topology=topo, strict=True, **cfg),
+        graph_kind="forward",
+    )
     return commfuse.last_report(gm).passes[0]
 
 
@@ -155,7 +184,10 @@ def dgx2_graphs():
 @pytest.fixture
 def dgx2_fsdp(dgx2_graphs):
     """Fresh copies of the captured forward/backward graphs (the search rewrites in place)."""
-    return {k: fx.GraphModule(dgx2_graphs[k], copy.deepcopy(dgx2_graphs[k].graph)) for k in ("forward", "backward")}
+    return {
+        k: fx.GraphModule(dgx2_graphs[k], copy.deepcopy(dgx2_graphs[k].graph))
+        for k in ("forward", "backward")
+    }
 
 
 @pytest.mark.slow(reason="runs the partition search on a traced model")

@@ -103,7 +103,9 @@ class _BreaksWaits(GraphPass):
     stage = Stage.JOINT
 
     def run(self, ctx):
-        n = next(n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target is c10d.wait_tensor.default)
+        n = next(
+            n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target is c10d.wait_tensor.default
+        )
         n.replace_all_uses_with(n.args[0])
         ctx.gm.graph.erase_node(n)
         return PassResult(changed=True, counts={"removed": 1})
@@ -118,8 +120,9 @@ def test_passes():
     unregister_pass("test_breaks_waits")
 
 
-@pytest.mark.parametrize("name, reason", [("test_raises", "boom: pattern not handled"),
-                                          ("test_breaks_waits", "never waited")])
+@pytest.mark.parametrize(
+    "name, reason", [("test_raises", "boom: pattern not handled"), ("test_breaks_waits", "never waited")]
+)
 def test_failing_pass_falls_back_to_unchanged_graph(all_kinds_gm, test_passes, name, reason):
     gm = all_kinds_gm
     before = gm.code
@@ -142,7 +145,8 @@ class _NoChange(GraphPass):
 
 
 def test_a_failing_pass_after_unchanged_and_changed_passes_restores_the_graph_before_it(
-        all_kinds_gm, test_passes, monkeypatch):
+    all_kinds_gm, test_passes, monkeypatch
+):
     """One snapshot serves a run of passes that change nothing; after a pass that changed the
     graph, a failing pass restores the changed graph, not the input."""
     import commfuse.passmgr.pipeline as pipeline_mod
@@ -160,8 +164,9 @@ def test_a_failing_pass_after_unchanged_and_changed_passes_restores_the_graph_be
         assert len(copies) == 1  # before the first pass; the unchanged passes reused it
         gm = trace_all_kinds()  # the fixture's fake world is still up
         with pytest.warns(RuntimeWarning, match="pass 'test_raises' failed"):
-            commfuse.optimize(gm, commfuse.Config(passes=["test_no_change", "sink_waits", "test_raises"],
-                                                  verify=True))
+            commfuse.optimize(
+                gm, commfuse.Config(passes=["test_no_change", "sink_waits", "test_raises"], verify=True)
+            )
         sunk = commfuse.last_report(gm).passes[1]
         assert sunk.name == "sink_waits" and sunk.changed
         assert len(copies) == 1 + 2  # a fresh snapshot after sink_waits changed the graph
@@ -269,9 +274,14 @@ def test_instruments_see_every_pass_and_a_failure_after_the_restore(all_kinds_gm
     pipe = Pipeline([SinkWaits(), _Raises()], commfuse.Config(), instruments=[watch])
     with pytest.warns(RuntimeWarning, match="pass 'test_raises' failed"):
         report = pipe.run(gm, graph_kind="joint", stages={Stage.JOINT, Stage.SCHEDULE})
-    assert watch.seen == [("start", n), ("before", "sink_waits"), ("after", "sink_waits", True, False, n),
-                          ("before", "test_raises"), ("after", "test_raises", False, True, n),
-                          ("end", ["sink_waits", "test_raises"])]
+    assert watch.seen == [
+        ("start", n),
+        ("before", "sink_waits"),
+        ("after", "sink_waits", True, False, n),
+        ("before", "test_raises"),
+        ("after", "test_raises", False, True, n),
+        ("end", ["sink_waits", "test_raises"]),
+    ]
     assert all(r.seconds >= 0 for r in report.passes)
 
 
@@ -309,8 +319,9 @@ def test_sink_waits_moves_wait_to_first_use_and_keeps_collective_order():
         after = commfuse.analyze(gm)
     # Both waits sink: the all_reduce's below the mm, the all_gather's down to the graph output.
     assert commfuse.last_report(gm).passes[0].counts["waits_sunk"] == 2
-    FileCheck().check("all_reduce").check("mm").check("all_gather_into_tensor").check("wait_tensor.default(all_reduce)") \
-        .check("add").run(gm.code)
+    FileCheck().check("all_reduce").check("mm").check("all_gather_into_tensor").check(
+        "wait_tensor.default(all_reduce)"
+    ).check("add").run(gm.code)
     assert before.sequence_hashes == after.sequence_hashes and before.order_hash == after.order_hash
 
 
@@ -366,7 +377,9 @@ def test_after_pass_dump_written_for_changing_pass(tmp_path):
 
     with fake_process_group(2):
         gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 4), torch.randn(4, 4))
-        commfuse.optimize(gm, commfuse.Config(passes=["sink_waits"], dump_dir=str(tmp_path)), graph_kind="forward")
+        commfuse.optimize(
+            gm, commfuse.Config(passes=["sink_waits"], dump_dir=str(tmp_path)), graph_kind="forward"
+        )
     (d,) = list((tmp_path / "rank0").iterdir())
     assert d.name == "forward_000"
     names = sorted(p.name for p in d.iterdir())
@@ -390,7 +403,9 @@ def test_dump_escapes_markup_in_names(tmp_path):
     from commfuse.passmgr.render import graph_to_dot
 
     def f(x):
-        return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "<b>&grp"))
+        return torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_reduce(x, "sum", "<b>&grp")
+        )
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -408,7 +423,9 @@ def test_condensed_picture_of_a_run_without_ops_renders():
     from commfuse.passmgr.render import condensed_dot, dot_to_svg
 
     def f(x, y):
-        return torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0")) + y
+        return (
+            torch.ops._c10d_functional.wait_tensor(torch.ops._c10d_functional.all_reduce(x, "sum", "0")) + y
+        )
 
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -438,12 +455,15 @@ def test_unknown_config_field_is_named():
         commfuse.Config(dump_dri="/tmp/x")
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(num_nodes=0), "num_nodes"),
-    (dict(ranks_per_node=-1), "ranks_per_node"),
-    (dict(intra_node_bandwidth_GBps=0), "intra_node_bandwidth_GBps"),
-    (dict(inter_node_latency_us=-1), "inter_node_latency_us"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(num_nodes=0), "num_nodes"),
+        (dict(ranks_per_node=-1), "ranks_per_node"),
+        (dict(intra_node_bandwidth_GBps=0), "intra_node_bandwidth_GBps"),
+        (dict(inter_node_latency_us=-1), "inter_node_latency_us"),
+    ],
+)
 def test_invalid_topology_is_named(kwargs, field):
     with pytest.raises(ValueError, match=field):
         commfuse.Topology(**kwargs)
@@ -519,15 +539,23 @@ def test_optimize_on_make_fx_training_step():
         gm = make_fx(train_step, tracing_mode="fake")(w, torch.randn(3, 8))
         report = commfuse.analyze(gm)
         commfuse.optimize(gm)
-    assert [(c.kind, c.role) for c in report.collectives] == [("all_gather", "fsdp"), ("reduce_scatter", "unknown")]
+    assert [(c.kind, c.role) for c in report.collectives] == [
+        ("all_gather", "fsdp"),
+        ("reduce_scatter", "unknown"),
+    ]
     assert verify_graph(gm).ok
     # the default pipeline: accumulate_gradient_sync (one micro-batch: no sum of gradient syncs),
     # chimera (nothing to fuse here: the gathered weight feeds a matmul, the scattered gradient the
     # output), schedule_overlap, bucket_collectives, sink_waits, gloo_reduce_scatter (no topology,
     # CPU tensors: the reduce_scatter becomes an all_to_all)
-    assert [p.name for p in commfuse.last_report(gm).passes] == ["accumulate_gradient_sync", "chimera",
-                                                                 "schedule_overlap", "bucket_collectives",
-                                                                 "sink_waits", "gloo_reduce_scatter"]
+    assert [p.name for p in commfuse.last_report(gm).passes] == [
+        "accumulate_gradient_sync",
+        "chimera",
+        "schedule_overlap",
+        "bucket_collectives",
+        "sink_waits",
+        "gloo_reduce_scatter",
+    ]
     assert [c.kind for c in commfuse.analyze(gm).collectives] == ["all_gather", "all_to_all"]
 
 
@@ -560,7 +588,9 @@ def test_debug_verifier_repropagates_fake_tensors():
         assert commfuse.last_report(gm).passes[0].changed
         with fake_process_group(2):
             gm2 = make_fx(f, tracing_mode="fake")(torch.randn(4, 3), torch.randn(3, 4))
-        with pytest.raises(VerificationError, match=r"relu: recorded \(5, 5\)/torch.float32 but computes \(4, 4\)"):
+        with pytest.raises(
+            VerificationError, match=r"relu: recorded \(5, 5\)/torch.float32 but computes \(4, 4\)"
+        ):
             commfuse.optimize(gm2, commfuse.Config(passes=["test_wrong_meta"], debug=True, strict=True))
     finally:
         unregister_pass("test_wrong_meta")

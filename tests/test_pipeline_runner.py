@@ -10,11 +10,28 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from commfuse.models.pipeline_models import (PipelineModelConfig, build_stages, make_full_data, make_loss_fn,
-                                             position_view, reference_step, shard_dims, shard_of)
+from commfuse.models.pipeline_models import (
+    PipelineModelConfig,
+    build_stages,
+    make_full_data,
+    make_loss_fn,
+    position_view,
+    reference_step,
+    shard_dims,
+    shard_of,
+)
 from commfuse.ops import STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD
-from commfuse.pipeline import (PartitionError, PipelineProgram, PipelineRunner, check_schedule, partition,
-                               plan_layout, stage_actions, trace_forward, trace_joint)
+from commfuse.pipeline import (
+    PartitionError,
+    PipelineProgram,
+    PipelineRunner,
+    check_schedule,
+    partition,
+    plan_layout,
+    stage_actions,
+    trace_forward,
+    trace_joint,
+)
 from commfuse.pipeline.collectives import COPY_TO_GROUP, REDUCE_FROM_GROUP
 from commfuse.pipeline.trace import PARAM, TARGET, X, InputSpec, collect_inputs
 from commfuse.testing import assert_bitwise_equal_tree, assert_close_tree, fake_process_group
@@ -30,8 +47,13 @@ def _targets(gm) -> list:
 
 
 def _group_names(gm) -> set[str]:
-    return {a for n in gm.graph.nodes if n.op == "call_function" for a in n.args
-            if isinstance(a, str) and a.startswith("commfuse.pp.")}
+    return {
+        a
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        for a in n.args
+        if isinstance(a, str) and a.startswith("commfuse.pp.")
+    }
 
 
 def _traced(kind: str, rank: int = 0, mb: int = 2):
@@ -64,14 +86,17 @@ def test_plan_layout_groups_positions_and_pairs():
         lay.boundary_pairs(2)
 
 
-@pytest.mark.parametrize("stage_ranks, world, match", [
-    ([[0, 1], [2]], 3, "equal sizes"),
-    ([[0, 1], [1, 2]], 3, "stage 0 and stage 1"),
-    ([[0, 1], [2, 3]], 6, r"ranks \[4, 5\] are in no stage"),
-    ([[0, 1], [2, 7]], 4, "outside the world"),
-    ([], 4, "non-empty list"),
-    ([[0, 0], [1, 2]], 4, "twice"),
-])
+@pytest.mark.parametrize(
+    "stage_ranks, world, match",
+    [
+        ([[0, 1], [2]], 3, "equal sizes"),
+        ([[0, 1], [1, 2]], 3, "stage 0 and stage 1"),
+        ([[0, 1], [2, 3]], 6, r"ranks \[4, 5\] are in no stage"),
+        ([[0, 1], [2, 7]], 4, "outside the world"),
+        ([], 4, "non-empty list"),
+        ([[0, 0], [1, 2]], 4, "twice"),
+    ],
+)
 def test_plan_layout_rejects_bad_stage_ranks(stage_ranks, world, match):
     with pytest.raises(ValueError, match=match):
         plan_layout(stage_ranks, 0, world)
@@ -79,10 +104,25 @@ def test_plan_layout_rejects_bad_stage_ranks(stage_ranks, world, match):
 
 # ------------------------------------------------------------------ schedules
 def test_schedule_orders():
-    assert [str(a) for a in stage_actions("1f1b", 4, 0, 6)] == \
-        ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "F5", "B2", "B3", "B4", "B5"]
+    assert [str(a) for a in stage_actions("1f1b", 4, 0, 6)] == [
+        "F0",
+        "F1",
+        "F2",
+        "F3",
+        "B0",
+        "F4",
+        "B1",
+        "F5",
+        "B2",
+        "B3",
+        "B4",
+        "B5",
+    ]
     assert [str(a) for a in stage_actions("1f1b", 4, 3, 3)] == ["F0", "B0", "F1", "B1", "F2", "B2"]
-    assert [str(a) for a in stage_actions("1f1b", 4, 1, 1)] == ["F0", "B0"]  # fewer micro-batches than warm-up
+    assert [str(a) for a in stage_actions("1f1b", 4, 1, 1)] == [
+        "F0",
+        "B0",
+    ]  # fewer micro-batches than warm-up
     assert [str(a) for a in stage_actions("gpipe", 2, 1, 2)] == ["F0", "F1", "B0", "B1"]
     with pytest.raises(ValueError, match="schedule: expected one of"):
         stage_actions("zb", 2, 0, 2)
@@ -104,12 +144,14 @@ def test_check_schedule_rejects_deadlock_and_mixed_order():
         check_schedule([[A("F", 0), A("B", 0)], [A("B", 0), A("F", 0)]])
     # stage 0 waits for B0's gradient before sending F1, stage 1 needs F1 before B0: cycle
     with pytest.raises(ValueError, match="deadlocks"):
-        check_schedule([[A("F", 0), A("B", 0), A("F", 1), A("B", 1)],
-                        [A("F", 0), A("F", 1), A("B", 0), A("B", 1)]])
+        check_schedule(
+            [[A("F", 0), A("B", 0), A("F", 1), A("B", 1)], [A("F", 0), A("F", 1), A("B", 0), A("B", 1)]]
+        )
     # stage 1 consumes forward messages out of order: p2p matching would mix micro-batches
     with pytest.raises(ValueError, match="mix micro-batches"):
-        check_schedule([[A("F", 0), A("F", 1), A("B", 0), A("B", 1)],
-                        [A("F", 1), A("F", 0), A("B", 0), A("B", 1)]])
+        check_schedule(
+            [[A("F", 0), A("F", 1), A("B", 0), A("B", 1)], [A("F", 1), A("F", 0), A("B", 0), A("B", 1)]]
+        )
 
 
 # ------------------------------------------------------------------ traces
@@ -129,8 +171,15 @@ def test_forward_graph_keeps_autograd_level_ops_and_joint_lowers_them():
     assert COPY_TO_GROUP not in jt
     assert jt.count(c10d.all_gather_into_tensor.default) == 8  # forward 4 + backward of the reduce_scatters
     assert jt.count(c10d.all_reduce.default) == 4  # norm weight gradients (copy_to_group's backward)
-    issued = sum(jt.count(t) for t in (STAGE_TRANSFER, c10d.all_gather_into_tensor.default,
-                                       c10d.reduce_scatter_tensor.default, c10d.all_reduce.default))
+    issued = sum(
+        jt.count(t)
+        for t in (
+            STAGE_TRANSFER,
+            c10d.all_gather_into_tensor.default,
+            c10d.reduce_scatter_tensor.default,
+            c10d.all_reduce.default,
+        )
+    )
     assert jt.count(c10d.wait_tensor.default) == issued
     assert prog.grad_names == [s.name for s in prog.inputs if s.kind == PARAM]
 
@@ -182,10 +231,18 @@ def test_partition_places_nodes_by_stage_and_phase():
 
 def _hand_program(fn, *, w_shape=(4, 4)):
     """A two-stage whole-model function (w0: stage 0, w1: stage 1) traced as rank 0."""
-    specs = [InputSpec(PARAM, 0, "stage0.w", True), InputSpec(PARAM, 1, "stage1.w", True),
-             InputSpec(X, 0, X), InputSpec(TARGET, 1, TARGET)]
-    tensors = [torch.randn(w_shape, requires_grad=True), torch.randn(w_shape, requires_grad=True),
-               torch.randn(2, 4), torch.randn(2, 4)]
+    specs = [
+        InputSpec(PARAM, 0, "stage0.w", True),
+        InputSpec(PARAM, 1, "stage1.w", True),
+        InputSpec(X, 0, X),
+        InputSpec(TARGET, 1, TARGET),
+    ]
+    tensors = [
+        torch.randn(w_shape, requires_grad=True),
+        torch.randn(w_shape, requires_grad=True),
+        torch.randn(2, 4),
+        torch.randn(2, 4),
+    ]
     with fake_process_group(4, rank=0):
         layout = plan_layout(STAGES, 0, 4)
         gm = make_fx(fn, tracing_mode="fake", pre_dispatch=True)(*tensors)
@@ -203,7 +260,9 @@ def test_partition_names_a_value_crossing_stages_without_a_transfer():
         return ((out - t) ** 2).sum()
 
     prog = _hand_program(crossing)
-    with pytest.raises(PartitionError, match=r"reads values of stages \[0, 1\].*stage 0: tanh.*stage_transfer/m2ms"):
+    with pytest.raises(
+        PartitionError, match=r"reads values of stages \[0, 1\].*stage 0: tanh.*stage_transfer/m2ms"
+    ):
         partition(prog)
 
 
@@ -288,9 +347,13 @@ def _check_against_references(results, kind, mbs, num_stages, size):
         for rank, out in enumerate(results):
             s, p = out["stage"], out["position"]
             assert (s, p) == (rank // size, rank % size)
-            assert out["aliases"] == {**{f"commfuse.pp.stage{k}": size if k == s else None for k in range(num_stages)},
-                                      **{f"commfuse.pp.boundary{b}": 2 * size if s in (b, b + 1) else None
-                                         for b in range(num_stages - 1)}}
+            assert out["aliases"] == {
+                **{f"commfuse.pp.stage{k}": size if k == s else None for k in range(num_stages)},
+                **{
+                    f"commfuse.pp.boundary{b}": 2 * size if s in (b, b + 1) else None
+                    for b in range(num_stages - 1)
+                },
+            }
             dims = shard_dims(full_stages[s])
             expected = {k: shard_of(g, dims[k], size, p) for k, g in ref_grads[s].items()}
             eager = out["eager"][str(m)]
@@ -322,8 +385,14 @@ def test_pipeline_matches_eager_and_unsharded(rank_pool_4, kind, tmp_path):
     if dump:
         for rank in range(4):
             names = {f.name for f in (tmp_path / f"rank{rank}").iterdir()}
-            assert {"forward.py.txt", "joint.py.txt", "stage0_fw.py.txt", "stage0_bw.py.txt",
-                    "stage1_fw.py.txt", "stage1_bw.py.txt"} <= names
+            assert {
+                "forward.py.txt",
+                "joint.py.txt",
+                "stage0_fw.py.txt",
+                "stage0_bw.py.txt",
+                "stage1_fw.py.txt",
+                "stage1_bw.py.txt",
+            } <= names
         assert "commfuse.stage_transfer" in (tmp_path / "rank2" / "stage1_fw.py.txt").read_text()
         index = json.loads((tmp_path / "index.json").read_text())  # the layout every commfuse dump has
         assert index["world_size"] == 4 and [e["rank"] for e in index["ranks"]] == [0, 1, 2, 3]
@@ -334,8 +403,9 @@ def test_pipeline_matches_eager_and_unsharded(rank_pool_4, kind, tmp_path):
 def test_four_stages_one_rank_each(rank_pool_4):
     """Middle stages receive and send in both phases; 1F1B warm-up of 3, 2, 1, 0 forwards."""
     mbs = (4,)
-    results = rank_pool_4.run(jobs.pipeline_matches, "tp", mbs, ("gpipe", "1f1b"),
-                              stage_ranks=[[0], [1], [2], [3]])
+    results = rank_pool_4.run(
+        jobs.pipeline_matches, "tp", mbs, ("gpipe", "1f1b"), stage_ranks=[[0], [1], [2], [3]]
+    )
     _check_against_references(results, "tp", mbs, 4, 1)
 
 

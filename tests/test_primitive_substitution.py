@@ -39,8 +39,10 @@ FORCED = "primitive_substitution_forced"
 
 
 def _trace(fn, *shapes, dtype=torch.float32):
-    args = [torch.randn(s).to(dtype) if dtype.is_floating_point else torch.randint(0, 7, s, dtype=dtype)
-            for s in shapes]
+    args = [
+        torch.randn(s).to(dtype) if dtype.is_floating_point else torch.randint(0, 7, s, dtype=dtype)
+        for s in shapes
+    ]
     return make_fx(fn, tracing_mode="fake")(*args)
 
 
@@ -80,21 +82,56 @@ def _ar_sum(x):
 
 FORMS = {
     # name: (program, input shape, form, kinds after, FileCheck patterns)
-    "ag_dim0": (_ag_dim0, (2, 3), ps.ROOTED_BROADCASTS, ["broadcast"] * N,
-                [*(f"broadcast.default(x_1, {r}, '0')" for r in range(N)), "aten.cat.default(["]),
-    "ag_dim1": (_ag_dim1, (2, 3, 2), ps.ROOTED_BROADCASTS, ["broadcast"] * N,
-                [*(f"broadcast.default(x_1, {r}, '0')" for r in range(N)), "], 1)"]),
-    "rs_dim0_sum": (_rs_dim0_sum, (8, 3), ps.ROOTED_REDUCES, ["reduce"] * N,
-                    ["aten.split.Tensor(x_1, 2)", *(f"reduce_to_root.default({g}, {r}, 'sum', 4, '0')"
-                                                     for r, g in enumerate(["getitem", "getitem_1", "getitem_2",
-                                                                            "getitem_3"])),
-                     "aten.add.Tensor", "aten.mul"]),
-    "rs_dim1_avg": (_rs_dim1_avg, (2, 8, 3), ps.ROOTED_REDUCES, ["reduce"] * N,
-                    ["aten.split.Tensor(x_1, 2, 1)", "reduce_to_root.default(getitem", ", 3, 'sum', 4, '0')",
-                     "aten.add.Tensor", "aten.div.Tensor(add_2, 4)"]),
+    "ag_dim0": (
+        _ag_dim0,
+        (2, 3),
+        ps.ROOTED_BROADCASTS,
+        ["broadcast"] * N,
+        [*(f"broadcast.default(x_1, {r}, '0')" for r in range(N)), "aten.cat.default(["],
+    ),
+    "ag_dim1": (
+        _ag_dim1,
+        (2, 3, 2),
+        ps.ROOTED_BROADCASTS,
+        ["broadcast"] * N,
+        [*(f"broadcast.default(x_1, {r}, '0')" for r in range(N)), "], 1)"],
+    ),
+    "rs_dim0_sum": (
+        _rs_dim0_sum,
+        (8, 3),
+        ps.ROOTED_REDUCES,
+        ["reduce"] * N,
+        [
+            "aten.split.Tensor(x_1, 2)",
+            *(
+                f"reduce_to_root.default({g}, {r}, 'sum', 4, '0')"
+                for r, g in enumerate(["getitem", "getitem_1", "getitem_2", "getitem_3"])
+            ),
+            "aten.add.Tensor",
+            "aten.mul",
+        ],
+    ),
+    "rs_dim1_avg": (
+        _rs_dim1_avg,
+        (2, 8, 3),
+        ps.ROOTED_REDUCES,
+        ["reduce"] * N,
+        [
+            "aten.split.Tensor(x_1, 2, 1)",
+            "reduce_to_root.default(getitem",
+            ", 3, 'sum', 4, '0')",
+            "aten.add.Tensor",
+            "aten.div.Tensor(add_2, 4)",
+        ],
+    ),
     "rs_max": (_rs_max, (4, 5), ps.ROOTED_REDUCES, ["reduce"] * N, ["'max', 4, '0'"]),
-    "ar_sum": (_ar_sum, (8, 4), ps.RS_AG, ["reduce_scatter", "all_gather"],
-               ["reduce_scatter_tensor.default(x_1, 'sum', 4, '0')", "all_gather_into_tensor.default"]),
+    "ar_sum": (
+        _ar_sum,
+        (8, 4),
+        ps.RS_AG,
+        ["reduce_scatter", "all_gather"],
+        ["reduce_scatter_tensor.default(x_1, 'sum', 4, '0')", "all_gather_into_tensor.default"],
+    ),
 }
 
 
@@ -122,6 +159,7 @@ def test_form_rewrites_and_is_bitwise_equivalent(case):
 def test_sp_chain_gather_matmul_scatter_all_substituted():
     """A gather feeding compute feeding a scatter (an SP block): the second rewrite sees the
     first one's output, not the stale IR record."""
+
     def f(x, w):
         g = funcol.all_gather_single(x, 1, dist.group.WORLD)
         h = torch.tanh(g @ w)
@@ -152,7 +190,12 @@ def test_plan_is_pure_and_apply_returns_the_new_starts_in_order():
         assert isinstance(ps.plan_primitive_substitution(ctx, c), str)  # the cost model says no
         plan = ps.plan_primitive_substitution(ctx, c, form=ps.ROOTED_REDUCES)
         assert isinstance(plan, ps.PrimitivePlan)
-        assert (plan.kind, plan.form, plan.dim, plan.group_size) == (K.REDUCE_SCATTER, ps.ROOTED_REDUCES, 1, N)
+        assert (plan.kind, plan.form, plan.dim, plan.group_size) == (
+            K.REDUCE_SCATTER,
+            ps.ROOTED_REDUCES,
+            1,
+            N,
+        )
         assert plan.substitute_us > plan.original_us > 0
         assert gm.code == code  # planning never mutates
         starts = ps.apply_primitive_substitution(ctx, c, plan)
@@ -167,8 +210,13 @@ def test_plan_is_pure_and_apply_returns_the_new_starts_in_order():
         gm = _trace(_ar_sum, (8, 4))
         ctx = _ctx(gm)
         (c,) = ctx.ir.collectives
-        starts = ps.apply_primitive_substitution(ctx, c, ps.plan_primitive_substitution(ctx, c, form=ps.RS_AG))
-        assert [s.target for s in starts] == [c10d.reduce_scatter_tensor.default, c10d.all_gather_into_tensor.default]
+        starts = ps.apply_primitive_substitution(
+            ctx, c, ps.plan_primitive_substitution(ctx, c, form=ps.RS_AG)
+        )
+        assert [s.target for s in starts] == [
+            c10d.reduce_scatter_tensor.default,
+            c10d.all_gather_into_tensor.default,
+        ]
 
 
 def test_rooted_reduce_in_the_ir():
@@ -194,18 +242,43 @@ def _inplace(x):
     return W(c10d.all_reduce_.default(buf, "sum", "0")) * 1
 
 
-@pytest.mark.parametrize("fn, shapes, dtype, reason", [
-    (lambda x: W(c10d.all_reduce.default(x, "sum", "0")) + 1, [(3, 5)], torch.float32, "divisible by the group size"),
-    (lambda x: W(c10d.all_reduce.default(x, "product", "0")) + 1, [(8, 4)], torch.float32, "reduce op 'product'"),
-    (lambda x: W(c10d.reduce_scatter_tensor.default(x, "product", N, "0")) + 1, [(8, 4)], torch.float32,
-     "reduce op 'product' is not substituted"),
-    (lambda x: W(c10d.reduce_scatter_tensor.default(x, "band", N, "0")) + 1, [(8, 4)], torch.int32,
-     "reduce op 'band' is not substituted"),
-    (lambda x: W(c10d.reduce_scatter_tensor.default(x, "avg", N, "0")) + 1, [(8, 4)], torch.int64,
-     "'avg' on integer dtype"),
-    (_coalesced, [(2, 3), (1, 4)], torch.float32, "coalesced or in-place"),
-    (_inplace, [(8, 4)], torch.float32, "coalesced or in-place"),
-])
+@pytest.mark.parametrize(
+    "fn, shapes, dtype, reason",
+    [
+        (
+            lambda x: W(c10d.all_reduce.default(x, "sum", "0")) + 1,
+            [(3, 5)],
+            torch.float32,
+            "divisible by the group size",
+        ),
+        (
+            lambda x: W(c10d.all_reduce.default(x, "product", "0")) + 1,
+            [(8, 4)],
+            torch.float32,
+            "reduce op 'product'",
+        ),
+        (
+            lambda x: W(c10d.reduce_scatter_tensor.default(x, "product", N, "0")) + 1,
+            [(8, 4)],
+            torch.float32,
+            "reduce op 'product' is not substituted",
+        ),
+        (
+            lambda x: W(c10d.reduce_scatter_tensor.default(x, "band", N, "0")) + 1,
+            [(8, 4)],
+            torch.int32,
+            "reduce op 'band' is not substituted",
+        ),
+        (
+            lambda x: W(c10d.reduce_scatter_tensor.default(x, "avg", N, "0")) + 1,
+            [(8, 4)],
+            torch.int64,
+            "'avg' on integer dtype",
+        ),
+        (_coalesced, [(2, 3), (1, 4)], torch.float32, "coalesced or in-place"),
+        (_inplace, [(8, 4)], torch.float32, "coalesced or in-place"),
+    ],
+)
 def test_refusals_leave_the_graph_unchanged(fn, shapes, dtype, reason):
     with fake_process_group(N):
         gm = _trace(fn, *shapes, dtype=dtype)
@@ -230,9 +303,16 @@ def test_non_scalable_and_mismatched_forms_are_refused_by_name():
         assert ps.substitute_forms(c) == [ps.ROOTED_BROADCASTS]
 
 
-@pytest.mark.parametrize("topology", [None, Topology.preset("cpu-gloo", num_nodes=2),
-                                      Topology.preset("dgx-h100", num_nodes=2), Topology.preset("pcie-8gpu")],
-                         ids=["default", "cpu-gloo-2x2", "dgx-h100-2x8", "pcie-8gpu"])
+@pytest.mark.parametrize(
+    "topology",
+    [
+        None,
+        Topology.preset("cpu-gloo", num_nodes=2),
+        Topology.preset("dgx-h100", num_nodes=2),
+        Topology.preset("pcie-8gpu"),
+    ],
+    ids=["default", "cpu-gloo-2x2", "dgx-h100-2x8", "pcie-8gpu"],
+)
 def test_cost_model_refuses_standalone_substitutes(topology):
     """Standalone, each substitute moves the same bytes in more launches: predicted slower on
     every preset, so the pass keeps every collective and reports both predictions."""
@@ -258,7 +338,9 @@ def test_cost_model_applies_where_the_substitute_is_predicted_faster(monkeypatch
     """A calibrated profile in which the all_gather is slow (a fitted 1 ms) makes the rooted
     broadcasts cheaper: the pass applies them and records both predictions."""
     topo = Topology.preset("dgx-h100")
-    params = CollectiveParams(fits=[AlphaBeta(kind=K.ALL_GATHER, group_size=N, alpha_us=1000.0, beta_us_per_byte=0.0)])
+    params = CollectiveParams(
+        fits=[AlphaBeta(kind=K.ALL_GATHER, group_size=N, alpha_us=1000.0, beta_us_per_byte=0.0)]
+    )
     monkeypatch.setattr(CostPolicy, "model", property(lambda self: AnalyticCostModel(topo, "nccl", params)))
     with fake_process_group(N):
         gm = _trace(lambda x, y: (_ag_dim0(x), _rs_dim0_sum(y)), (2, 3), (8, 3))
@@ -276,7 +358,9 @@ def test_a_cost_profile_prices_the_decisions(tmp_path):
     """``Config.cost_profile``: the same calibrated numbers from a profile file (what
     ``python -m commfuse calibrate`` writes) reach the pass through the cost policy, and the
     report names the profile; without it the nominal DGX-H100 model keeps the all_gather."""
-    fits = CollectiveParams(fits=[AlphaBeta(kind=K.ALL_GATHER, group_size=N, alpha_us=1000.0, beta_us_per_byte=0.0)])
+    fits = CollectiveParams(
+        fits=[AlphaBeta(kind=K.ALL_GATHER, group_size=N, alpha_us=1000.0, beta_us_per_byte=0.0)]
+    )
     path = tmp_path / "slow_all_gather.json"
     CostProfile(topology="dgx-h100", backend="nccl", collective=fits).save(path)
     topo = Topology.preset("dgx-h100")
@@ -318,10 +402,17 @@ def test_reduce_cost_formulas_and_fit_reuse():
     assert e.algorithm == "ring-reduce-scatter+gather" and e.wire_bytes == round(2 * 3 / 4 * S)
     assert gloo.time(K.REDUCE, 2 * S, 4).time_us > e.time_us
     # without a fit of its own, reduce reuses broadcast's (NCCL) / all_reduce's (gloo)
-    fits = CollectiveParams(fits=[AlphaBeta(kind=K.BROADCAST, group_size=4, alpha_us=7.0, beta_us_per_byte=0.0),
-                                  AlphaBeta(kind=K.ALL_REDUCE, group_size=4, alpha_us=11.0, beta_us_per_byte=0.0)])
+    fits = CollectiveParams(
+        fits=[
+            AlphaBeta(kind=K.BROADCAST, group_size=4, alpha_us=7.0, beta_us_per_byte=0.0),
+            AlphaBeta(kind=K.ALL_REDUCE, group_size=4, alpha_us=11.0, beta_us_per_byte=0.0),
+        ]
+    )
     assert CollectiveModel(Topology.preset("dgx-h100"), "nccl", fits).time(K.REDUCE, S, 4).time_us == 7.0
-    assert CollectiveModel(Topology.preset("cpu-gloo", num_nodes=2), "gloo", fits).time(K.REDUCE, S, 4).time_us == 11.0
+    assert (
+        CollectiveModel(Topology.preset("cpu-gloo", num_nodes=2), "gloo", fits).time(K.REDUCE, S, 4).time_us
+        == 11.0
+    )
 
 
 # ---------------------------------------------------------------- real ranks

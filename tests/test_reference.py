@@ -79,7 +79,7 @@ def test_gather_scatter_alltoall_broadcast_by_hand():
     for r in range(4):
         ag, rs, a2a, bc = outs[r]
         assert torch.equal(ag, torch.cat(xs))
-        assert torch.equal(rs, total[r:r + 1])
+        assert torch.equal(rs, total[r : r + 1])
         assert torch.equal(a2a, torch.stack([xs[j][r] for j in range(4)]))
         assert torch.equal(bc, xs[3])
 
@@ -102,7 +102,9 @@ def test_subgroup_partition_runs_one_graph_on_all_ranks():
         run_reference(gm, ins, groups={name: [0, 2]})
     with pytest.raises(GroupResolutionError, match=f"group '{name}' is not in the group mapping"):
         run_reference(gm, ins, groups={"0": "world"})
-    with pytest.raises(CollectiveMismatchError, match="group_size"):  # wrong mapping caught by the op's group size
+    with pytest.raises(
+        CollectiveMismatchError, match="group_size"
+    ):  # wrong mapping caught by the op's group size
         gm2 = _trace(lambda x: W(c10d.all_gather_into_tensor.default(x, 2, "0")), torch.randn(2))
         run_reference(gm2, ins)
 
@@ -132,13 +134,19 @@ def _per_rank(fn_for_rank, *args, world=4, setup=None):
 
 
 def test_mismatched_collectives_are_reported():
-    gms = _per_rank(lambda r: (lambda x: W(c10d.all_reduce.default(x, "sum" if r != 2 else "max", "0"))),
-                    torch.randn(2))
-    with pytest.raises(CollectiveMismatchError,
-                       match=r"reduce_op differs between ranks: \['sum', 'sum', 'max', 'sum'\]"):
+    gms = _per_rank(
+        lambda r: lambda x: W(c10d.all_reduce.default(x, "sum" if r != 2 else "max", "0")), torch.randn(2)
+    )
+    with pytest.raises(
+        CollectiveMismatchError, match=r"reduce_op differs between ranks: \['sum', 'sum', 'max', 'sum'\]"
+    ):
         run_reference(gms, _rank_inputs(4, (2,)))
-    gms = _per_rank(lambda r: (lambda x: W(c10d.all_reduce.default(x, "sum", "0")) if r else
-                               W(c10d.broadcast.default(x, 0, "0"))), torch.randn(2))
+    gms = _per_rank(
+        lambda r: (
+            lambda x: W(c10d.all_reduce.default(x, "sum", "0")) if r else W(c10d.broadcast.default(x, 0, "0"))
+        ),
+        torch.randn(2),
+    )
     with pytest.raises(CollectiveMismatchError, match="issue different collectives"):
         run_reference(gms, _rank_inputs(4, (2,)))
 
@@ -155,14 +163,18 @@ def test_deadlock_is_reported_not_hung():
                 return W(c10d.all_reduce.default(a, "sum", pg.group_name))
             a = W(c10d.all_reduce.default(x, "sum", pg.group_name))
             return W(c10d.all_reduce.default(a, "sum", "0"))
+
         return f
 
     gms = _per_rank(fn_for_rank, torch.randn(2), setup=setup)
-    with pytest.raises(DeadlockError, match=r"rank 0 is blocked at node all_reduce .*group '0' \[0, 1, 2, 3\]"):
+    with pytest.raises(
+        DeadlockError, match=r"rank 0 is blocked at node all_reduce .*group '0' \[0, 1, 2, 3\]"
+    ):
         run_reference(gms, _rank_inputs(4, (2,)), groups={"0": "world", "1": [0, 1], "2": [2, 3]})
 
-    gms = _per_rank(lambda r: (lambda x: W(c10d.isend.default(x, 1, 0, "0")) if r == 0 else x + 0), torch.randn(2),
-                    world=2)
+    gms = _per_rank(
+        lambda r: lambda x: W(c10d.isend.default(x, 1, 0, "0")) if r == 0 else x + 0, torch.randn(2), world=2
+    )
     with pytest.raises(DeadlockError, match="rank 0 sent 1 message.* to rank 1 .*never received"):
         run_reference(gms, _rank_inputs(2, (2,)))
 
@@ -173,11 +185,14 @@ def test_unknown_collective_names_the_op_and_custom_kind_can_be_registered():
     lib.impl("m2ms", lambda x, g: x.clone(), "CompositeExplicitAutograd")
     lib.impl("m2ms", lambda x, g: torch.empty_like(x), "Meta")
     op = torch.ops.commfuse_reftest.m2ms.default
-    register_collective_op(op, CollectiveOpSpec(CollectiveKind.M2MS, lambda a, k: CollectiveArgs((a[0],), a[1])))
+    register_collective_op(
+        op, CollectiveOpSpec(CollectiveKind.M2MS, lambda a, k: CollectiveArgs((a[0],), a[1]))
+    )
     try:
         gm = _trace(lambda x: W(op(x, "0")), torch.randn(2))
-        with pytest.raises(UnknownCollectiveError,
-                           match=r"commfuse_reftest::m2ms .*kind 'many_to_many_scatter'.*register"):
+        with pytest.raises(
+            UnknownCollectiveError, match=r"commfuse_reftest::m2ms .*kind 'many_to_many_scatter'.*register"
+        ):
             run_reference(gm, _rank_inputs(2, (2,)))
 
         def reversed_gather(calls):  # test semantics: every rank gets the inputs in reverse rank order
@@ -198,13 +213,15 @@ def test_unregistered_communication_op_is_refused():
     from commfuse.ir import kinds
 
     with fake_process_group(2):
-        gm = make_fx(lambda x, o: c10d.all_gather_into_tensor_out.default(x, 2, "0", out=o),
-                     tracing_mode="fake")(torch.randn(2), torch.randn(4))
+        gm = make_fx(
+            lambda x, o: c10d.all_gather_into_tensor_out.default(x, 2, "0", out=o), tracing_mode="fake"
+        )(torch.randn(2), torch.randn(4))
     # Every _c10d_functional op is registered today: take one out to see the refusal.
     spec = kinds._REGISTRY.pop(c10d.all_gather_into_tensor_out.default)
     try:
-        with pytest.raises(UnknownCollectiveError,
-                           match="all_gather_into_tensor_out communicates but is not a registered"):
+        with pytest.raises(
+            UnknownCollectiveError, match="all_gather_into_tensor_out communicates but is not a registered"
+        ):
             ReferenceInterpreter(gm, 2)
     finally:
         kinds._REGISTRY[c10d.all_gather_into_tensor_out.default] = spec
@@ -237,9 +254,12 @@ def gloo_results(rank_pool_4):
 
 
 # every case as one SPMD graph and as one graph per rank (rank-dependent programs: per rank only)
-_GLOO_PARAMS = [pytest.param(case, per_rank, id=f"{case}-{'graph_per_rank' if per_rank else 'one_graph'}")
-                for case in sorted(cc.CASES) for per_rank in (False, True)
-                if per_rank or not cc.CASES[case].per_rank]
+_GLOO_PARAMS = [
+    pytest.param(case, per_rank, id=f"{case}-{'graph_per_rank' if per_rank else 'one_graph'}")
+    for case in sorted(cc.CASES)
+    for per_rank in (False, True)
+    if per_rank or not cc.CASES[case].per_rank
+]
 
 
 @pytest.mark.multirank
@@ -252,7 +272,9 @@ def test_reference_matches_gloo(gloo_results, case, per_rank):
         if spec.exact:
             assert_bitwise_equal_tree(outs[r], gloo_results[r][case], msg=f"{case} on rank {r}")
         else:
-            assert_close_tree(outs[r], gloo_results[r][case], msg=f"{case} on rank {r}", summands=cc.WORLD_SIZE)
+            assert_close_tree(
+                outs[r], gloo_results[r][case], msg=f"{case} on rank {r}", summands=cc.WORLD_SIZE
+            )
 
 
 def test_input_modified_while_in_flight_is_a_race():
@@ -264,7 +286,9 @@ def test_input_modified_while_in_flight_is_a_race():
         return W(work)
 
     gm = _trace(f, torch.randn(2), world=2)
-    with pytest.raises(InFlightMutationError, match=r"all_gather_into_tensor .*modified before its wait wait_tensor"):
+    with pytest.raises(
+        InFlightMutationError, match=r"all_gather_into_tensor .*modified before its wait wait_tensor"
+    ):
         run_reference(gm, _rank_inputs(2, (2,)))
 
     def ok(x):
@@ -282,6 +306,7 @@ def test_collective_results_are_contiguous_like_the_real_ops():
     all_reduce clone their input contiguously), so a traced graph may `view` a gathered permuted
     tensor; the reference's results allow the same (torch.cat of permuted inputs keeps their
     strides, a plain clone too)."""
+
     def f(x):
         g = W(c10d.all_gather_into_tensor.default(x.permute(0, 2, 1), 2, "0"))
         a = W(c10d.all_to_all_single.default(x.permute(1, 0, 2), [2, 2], [2, 2], "0"))

@@ -17,8 +17,13 @@ import torch
 import commfuse
 from commfuse.__main__ import main as cli
 from commfuse.passmgr.report import AnalysisReport
-from commfuse.reports import (predict_timelines, validate, volume_from_dump_dir, volume_from_graph,
-                              volume_from_reports)
+from commfuse.reports import (
+    predict_timelines,
+    validate,
+    volume_from_dump_dir,
+    volume_from_graph,
+    volume_from_reports,
+)
 from commfuse.reports.html import render_html
 from commfuse.reports.validate import RecordedCollective, load_plans
 from commfuse.reports.volume import collectives_of, resolve_rank_dir
@@ -40,8 +45,11 @@ def test_volume_reproduces_the_tp_llama_derivation():
     from commfuse.models.llama import LlamaConfig, build_llama, parallelize_llama
 
     with fake_mesh(N) as mesh:
-        model = parallelize_llama(build_llama(LlamaConfig(n_layers=2, dim=H, n_heads=4, ffn_dim=64, vocab=V)), mesh,
-                                  sequence_parallel=False)
+        model = parallelize_llama(
+            build_llama(LlamaConfig(n_layers=2, dim=H, n_heads=4, ffn_dim=64, vocab=V)),
+            mesh,
+            sequence_parallel=False,
+        )
         joint = capture_aot_graphs(model, torch.randint(0, V, (B, S))).joint
         code = joint.code
         rep = volume_from_graph(joint, _tp_config(mesh, passes=["chimera"]), graph_kind="joint")
@@ -51,14 +59,22 @@ def test_volume_reproduces_the_tp_llama_derivation():
     assert (after["forward"].wire_bytes, after["backward"].wire_bytes) == (18432, 25536)
     assert (rep.total("before").wire_bytes, rep.total("after").wire_bytes) == (52224, 43968)
     kinds = rep.totals("before", "kind")
-    assert (kinds["all_reduce"].count, kinds["all_gather"].count) == (16, 1)  # (1+2L) + (5L+1); the logits gather
+    assert (kinds["all_reduce"].count, kinds["all_gather"].count) == (
+        16,
+        1,
+    )  # (1+2L) + (5L+1); the logits gather
     after_kinds = rep.totals("after", "kind")
-    assert after_kinds["reduce_scatter"].count == 16 and after_kinds["all_reduce"].count == 5  # norm weight grads
+    assert (
+        after_kinds["reduce_scatter"].count == 16 and after_kinds["all_reduce"].count == 5
+    )  # norm weight grads
     # every collective has a Table 1 formula here, and the IR agrees with each
     assert all(c.formula is not None for c in rep.collectives())
     assert rep.formula_mismatches() == []
     ar = next(c for c in rep.collectives() if c.kind == "all_reduce" and c.side == "before")
-    assert ar.formula.name == "Chimera Table 1, TP all_reduce" and ar.formula.wire_bytes == 2 * 3 * B * S * H * 4 // 4
+    assert (
+        ar.formula.name == "Chimera Table 1, TP all_reduce"
+        and ar.formula.wire_bytes == 2 * 3 * B * S * H * 4 // 4
+    )
     assert [p.name for p in rep.reasons()] == ["chimera"] and rep.reasons()[0].changed
     assert "total" in rep.table() and "Chimera Table 1" in rep.table(collectives=True)
 
@@ -66,21 +82,35 @@ def test_volume_reproduces_the_tp_llama_derivation():
 def _moe_joint(layout: str, mesh):
     from commfuse.models.moe_tp import MoETPConfig, build_moe_tp, parallelize_moe_tp
 
-    cfg = MoETPConfig(n_layers=1, dim=H, n_heads=4, num_experts=8, ffn_dim=32, top_k=2, capacity_factor=0.0,
-                      token_groups=1, vocab=V if layout == "tp_ep" else None)
+    cfg = MoETPConfig(
+        n_layers=1,
+        dim=H,
+        n_heads=4,
+        num_experts=8,
+        ffn_dim=32,
+        top_k=2,
+        capacity_factor=0.0,
+        token_groups=1,
+        vocab=V if layout == "tp_ep" else None,
+    )
     model = parallelize_moe_tp(build_moe_tp(cfg), mesh, layout)
     x = torch.randint(0, V, (B, S)) if layout == "tp_ep" else torch.randn(B, S // N, H)
     return capture_aot_graphs(model, x, loss=lambda o: o[0].float().mean() + o[1]).joint
 
 
-@pytest.mark.parametrize("layout,want", [
-    # docs/chimera-moe.md, wire bytes per rank: (forward before, after), (backward before, after)
-    ("sp_ep_sp", ((10800, 4758), (14064, 7008))),
-    ("tp_ep", ((15408, 10902), (21744, 13728))),
-])
+@pytest.mark.parametrize(
+    "layout,want",
+    [
+        # docs/chimera-moe.md, wire bytes per rank: (forward before, after), (backward before, after)
+        ("sp_ep_sp", ((10800, 4758), (14064, 7008))),
+        ("tp_ep", ((15408, 10902), (21744, 13728))),
+    ],
+)
 def test_volume_reproduces_the_moe_derivations(layout, want):
     with fake_mesh(N) as mesh:
-        rep = volume_from_graph(_moe_joint(layout, mesh), _tp_config(mesh, passes=["chimera"]), graph_kind="joint")
+        rep = volume_from_graph(
+            _moe_joint(layout, mesh), _tp_config(mesh, passes=["chimera"]), graph_kind="joint"
+        )
     before, after = rep.totals("before", "direction"), rep.totals("after", "direction")
     assert (before["forward"].wire_bytes, after["forward"].wire_bytes) == want[0]
     assert (before["backward"].wire_bytes, after["backward"].wire_bytes) == want[1]
@@ -93,6 +123,7 @@ def test_volume_reproduces_the_moe_derivations(layout, want):
 
 def test_formula_check_reports_a_count_that_disagrees():
     """A wrong IR byte count (here planted in the analysis) shows as a formula difference."""
+
     def f(x):
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
@@ -106,8 +137,14 @@ def test_formula_check_reports_a_count_that_disagrees():
         rep = commfuse.analyze(gm)
     ok = collectives_of(rep, graph="g", side="before", direction="graph")
     assert ok[0].formula.wire_bytes == ok[0].wire_bytes == 3 * 2 * 8 * 16 * 4
-    bad = AnalysisReport.model_validate({**rep.model_dump(), "collectives": [
-        {**rep.collectives[0].model_dump(), "wire_bytes": rep.collectives[0].wire_bytes + 4}]})
+    bad = AnalysisReport.model_validate(
+        {
+            **rep.model_dump(),
+            "collectives": [
+                {**rep.collectives[0].model_dump(), "wire_bytes": rep.collectives[0].wire_bytes + 4}
+            ],
+        }
+    )
     row = collectives_of(bad, graph="g", side="before", direction="graph")[0]
     assert row.formula.wire_diff == 4 and row.formula.logged_diff == 0
 
@@ -172,7 +209,9 @@ def test_volume_from_dump_dir_and_from_reports_agree(dumped):
         assert from_dir.totals(side, "kind") == from_be.totals(side, "kind")
     # after = what runs: the forward and backward graphs, whose directions are their kinds
     assert set(from_dir.totals("after", "direction")) == {"forward", "backward"}
-    assert from_dir.total("before").wire_bytes == from_dir.total("after").wire_bytes  # TP+SP: nothing to remove
+    assert (
+        from_dir.total("before").wire_bytes == from_dir.total("after").wire_bytes
+    )  # TP+SP: nothing to remove
 
 
 def test_volume_from_reports_without_dumps_says_before_is_missing():
@@ -219,7 +258,7 @@ def test_html_page_is_self_contained_and_escapes_names(dumped, tmp_path):
     assert page.count('class="timeline predicted"') == 2 + 2 * 2
     assert "data:image/svg+xml;base64," in page or "DOT source" in page
     # nothing is fetched: no external URLs in src/href attributes
-    assert "src=\"http" not in page and "href=\"http" not in page and "<link" not in page
+    assert 'src="http' not in page and 'href="http' not in page and "<link" not in page
 
 
 def plant_hostile_names(d: Path) -> None:
@@ -236,7 +275,9 @@ def plant_hostile_names(d: Path) -> None:
     first.write_text(json.dumps(a))
     tr = d / "forward_000" / "predicted_trace.json"
     t = json.loads(tr.read_text())
-    t["traceEvents"].append({"name": HOSTILE, "cat": "compute", "ph": "X", "pid": 0, "tid": 0, "ts": 0.0, "dur": 1.0})
+    t["traceEvents"].append(
+        {"name": HOSTILE, "cat": "compute", "ph": "X", "pid": 0, "tid": 0, "ts": 0.0, "dur": 1.0}
+    )
     tr.write_text(json.dumps(t))
 
 
@@ -253,8 +294,20 @@ def _records_for(plans, *, order=None, runs=2, label_id=7):
                 elt = torch.empty((), dtype=getattr(torch, c.dtype)).element_size()
                 sent = sum(int(torch.Size(s).numel()) * elt for s in c.input_shapes)
                 recv = sum(int(torch.Size(s).numel()) * elt for s in c.output_shapes)
-                out.append(RecordedCollective(i, p["start"], f"{pg.kind}#{label_id}", p["kind"], p["group"],
-                                              p["issue_group"], p["logged_bytes"], sent, recv, 100.0))
+                out.append(
+                    RecordedCollective(
+                        i,
+                        p["start"],
+                        f"{pg.kind}#{label_id}",
+                        p["kind"],
+                        p["group"],
+                        p["issue_group"],
+                        p["logged_bytes"],
+                        sent,
+                        recv,
+                        100.0,
+                    )
+                )
     return out
 
 

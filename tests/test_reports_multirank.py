@@ -25,9 +25,12 @@ EXAMPLES = ["llama_tp", "llama_tp_sp", "moe_ep", "moe_tp_ep", "moe_sp_ep_sp", "s
 # pytest_collection_modifyitems comes after pytest-xdist's worker has read the marks (its hook
 # runs first), so without this mark the module's tests were dealt to both workers and each
 # recorded every example (the module fixture, about a minute, twice).
-pytestmark = [pytest.mark.slow(reason="records every example on 4 gloo ranks once (module fixture), then checks the "
-                                      "reports"),
-              pytest.mark.xdist_group("ranks")]
+pytestmark = [
+    pytest.mark.slow(
+        reason="records every example on 4 gloo ranks once (module fixture), then checks the reports"
+    ),
+    pytest.mark.xdist_group("ranks"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +112,10 @@ def test_four_rank_dumps_reproduce_the_chimera_numbers(recorded):
     # every rank was given the same dump dir: rank<r>/ each, and the index lists all four
     index = read_dump_index(d / "dumps")
     assert index["world_size"] == 4 and [e["rank"] for e in index["ranks"]] == [0, 1, 2, 3]
-    assert len({tuple(e["graphs"]) for e in index["ranks"]}) == 1 and "backward_000" in index["ranks"][0]["graphs"]
+    assert (
+        len({tuple(e["graphs"]) for e in index["ranks"]}) == 1
+        and "backward_000" in index["ranks"][0]["graphs"]
+    )
     for rank in range(4):
         vol = volume_from_dump_dir(d / "dumps", rank=rank)
         assert vol.total("before").wire_bytes == 52224
@@ -124,8 +130,15 @@ def test_four_rank_dumps_reproduce_the_chimera_numbers(recorded):
 def test_report_page_with_measured_and_predicted_timelines(recorded):
     d, _ = recorded["llama_tp"]
     page = render_html(d / "dumps", record_dir=d / "record")
-    for section in ('id="summary"', 'id="volume"', 'id="collectives"', 'id="passes"', 'id="graphs"',
-                    'id="timelines"', 'id="validation"'):
+    for section in (
+        'id="summary"',
+        'id="volume"',
+        'id="collectives"',
+        'id="passes"',
+        'id="graphs"',
+        'id="timelines"',
+        'id="validation"',
+    ):
         assert section in page
     # forward + backward predicted: as run on the first screen, before and as run under Timelines
     assert page.count('class="timeline predicted"') == 2 + 2 * 2

@@ -96,6 +96,7 @@ def test_a_gradient_reduction_fixes_its_operand_but_not_the_compute_that_makes_i
     """A reduce_scatter's operand has the same size on every rank of its group (the program runs
     only so), whatever the local batch it was computed from; the matmul that computes it reads
     the local batch."""
+
     def f(dy, x):
         g = funcol.reduce_scatter_tensor(dy.t() @ x, "sum", 0, dist.group.WORLD)
         return g * 2
@@ -147,21 +148,25 @@ def test_size_hints_are_rank_invariant_and_bounded():
 def test_a_symbolic_tiny_mlp_step_is_priced_at_a_plausible_time():
     """Batch and sequence symbolic: priced at 64 x 64 rows, not 4096 x 4096 (a step of minutes)."""
     w1, w2 = torch.randn(16, 64), torch.randn(64, 16)
-    gm = make_fx(lambda x: torch.relu(x @ w1) @ w2, tracing_mode="symbolic",
-                 _allow_non_fake_inputs=True)(torch.randn(3, 5, 16))
+    gm = make_fx(lambda x: torch.relu(x @ w1) @ w2, tracing_mode="symbolic", _allow_non_fake_inputs=True)(
+        torch.randn(3, 5, 16)
+    )
     model = AnalyticCostModel(TOPO, backend="gloo")
     step = sum(model.compute_time_us(n) for n in gm.graph.nodes)
     assert 0 < step < 10_000, step  # microseconds
 
 
 # ---------------------------------------------------------------- the gate
-@pytest.mark.parametrize("before, after, kept", [
-    (223e6, 223e6 + 70.0, False),  # the issue's case: a 223 s prediction hid 70 us
-    (500.0, 500.0 + 1e-3, False),
-    (500.0, 500.0, True),
-    (500.0, 500.0 * (1 + 1e-12), True),  # float rounding of the simulator's sums only
-    (500.0, 499.0, True),
-])
+@pytest.mark.parametrize(
+    "before, after, kept",
+    [
+        (223e6, 223e6 + 70.0, False),  # the issue's case: a 223 s prediction hid 70 us
+        (500.0, 500.0 + 1e-3, False),
+        (500.0, 500.0, True),
+        (500.0, 500.0 * (1 + 1e-12), True),  # float rounding of the simulator's sums only
+        (500.0, 499.0, True),
+    ],
+)
 def test_the_gate_never_keeps_a_change_it_predicts_slower(monkeypatch, before, after, kept):
     preds = iter([before, after])
     monkeypatch.setattr(gate, "predicted_us", lambda *a, **k: next(preds))
@@ -191,6 +196,7 @@ def _data_parallel(mode: str, dims):
         torch.manual_seed(0)
         model = simple_fsdp.data_parallel(_MLP(), mesh, mode)
         return model, lambda b: torch.randn(b, 16), lambda out: out.pow(2).mean()
+
     return build, dims
 
 
@@ -204,6 +210,7 @@ def _expert_parallel():
         # them from the local tokens, which uneven batches cannot run).
         model.capacity = lambda tokens: 4
         return model, lambda b: torch.randn(b, 4, 16), lambda out: out[0].pow(2).mean() + out[1]
+
     return build, ("ep",)
 
 
@@ -235,8 +242,10 @@ def _sequences(program: str, batch: int, dynamic: bool, topology) -> dict:
     return out
 
 
-@pytest.mark.slow(reason="traces three parallel programs six times each through Dynamo, AOTAutograd and the "
-                         "default pipeline (~10 s a trace on 2 cores)")
+@pytest.mark.slow(
+    reason="traces three parallel programs six times each through Dynamo, AOTAutograd and the "
+    "default pipeline (~10 s a trace on 2 cores)"
+)
 @pytest.mark.parametrize("topology", [None, TOPO], ids=["no-topology", "cpu-gloo"])
 @pytest.mark.parametrize("program", sorted(PROGRAMS))
 def test_every_local_batch_gets_the_same_collectives(program, topology):
@@ -261,8 +270,10 @@ def _fsdp_train_step(x, s1, s2):
     h = torch.relu(x @ w1.t())
     y = h @ w2.t()
     gh = (y @ w2) * (h > 0)
-    return (funcol.reduce_scatter_tensor(y.t() @ h, "avg", 0, g),
-            funcol.reduce_scatter_tensor(gh.t() @ x, "avg", 0, g))
+    return (
+        funcol.reduce_scatter_tensor(y.t() @ h, "avg", 0, g),
+        funcol.reduce_scatter_tensor(gh.t() @ x, "avg", 0, g),
+    )
 
 
 def _step_sequences(batch, symbolic: bool) -> dict:
@@ -281,8 +292,12 @@ def _step_sequences(batch, symbolic: bool) -> dict:
         commfuse.optimize(gm, commfuse.Config(topology=TOPO))
         ir = CollectiveIR(gm)
         assert len(ir.groups) == 1  # one group: its sequence is the graph's
-        return {"sequence": [(c.kind.value, c.reduce_op, str(c.dtype), [str(s) for s in c.input_shapes or ()])
-                             for c in ir.collectives]}
+        return {
+            "sequence": [
+                (c.kind.value, c.reduce_op, str(c.dtype), [str(s) for s in c.input_shapes or ()])
+                for c in ir.collectives
+            ]
+        }
 
 
 def test_a_train_step_graph_gets_the_same_collectives_at_every_local_batch():

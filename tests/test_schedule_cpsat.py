@@ -40,7 +40,9 @@ def prefetch():
 
 
 def _refine(p, sim, order, r, limit, det=2.0):
-    return refine_windows(p, sim, order, r, max_nodes=60, det_time_s=det, acceptable=_anything, memory_limit=limit)
+    return refine_windows(
+        p, sim, order, r, max_nodes=60, det_time_s=det, acceptable=_anything, memory_limit=limit
+    )
 
 
 def test_memory_constraint_keeps_the_window_within_the_limit(prefetch):
@@ -80,7 +82,10 @@ def test_window_accounting_matches_the_simulator(prefetch):
     assert by_name["mm_1"].used_after and not by_name["tanh"].used_after
     # the gathered weight is also touched by its wait and read by mm_1
     assert [p.nodes[i].name for i in by_name["all_gather_into_tensor"].touchers] == [
-        "all_gather_into_tensor", "wait_tensor", "mm_1"]
+        "all_gather_into_tensor",
+        "wait_tensor",
+        "mm_1",
+    ]
     # the simulator's live bytes anywhere in the window are covered: through + the intervals
     prof = live_profile(p, order)
     assert max(prof[i] for i in order[lo:hi]) <= mem.live_through + sum(b.bytes for b in mem.buffers)
@@ -93,8 +98,9 @@ def test_unreachable_limit_leaves_the_order(prefetch):
     assert got_order == order and got is r_in
     assert info["windows"] and all(w["status"] == "INFEASIBLE" and not w["kept"] for w in info["windows"])
     # small windows: where the bytes living across one alone pass the limit, it is not solved
-    got_order, _, info = refine_windows(p, sim, order, r_in, max_nodes=6, det_time_s=2.0, acceptable=_anything,
-                                        memory_limit=1.0)
+    got_order, _, info = refine_windows(
+        p, sim, order, r_in, max_nodes=6, det_time_s=2.0, acceptable=_anything, memory_limit=1.0
+    )
     assert got_order == order and not any(w["kept"] for w in info["windows"])
     statuses = [w["status"] for w in info["windows"]]
     assert "OVER_MEMORY_LIMIT" in statuses and set(statuses) <= {"OVER_MEMORY_LIMIT", "INFEASIBLE"}, statuses
@@ -110,8 +116,9 @@ def test_symmetric_window_with_a_hint_is_solved():
     # OR-Tools' presolve symmetry detection raised IndexError (absl::btree_map::at) on this
     # window once the current order was given as a hint; the fuzzer found it
     with fake_process_group(4):
-        gm = make_fx(_symmetric_fn, tracing_mode="fake")(torch.randn(2, 4, 4).to(torch.bfloat16),
-                                                         torch.randn(4, 4).to(torch.bfloat16))
+        gm = make_fx(_symmetric_fn, tracing_mode="fake")(
+            torch.randn(2, 4, 4).to(torch.bfloat16), torch.randn(4, 4).to(torch.bfloat16)
+        )
     sim = Simulator(gm, AnalyticCostModel(DGX, backend="nccl"))
     p = build_problem(gm, sim, CollectiveIR(gm))
     assert sum(n.target is operator.getitem for n in p.nodes) == 4
@@ -122,6 +129,7 @@ def test_symmetric_window_with_a_hint_is_solved():
 
 
 # --- the examples: TP+SP Llama, SimpleFSDP, MoE (8 fake ranks, DGX-H100) ---------------------------------
+
 
 @pytest.fixture(scope="module")
 def example_graphs():
@@ -147,7 +155,9 @@ def _greedy(gm):
     ir = CollectiveIR(gm)
     sim = Simulator(gm, AnalyticCostModel(DGX, backend="nccl"), ir=ir)
     p = build_problem(gm, sim, ir)
-    limit = 1.05 * sim.simulate(record=False).peak_memory_bytes  # tighter than the default 1.10: work left for CP-SAT
+    limit = (
+        1.05 * sim.simulate(record=False).peak_memory_bytes
+    )  # tighter than the default 1.10: work left for CP-SAT
     order = list_schedule(p, Priority(True, True), max_inflight_bytes=None, memory_limit=limit).order
     r = sim.simulate([p.nodes[i] for i in order], record=False)
     # The pass refines only a greedy order within its budget (it retries over-budget ones with a
@@ -189,11 +199,15 @@ def test_without_or_tools_the_pass_keeps_the_greedy_order_and_says_why(monkeypat
     from commfuse.schedule import cpsat
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ortools" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ortools" else real(name, *a)
+    )
     assert "OR-Tools is not installed" in cpsat.solver_missing()
     with fake_process_group(8):
         gm = prefetch_graph(64, 8)
-    commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], strict=True, topology=DGX), graph_kind="forward")
+    commfuse.optimize(
+        gm, commfuse.Config(passes=["schedule_overlap"], strict=True, topology=DGX), graph_kind="forward"
+    )
     (rec,) = commfuse.last_report(gm).passes
     assert rec.error is None
     (decision,) = rec.decisions[:1]

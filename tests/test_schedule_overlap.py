@@ -48,7 +48,9 @@ def _schedule(gm: fx.GraphModule, graph_kind: str = "forward", **cfg):
     # default it does not price compute that follows from a data-parallel rank's local batch
     # (tests/test_same_decision.py).
     cfg.setdefault("uniform_batches", True)
-    commfuse.optimize(gm, commfuse.Config(passes=["schedule_overlap"], strict=True, **cfg), graph_kind=graph_kind)
+    commfuse.optimize(
+        gm, commfuse.Config(passes=["schedule_overlap"], strict=True, **cfg), graph_kind=graph_kind
+    )
     return commfuse.last_report(gm).passes[0]
 
 
@@ -90,7 +92,9 @@ def test_all_gathers_are_issued_above_independent_compute(prefetch_gm):
     assert rec.changed and rec.counts["collectives_raised"] >= 2, rec
     # every gather now starts before the first matmul; each wait sits right before its matmul
     FileCheck().check_count("all_gather_into_tensor", 3).check("aten.mm").run(gm.code)
-    FileCheck().check("all_gather_into_tensor_2").check("aten.mm").check("aten.tanh").check("wait_tensor").run(gm.code)
+    FileCheck().check("all_gather_into_tensor_2").check("aten.mm").check("aten.tanh").check(
+        "wait_tensor"
+    ).run(gm.code)
     d = rec.decisions[0]
     assert d["output"]["exposed_comm_us"] < d["input"]["exposed_comm_us"]
     assert d["output"]["makespan_us"] <= d["input"]["makespan_us"]
@@ -139,11 +143,14 @@ def _mutation_fn(x, y, w):
 
 def test_nothing_moves_past_a_mutation():
     with fake_process_group(8):
-        gm = make_fx(_mutation_fn, tracing_mode="fake")(torch.randn(256, 256), torch.randn(4), torch.randn(32, 256))
+        gm = make_fx(_mutation_fn, tracing_mode="fake")(
+            torch.randn(256, 256), torch.randn(4), torch.randn(32, 256)
+        )
         rec = _schedule(gm)
         # the gather is raised above the tanh after the mutation but not above the mutation itself
-        FileCheck().check("aten.add_").check("all_gather_into_tensor").check("aten.mm").check("wait_tensor").run(
-            gm.code)
+        FileCheck().check("aten.add_").check("all_gather_into_tensor").check("aten.mm").check(
+            "wait_tensor"
+        ).run(gm.code)
         assert rec.counts.get("collectives_raised", 0) >= 1
 
 
@@ -174,8 +181,9 @@ def _small_fn(x, w1, w2):
 @pytest.mark.parametrize("n", [64, 256, 512])
 def test_cpsat_is_never_worse_than_greedy_on_small_graphs(n):
     with fake_process_group(8):
-        gm = make_fx(_small_fn, tracing_mode="fake")(torch.randn(n, n), torch.randn(n // 8, n),
-                                                    torch.randn(n // 8, n))
+        gm = make_fx(_small_fn, tracing_mode="fake")(
+            torch.randn(n, n), torch.randn(n // 8, n), torch.randn(n // 8, n)
+        )
         before = _copy(gm)
         assert len(gm.graph.nodes) <= 60
         rec = _schedule(gm)
@@ -198,8 +206,15 @@ def test_graph_without_collectives_is_refused():
     assert not rec.changed and "no collectives" in rec.refusals[0]
 
 
-@pytest.mark.parametrize("field,value", [("schedule_memory_budget", 0.5), ("schedule_cpsat_max_nodes", -1),
-                                         ("schedule_max_inflight_bytes", 0), ("schedule_cpsat_time_limit_s", 0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("schedule_memory_budget", 0.5),
+        ("schedule_cpsat_max_nodes", -1),
+        ("schedule_max_inflight_bytes", 0),
+        ("schedule_cpsat_time_limit_s", 0),
+    ],
+)
 def test_bad_config_names_the_field(field, value):
     with pytest.raises(Exception, match=field):
         commfuse.Config(**{field: value})
@@ -225,8 +240,9 @@ def _memory_trap_fn(x, y, w, v):
 
 
 def _memory_trap(n: int = 256) -> fx.GraphModule:
-    return make_fx(_memory_trap_fn, tracing_mode="fake")(torch.randn(8 * n, n), torch.randn(n, n), torch.randn(n, n),
-                                                         torch.randn(n, 6 * n))
+    return make_fx(_memory_trap_fn, tracing_mode="fake")(
+        torch.randn(8 * n, n), torch.randn(n, n), torch.randn(n, n), torch.randn(n, 6 * n)
+    )
 
 
 @pytest.fixture
@@ -259,8 +275,10 @@ def test_memory_repaired_order_is_deterministic(memory_trap_gm):
     sim = Simulator(memory_trap_gm, AnalyticCostModel(DGX))
     p = build_problem(memory_trap_gm, sim, CollectiveIR(memory_trap_gm))
     limit = 1.10 * sim.simulate(record=False).peak_memory_bytes
-    orders = [list_schedule(p, Priority(True, True, True), max_inflight_bytes=None, memory_limit=limit).order
-              for _ in range(2)]
+    orders = [
+        list_schedule(p, Priority(True, True, True), max_inflight_bytes=None, memory_limit=limit).order
+        for _ in range(2)
+    ]
     assert orders[0] == orders[1] and sorted(orders[0]) == list(range(p.size))  # a pure reorder
     assert [i for i in orders[0] if i in p.coll_bytes] == p.collectives  # issue order kept
     a, b = _copy(memory_trap_gm), _copy(memory_trap_gm)
@@ -300,7 +318,10 @@ def test_fsdp_graph_is_deterministic_keeps_collective_order_and_is_bitwise(fsdp_
     assert ir1.order_hash() == ir0.order_hash() and ir1.sequence_hashes() == ir0.sequence_hashes()
     d = ra.decisions[0]
     assert d["output"]["makespan_us"] <= d["input"]["makespan_us"]
-    assert d["output"]["peak_memory_bytes"] <= commfuse.Config().schedule_memory_budget * d["input"]["peak_memory_bytes"]
+    assert (
+        d["output"]["peak_memory_bytes"]
+        <= commfuse.Config().schedule_memory_budget * d["input"]["peak_memory_bytes"]
+    )
     if kind == "forward":  # weight gathers are prefetched: less exposed communication
         assert ra.changed and d["output"]["exposed_comm_us"] < d["input"]["exposed_comm_us"]
         FileCheck().check("all_gather_into_tensor_1").check("aten.mm").run(a.code)
@@ -335,5 +356,3 @@ def test_default_pipeline_with_the_scheduler_matches_eager(rank_pool_4, example)
     results = rank_pool_4.run(compiled_matches_eager, example, "float32", "eager", 2, passes, timeout=240)
     recs = [p for p in results[0]["passes"] if p["name"] == "schedule_overlap"]
     assert recs and any(p["changed"] for p in recs), recs
-
-

@@ -157,7 +157,9 @@ def test_sink_waits_hides_communication():
 
 
 # ------------------------------------------------------------------ Centauri's overlap bound
-@pytest.mark.parametrize("alpha", [Fraction(1, 10), Fraction(1, 3), Fraction(1, 2), Fraction(2, 3), Fraction(9, 10)])
+@pytest.mark.parametrize(
+    "alpha", [Fraction(1, 10), Fraction(1, 3), Fraction(1, 2), Fraction(2, 3), Fraction(9, 10)]
+)
 def test_centauri_overlap_bound(alpha):
     """One compute op of α·T and one overlappable collective of (1-α)·T: speedup = min(1/α, 1/(1-α))."""
     T = Fraction(1000)
@@ -274,7 +276,9 @@ class ShapeEstimator(TableEstimator):
     def compute_time_us(self, node):
         self.calls += 1
         v = node.meta.get("val")
-        return 1 + Fraction(v.numel(), 64) if isinstance(v, torch.Tensor) and node.op == "call_function" else 0
+        return (
+            1 + Fraction(v.numel(), 64) if isinstance(v, torch.Tensor) and node.op == "call_function" else 0
+        )
 
     def collective(self, c):
         self.calls += 1
@@ -282,8 +286,14 @@ class ShapeEstimator(TableEstimator):
 
 
 def _summary(r):
-    return (r.summary(), r.peak_memory_node, [(c.name, c.start_us, c.end_us) for c in r.collectives],
-            r.node_names, r.node_starts, r.node_ends)
+    return (
+        r.summary(),
+        r.peak_memory_node,
+        [(c.name, c.start_us, c.end_us) for c in r.collectives],
+        r.node_names,
+        r.node_starts,
+        r.node_ends,
+    )
 
 
 def _hoistable(gm):
@@ -294,9 +304,13 @@ def _hoistable(gm):
     for c in gm.graph.nodes:
         if c.op != "call_function" or collective_spec(c.target) is None:
             continue
-        for n in list(gm.graph.nodes)[pos[c] + 1:]:
-            if n.op == "call_function" and not is_wait(n.target) and n.all_input_nodes \
-                    and all(pos[a] < pos[c] for a in n.all_input_nodes):
+        for n in list(gm.graph.nodes)[pos[c] + 1 :]:
+            if (
+                n.op == "call_function"
+                and not is_wait(n.target)
+                and n.all_input_nodes
+                and all(pos[a] < pos[c] for a in n.all_input_nodes)
+            ):
                 return n, c
     raise AssertionError("no hoistable node")
 

@@ -21,6 +21,7 @@ c10d = torch.ops._c10d_functional
 def _one_all_reduce(group: str):
     def f(x, w):
         return torch.mm(c10d.wait_tensor(c10d.all_reduce(x, "sum", group)), w).relu()
+
     return f
 
 
@@ -31,6 +32,7 @@ def _two_half_all_reduces(group: str):
         a = c10d.wait_tensor(c10d.all_reduce(a, "sum", group))
         b = c10d.wait_tensor(c10d.all_reduce(b, "sum", group))
         return torch.mm(torch.cat([a, b]), w).relu()
+
     return f
 
 
@@ -91,7 +93,9 @@ def test_an_explicit_pass_list_is_not_gated_unless_asked(split_pass):
 def test_the_gate_prices_with_the_topology_when_there_is_one(split_pass):
     gm = split_pass
     topo = Topology.preset("dgx-h100")
-    commfuse.optimize(gm, commfuse.Config(passes=["test_split_in_halves"], step_time_gate=True, topology=topo))
+    commfuse.optimize(
+        gm, commfuse.Config(passes=["test_split_in_halves"], step_time_gate=True, topology=topo)
+    )
     (verdict,) = [d for d in commfuse.last_report(gm).passes[0].decisions if "gate" in d]
     assert verdict["priced_with"] == "dgx-h100" and verdict["gate"] == "reverted"
 
@@ -115,7 +119,9 @@ def _chimera_verdict(family: str, sizes: dict, topology) -> tuple[dict, object]:
         torch.manual_seed(0)
         w = get_workload(f"{family}:s")
         built = w.family.builder(2, 0, **{**w.params, **sizes})
-        be = commfuse.backend(commfuse.Config(inner_compiler="eager", group_roles=built.roles, topology=topology))
+        be = commfuse.backend(
+            commfuse.Config(inner_compiler="eager", group_roles=built.roles, topology=topology)
+        )
         built.loss(torch.compile(built.model, backend=be)(*built.inputs)).backward()
     joint = next(r for r in be.reports if r.graph == "joint")
     chimera = next(p for p in joint.passes if p.name == "chimera")
@@ -131,10 +137,13 @@ def test_tp_to_sp_motion_on_a_small_plain_tp_llama_is_reverted_as_slower():
     assert joint.analysis.total.wire_bytes == joint.input_wire_bytes == 229376
 
 
-@pytest.mark.slow(reason="a MoE block wide enough for motion to pay (dim 1024, 4 x 1024 tokens): ~20 s of tracing")
+@pytest.mark.slow(
+    reason="a MoE block wide enough for motion to pay (dim 1024, 4 x 1024 tokens): ~20 s of tracing"
+)
 def test_motion_around_a_wide_tp_ep_moe_block_is_kept_as_faster():
-    verdict, joint = _chimera_verdict("moe_tp_ep", {"dim": 1024, "ffn_dim": 2048, "seq": 1024, "batch": 4},
-                                      Topology.preset("dgx-h100"))
+    verdict, joint = _chimera_verdict(
+        "moe_tp_ep", {"dim": 1024, "ffn_dim": 2048, "seq": 1024, "batch": 4}, Topology.preset("dgx-h100")
+    )
     assert verdict["gate"] == "kept"
     assert verdict["predicted_after_us"] < verdict["predicted_before_us"]
     assert joint.analysis.total.wire_bytes < joint.input_wire_bytes

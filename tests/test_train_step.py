@@ -113,7 +113,9 @@ def test_gradients_accumulate_across_calls_and_graph_is_reused():
         x, y = _batch(seed=seed)
         ref_losses.append(_plain_loop(ref_model, x, y, 2))
         losses.append(step(x, targets=y))
-    assert_close_tree({"loss": losses, "grads": _grads(model)}, {"loss": ref_losses, "grads": _grads(ref_model)})
+    assert_close_tree(
+        {"loss": losses, "grads": _grads(model)}, {"loss": ref_losses, "grads": _grads(ref_model)}
+    )
     assert len(step.graphs) == 1
 
 
@@ -179,7 +181,10 @@ def tag_recorder():
         def run(self, ctx):
             mm = Counter()
             for n in ctx.gm.graph.nodes:
-                if n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                if n.op == "call_function" and n.target in (
+                    torch.ops.aten.mm.default,
+                    torch.ops.aten.addmm.default,
+                ):
                     mm[(microbatch_of(n), n.meta.get("partitioner_tag", "fw"))] += 1
             _SEEN.append(dict(mm))
             return PassResult(changed=False)
@@ -228,14 +233,21 @@ def test_fullgraph_makes_a_graph_break_an_error():
         step(x, targets=y)
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    ({"microbatches": 0}, ValueError, r"microbatches must be >= 1, got 0"),
-    ({"microbatches": -2}, ValueError, r"microbatches must be >= 1"),
-    ({"microbatches": 2.0}, TypeError, r"microbatches must be an int"),
-    ({"microbatches": True}, TypeError, r"microbatches must be an int"),
-    ({"microbatches": 2, "reduction": "avg"}, ValueError, r"reduction must be 'mean' or 'sum'"),
-    ({"microbatches": 2, "config": {"inner_compiler": "eager"}}, TypeError, r"config must be a commfuse.Config"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"microbatches": 0}, ValueError, r"microbatches must be >= 1, got 0"),
+        ({"microbatches": -2}, ValueError, r"microbatches must be >= 1"),
+        ({"microbatches": 2.0}, TypeError, r"microbatches must be an int"),
+        ({"microbatches": True}, TypeError, r"microbatches must be an int"),
+        ({"microbatches": 2, "reduction": "avg"}, ValueError, r"reduction must be 'mean' or 'sum'"),
+        (
+            {"microbatches": 2, "config": {"inner_compiler": "eager"}},
+            TypeError,
+            r"config must be a commfuse.Config",
+        ),
+    ],
+)
 def test_bad_arguments_name_the_field(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         compile_train_step(_MLP(), _mse, **kwargs)
@@ -291,11 +303,14 @@ def test_exported_from_package():
 
 
 # ------------------------------------------------- captured graph, fake group of 4
-@pytest.mark.parametrize("layout, per_microbatch", [
-    ("simple_fsdp", {"all_gather": 9, "reduce_scatter": 9}),  # gather each parameter, reduce its grad
-    ("ddp", {"all_reduce": 9}),                                # all-reduce each parameter's grad
-    ("tp_sp", {"all_gather": 4, "reduce_scatter": 4}),         # SP: 2 gathers + 2 scatters, fw and bw
-])
+@pytest.mark.parametrize(
+    "layout, per_microbatch",
+    [
+        ("simple_fsdp", {"all_gather": 9, "reduce_scatter": 9}),  # gather each parameter, reduce its grad
+        ("ddp", {"all_reduce": 9}),  # all-reduce each parameter's grad
+        ("tp_sp", {"all_gather": 4, "reduce_scatter": 4}),  # SP: 2 gathers + 2 scatters, fw and bw
+    ],
+)
 @pytest.mark.slow(reason="traces whole train steps with several micro-batches")
 def test_joint_graph_holds_every_microbatch_collectives(layout, per_microbatch):
     """With no passes, the one joint graph of a 4-micro-batch step holds 4x one micro-batch's collectives
@@ -309,20 +324,26 @@ def test_joint_graph_holds_every_microbatch_collectives(layout, per_microbatch):
         if layout == "tp_sp":
             model = llama.parallelize_llama(model, mesh, sequence_parallel=True)
         else:
-            model = simple_fsdp.data_parallel(model, mesh, "fully_shard" if layout == "simple_fsdp" else "replicate")
+            model = simple_fsdp.data_parallel(
+                model, mesh, "fully_shard" if layout == "simple_fsdp" else "replicate"
+            )
         cfg = commfuse.Config(inner_compiler="eager", passes=[])
         step = compile_train_step(model, _mse, microbatches=4, config=cfg)
         x = torch.randn(8, 2 if layout == "tp_sp" else 8, 32)
         step(x, targets=torch.randn_like(x))
     joint = [r for r in step.reports if r.graph == "joint"]
     assert step.graph_count == 1 and len(joint) == 1
-    assert {k: t.count for k, t in joint[0].analysis.by_kind.items()} == {k: 4 * v for k, v in per_microbatch.items()}
+    assert {k: t.count for k, t in joint[0].analysis.by_kind.items()} == {
+        k: 4 * v for k, v in per_microbatch.items()
+    }
 
 
 # ---------------------------------------------------------------- 4 gloo ranks
 @pytest.mark.slow(reason="compiles whole train steps (several micro-batches) on 4 gloo ranks")
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout, microbatches", [("simple_fsdp", [1, 2, 4]), ("tp_sp", [1, 2, 4]), ("ddp", [1, 4])])
+@pytest.mark.parametrize(
+    "layout, microbatches", [("simple_fsdp", [1, 2, 4]), ("tp_sp", [1, 2, 4]), ("ddp", [1, 4])]
+)
 def test_parallel_llama_equals_plain_loop_on_4_ranks(rank_pool_4, layout, microbatches):
     import _jobs_train_step as jobs
 

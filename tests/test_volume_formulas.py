@@ -43,8 +43,11 @@ def test_table2_rows_are_exact():
     rows = {r.transition: r for r in V.table2()}
     assert list(rows) == ["TP+SP", "TP+PP", "TP+EP", "PP+EP", "SP+PP", "SP+EP"]
     assert rows["TP+SP"].ratio == sympy.Rational(1, 2)  # exactly, for symbolic B, S, H, N
-    assert _eq(rows["TP+PP"].ratio, (B * S * H + (N2 - 1) * B * S * H / N2)
-               / (2 * (N1 - 1) * B * S * H / N1 + B * S * H / N1 + (N2 - 1) * B * S * H / N2))
+    assert _eq(
+        rows["TP+PP"].ratio,
+        (B * S * H + (N2 - 1) * B * S * H / N2)
+        / (2 * (N1 - 1) * B * S * H / N1 + B * S * H / N1 + (N2 - 1) * B * S * H / N2),
+    )
     assert _eq(rows["TP+EP"].ratio.subs({N1: N, N2: N}), (1 + k) / (2 + k))
     assert _eq(rows["PP+EP"].ratio, 1 / (1 + (N - 1) * k / N))
     assert _eq(rows["SP+PP"].ratio, N / (2 * N - 1))
@@ -92,9 +95,14 @@ def test_table2_ratios_through_the_ir():
             e = torch.cat([x] * kk)  # EP dispatch buffer: B·S·k tokens
             sp = [e.shape[0] // n] * n
             w = c10d.wait_tensor
-            return (w(c10d.all_reduce(x, "sum", g)), w(c10d.reduce_scatter_tensor(x, "sum", n, g)),
-                    w(c10d.all_gather_into_tensor(xs, n, g)), w(c10d.all_to_all_single(e, sp, sp, g)),
-                    w(c10d.isend(x, 1, 0, g)), w(c10d.isend(xs, 1, 0, g)))
+            return (
+                w(c10d.all_reduce(x, "sum", g)),
+                w(c10d.reduce_scatter_tensor(x, "sum", n, g)),
+                w(c10d.all_gather_into_tensor(xs, n, g)),
+                w(c10d.all_to_all_single(e, sp, sp, g)),
+                w(c10d.isend(x, 1, 0, g)),
+                w(c10d.isend(xs, 1, 0, g)),
+            )
 
         gm = make_fx(f, tracing_mode="symbolic")(torch.randn(8, 6, 4))
         colls = CollectiveIR(gm).collectives
@@ -142,16 +150,25 @@ def test_table2_ratios_through_the_simulator():
             e = torch.cat([x] * kk)
             sp = [e.shape[0] // n] * n
             w = c10d.wait_tensor
-            return (w(c10d.all_reduce(x, "sum", g)), w(c10d.reduce_scatter_tensor(x, "sum", n, g)),
-                    w(c10d.all_gather_into_tensor(xs, n, g)), w(c10d.all_to_all_single(e, sp, sp, g)),
-                    w(c10d.isend(x, 1, 0, g)), w(c10d.isend(xs, 1, 0, g)))
+            return (
+                w(c10d.all_reduce(x, "sum", g)),
+                w(c10d.reduce_scatter_tensor(x, "sum", n, g)),
+                w(c10d.all_gather_into_tensor(xs, n, g)),
+                w(c10d.all_to_all_single(e, sp, sp, g)),
+                w(c10d.isend(x, 1, 0, g)),
+                w(c10d.isend(xs, 1, 0, g)),
+            )
 
         r = simulate(make_fx(f, tracing_mode="fake")(torch.randn(b, s, h)), WireTime())
     AR, RS, AG, A2A, P2P, M2MS_SHARD = [c.duration_us for c in r.collectives]
     assert r.comm_us == AR + RS + AG + A2A + P2P + M2MS_SHARD
     current_fused = {
-        "TP+SP": ([AR], [RS]), "TP+PP": ([AR, M2MS_SHARD, AG], [P2P, AG]), "TP+EP": ([AR, A2A], [RS, A2A]),
-        "PP+EP": ([P2P, A2A], [P2P]), "SP+PP": ([AG, P2P], [P2P]), "SP+EP": ([AG, A2A], [A2A]),
+        "TP+SP": ([AR], [RS]),
+        "TP+PP": ([AR, M2MS_SHARD, AG], [P2P, AG]),
+        "TP+EP": ([AR, A2A], [RS, A2A]),
+        "PP+EP": ([P2P, A2A], [P2P]),
+        "SP+PP": ([AG, P2P], [P2P]),
+        "SP+EP": ([AG, A2A], [A2A]),
     }
     for row in V.table2():
         cur, fused = current_fused[row.transition]
@@ -222,11 +239,17 @@ def test_llama_tp_all_reduces_match(llama_reports):
     fw, bw = llama_reports[False]["forward"], llama_reports[False]["backward"]
     b, s, h, n = BATCH, SEQ, DIM, WORLD
     # forward: 2 all_reduces of [B, S, H] per layer (after wo and w2)
-    assert _kind(fw, "all_reduce") == (2 * LAYERS, 2 * LAYERS * V.tp_all_reduce_logged(b, s, h, elt=F32),
-                                       2 * LAYERS * V.tp_all_reduce_wire(b, s, h, n, F32))
+    assert _kind(fw, "all_reduce") == (
+        2 * LAYERS,
+        2 * LAYERS * V.tp_all_reduce_logged(b, s, h, elt=F32),
+        2 * LAYERS * V.tp_all_reduce_wire(b, s, h, n, F32),
+    )
     # backward: one per column-parallel input gradient, 5 per layer (wq, wk, wv each; w1 and w3 summed)
-    assert _kind(bw, "all_reduce") == (5 * LAYERS, 5 * LAYERS * V.tp_all_reduce_logged(b, s, h, elt=F32),
-                                       5 * LAYERS * V.tp_all_reduce_wire(b, s, h, n, F32))
+    assert _kind(bw, "all_reduce") == (
+        5 * LAYERS,
+        5 * LAYERS * V.tp_all_reduce_logged(b, s, h, elt=F32),
+        5 * LAYERS * V.tp_all_reduce_wire(b, s, h, n, F32),
+    )
     total_wire = fw.total.wire_bytes + bw.total.wire_bytes
     total_logged = fw.total.logged_bytes + bw.total.logged_bytes
     assert total_wire == V.tp_wire(LAYERS, b, s, h, n, F32, forward_all_reduces=2, backward_all_reduces=5)
@@ -238,10 +261,16 @@ def test_llama_sp_gathers_and_scatters_match(llama_reports):
     fw, bw = llama_reports[True]["forward"], llama_reports[True]["backward"]
     b, s, h, n = BATCH, SEQ, DIM, WORLD  # s: the full sequence (each rank holds s/n)
     for r in (fw, bw):
-        assert _kind(r, "all_gather") == (2 * LAYERS, 2 * LAYERS * V.sp_all_gather_logged(b, s, h, n, F32),
-                                          2 * LAYERS * V.sp_all_gather_wire(b, s, h, n, F32))
-        assert _kind(r, "reduce_scatter") == (2 * LAYERS, 2 * LAYERS * V.reduce_scatter_logged(b, s, h, n, F32),
-                                              2 * LAYERS * V.reduce_scatter_wire(b, s, h, n, F32))
+        assert _kind(r, "all_gather") == (
+            2 * LAYERS,
+            2 * LAYERS * V.sp_all_gather_logged(b, s, h, n, F32),
+            2 * LAYERS * V.sp_all_gather_wire(b, s, h, n, F32),
+        )
+        assert _kind(r, "reduce_scatter") == (
+            2 * LAYERS,
+            2 * LAYERS * V.reduce_scatter_logged(b, s, h, n, F32),
+            2 * LAYERS * V.reduce_scatter_wire(b, s, h, n, F32),
+        )
         assert _kind(r, "all_reduce")[0] == 0
     wire = fw.total.wire_bytes + bw.total.wire_bytes
     logged = fw.total.logged_bytes + bw.total.logged_bytes
@@ -265,12 +294,18 @@ def test_simple_fsdp_matches_dp_models(mode):
         per = V.fsdp_logged(P, WORLD, F32) / 2, V.fsdp_wire(P, WORLD, F32) / 2
         assert _kind(fw, "all_gather") == (n_params, *per)
         assert _kind(bw, "reduce_scatter") == (n_params, *per)
-        assert fw.total.wire_bytes + bw.total.wire_bytes == V.fsdp_wire(P, WORLD, F32) \
+        assert (
+            fw.total.wire_bytes + bw.total.wire_bytes
+            == V.fsdp_wire(P, WORLD, F32)
             == V.dp_all_reduce_wire(P, WORLD, elt=F32)
+        )
     else:
         assert fw.total.count == 0
-        assert _kind(bw, "all_reduce") == (n_params, V.dp_all_reduce_logged(P, WORLD, elt=F32),
-                                           V.dp_all_reduce_wire(P, WORLD, elt=F32))
+        assert _kind(bw, "all_reduce") == (
+            n_params,
+            V.dp_all_reduce_logged(P, WORLD, elt=F32),
+            V.dp_all_reduce_wire(P, WORLD, elt=F32),
+        )
 
 
 def test_moe_ep_all_to_all_matches():
@@ -278,8 +313,9 @@ def test_moe_ep_all_to_all_matches():
 
     E, K = 8, 2
     with fake_mesh(WORLD) as mesh:
-        m = moe.parallelize_moe(moe.build_moe(dim=DIM, num_experts=E, ffn_dim=FFN, top_k=K, capacity_factor=1.0),
-                                mesh)
+        m = moe.parallelize_moe(
+            moe.build_moe(dim=DIM, num_experts=E, ffn_dim=FFN, top_k=K, capacity_factor=1.0), mesh
+        )
         data = moe.make_inputs(WORLD * BATCH, SEQ, DIM, rank=0, world_size=WORLD)
         g = _quiet_capture(m, (data.inputs,), lambda o: moe.loss_fn(o[0], o[1], data))
         fw, bw = commfuse.analyze(g["forward"]), commfuse.analyze(g["backward"])
@@ -292,12 +328,16 @@ def test_moe_ep_all_to_all_matches():
     logged = _kind(fw, "all_to_all")[1] + _kind(bw, "all_to_all")[1]
     assert wire == V.ep_wire(b, s, h, WORLD, K, F32) and logged == V.ep_logged(b, s, h, WORLD, K, F32)
     # the replicated norm + router gradients: a DP all_reduce of their parameters
-    assert _kind(bw, "all_reduce") == (2, V.dp_all_reduce_logged(E * DIM + DIM, WORLD, elt=F32),
-                                       V.dp_all_reduce_wire(E * DIM + DIM, WORLD, elt=F32))
+    assert _kind(bw, "all_reduce") == (
+        2,
+        V.dp_all_reduce_logged(E * DIM + DIM, WORLD, elt=F32),
+        V.dp_all_reduce_wire(E * DIM + DIM, WORLD, elt=F32),
+    )
 
 
 def test_pp_send_matches():
     with fake_process_group(2) as pg:
+
         def f(x):
             return c10d.wait_tensor(c10d.isend(x, 1, 0, pg.group_name))
 

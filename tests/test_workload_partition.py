@@ -19,8 +19,11 @@ from torch.testing import FileCheck
 import commfuse
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.passmgr.context import PassContext
-from commfuse.transforms.workload_partition import (WorkloadPlan, apply_workload_partition,
-                                                plan_workload_partition)
+from commfuse.transforms.workload_partition import (
+    WorkloadPlan,
+    apply_workload_partition,
+    plan_workload_partition,
+)
 from commfuse.testing.equivalence import check_equivalent
 from commfuse.testing.fake_pg import fake_mesh, fake_process_group
 from commfuse.testing.graphs import _copy, capture_aot_graphs
@@ -64,8 +67,19 @@ def test_fsdp_weight_gather_chunked_with_its_matmul():
         rec = _run(gm)
         assert rec.counts["collectives_partitioned"] == 1 and rec.counts["chunk_collectives"] == 2
         # both chunks issued first, then chunk 0's wait -> mm -> gelu before chunk 1's wait
-        (FileCheck().check(AG).check(AG).check(WAIT).check("aten.mm").check("aten.gelu")
-         .check(WAIT).check("aten.mm").check("aten.gelu").check("aten.stack").run(gm.code))
+        (
+            FileCheck()
+            .check(AG)
+            .check(AG)
+            .check(WAIT)
+            .check("aten.mm")
+            .check("aten.gelu")
+            .check(WAIT)
+            .check("aten.mm")
+            .check("aten.gelu")
+            .check("aten.stack")
+            .run(gm.code)
+        )
         assert _kinds(gm) == ["all_gather", "all_gather"]
         check_equivalent(before, gm, 4)
 
@@ -74,6 +88,7 @@ def test_identity_slice_after_a_parameter_gather_stays_in_the_chain():
     """DTensor slices a gathered parameter to its logical size (at 16 ranks even when nothing
     was padded): that slice keeps the chunked dim; a real slice of dim 0 leaves only the
     other dim (here the matmul's contraction dim: partial sums)."""
+
     def f(w_shard, x, end):
         w = torch.ops.aten.slice.Tensor(funcol.all_gather_tensor(w_shard, 0, dist.group.WORLD), 0, 0, end)
         return x @ w.t()
@@ -125,13 +140,23 @@ def test_dp_gradient_all_reduce_chunked_with_its_producer():
         rec = _run(gm)
         assert rec.counts["producer_chains"] == 1
         # chunk 0 computed and issued before chunk 1 is computed; waits where the all_reduce was waited
-        (FileCheck().check("aten.mm").check("all_reduce").check("aten.mm").check("all_reduce")
-         .check(WAIT).check(WAIT).check("aten.cat").run(gm.code))
+        (
+            FileCheck()
+            .check("aten.mm")
+            .check("all_reduce")
+            .check("aten.mm")
+            .check("all_reduce")
+            .check(WAIT)
+            .check(WAIT)
+            .check("aten.cat")
+            .run(gm.code)
+        )
         check_equivalent(before, gm, 4)
 
 
 def test_reduce_scatter_producer_along_its_scatter_dim_is_rank_interleaved():
     """Only the scatter dim divides: chunk i must hold, for every rank, that rank's i-th piece."""
+
     def f(x, w):
         return funcol.reduce_scatter_tensor(torch.relu(x @ w), "sum", 0, dist.group.WORLD)
 
@@ -139,7 +164,11 @@ def test_reduce_scatter_producer_along_its_scatter_dim_is_rank_interleaved():
         gm = make_fx(f, tracing_mode="fake")(torch.randn(16, 8), torch.randn(8, 3))
         before = _copy(gm)
         plan = _plan(gm)
-        assert isinstance(plan, WorkloadPlan) and (plan.direction, plan.dim, plan.interleaved) == ("producer", 0, True)
+        assert isinstance(plan, WorkloadPlan) and (plan.direction, plan.dim, plan.interleaved) == (
+            "producer",
+            0,
+            True,
+        )
         _run(gm)
         assert _kinds(gm) == ["reduce_scatter", "reduce_scatter"]
         check_equivalent(before, gm, 4)
@@ -149,6 +178,7 @@ def test_reduce_scatter_producer_along_its_scatter_dim_is_rank_interleaved():
 def test_contraction_split_adds_the_chunk_results():
     """The gathered dim is the matmul's contraction dim (the other dim does not divide):
     each chunk gives a partial product, added after the chain."""
+
     def f(w_shard, x):
         return x @ funcol.all_gather_tensor(w_shard, 0, dist.group.WORLD)
 
@@ -191,6 +221,7 @@ def test_mean_over_the_chunked_dim_divides_by_the_chunk_count():
 def test_reassembled_value_keeps_its_memory_layout():
     """sin of a transposed value is laid out transposed; the view after the chain relies on
     it (fuzzer seed 20240, program 176): the chunks are concatenated in that memory order."""
+
     def f(x):
         z = torch.sin(funcol.all_reduce(x, "sum", dist.group.WORLD).transpose(0, 1))
         return z.transpose(0, 1).view(-1)
@@ -199,7 +230,9 @@ def test_reassembled_value_keeps_its_memory_layout():
         gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 6, 8))
         before = _copy(gm)
         _run(gm)
-        FileCheck().check("aten.permute").check("aten.cat").check("aten.permute").check("aten.view").run(gm.code)
+        FileCheck().check("aten.permute").check("aten.cat").check("aten.permute").check("aten.view").run(
+            gm.code
+        )
         assert "aten.clone" not in gm.code  # concatenated in memory order: no extra copy
         check_equivalent(before, gm, 2)
 
@@ -220,7 +253,9 @@ def test_simple_fsdp_forward_and_backward_graphs():
             return self.down(torch.nn.functional.gelu(self.up(x)))
 
     with fake_mesh(4, (4,), ("dp",)) as mesh:
-        graphs = capture_aot_graphs(simple_fsdp.data_parallel(MLP(), mesh, "fully_shard"), torch.randn(2, 8, 16))
+        graphs = capture_aot_graphs(
+            simple_fsdp.data_parallel(MLP(), mesh, "fully_shard"), torch.randn(2, 8, 16)
+        )
         for kind, direction in (("forward", "consumer_chains"), ("backward", "producer_chains")):
             gm = graphs[kind]
             before = _copy(gm)
@@ -246,13 +281,16 @@ def _all_to_all(x):
     return torch.relu(funcol.all_to_all_single(x, None, None, dist.group.WORLD))
 
 
-@pytest.mark.parametrize("fn,shape,reason", [
-    # the only divisible dim (8) is the one softmax normalises: ND
-    (_softmax_after_all_reduce, (3, 8), "non-splittable"),
-    (_relu_after_gather, (3, 5), "no dim of [12, 5] is divisible by 2 chunks"),
-    (_gather_only, (4, 4), "no compute op"),
-    (_all_to_all, (8, 4), "all_to_all: not implemented"),
-])
+@pytest.mark.parametrize(
+    "fn,shape,reason",
+    [
+        # the only divisible dim (8) is the one softmax normalises: ND
+        (_softmax_after_all_reduce, (3, 8), "non-splittable"),
+        (_relu_after_gather, (3, 5), "no dim of [12, 5] is divisible by 2 chunks"),
+        (_gather_only, (4, 4), "no compute op"),
+        (_all_to_all, (8, 4), "all_to_all: not implemented"),
+    ],
+)
 def test_refusals_leave_the_graph_unchanged(fn, shape, reason):
     with fake_process_group(4):
         gm = make_fx(fn, tracing_mode="fake")(torch.randn(*shape))
@@ -265,6 +303,7 @@ def test_refusals_leave_the_graph_unchanged(fn, shape, reason):
 def test_chain_stops_before_an_op_needing_a_later_collective():
     """Chunk i's compute must not wait on another collective: the add that needs the second
     gather stays outside the first gather's chain (it reads the reassembled value)."""
+
     def f(x, y, w):
         g = dist.group.WORLD
         a = torch.relu(funcol.all_gather_tensor(x, 0, g) @ w)
@@ -282,6 +321,7 @@ def test_chain_stops_before_an_op_needing_a_later_collective():
 def test_producer_chain_never_moves_past_a_write_to_its_input():
     """The matmul's input is updated in place after it (fuzzer seed 2, program 279): the
     chunked matmuls would run at the collective, after the update."""
+
     def f(a, w):
         y = a @ w
         a.add_(a)
@@ -320,6 +360,7 @@ def test_plan_is_pure_and_apply_returns_the_chunk_starts():
 def test_chain_choice_follows_the_centauri_rule(monkeypatch):
     """Prefer chains whose compute covers the collective, the longest of them; else the one
     with the most compute. Dim 0's chain: softmax(dim=1) + add; dim 1's: softmax(dim=0) + mul + sub."""
+
     def f(x):
         y = funcol.all_reduce(x, "sum", dist.group.WORLD)
         return torch.softmax(y, dim=1) + 1, torch.softmax(y, dim=0) * 3 - 1
@@ -335,6 +376,7 @@ def test_chain_choice_follows_the_centauri_rule(monkeypatch):
 
         def collective(self, c):
             from commfuse.costmodel.estimator import CollectiveEstimate
+
             return CollectiveEstimate(self.comm_us, 0, "test")
 
     from commfuse.passmgr.cost import CostPolicy
@@ -354,8 +396,11 @@ def test_cost_fields_with_a_topology():
         gm = make_fx(_fsdp_linear, tracing_mode="fake")(torch.randn(4, 16), torch.randn(8, 16))
         # the same batch on every rank: its compute is priced (by default it is not,
         # tests/test_same_decision.py)
-        ctx = PassContext(gm, commfuse.Config(uniform_batches=True),
-                          topology=commfuse.Topology.preset("cpu-gloo", num_nodes=2))
+        ctx = PassContext(
+            gm,
+            commfuse.Config(uniform_batches=True),
+            topology=commfuse.Topology.preset("cpu-gloo", num_nodes=2),
+        )
         plan = plan_workload_partition(ctx, ctx.ir.collectives[0])
         assert plan.compute_us > 0 and plan.comm_us > 0 and "us" in plan.describe()
 
@@ -363,7 +408,10 @@ def test_cost_fields_with_a_topology():
 # ---------------------------------------------------------------- uneven chunks (Algorithm 1's granularity)
 def _shapes(gm) -> list[tuple[str, tuple, tuple]]:
     """(kind, input shape, output shape) of every collective, in graph order."""
-    return [(c.kind.value, tuple(c.input_shapes[0]), tuple(c.output_shapes[0])) for c in CollectiveIR(gm).collectives]
+    return [
+        (c.kind.value, tuple(c.input_shapes[0]), tuple(c.output_shapes[0]))
+        for c in CollectiveIR(gm).collectives
+    ]
 
 
 def _mean_after_all_reduce(x):
@@ -374,17 +422,35 @@ def _rs_producer(x, w):
     return funcol.reduce_scatter_tensor(torch.relu(x @ w), "sum", 0, dist.group.WORLD)
 
 
-@pytest.mark.parametrize("fn,shapes,chunks", [
-    # all_gather along its gather dim: each rank's shard cut 1:3, the output rank-interleaved
-    (_fsdp_linear, [(8, 16), (8, 16)], [("all_gather", (2, 16), (8, 16)), ("all_gather", (6, 16), (24, 16))]),
-    # DTensor's dim-1 gather (shuffle per chunk)
-    (_tp_gather_mlp, [(2, 8, 16), (16, 12)],
-     [("all_gather", (2, 2, 16), (8, 2, 16)), ("all_gather", (2, 6, 16), (8, 6, 16))]),
-    # reduce_scatter along its scatter dim: every chunk keeps a whole piece per rank (divisible by 4)
-    (_rs_producer, [(32, 8), (8, 3)], [("reduce_scatter", (8, 3), (2, 3)), ("reduce_scatter", (24, 3), (6, 3))]),
-    # all_reduce with a mean over the cut dim: chunk means weighted by their share
-    (_mean_after_all_reduce, [(16, 3)], [("all_reduce", (4, 3), (4, 3)), ("all_reduce", (12, 3), (12, 3))]),
-])
+@pytest.mark.parametrize(
+    "fn,shapes,chunks",
+    [
+        # all_gather along its gather dim: each rank's shard cut 1:3, the output rank-interleaved
+        (
+            _fsdp_linear,
+            [(8, 16), (8, 16)],
+            [("all_gather", (2, 16), (8, 16)), ("all_gather", (6, 16), (24, 16))],
+        ),
+        # DTensor's dim-1 gather (shuffle per chunk)
+        (
+            _tp_gather_mlp,
+            [(2, 8, 16), (16, 12)],
+            [("all_gather", (2, 2, 16), (8, 2, 16)), ("all_gather", (2, 6, 16), (8, 6, 16))],
+        ),
+        # reduce_scatter along its scatter dim: every chunk keeps a whole piece per rank (divisible by 4)
+        (
+            _rs_producer,
+            [(32, 8), (8, 3)],
+            [("reduce_scatter", (8, 3), (2, 3)), ("reduce_scatter", (24, 3), (6, 3))],
+        ),
+        # all_reduce with a mean over the cut dim: chunk means weighted by their share
+        (
+            _mean_after_all_reduce,
+            [(16, 3)],
+            [("all_reduce", (4, 3), (4, 3)), ("all_reduce", (12, 3), (12, 3))],
+        ),
+    ],
+)
 def test_uneven_granularity_is_carried_by_the_chunk_collectives(fn, shapes, chunks):
     with fake_process_group(4):
         gm = make_fx(fn, tracing_mode="fake")(*[torch.randn(s) for s in shapes])
@@ -392,7 +458,9 @@ def test_uneven_granularity_is_carried_by_the_chunk_collectives(fn, shapes, chun
         ctx = PassContext(gm, commfuse.Config())
         c = ctx.ir.collectives[0]
         plan = plan_workload_partition(ctx, c, granularity=(0.25, 0.75))
-        assert isinstance(plan, WorkloadPlan) and plan.sizes == (1, 3) and plan.chunks == 2 and not plan.note, plan
+        assert (
+            isinstance(plan, WorkloadPlan) and plan.sizes == (1, 3) and plan.chunks == 2 and not plan.note
+        ), plan
         assert "uneven, 1:3" in plan.describe()
         apply_workload_partition(ctx, c, plan)
         gm.graph.lint()
@@ -451,8 +519,13 @@ def test_algorithm1_picks_uneven_sizes_for_a_group_partitioned_collective_and_th
             gm.recompile()
             # per chunk: the intra-node gather, then the inter-node one, of 8 / 4 / 4 of the 16 shard rows
             assert [(k, i[0], o[0]) for k, i, o in _shapes(gm)] == [
-                ("all_gather", 8, 16), ("all_gather", 16, 32), ("all_gather", 4, 8), ("all_gather", 8, 16),
-                ("all_gather", 4, 8), ("all_gather", 8, 16)]
+                ("all_gather", 8, 16),
+                ("all_gather", 16, 32),
+                ("all_gather", 4, 8),
+                ("all_gather", 8, 16),
+                ("all_gather", 4, 8),
+                ("all_gather", 8, 16),
+            ]
             check_equivalent(before, gm, 4, groups={"0": "world", **s.reference_groups()})
     finally:
         reset()
@@ -476,15 +549,20 @@ def test_training_matches_eager_on_4_ranks(rank_pool_4, case):
     if case == "tp":
         results = rank_pool_4.run(jobs.tp_gather_matmul_gelu_matches_eager, timeout=300)
     else:
-        results = rank_pool_4.run(jobs.simple_fsdp_matches_eager, "fully_shard" if case == "fsdp" else "replicate",
-                                  timeout=300)
+        results = rank_pool_4.run(
+            jobs.simple_fsdp_matches_eager, "fully_shard" if case == "fsdp" else "replicate", timeout=300
+        )
     got = results[0]
     assert all(r == got for r in results)  # every rank decided the same
     if case == "fsdp":
         assert got["forward"]["changed"] and got["forward"]["kinds"] == {"all_gather": 4}
-        assert got["backward"]["counts"]["producer_chains"] == 2 and got["backward"]["kinds"] == {"reduce_scatter": 4}
+        assert got["backward"]["counts"]["producer_chains"] == 2 and got["backward"]["kinds"] == {
+            "reduce_scatter": 4
+        }
     elif case == "dp":
-        assert got["backward"]["counts"]["producer_chains"] == 2 and got["backward"]["kinds"] == {"all_reduce": 4}
+        assert got["backward"]["counts"]["producer_chains"] == 2 and got["backward"]["kinds"] == {
+            "all_reduce": 4
+        }
     else:
         assert got["forward"]["counts"]["consumer_chains"] == 1 and got["forward"]["kinds"]["all_gather"] == 2
 
@@ -503,8 +581,11 @@ def test_uneven_chunks_match_eager_on_4_ranks(rank_pool_4, case):
     kinds = {g: sorted({d["kind"] for d in ds}) for g, ds in got.items()}
     # tp: the backward's gather is the reduce_scatter's gradient; its reduce_scatters read a
     # reassembled value (no producer chain). fsdp: the backward holds the gradient reduce_scatters.
-    assert kinds == {"joint": [], "forward": ["all_gather"],
-                     "backward": ["all_gather" if case == "tp" else "reduce_scatter"]}, got
+    assert kinds == {
+        "joint": [],
+        "forward": ["all_gather"],
+        "backward": ["all_gather" if case == "tp" else "reduce_scatter"],
+    }, got
     for ds in got.values():
         for d in ds:
             assert "chunks:3(2:1:1)" in d["scheme"] and len(set(d["chunk_sizes"])) > 1, d

@@ -38,8 +38,8 @@ class SPBlock(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Parameter(torch.randn(hidden, dim) / dim ** 0.5)
-        self.w2 = nn.Parameter(torch.randn(dim, hidden) / hidden ** 0.5)
+        self.w1 = nn.Parameter(torch.randn(hidden, dim) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(dim, hidden) / hidden**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -66,8 +66,9 @@ class SPModel(nn.Module):
         return x
 
 
-def build(device: str, *, n_layers: int = 2, dim: int = 256, hidden: int = 512, tokens: int = 128,
-          seed: int = 0) -> tuple[SPModel, torch.Tensor, torch.Tensor]:
+def build(
+    device: str, *, n_layers: int = 2, dim: int = 256, hidden: int = 512, tokens: int = 128, seed: int = 0
+) -> tuple[SPModel, torch.Tensor, torch.Tensor]:
     """The model (fp32, deterministic weights) with one input and target of ``tokens`` rows."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -81,8 +82,11 @@ def max_abs_diff(a: Any, b: Any) -> float:
     """Largest absolute difference over the tensors of two equally structured values."""
     from torch.utils._pytree import tree_leaves
 
-    diffs = [(p.detach().float() - q.detach().float()).abs().max().item()
-             for p, q in zip(tree_leaves(a), tree_leaves(b), strict=True) if isinstance(p, torch.Tensor)]
+    diffs = [
+        (p.detach().float() - q.detach().float()).abs().max().item()
+        for p, q in zip(tree_leaves(a), tree_leaves(b), strict=True)
+        if isinstance(p, torch.Tensor)
+    ]
     return max(diffs, default=0.0)
 
 
@@ -92,8 +96,16 @@ def _sync(device: str) -> None:
 
 
 def _plans(plans: list) -> list[dict[str, Any]]:
-    return [{"graph": p.graph_kind, "collectives": len(p.collectives), "streams": p.num_streams,
-             "events": len(p.events), "side_stream_nodes": len(p.node_streams)} for p in plans]
+    return [
+        {
+            "graph": p.graph_kind,
+            "collectives": len(p.collectives),
+            "streams": p.num_streams,
+            "events": len(p.events),
+            "side_stream_nodes": len(p.node_streams),
+        }
+        for p in plans
+    ]
 
 
 def _stream_ops(module: torch.fx.GraphModule) -> dict[str, int]:
@@ -102,7 +114,7 @@ def _stream_ops(module: torch.fx.GraphModule) -> dict[str, int]:
     for n in module.graph.nodes:
         name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
         if name.startswith("commfuse_stream_"):
-            op = name[len("commfuse_stream_"):]
+            op = name[len("commfuse_stream_") :]
             counts[op] = counts.get(op, 0) + 1
     return counts
 
@@ -110,8 +122,12 @@ def _stream_ops(module: torch.fx.GraphModule) -> dict[str, int]:
 def _recorded(rec: Any) -> dict[str, Any]:
     s = rec.summary()
     done = sum(c.done_ns is not None for c in rec.collectives)
-    return {"collectives": s["collectives"], "completed_by_work_callback": done, "by_kind": s["by_kind"],
-            "overlap_ratio": s["overlap_ratio"]}
+    return {
+        "collectives": s["collectives"],
+        "completed_by_work_callback": done,
+        "by_kind": s["by_kind"],
+        "overlap_ratio": s["overlap_ratio"],
+    }
 
 
 def _config(**overrides: Any) -> Any:
@@ -136,11 +152,19 @@ def check_runtime(device: str, *, tol: float = 1e-4) -> dict[str, Any]:
         got = compiled(x)
         _sync(device)
     want = model(x)
-    out: dict[str, Any] = {"plans": _plans(backend.plans), "recorded": _recorded(rec),
-                           "max_abs_diff": max_abs_diff(got, want), "warnings": _warnings_of(caught)}
+    out: dict[str, Any] = {
+        "plans": _plans(backend.plans),
+        "recorded": _recorded(rec),
+        "max_abs_diff": max_abs_diff(got, want),
+        "warnings": _warnings_of(caught),
+    }
     out["streams"] = check_stream_program(device, tol=tol)
-    out["ok"] = (out["max_abs_diff"] <= tol and any(p["collectives"] for p in out["plans"])
-                 and out["recorded"]["collectives"] > 0 and out["streams"]["ok"])
+    out["ok"] = (
+        out["max_abs_diff"] <= tol
+        and any(p["collectives"] for p in out["plans"])
+        and out["recorded"]["collectives"] > 0
+        and out["streams"]["ok"]
+    )
     return out
 
 
@@ -195,10 +219,20 @@ def check_stream_program(device: str, *, tol: float = 1e-4) -> dict[str, Any]:
     want = gm(*args)
     ops = _stream_ops(lowered.module)
     applied = torch.device(device).type == "cuda"
-    out = {"side_stream_nodes": side, "plan": _plans([plan])[0], "stream_ops": ops, "streams_applied": applied,
-           "recorded": _recorded(rec), "max_abs_diff": max_abs_diff(got, want)}
-    out["ok"] = (out["max_abs_diff"] <= tol and plan.num_streams == 2 and bool(plan.events)
-                 and (not applied or (ops.get("record", 0) > 0 and ops.get("wait", 0) > 0)))
+    out = {
+        "side_stream_nodes": side,
+        "plan": _plans([plan])[0],
+        "stream_ops": ops,
+        "streams_applied": applied,
+        "recorded": _recorded(rec),
+        "max_abs_diff": max_abs_diff(got, want),
+    }
+    out["ok"] = (
+        out["max_abs_diff"] <= tol
+        and plan.num_streams == 2
+        and bool(plan.events)
+        and (not applied or (ops.get("record", 0) > 0 and ops.get("wait", 0) > 0))
+    )
     return out
 
 
@@ -245,12 +279,22 @@ def check_inductor_regions(device: str, *, tol: float = 1e-4) -> dict[str, Any]:
     want.backward()
     grads = max_abs_diff([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
     fallbacks = [w for w in _warnings_of(caught) if "eagerly" in w or "could not be lowered" in w]
-    out = {"plans": _plans(backend.plans), "regions": log.regions,
-           "regions_compiled": sum(r["compiled"] for r in log.regions), "fallbacks": fallbacks,
-           "loss_abs_diff": abs(loss.item() - want.item()), "grad_max_abs_diff": grads,
-           "warnings": _warnings_of(caught)}
-    out["ok"] = (out["regions_compiled"] > 0 and not fallbacks and any(p["collectives"] for p in out["plans"])
-                 and out["loss_abs_diff"] <= tol and grads <= tol)
+    out = {
+        "plans": _plans(backend.plans),
+        "regions": log.regions,
+        "regions_compiled": sum(r["compiled"] for r in log.regions),
+        "fallbacks": fallbacks,
+        "loss_abs_diff": abs(loss.item() - want.item()),
+        "grad_max_abs_diff": grads,
+        "warnings": _warnings_of(caught),
+    }
+    out["ok"] = (
+        out["regions_compiled"] > 0
+        and not fallbacks
+        and any(p["collectives"] for p in out["plans"])
+        and out["loss_abs_diff"] <= tol
+        and grads <= tol
+    )
     return out
 
 
@@ -271,22 +315,41 @@ def check_dhelix(device: str, *, microbatches: int = 2, tol: float = 1e-4) -> di
     model, x, y = build(device, n_layers=2, seed=3, tokens=256)
     ref = copy.deepcopy(model)
     want = plain_loop(ref, x, y, microbatches)
-    step = commfuse.compile_train_step(model, F.mse_loss, microbatches=microbatches,
-                                       config=_config(inner_compiler="eager", dhelix=True))
+    step = commfuse.compile_train_step(
+        model, F.mse_loss, microbatches=microbatches, config=_config(inner_compiler="eager", dhelix=True)
+    )
     with warnings.catch_warnings(record=True) as caught, commfuse.record() as rec:
         warnings.simplefilter("always")
         got = step(x, targets=y)
         _sync(device)
-    decisions = [d for r in step.reports if r.graph == "forward" for p in r.passes if p.name == "dhelix_interleave"
-                 for d in p.decisions]
+    decisions = [
+        d
+        for r in step.reports
+        if r.graph == "forward"
+        for p in r.passes
+        if p.name == "dhelix_interleave"
+        for d in p.decisions
+    ]
     kept = decisions[0].get("kept") if decisions else None
     grads = max_abs_diff([p.grad for p in model.parameters()], [p.grad for p in ref.parameters()])
     plans = _plans(step.backend.plans)
-    out = {"partitions": list(step.backend.partitions), "kept": kept, "plans": plans, "recorded": _recorded(rec),
-           "loss_abs_diff": max_abs_diff(got, want), "grad_max_abs_diff": grads, "warnings": _warnings_of(caught)}
+    out = {
+        "partitions": list(step.backend.partitions),
+        "kept": kept,
+        "plans": plans,
+        "recorded": _recorded(rec),
+        "loss_abs_diff": max_abs_diff(got, want),
+        "grad_max_abs_diff": grads,
+        "warnings": _warnings_of(caught),
+    }
     two_streams = any(p["streams"] == 2 and p["events"] and p["collectives"] for p in plans)
-    out["ok"] = (out["partitions"] == ["fused"] and kept == "interleaved" and two_streams
-                 and out["loss_abs_diff"] <= tol and grads <= tol)
+    out["ok"] = (
+        out["partitions"] == ["fused"]
+        and kept == "interleaved"
+        and two_streams
+        and out["loss_abs_diff"] <= tol
+        and grads <= tol
+    )
     return out
 
 
@@ -296,5 +359,15 @@ CHECKS: dict[str, Callable[[str], dict[str, Any]]] = {
     "dhelix": check_dhelix,
 }
 
-__all__ = ["CHECKS", "SPModel", "build", "check_dhelix", "check_inductor_regions", "check_runtime",
-           "check_stream_program", "max_abs_diff", "plain_loop", "side_stream_nodes"]
+__all__ = [
+    "CHECKS",
+    "SPModel",
+    "build",
+    "check_dhelix",
+    "check_inductor_regions",
+    "check_runtime",
+    "check_stream_program",
+    "max_abs_diff",
+    "plain_loop",
+    "side_stream_nodes",
+]

@@ -55,8 +55,14 @@ def _summary(rows: list[NodeTiming]) -> dict[str, Any]:
     pred = sum(r.predicted_us for r in timed)
     meas = sum(r.measured_us for r in timed)  # type: ignore[misc]
     per_op = [r.measured_us / r.predicted_us for r in timed if r.predicted_us > 0]  # type: ignore[operator]
-    return {"count": len(rows), "timed": len(timed), "predicted_us": pred, "measured_us": meas,
-            "ratio": _ratio(meas, pred), "median_op_ratio": statistics.median(per_op) if per_op else None}
+    return {
+        "count": len(rows),
+        "timed": len(timed),
+        "predicted_us": pred,
+        "measured_us": meas,
+        "ratio": _ratio(meas, pred),
+        "median_op_ratio": statistics.median(per_op) if per_op else None,
+    }
 
 
 def aggregate(rows: list[NodeTiming]) -> dict[str, Any]:
@@ -66,10 +72,12 @@ def aggregate(rows: list[NodeTiming]) -> dict[str, Any]:
     for r in rows:
         families.setdefault(r.family, []).append(r)
         graphs.setdefault(r.graph, []).append(r)
-    return {"families": {f: _summary(rs) for f, rs in sorted(families.items())},
-            "graphs": {g: _summary(rs) for g, rs in graphs.items()},
-            "overall": _summary(rows),
-            "errors": [f"{r.graph}/{r.node} ({r.op}): {r.error}" for r in rows if r.error]}
+    return {
+        "families": {f: _summary(rs) for f, rs in sorted(families.items())},
+        "graphs": {g: _summary(rs) for g, rs in graphs.items()},
+        "overall": _summary(rows),
+        "errors": [f"{r.graph}/{r.node} ({r.op}): {r.error}" for r in rows if r.error],
+    }
 
 
 def fit_compute_params(rows: list[NodeTiming]):
@@ -77,8 +85,11 @@ def fit_compute_params(rows: list[NodeTiming]):
     ``a_us + b x unit`` (FLOPs for matmul and attention, bytes otherwise) on relative error."""
     from commfuse.tools.calibrate import FLOP_FAMILIES, Sample, fit_compute
 
-    samples = [Sample(r.family, float(r.flops if r.family in FLOP_FAMILIES else r.bytes), [r.measured_us])
-               for r in rows if r.measured_us is not None and r.measured_us > 0]
+    samples = [
+        Sample(r.family, float(r.flops if r.family in FLOP_FAMILIES else r.bytes), [r.measured_us])
+        for r in rows
+        if r.measured_us is not None and r.measured_us > 0
+    ]
     return fit_compute(samples)
 
 
@@ -126,8 +137,12 @@ def time_call(fn: Callable[[], Any], *, reps: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def capture_layer(seq: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                  sizes: Optional[dict[str, int]] = None) -> list[tuple[str, torch.fx.GraphModule]]:
+def capture_layer(
+    seq: int,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    sizes: Optional[dict[str, int]] = None,
+) -> list[tuple[str, torch.fx.GraphModule]]:
     """Forward and backward ATen graphs of one Llama layer (AOTAutograd, default partition)."""
     from commfuse.core import torch_private as priv
     from commfuse.models.llama import TransformerBlock
@@ -139,11 +154,13 @@ def capture_layer(seq: int, device: str = "cuda", dtype: torch.dtype = torch.bfl
         def compiler(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
             graphs.append((kind, gm))
             return priv.make_boxed_func(gm.forward)
+
         return compiler
 
     layer = TransformerBlock(sizes["dim"], sizes["n_heads"], sizes["ffn_dim"]).to(device=device, dtype=dtype)
-    backend = priv.aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                                partition_fn=priv.default_partition)
+    backend = priv.aot_autograd(
+        fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=priv.default_partition
+    )
     x = torch.randn(1, seq, sizes["dim"], device=device, dtype=dtype, requires_grad=True)
     torch._dynamo.reset()
     compiled = torch.compile(layer, backend=backend, fullgraph=True)
@@ -168,8 +185,16 @@ def wall_time_call(fn: Callable[[], Any], *, reps: int, repeats: int) -> float:
 Timer = Callable[..., float]
 
 
-def time_graph_nodes(graphs: list[tuple[str, torch.fx.GraphModule]], estimator: Any, device: Any, *,
-                     reps: int = 5, repeats: int = 5, seed: int = 0, timer: Timer = time_call) -> list[NodeTiming]:
+def time_graph_nodes(
+    graphs: list[tuple[str, torch.fx.GraphModule]],
+    estimator: Any,
+    device: Any,
+    *,
+    reps: int = 5,
+    repeats: int = 5,
+    seed: int = 0,
+    timer: Timer = time_call,
+) -> list[NodeTiming]:
     """Every non-free compute node of ``graphs``, predicted and measured alone (see the module docstring);
     ``timer(fn, reps=, repeats=)`` measures (CUDA events by default)."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -181,7 +206,9 @@ def time_graph_nodes(graphs: list[tuple[str, torch.fx.GraphModule]], estimator: 
             est = estimator.compute_estimate(n)
             if est.family in ("free", "view"):
                 continue
-            row = NodeTiming(kind, n.name, str(n.target), est.family, est.bound, est.flops, est.bytes, est.time_us)
+            row = NodeTiming(
+                kind, n.name, str(n.target), est.family, est.bound, est.flops, est.bytes, est.time_us
+            )
             try:
                 args, kwargs = _real_args(n, device, gen)
                 row.measured_us = timer(lambda: n.target(*args, **kwargs), reps=reps, repeats=repeats)  # noqa: B023 - timed now
@@ -193,14 +220,23 @@ def time_graph_nodes(graphs: list[tuple[str, torch.fx.GraphModule]], estimator: 
     return rows
 
 
-def time_graphs(graphs: list[tuple[str, torch.fx.GraphModule]], device: Any, *, reps: int = 3, repeats: int = 3,
-                seed: int = 1, timer: Timer = time_call) -> dict[str, Any]:
+def time_graphs(
+    graphs: list[tuple[str, torch.fx.GraphModule]],
+    device: Any,
+    *,
+    reps: int = 3,
+    repeats: int = 3,
+    seed: int = 1,
+    timer: Timer = time_call,
+) -> dict[str, Any]:
     """Each whole graph run on random inputs (us): the sum of the nodes alone omits nothing it does."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out: dict[str, Any] = {}
     for kind, gm in graphs:
         try:
-            args = [materialize(n.meta.get("val"), device, gen) for n in gm.graph.nodes if n.op == "placeholder"]
+            args = [
+                materialize(n.meta.get("val"), device, gen) for n in gm.graph.nodes if n.op == "placeholder"
+            ]
             out[kind] = timer(lambda: gm(*args), reps=reps, repeats=repeats)  # noqa: B023 - timed now
         except Exception as e:  # noqa: BLE001 - reported next to the per-node numbers
             out[kind] = f"{type(e).__name__}: {e}"[:200]
@@ -219,17 +255,31 @@ def predict_graph_nodes(graphs: list[tuple[str, torch.fx.GraphModule]], estimato
     return out
 
 
-def holdout_check(graphs: list[tuple[str, torch.fx.GraphModule]], nominal: Any, fitted: Any, device: Any, *,
-                  timer: Timer = time_call) -> dict[str, Any]:
+def holdout_check(
+    graphs: list[tuple[str, torch.fx.GraphModule]],
+    nominal: Any,
+    fitted: Any,
+    device: Any,
+    *,
+    timer: Timer = time_call,
+) -> dict[str, Any]:
     """Nodes of ``graphs`` (not those the fit saw) timed once and predicted by both models."""
     rows = time_graph_nodes(graphs, fitted, device, timer=timer)
-    nominal_rows = [NodeTiming(**{**asdict(r), "predicted_us": p})
-                    for r, p in zip(rows, predict_graph_nodes(graphs, nominal), strict=True)]
+    nominal_rows = [
+        NodeTiming(**{**asdict(r), "predicted_us": p})
+        for r, p in zip(rows, predict_graph_nodes(graphs, nominal), strict=True)
+    ]
     return {"nominal": aggregate(nominal_rows), "fitted": aggregate(rows)}
 
 
-def calibrate_layer(device_name: str, *, seq: int = 4096, device: str = "cuda",
-                    sizes: Optional[dict[str, int]] = None, holdout_seq: Optional[int] = None) -> dict[str, Any]:
+def calibrate_layer(
+    device_name: str,
+    *,
+    seq: int = 4096,
+    device: str = "cuda",
+    sizes: Optional[dict[str, int]] = None,
+    holdout_seq: Optional[int] = None,
+) -> dict[str, Any]:
     """The whole calibration on this GPU: capture, predict, measure, aggregate, fit, and check the fit
     on ``holdout_seq`` tokens (``seq // 2`` by default). On another ``device`` (a CPU smoke run of the
     same code) the host clock measures and the dtype is fp32."""
@@ -255,17 +305,48 @@ def calibrate_layer(device_name: str, *, seq: int = 4096, device: str = "cuda",
     top = sorted((r for r in rows if r.measured_us is not None), key=lambda r: -r.measured_us)[:15]
     fitted = fit_compute_params(rows)
     holdout_seq = holdout_seq or max(1, seq // 2)
-    holdout = holdout_check(capture_layer(holdout_seq, device, dtype, sizes), estimator,
-                            AnalyticCostModel(topology, compute_params=fitted), device, timer=timer)
-    return {"layer": {**sizes, "seq": seq, "batch": 1, "dtype": str(dtype).removeprefix("torch."),
-                      "kv_heads": sizes["n_heads"]},
-            "preset": preset, "device_model": {k: PRESETS[preset][k] for k in
-                                                ("device", "peak_tflops_bf16", "memory_bandwidth_GBps")},
-            "note": note, "timer": "CUDA events" if cuda else "host clock", **agg, "whole_graph_measured_us": whole,
-            "top_ops": [asdict(r) for r in top], "nodes": [asdict(r) for r in rows],
-            "fitted_compute": fitted.model_dump(mode="json"), "holdout": {"seq": holdout_seq, **holdout}}
+    holdout = holdout_check(
+        capture_layer(holdout_seq, device, dtype, sizes),
+        estimator,
+        AnalyticCostModel(topology, compute_params=fitted),
+        device,
+        timer=timer,
+    )
+    return {
+        "layer": {
+            **sizes,
+            "seq": seq,
+            "batch": 1,
+            "dtype": str(dtype).removeprefix("torch."),
+            "kv_heads": sizes["n_heads"],
+        },
+        "preset": preset,
+        "device_model": {
+            k: PRESETS[preset][k] for k in ("device", "peak_tflops_bf16", "memory_bandwidth_GBps")
+        },
+        "note": note,
+        "timer": "CUDA events" if cuda else "host clock",
+        **agg,
+        "whole_graph_measured_us": whole,
+        "top_ops": [asdict(r) for r in top],
+        "nodes": [asdict(r) for r in rows],
+        "fitted_compute": fitted.model_dump(mode="json"),
+        "holdout": {"seq": holdout_seq, **holdout},
+    }
 
 
-__all__ = ["LAYER_8B", "NodeTiming", "aggregate", "calibrate_layer", "capture_layer", "fit_compute_params",
-           "holdout_check", "materialize", "predict_graph_nodes", "time_call", "time_graph_nodes", "time_graphs",
-           "wall_time_call"]
+__all__ = [
+    "LAYER_8B",
+    "NodeTiming",
+    "aggregate",
+    "calibrate_layer",
+    "capture_layer",
+    "fit_compute_params",
+    "holdout_check",
+    "materialize",
+    "predict_graph_nodes",
+    "time_call",
+    "time_graph_nodes",
+    "time_graphs",
+    "wall_time_call",
+]

@@ -68,37 +68,64 @@ def run_part(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         out.setdefault("ok", True)
         out.setdefault("error", None)
     except Exception as e:  # noqa: BLE001 - one failing part must not lose the others
-        out = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000],
-               "traceback": traceback.format_exc()[-3000:]}
+        out = {
+            "ok": False,
+            "error": f"{type(e).__name__}: {e}"[:2000],
+            "traceback": traceback.format_exc()[-3000:],
+        }
     out["wall_s"] = round(time.perf_counter() - t, 2)
     return out
 
 
-def assemble(env: dict[str, Any], parts: dict[str, dict[str, Any]], *, command: str,
-             wheels: Optional[dict[str, Any]] = None, wall_s: Optional[float] = None) -> dict[str, Any]:
+def assemble(
+    env: dict[str, Any],
+    parts: dict[str, dict[str, Any]],
+    *,
+    command: str,
+    wheels: Optional[dict[str, Any]] = None,
+    wall_s: Optional[float] = None,
+) -> dict[str, Any]:
     """The JSON document of one run."""
-    return {"mode": "gpu", "command": command, "environment": env, "wheels": wheels,
-            "parts": parts, "ok": bool(parts) and all(p.get("ok") for p in parts.values()), "wall_s": wall_s}
+    return {
+        "mode": "gpu",
+        "command": command,
+        "environment": env,
+        "wheels": wheels,
+        "parts": parts,
+        "ok": bool(parts) and all(p.get("ok") for p in parts.values()),
+        "wall_s": wall_s,
+    }
 
 
 def _num(x: Any, digits: int = 1) -> str:
     if x is None:
         return "-"
     if isinstance(x, float):
-        return f"{x:.{digits}f}" if abs(x) >= 10 ** -digits or x == 0 else f"{x:.2g}"
+        return f"{x:.{digits}f}" if abs(x) >= 10**-digits or x == 0 else f"{x:.2g}"
     return str(x)
 
 
 def _check_line(name: str, p: dict[str, Any]) -> str:
     what = []
-    for key in ("plans", "recorded", "regions_compiled", "fallbacks", "partitions", "kept", "max_abs_diff",
-                "loss_abs_diff", "grad_max_abs_diff"):
+    for key in (
+        "plans",
+        "recorded",
+        "regions_compiled",
+        "fallbacks",
+        "partitions",
+        "kept",
+        "max_abs_diff",
+        "loss_abs_diff",
+        "grad_max_abs_diff",
+    ):
         if key not in p:
             continue
         v = p[key]
         if key == "plans":
-            v = "; ".join(f"{q['graph']}: {q['collectives']} coll., {q['streams']} streams, {q['events']} events"
-                          for q in v)
+            v = "; ".join(
+                f"{q['graph']}: {q['collectives']} coll., {q['streams']} streams, {q['events']} events"
+                for q in v
+            )
         elif key == "recorded":
             v = f"{v['collectives']} collectives ({v['completed_by_work_callback']} by work callback)"
         elif key == "fallbacks":
@@ -106,11 +133,15 @@ def _check_line(name: str, p: dict[str, Any]) -> str:
         what.append(f"{key}: {_num(v, 3) if isinstance(v, float) else v}")
     if isinstance(p.get("overall"), dict):
         o = p["overall"]
-        what.append(f"{o['timed']} of {o['count']} ops timed, measured / predicted {_num(o['ratio'], 2)} overall")
+        what.append(
+            f"{o['timed']} of {o['count']} ops timed, measured / predicted {_num(o['ratio'], 2)} overall"
+        )
     if "streams" in p and isinstance(p["streams"], dict):
         s = p["streams"]
         ops = ", ".join(f"{k} {n}" for k, n in sorted(s.get("stream_ops", {}).items())) or "none applied"
-        what.append(f"stream program: {s['plan']['events']} events, ops {ops}, diff {_num(s['max_abs_diff'], 3)}")
+        what.append(
+            f"stream program: {s['plan']['events']} events, ops {ops}, diff {_num(s['max_abs_diff'], 3)}"
+        )
     if p.get("error"):
         what.append(f"error: {p['error'].splitlines()[0][:300]}")
     detail = "; ".join(what).replace("|", "/")
@@ -118,35 +149,58 @@ def _check_line(name: str, p: dict[str, Any]) -> str:
 
 
 def _family_rows(title: str, table: dict[str, dict[str, Any]]) -> list[str]:
-    lines = [f"| {title} | ops (timed) | predicted us | measured us | measured / predicted | median op ratio |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"| {title} | ops (timed) | predicted us | measured us | measured / predicted | median op ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, s in table.items():
-        lines.append(f"| {name} | {s['count']} ({s['timed']}) | {_num(s['predicted_us'])} | {_num(s['measured_us'])} "
-                     f"| {_num(s['ratio'], 2)} | {_num(s['median_op_ratio'], 2)} |")
+        lines.append(
+            f"| {name} | {s['count']} ({s['timed']}) | {_num(s['predicted_us'])} | {_num(s['measured_us'])} "
+            f"| {_num(s['ratio'], 2)} | {_num(s['median_op_ratio'], 2)} |"
+        )
     return lines
 
 
 def _calibration_lines(c: dict[str, Any]) -> list[str]:
     layer, dev = c["layer"], c["device_model"]
-    lines = ["", "## Compute model vs measured kernel times", "",
-             f"One transformer layer, dim {layer['dim']}, {layer['n_heads']} heads ({layer['kv_heads']} KV), "
-             f"SwiGLU {layer['ffn_dim']}, batch {layer['batch']} x {layer['seq']} tokens, {layer['dtype']}; "
-             f"forward and backward ATen graphs (AOTAutograd); each compute node timed alone ({c.get('timer')}); "
-             f"predicted by the `{c['preset']}` preset ({dev['device']}: "
-             f"{dev['peak_tflops_bf16']} TFLOP/s bf16, {dev['memory_bandwidth_GBps']} GB/s)."]
+    lines = [
+        "",
+        "## Compute model vs measured kernel times",
+        "",
+        f"One transformer layer, dim {layer['dim']}, {layer['n_heads']} heads ({layer['kv_heads']} KV), "
+        f"SwiGLU {layer['ffn_dim']}, batch {layer['batch']} x {layer['seq']} tokens, {layer['dtype']}; "
+        f"forward and backward ATen graphs (AOTAutograd); each compute node timed alone ({c.get('timer')}); "
+        f"predicted by the `{c['preset']}` preset ({dev['device']}: "
+        f"{dev['peak_tflops_bf16']} TFLOP/s bf16, {dev['memory_bandwidth_GBps']} GB/s).",
+    ]
     if c.get("note"):
         lines.append(f"Note: {c['note']}.")
-    lines += ["", *_family_rows("op family", c["families"]), "",
-              *_family_rows("graph", {**c["graphs"], "overall": c["overall"]}), ""]
+    lines += [
+        "",
+        *_family_rows("op family", c["families"]),
+        "",
+        *_family_rows("graph", {**c["graphs"], "overall": c["overall"]}),
+        "",
+    ]
     whole = c.get("whole_graph_measured_us") or {}
     if whole:
-        lines.append("Whole graphs run at once (measured us): " + ", ".join(
-            f"{k} {_num(v) if isinstance(v, float) else v}" for k, v in whole.items()) + ".")
+        lines.append(
+            "Whole graphs run at once (measured us): "
+            + ", ".join(f"{k} {_num(v) if isinstance(v, float) else v}" for k, v in whole.items())
+            + "."
+        )
     top = c.get("top_ops") or []
     if top:
-        lines += ["", "| largest ops | op | family | bound | predicted us | measured us |", "|---|---|---|---|---|---|"]
-        lines += [f"| {t['graph']}/{t['node']} | {t['op']} | {t['family']} | {t['bound']} | "
-                  f"{_num(t['predicted_us'])} | {_num(t['measured_us'])} |" for t in top]
+        lines += [
+            "",
+            "| largest ops | op | family | bound | predicted us | measured us |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {t['graph']}/{t['node']} | {t['op']} | {t['family']} | {t['bound']} | "
+            f"{_num(t['predicted_us'])} | {_num(t['measured_us'])} |"
+            for t in top
+        ]
     if c.get("errors"):
         lines += ["", f"{len(c['errors'])} node(s) could not be timed alone: " + "; ".join(c["errors"][:10])]
     return lines
@@ -155,9 +209,13 @@ def _calibration_lines(c: dict[str, Any]) -> list[str]:
 def markdown(doc: dict[str, Any]) -> str:
     """The Markdown report of :func:`assemble`'s document."""
     env = doc["environment"]
-    lines = [f"# GPU mode, {env['date'][:10]}", "",
-             f"`{doc['command']}` on {env['device']} (torch {env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, "
-             f"Python {env['python']}, commfuse {env['commfuse']}); wall {_num(doc.get('wall_s'))} s.", ""]
+    lines = [
+        f"# GPU mode, {env['date'][:10]}",
+        "",
+        f"`{doc['command']}` on {env['device']} (torch {env['torch']}, CUDA {env['cuda']}, NCCL {env['nccl']}, "
+        f"Python {env['python']}, commfuse {env['commfuse']}); wall {_num(doc.get('wall_s'))} s.",
+        "",
+    ]
     if doc.get("wheels"):
         lines += [f"Carried wheels unpacked for {', '.join(doc['wheels']['missing'])}.", ""]
     lines += ["| part | ok | wall s | what ran |", "|---|---|---|---|"]
@@ -172,18 +230,26 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def _holdout_lines(c: dict[str, Any]) -> list[str]:
     h = c["holdout"]
-    lines = ["", "## The fitted compute model on a held-out size", "",
-             f"Fitted per op family to the times above (`a + b x FLOPs` for matmul and attention, `x bytes` "
-             f"otherwise; written as `gpu-profile-<date>.json`), then checked on the same layer at "
-             f"{h['seq']} tokens, captured and timed anew.", "",
-             "| op family | measured us | nominal predicted us | nominal measured / predicted "
-             "| fitted predicted us | fitted measured / predicted |", "|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## The fitted compute model on a held-out size",
+        "",
+        f"Fitted per op family to the times above (`a + b x FLOPs` for matmul and attention, `x bytes` "
+        f"otherwise; written as `gpu-profile-<date>.json`), then checked on the same layer at "
+        f"{h['seq']} tokens, captured and timed anew.",
+        "",
+        "| op family | measured us | nominal predicted us | nominal measured / predicted "
+        "| fitted predicted us | fitted measured / predicted |",
+        "|---|---|---|---|---|---|",
+    ]
     nominal, fitted = h["nominal"], h["fitted"]
     for name in [*nominal["families"], "overall"]:
         n = nominal["overall"] if name == "overall" else nominal["families"][name]
         f = fitted["overall"] if name == "overall" else fitted["families"].get(name, {})
-        lines.append(f"| {name} | {_num(n['measured_us'])} | {_num(n['predicted_us'])} | {_num(n['ratio'], 2)} "
-                     f"| {_num(f.get('predicted_us'))} | {_num(f.get('ratio'), 2)} |")
+        lines.append(
+            f"| {name} | {_num(n['measured_us'])} | {_num(n['predicted_us'])} | {_num(n['ratio'], 2)} "
+            f"| {_num(f.get('predicted_us'))} | {_num(f.get('ratio'), 2)} |"
+        )
     return lines
 
 
@@ -197,13 +263,23 @@ def cost_profile(doc: dict[str, Any]):
     from commfuse.costmodel.profile import CostProfile, Provenance
 
     env = doc["environment"]
-    notes = (f"benchmarks/run.py --gpu on {env['device']} (torch {env['torch']}): compute model fitted to "
-             f"{cal['overall']['timed']} ATen ops of one {cal['layer']['dim']}-dim layer at {cal['layer']['seq']} "
-             f"tokens, {cal['layer']['dtype']}; collective model nominal (not measured)")
-    return CostProfile(topology=cal["preset"], backend="nccl",
-                       compute=ComputeParams.model_validate(cal["fitted_compute"]),
-                       provenance=Provenance(machine=env["device"], date=env["date"], torch_version=env["torch"],
-                                             commfuse_version=env["commfuse"], notes=notes))
+    notes = (
+        f"benchmarks/run.py --gpu on {env['device']} (torch {env['torch']}): compute model fitted to "
+        f"{cal['overall']['timed']} ATen ops of one {cal['layer']['dim']}-dim layer at {cal['layer']['seq']} "
+        f"tokens, {cal['layer']['dtype']}; collective model nominal (not measured)"
+    )
+    return CostProfile(
+        topology=cal["preset"],
+        backend="nccl",
+        compute=ComputeParams.model_validate(cal["fitted_compute"]),
+        provenance=Provenance(
+            machine=env["device"],
+            date=env["date"],
+            torch_version=env["torch"],
+            commfuse_version=env["commfuse"],
+            notes=notes,
+        ),
+    )
 
 
 def write(doc: dict[str, Any], out_dir: Path, json_path: Optional[Path] = None) -> list[Path]:
@@ -211,8 +287,9 @@ def write(doc: dict[str, Any], out_dir: Path, json_path: Optional[Path] = None) 
     ``gpu-profile-<date>.json`` once the calibration has run."""
     date = doc["environment"]["date"][:10]
     paths = [out_dir / f"gpu-{date}.json", out_dir / f"gpu-{date}.md"] + ([json_path] if json_path else [])
-    texts = [json.dumps(doc, indent=1, default=str), markdown(doc)] + ([json.dumps(doc, indent=1, default=str)]
-                                                                       if json_path else [])
+    texts = [json.dumps(doc, indent=1, default=str), markdown(doc)] + (
+        [json.dumps(doc, indent=1, default=str)] if json_path else []
+    )
     profile = cost_profile(doc)
     if profile is not None:
         paths.append(out_dir / f"gpu-profile-{date}.json")
@@ -234,7 +311,9 @@ def _process_group(device: str) -> Callable[[], None]:
     if cuda:
         torch.cuda.set_device(0)
     store = tempfile.mkdtemp(prefix="commfuse-gpu-pg-")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"file://{store}/store", rank=0, world_size=1
+    )
 
     def teardown() -> None:
         if dist.is_initialized():
@@ -243,10 +322,18 @@ def _process_group(device: str) -> Callable[[], None]:
     return teardown
 
 
-def run_gpu_mode(out_dir: Path = RESULTS, *, device: str = "cuda", parts: tuple[str, ...] = PARTS,
-                 seq: int = 4096, layer_sizes: Optional[dict[str, int]] = None, command: Optional[str] = None,
-                 json_path: Optional[Path] = None, wheels: Optional[dict[str, Any]] = None,
-                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict[str, Any]:
+def run_gpu_mode(
+    out_dir: Path = RESULTS,
+    *,
+    device: str = "cuda",
+    parts: tuple[str, ...] = PARTS,
+    seq: int = 4096,
+    layer_sizes: Optional[dict[str, int]] = None,
+    command: Optional[str] = None,
+    json_path: Optional[Path] = None,
+    wheels: Optional[dict[str, Any]] = None,
+    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
+) -> dict[str, Any]:
     """Run the GPU mode's ``parts`` (see the module docstring) and write the report; returns its document.
 
     ``device="cpu"`` runs the same code on gloo (a smoke run: no streams applied, host-clock timings)."""
@@ -268,12 +355,15 @@ def run_gpu_mode(out_dir: Path = RESULTS, *, device: str = "cuda", parts: tuple[
             log(f"gpu mode: {name} ...")
             torch._dynamo.reset()
             if name == "calibration":
-                results[name] = run_part(lambda: kernels.calibrate_layer(env["device"], seq=seq, device=device,
-                                                                         sizes=layer_sizes))
+                results[name] = run_part(
+                    lambda: kernels.calibrate_layer(env["device"], seq=seq, device=device, sizes=layer_sizes)
+                )
             else:
                 results[name] = run_part(lambda: checks.CHECKS[name](device))  # noqa: B023 - run_part runs it now
-            log(f"gpu mode: {name}: {'ok' if results[name]['ok'] else 'FAILED'} in {results[name]['wall_s']} s"
-                + (f" ({results[name]['error'].splitlines()[0][:200]})" if results[name].get("error") else ""))
+            log(
+                f"gpu mode: {name}: {'ok' if results[name]['ok'] else 'FAILED'} in {results[name]['wall_s']} s"
+                + (f" ({results[name]['error'].splitlines()[0][:200]})" if results[name].get("error") else "")
+            )
             doc = assemble(env, results, command=command, wheels=wheels, wall_s=time.perf_counter() - t0)
             write(doc, out_dir, json_path)
     finally:
@@ -281,8 +371,13 @@ def run_gpu_mode(out_dir: Path = RESULTS, *, device: str = "cuda", parts: tuple[
     return doc
 
 
-def gpu_main(json_path: Optional[Path], refuse: Callable[[str], Any], *, out_dir: Path = RESULTS,
-             wheels: Optional[dict[str, Any]] = None) -> int:
+def gpu_main(
+    json_path: Optional[Path],
+    refuse: Callable[[str], Any],
+    *,
+    out_dir: Path = RESULTS,
+    wheels: Optional[dict[str, Any]] = None,
+) -> int:
     """``run.py --gpu``: ``refuse(NO_CUDA)`` without CUDA (argparse's error: exit 2), else run, print the
     Markdown and return 1 when a part failed."""
     import torch
@@ -295,5 +390,16 @@ def gpu_main(json_path: Optional[Path], refuse: Callable[[str], Any], *, out_dir
     return 0 if doc["ok"] else 1
 
 
-__all__ = ["NO_CUDA", "PARTS", "RESULTS", "assemble", "cost_profile", "environment", "gpu_main", "markdown", "run_gpu_mode",
-           "run_part", "write"]
+__all__ = [
+    "NO_CUDA",
+    "PARTS",
+    "RESULTS",
+    "assemble",
+    "cost_profile",
+    "environment",
+    "gpu_main",
+    "markdown",
+    "run_gpu_mode",
+    "run_part",
+    "write",
+]

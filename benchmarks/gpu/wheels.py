@@ -41,8 +41,9 @@ def unpack_wheels(wheel_dir: Path, target: Path) -> list[str]:
     return names
 
 
-def ensure_wheels(wheel_dir: Path = WHEEL_DIR, names: Sequence[str] = REQUIRED,
-                  target: Optional[Path] = None) -> Optional[dict]:
+def ensure_wheels(
+    wheel_dir: Path = WHEEL_DIR, names: Sequence[str] = REQUIRED, target: Optional[Path] = None
+) -> Optional[dict]:
     """Make ``names`` importable from the carried wheels when some are missing.
 
     Returns None when nothing was missing, else what was done: the directory put on
@@ -52,7 +53,9 @@ def ensure_wheels(wheel_dir: Path = WHEEL_DIR, names: Sequence[str] = REQUIRED,
     if not missing:
         return None
     if not any(wheel_dir.glob("*.whl")):
-        raise RuntimeError(f"modules {missing} are not installed and {wheel_dir} holds no wheels to supply them")
+        raise RuntimeError(
+            f"modules {missing} are not installed and {wheel_dir} holds no wheels to supply them"
+        )
     target = Path(tempfile.mkdtemp(prefix="commfuse-wheels-")) if target is None else target
     wheels = unpack_wheels(wheel_dir, target)
     sys.path.insert(0, str(target))

@@ -70,10 +70,22 @@ MAX_CHAIN_OPS = 64
 CONSUMER, PRODUCER = "consumer", "producer"
 
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default}
-_IDENTITY = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
-             aten._to_copy.default}
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.squeeze.dim,
-             aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default}
+_IDENTITY = {
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten._to_copy.default,
+}
+_RESHAPES = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.unsqueeze.default,
+}
 _PERMUTES = {aten.permute.default, aten.transpose.int, aten.t.default}
 VIEWLIKE = _IDENTITY | _RESHAPES | _PERMUTES | {aten.expand.default, aten.slice.Tensor}
 # Ops whose size argument (args[1]) must be rewritten to the chunk's shape when replayed.
@@ -166,13 +178,19 @@ def _mutated_roots(gm: fx.GraphModule) -> set[fx.Node]:
     for n in gm.graph.nodes:
         if n.op != "call_function" or not rewrite.mutates(n):
             continue
-        for a, arg in zip(n.args, n.target._schema.arguments, strict=False):  # args may omit trailing defaults
+        for a, arg in zip(
+            n.args, n.target._schema.arguments, strict=False
+        ):  # args may omit trailing defaults
             if not (isinstance(a, fx.Node) and arg.alias_info is not None and arg.alias_info.is_write):
                 continue
             while True:  # the written memory is also the memory of every view's base
                 out.add(a)
-                if a.op == "call_function" and (a.target in VIEWLIKE or a.target is operator.getitem) \
-                        and a.args and isinstance(a.args[0], fx.Node):
+                if (
+                    a.op == "call_function"
+                    and (a.target in VIEWLIKE or a.target is operator.getitem)
+                    and a.args
+                    and isinstance(a.args[0], fx.Node)
+                ):
                     a = a.args[0]
                 else:
                     break
@@ -299,7 +317,9 @@ def loop_map(node: fx.Node, dims: DimTypeAnalysis) -> LoopMap | str:
         else:
             out_labels = tuple(d for d in range(rank_in) if d not in reduced)
         return LoopMap(out_labels, {0: tuple(range(rank_in))}, {d: how for d in reduced})
-    return f"{name} is not splittable here (only element-wise, matmul, reduction, softmax ops and views chain)"
+    return (
+        f"{name} is not splittable here (only element-wise, matmul, reduction, softmax ops and views chain)"
+    )
 
 
 def _reject_node(node: fx.Node) -> Optional[str]:
@@ -317,7 +337,8 @@ def _reject_node(node: fx.Node) -> Optional[str]:
     if torch.Tag.nondeterministic_seeded in t.tags:
         return f"{name} draws random numbers (chunks would change the stream)"
     if any(isinstance(v, fx.Node) for v in node.kwargs.values()) or any(
-            isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a) for a in node.args):
+        isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in a) for a in node.args
+    ):
         return f"{name} takes tensors in keyword or list arguments"
     if static_shape(node) is None:
         return f"{name}: output shape is not static"
@@ -325,7 +346,9 @@ def _reject_node(node: fx.Node) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------- views
-def _reshape_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> Optional[list[tuple[list[int], list[int]]]]:
+def _reshape_groups(
+    src: tuple[int, ...], dst: tuple[int, ...]
+) -> Optional[list[tuple[list[int], list[int]]]]:
     """Pair up runs of src and dst dims whose products match (a reshape's dim groups)."""
     groups: list[tuple[list[int], list[int]]] = []
     i = j = 0
@@ -363,11 +386,15 @@ def _map_reshape(src: tuple[int, ...], dst: tuple[int, ...], split: Split, k: in
             continue
         a = gi.index(split.dim)
         outer = _prod(src[x] for x in gi[:a]) * split.blocks
-        inner = (src[split.dim] // (split.blocks * k)) * _prod(src[x] for x in gi[a + 1:])
+        inner = (src[split.dim] // (split.blocks * k)) * _prod(src[x] for x in gi[a + 1 :])
         before = 1
         for b, e in enumerate(gj):
-            after = _prod(dst[x] for x in gj[b + 1:])
-            if outer % before == 0 and inner % after == 0 and dst[e] == (outer // before) * k * (inner // after):
+            after = _prod(dst[x] for x in gj[b + 1 :])
+            if (
+                outer % before == 0
+                and inner % after == 0
+                and dst[e] == (outer // before) * k * (inner // after)
+            ):
                 return Split(e, outer // before)
             before *= dst[e]
         return f"reshape {list(src)} -> {list(dst)} splits the chunked dim {split.dim}"
@@ -453,7 +480,9 @@ def view_backward(node: fx.Node, split: Split, k: int) -> Optional[Split] | str:
 
 
 # ----------------------------------------------------------------------- one step
-def forward_step(node: fx.Node, layouts: dict[fx.Node, ChunkLayout], dims: DimTypeAnalysis, k: int) -> ChainStep | str:
+def forward_step(
+    node: fx.Node, layouts: dict[fx.Node, ChunkLayout], dims: DimTypeAnalysis, k: int
+) -> ChainStep | str:
     """``node`` computed per chunk from chained inputs (``layouts``) and side inputs."""
     why = _reject_node(node)
     if why:
@@ -503,8 +532,9 @@ def forward_step(node: fx.Node, layouts: dict[fx.Node, ChunkLayout], dims: DimTy
     return ChainStep(node, out, args)
 
 
-def backward_step(node: fx.Node, out: Split, dims: DimTypeAnalysis, k: int,
-                  mutated: Optional[set[fx.Node]] = None) -> ChainStep | str:
+def backward_step(
+    node: fx.Node, out: Split, dims: DimTypeAnalysis, k: int, mutated: Optional[set[fx.Node]] = None
+) -> ChainStep | str:
     """``node`` computed per chunk of its output ``out``: how each input's chunk is taken."""
     why = _reject_node(node)
     if why:
@@ -531,14 +561,22 @@ def backward_step(node: fx.Node, out: Split, dims: DimTypeAnalysis, k: int,
     label = lm.out[out.dim]
     if label is None or label in lm.nd:
         return f"{name} treats dim {out.dim} as non-splittable (ND)"
-    args = {pos: (Split(lm.ins[pos].index(label), out.blocks) if label in lm.ins[pos] else None)
-            for pos in targs}
+    args = {
+        pos: (Split(lm.ins[pos].index(label), out.blocks) if label in lm.ins[pos] else None) for pos in targs
+    }
     return ChainStep(node, out, args)
 
 
 # ----------------------------------------------------------------------- chains
-def consumer_chain(c: Collective, dim: int, k: int, dims: DimTypeAnalysis, facts: GraphFacts,
-                   backward_nodes: set[fx.Node], splits: Optional[tuple[Split, Split]] = None) -> Chain | str:
+def consumer_chain(
+    c: Collective,
+    dim: int,
+    k: int,
+    dims: DimTypeAnalysis,
+    facts: GraphFacts,
+    backward_nodes: set[fx.Node],
+    splits: Optional[tuple[Split, Split]] = None,
+) -> Chain | str:
     """``splits``: the (input, output) chunk layouts of ``c`` when the caller derived them
     (an all_to_all's, see ``expert_exchange_partition``); default :func:`transfer`'s."""
     splits = transfer(c, dim, k) if splits is None else splits
@@ -616,7 +654,11 @@ def _settle_consumer(chain: Chain, facts: GraphFacts) -> bool:
     steps = chain.steps
     while True:
         inside = {chain.root, *(s.node for s in steps)}
-        pruned = [s for s in steps if s.node.users and not (s.is_view and not any(u in inside for u in s.node.users))]
+        pruned = [
+            s
+            for s in steps
+            if s.node.users and not (s.is_view and not any(u in inside for u in s.node.users))
+        ]
         if len(pruned) != len(steps):
             steps = pruned
             continue
@@ -629,8 +671,9 @@ def _settle_consumer(chain: Chain, facts: GraphFacts) -> bool:
         # A reassembled value gets the original's strides back (a permuted dense layout);
         # an expanded or overlapping one cannot be rebuilt: cut the chain back instead.
         dense = all(_dense(v) for v in outputs)
-        first_use = min((facts.order[u] for v in outputs for u in _outside_users(v, inside)),
-                        default=len(facts.order))
+        first_use = min(
+            (facts.order[u] for v in outputs for u in _outside_users(v, inside)), default=len(facts.order)
+        )
         if dense and first_use > facts.order[anchor]:
             chain.steps, chain.outputs, chain.anchor = steps, outputs, anchor
             return True
@@ -650,8 +693,9 @@ def producer_precheck(c: Collective, facts: GraphFacts) -> Optional[str]:
     return None
 
 
-def producer_chain(c: Collective, dim: int, k: int, dims: DimTypeAnalysis, facts: GraphFacts,
-                   backward_nodes: set[fx.Node]) -> Chain | str:
+def producer_chain(
+    c: Collective, dim: int, k: int, dims: DimTypeAnalysis, facts: GraphFacts, backward_nodes: set[fx.Node]
+) -> Chain | str:
     splits = transfer(c, dim, k)
     if isinstance(splits, str):
         return splits
@@ -707,7 +751,14 @@ def producer_chain(c: Collective, dim: int, k: int, dims: DimTypeAnalysis, facts
     return chain
 
 
-def build_chain(c: Collective, direction: str, dim: int, k: int, dims: DimTypeAnalysis, facts: GraphFacts,
-                backward_nodes: set[fx.Node]) -> Chain | str:
+def build_chain(
+    c: Collective,
+    direction: str,
+    dim: int,
+    k: int,
+    dims: DimTypeAnalysis,
+    facts: GraphFacts,
+    backward_nodes: set[fx.Node],
+) -> Chain | str:
     fn = consumer_chain if direction == CONSUMER else producer_chain
     return fn(c, dim, k, dims, facts, backward_nodes)

@@ -66,11 +66,14 @@ class OperationPlan:
     why: str
 
 
-def operation_level_plan(comp_cost: float, comm_cost: float, in_cost: float, max_chunks: int,
-               group: Optional[GroupCosts] = None) -> OperationPlan:
+def operation_level_plan(
+    comp_cost: float, comm_cost: float, in_cost: float, max_chunks: int, group: Optional[GroupCosts] = None
+) -> OperationPlan:
     """Algorithm 1 of Centauri with the rounding above (costs in any one unit)."""
     if in_cost >= comm_cost:
-        return OperationPlan(1, (1.0,), None, f"hidden by independent compute ({in_cost:.1f} >= {comm_cost:.1f})")
+        return OperationPlan(
+            1, (1.0,), None, f"hidden by independent compute ({in_cost:.1f} >= {comm_cost:.1f})"
+        )
     num = max_chunks
     if in_cost > 0:
         num = min(math.ceil(comm_cost / in_cost), max_chunks)
@@ -86,8 +89,10 @@ def operation_level_plan(comp_cost: float, comm_cost: float, in_cost: float, max
         else:
             first = "intra"
             granularity = (intra / w, (inter - 1) / w, 1 - (inter + intra - 1) / w)
-        why = (f"{len(granularity)} chunks: group-partitioned, {first}-node step first (comm {comm_cost:.1f}, "
-               f"inter-node {group.cost_inter:.1f}, independent compute {in_cost:.1f}, chain {comp_cost:.1f})")
+        why = (
+            f"{len(granularity)} chunks: group-partitioned, {first}-node step first (comm {comm_cost:.1f}, "
+            f"inter-node {group.cost_inter:.1f}, independent compute {in_cost:.1f}, chain {comp_cost:.1f})"
+        )
     return OperationPlan(len(granularity) if group is not None else num, granularity, first, why)
 
 
@@ -140,7 +145,7 @@ def independent_compute_us(gm: fx.GraphModule, ir: CollectiveIR, c: Collective, 
     descendants = _closure(c.start, lambda n: n.users)
     starts = {x.start for x in ir.collectives}
     total = 0.0
-    for n in nodes[pos[c.start] + 1:end]:
+    for n in nodes[pos[c.start] + 1 : end]:
         if n.op != "call_function" or is_wait(n.target) or n in starts or n in ancestors or n in descendants:
             continue
         total += estimator.compute_time_us(n)

@@ -58,8 +58,9 @@ def _block_map(partitions: Sequence[Sequence[Sequence[int]]], block: Ranks) -> O
     return best
 
 
-def find_grid(a: Sequence[int], b: Sequence[int],
-              partitions: Sequence[Sequence[Sequence[int]]]) -> Union[Grid, str]:
+def find_grid(
+    a: Sequence[int], b: Sequence[int], partitions: Sequence[Sequence[Sequence[int]]]
+) -> Union[Grid, str]:
     """The plane groups ``a`` and ``b`` (global ranks in group-rank order) span, or why not."""
     a, b = tuple(a), tuple(b)
     if len(set(a) & set(b)) != 1:
@@ -67,8 +68,10 @@ def find_grid(a: Sequence[int], b: Sequence[int],
     of_a, of_b = _block_map(partitions, a), _block_map(partitions, b)
     missing = [f"[{_fmt(g)}]" for g, m in ((a, of_a), (b, of_b)) if m is None]
     if missing:
-        return (f"the blocks of {' and '.join(missing)} on the other ranks are unknown (declare the mesh: "
-                "DTensor, commfuse.setup(mesh=...) or setup(groups=...))")
+        return (
+            f"the blocks of {' and '.join(missing)} on the other ranks are unknown (declare the mesh: "
+            "DTensor, commfuse.setup(mesh=...) or setup(groups=...))"
+        )
     plane, todo = set(), list(a)
     while todo:
         r = todo.pop()
@@ -94,7 +97,9 @@ def find_grid(a: Sequence[int], b: Sequence[int],
     for r in plane:
         k, i = of_a[r].index(r), of_b[r].index(r)
         if any(of_b[q].index(q) != i for q in of_a[r]) or any(of_a[q].index(q) != k for q in of_b[r]):
-            return "the two groups' blocks do not cross as the dims of a mesh (positions differ along a block)"
+            return (
+                "the two groups' blocks do not cross as the dims of a mesh (positions differ along a block)"
+            )
     return Grid(n1, n2, tuple(tuple(int(r) for r in row) for row in rank_at))
 
 

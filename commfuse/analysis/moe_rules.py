@@ -61,25 +61,40 @@ from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD, MoeOperands
 from commfuse.ops.moe_layer.routing import capacity_can_bind
 
 
-def _token_groups(x: fx.Node, d: int, top_k: int, capacity_factor: float, groups: int, num_experts: int,
-                  env: RuleEnv) -> int | str:
+def _token_groups(
+    x: fx.Node, d: int, top_k: int, capacity_factor: float, groups: int, num_experts: int, env: RuleEnv
+) -> int | str:
     """``token_groups`` of the op on the shard, or why the shard would change drops."""
     if not capacity_can_bind(capacity_factor, top_k, num_experts):
         return 1
     shape = shape_of(x)
     if not all(s == 1 for s in shape[:d]):
-        return (f"capacity can drop tokens and the shard along dim {d} of {list(shape)} is not a run of "
-                "whole token groups")
+        return (
+            f"capacity can drop tokens and the shard along dim {d} of {list(shape)} is not a run of "
+            "whole token groups"
+        )
     if groups % env.n == 0:
         return groups // env.n
     if env.moe_capacity_regroup and groups == 1:
         return 1
-    return (f"capacity can drop tokens and token_groups={groups} does not split over {env.n} ranks "
-            "(set Config.moe_capacity_regroup to regroup per shard)")
+    return (
+        f"capacity can drop tokens and token_groups={groups} does not split over {env.n} ranks "
+        "(set Config.moe_capacity_regroup to regroup per shard)"
+    )
 
 
-def _common(node: fx.Node, x: fx.Node, router_w: fx.Node, experts: tuple, state: StateOf, env: RuleEnv,
-            top_k: int, capacity_factor: float, groups: int, group_name: str) -> Optional[tuple[int, int, bool]]:
+def _common(
+    node: fx.Node,
+    x: fx.Node,
+    router_w: fx.Node,
+    experts: tuple,
+    state: StateOf,
+    env: RuleEnv,
+    top_k: int,
+    capacity_factor: float,
+    groups: int,
+    group_name: str,
+) -> Optional[tuple[int, int, bool]]:
     """(sharded dim, token_groups on the shard, whether the EP group crosses the region's) when
     the op can run on x's shard."""
     s = state(x)
@@ -90,8 +105,10 @@ def _common(node: fx.Node, x: fx.Node, router_w: fx.Node, experts: tuple, state:
     if not isinstance(s, Sharded) or shape is None or s.dim >= len(shape) - 1:
         why = f"tokens are not sharded along a leading dim ({s})"
     elif not_crossing:
-        why = (f"its expert-parallel group {group_name} is not the gathered group {env.group} and does not cross "
-               f"it as a mesh dim ({not_crossing})")
+        why = (
+            f"its expert-parallel group {group_name} is not the gathered group {env.group} and does not cross "
+            f"it as a mesh dim ({not_crossing})"
+        )
     elif crossing and not all(env.replicated(w) for w in experts):
         # across mesh dims a shard's tokens meet another TP rank's copy of each expert
         why = "its expert weights are not known to be identical on every rank of the gathered group"
@@ -115,13 +132,25 @@ def moe_forward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | N
     if any(state(w) is not None for w in experts):
         env.refusals[node] = f"{node.name} stays on full tokens: expert weights computed in the region"
         return None
-    got = _common(node, ops.x, ops.router_w, experts, state, env, ops.top_k, ops.capacity_factor,
-                  ops.token_groups, ops.group_name)
+    got = _common(
+        node,
+        ops.x,
+        ops.router_w,
+        experts,
+        state,
+        env,
+        ops.top_k,
+        ops.capacity_factor,
+        ops.token_groups,
+        ops.group_name,
+    )
     if got is None:
         return None
     d, g, _ = got
     args = replace(ops, token_groups=g).args()
-    return LocalOp(args, {}, (Sharded(d), Partial(), Partial(), Partial()), wire_saved=_wire_saved(node, d, g, env.n))
+    return LocalOp(
+        args, {}, (Sharded(d), Partial(), Partial(), Partial()), wire_saved=_wire_saved(node, d, g, env.n)
+    )
 
 
 def moe_backward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
@@ -129,13 +158,25 @@ def moe_backward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | 
     x, experts = ops.x, (ops.w1, ops.w3, ops.w2)
     stats = (ops.grad_probs_sum, ops.grad_z_sum)
     if state(ops.grad_out) != state(x):
-        env.refusals[node] = f"{node.name} stays full: output gradient is {state(ops.grad_out)}, tokens {state(x)}"
+        env.refusals[node] = (
+            f"{node.name} stays full: output gradient is {state(ops.grad_out)}, tokens {state(x)}"
+        )
         return None
     if any(state(a) is not None for a in (*stats, *experts)) or any(not env.replicated(a) for a in stats):
         env.refusals[node] = f"{node.name} stays full: statistics gradients not replicated"
         return None
-    got = _common(node, x, ops.router_w, experts, state, env, ops.top_k, ops.capacity_factor,
-                  ops.token_groups, ops.group_name)
+    got = _common(
+        node,
+        x,
+        ops.router_w,
+        experts,
+        state,
+        env,
+        ops.top_k,
+        ops.capacity_factor,
+        ops.token_groups,
+        ops.group_name,
+    )
     if got is None:
         return None
     d, g, crossing = got
@@ -145,8 +186,12 @@ def moe_backward_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | 
     else:
         weights = Partial()
     args = replace(ops, token_groups=g, expert_grad_scale=scale).args()
-    return LocalOp(args, {}, (Sharded(d), Partial(), weights, weights, weights),
-                   wire_saved=_wire_saved(node, d, g, env.n))
+    return LocalOp(
+        args,
+        {},
+        (Sharded(d), Partial(), weights, weights, weights),
+        wire_saved=_wire_saved(node, d, g, env.n),
+    )
 
 
 def _wire_saved(node: fx.Node, d: int, groups: int, n: int) -> int:

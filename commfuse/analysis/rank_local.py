@@ -44,10 +44,16 @@ def rank_local_reason(collectives, gm: fx.GraphModule) -> Optional[str]:
     collectives = list(collectives)
     for c in collectives:
         if c.kind in _PER_RANK_GRAPH and not _same_on_every_rank(c):
-            return (f"graph has point-to-point or pipeline boundary ops ({c.name}, {c.kind.value}): ranks may "
-                    "run different graphs")
+            return (
+                f"graph has point-to-point or pipeline boundary ops ({c.name}, {c.kind.value}): ranks may "
+                "run different graphs"
+            )
     for c in collectives:
-        if c.kind is K.ALL_TO_ALL and (c.extra.get("rank_local_sizes") or not c.extra.get("equal_splits", True)):
-            return (f"graph has an all_to_all with split sizes given per rank ({c.name}): shapes downstream "
-                    "may differ between ranks")
+        if c.kind is K.ALL_TO_ALL and (
+            c.extra.get("rank_local_sizes") or not c.extra.get("equal_splits", True)
+        ):
+            return (
+                f"graph has an all_to_all with split sizes given per rank ({c.name}): shapes downstream "
+                "may differ between ranks"
+            )
     return None

@@ -42,13 +42,25 @@ from commfuse.ir.shapes import shape_of
 aten = torch.ops.aten
 
 
-_SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
-         aten._to_copy.default}
+_SAME = {
+    aten.clone.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.contiguous.default,
+    aten._to_copy.default,
+}
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SUM = {aten.sum.dim_IntList}
 _ROW_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
-_PARTIAL_VIEWS = _RESHAPES | {aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default, aten.clone.default,
-                              aten.alias.default, aten.detach.default, aten.expand.default}
+_PARTIAL_VIEWS = _RESHAPES | {
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.unsqueeze.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.expand.default,
+}
 
 
 def _static(shape) -> bool:
@@ -57,8 +69,12 @@ def _static(shape) -> bool:
 
 def _pointwise(target) -> bool:
     schema = getattr(target, "_schema", None)
-    return (torch.Tag.pointwise in getattr(target, "tags", ()) and schema is not None
-            and not schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags)
+    return (
+        torch.Tag.pointwise in getattr(target, "tags", ())
+        and schema is not None
+        and not schema.is_mutable
+        and torch.Tag.nondeterministic_seeded not in target.tags
+    )
 
 
 def local_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
@@ -91,8 +107,14 @@ def local_rule(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
         return _reshape(node, state, n)
     if t is aten.expand.default:
         return _expand(node, state, n)
-    if t in (aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default,
-             aten.squeeze.dim, aten.squeeze.dims):
+    if t in (
+        aten.permute.default,
+        aten.transpose.int,
+        aten.t.default,
+        aten.unsqueeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+    ):
         return _dim_map(node, state)
     if t in _ROW_REDUCTIONS:
         return _reduction(node, state)
@@ -124,8 +146,12 @@ def _own_chunk(node: fx.Node, state: StateOf, env: RuleEnv) -> LocalOp | None:
     if not node.users or any(u.target is not operator.getitem or u.args[1] != env.rank for u in node.users):
         return None
     # The local chunk is `size` long: splitting it gives one piece, the one this rank keeps.
-    return LocalOp(node.args, dict(node.kwargs), tuple(Complete() if i == env.rank else None for i in range(env.n)),
-                   index_map={env.rank: 0})
+    return LocalOp(
+        node.args,
+        dict(node.kwargs),
+        tuple(Complete() if i == env.rank else None for i in range(env.n)),
+        index_map={env.rank: 0},
+    )
 
 
 def _elementwise(node: fx.Node, state: StateOf, replicated: Replicated) -> LocalOp | None:
@@ -323,4 +349,3 @@ def value_bytes(node: fx.Node) -> int:
     if not isinstance(v, torch.Tensor):
         return 0
     return math.prod(v.shape) * v.element_size()
-

@@ -59,8 +59,12 @@ def rank_of_dir(path: Union[str, os.PathLike]) -> Optional[int]:
 def _describe_rank(d: Path, rank: int) -> dict[str, Any]:
     with os.scandir(d) as it:
         entries = sorted(it, key=lambda e: e.name)
-    return {"rank": rank, "dir": d.name, "graphs": [e.name for e in entries if e.is_dir()],
-            "files": [e.name for e in entries if e.is_file()]}
+    return {
+        "rank": rank,
+        "dir": d.name,
+        "graphs": [e.name for e in entries if e.is_dir()],
+        "files": [e.name for e in entries if e.is_file()],
+    }
 
 
 def _rank_dirs(top: Path) -> dict[int, Path]:
@@ -73,8 +77,9 @@ def _rank_dirs(top: Path) -> dict[int, Path]:
     return out
 
 
-def update_dump_index(top: Union[str, os.PathLike], rank: Optional[int] = None,
-                      world_size: Optional[int] = None) -> Path:
+def update_dump_index(
+    top: Union[str, os.PathLike], rank: Optional[int] = None, world_size: Optional[int] = None
+) -> Path:
     """Rewrite ``top/index.json``: the entry of ``rank`` from its ``rank<r>/`` directory, the
     other ranks' entries as the index held them (None: every ``rank<r>/`` under ``top``, read
     from disk). One directory listing per call, however many ranks the job has. Raises
@@ -95,14 +100,22 @@ def update_dump_index(top: Union[str, os.PathLike], rank: Optional[int] = None,
                 entries[r] = _describe_rank(d, r)
         else:
             for e in old.get("ranks") or []:
-                if isinstance(e, dict) and isinstance(e.get("rank"), int) and (top / str(e.get("dir"))).is_dir():
+                if (
+                    isinstance(e, dict)
+                    and isinstance(e.get("rank"), int)
+                    and (top / str(e.get("dir"))).is_dir()
+                ):
                     entries[e["rank"]] = e
             mine = top / f"rank{rank}"
             if mine.is_dir():
                 entries[rank] = _describe_rank(mine, rank)
-        doc = {"format": "commfuse-dumps", "version": 1, "layout": "rank<r>/<kind>_<index>/",
-               "world_size": world_size if world_size is not None else old.get("world_size"),
-               "ranks": [entries[r] for r in sorted(entries)]}
+        doc = {
+            "format": "commfuse-dumps",
+            "version": 1,
+            "layout": "rank<r>/<kind>_<index>/",
+            "world_size": world_size if world_size is not None else old.get("world_size"),
+            "ranks": [entries[r] for r in sorted(entries)],
+        }
         fd, tmp = tempfile.mkstemp(dir=top, prefix=".index.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as f:

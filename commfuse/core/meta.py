@@ -49,6 +49,16 @@ def stream_hint(node: fx.Node) -> int:
     return s
 
 
-__all__ = ["BARRIER_META", "DHELIX_COMM_META", "FUSED_GRAPH_META_KEY",
-           "LAYOUT_META_KEY", "MICROBATCH_META_KEY", "PHASE_META_KEY", "REPORTS_META", "SETTING_META", "STREAM_META",
-           "microbatch_of", "stream_hint"]
+__all__ = [
+    "BARRIER_META",
+    "DHELIX_COMM_META",
+    "FUSED_GRAPH_META_KEY",
+    "LAYOUT_META_KEY",
+    "MICROBATCH_META_KEY",
+    "PHASE_META_KEY",
+    "REPORTS_META",
+    "SETTING_META",
+    "STREAM_META",
+    "microbatch_of",
+    "stream_hint",
+]

@@ -292,8 +292,9 @@ def register_work(tensor, work) -> None:
     torch._C._distributed_c10d._register_work(tensor, work)
 
 
-def extract_fwd_bwd_modules(joint: torch.fx.GraphModule, saved_values: list, saved_opaque: list, *,
-                            num_fwd_outputs: int):
+def extract_fwd_bwd_modules(
+    joint: torch.fx.GraphModule, saved_values: list, saved_opaque: list, *, num_fwd_outputs: int
+):
     """Split a joint graph into the forward that computes its forward outputs plus ``saved_values``
     and the backward that computes its gradient outputs from them and the tangents.
 
@@ -315,8 +316,10 @@ def extract_fwd_bwd_modules(joint: torch.fx.GraphModule, saved_values: list, sav
     if "saved_opaque_nodes" in params:
         return _extract_fwd_bwd_modules(joint, saved_values, [], saved_opaque, **kwargs)
     if saved_opaque:
-        raise NotImplementedError(f"torch {torch.__version__}: _extract_fwd_bwd_modules cannot pass opaque values "
-                                  f"({len(saved_opaque)}) from forward to backward")
+        raise NotImplementedError(
+            f"torch {torch.__version__}: _extract_fwd_bwd_modules cannot pass opaque values "
+            f"({len(saved_opaque)}) from forward to backward"
+        )
     return _extract_fwd_bwd_modules(joint, saved_values, [], **kwargs)
 
 
@@ -370,11 +373,14 @@ def funcol_autograd(name: str):
     new, old = f"{name}_single_autograd", f"{name}_tensor_autograd"
     fn = getattr(funcol, new, None) or getattr(funcol, old, None)
     if fn is None:
-        raise AttributeError(f"torch {torch.__version__} has neither {new} nor {old} in _functional_collectives")
+        raise AttributeError(
+            f"torch {torch.__version__} has neither {new} nor {old} in _functional_collectives"
+        )
     return fn
 
 
 # -- PyTorch's own observability: structured trace, TORCH_LOGS, profiler --------------------------
+
 
 def structured_trace_enabled() -> bool:
     """Whether torch's structured trace (``TORCH_TRACE=dir``, or a handler a test installed on it)
@@ -402,8 +408,12 @@ def trace_artifact(name: str, encoding: str, payload_fn) -> None:
     (offline on a graph), where torch would otherwise capture a Python stack for every event."""
     from torch._logging import trace_structured
 
-    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": encoding},
-                     payload_fn=payload_fn, expect_trace_id=False)
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": encoding},
+        payload_fn=payload_fn,
+        expect_trace_id=False,
+    )
 
 
 def register_torch_logs(name: str) -> None:

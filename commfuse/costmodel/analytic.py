@@ -56,11 +56,17 @@ def register_op_time(target: Any, time_us: Callable[["AnalyticCostModel", fx.Nod
 class AnalyticCostModel:
     """Implements `CostEstimator` (``compute_time_us(node)``, ``collective(c)``)."""
 
-    def __init__(self, topology: Topology, backend: str = "nccl",
-                 collective_params: Optional[CollectiveParams] = None,
-                 compute_params: Optional[ComputeParams] = None, *,
-                 contention_kappa: Optional[float] = None, runtime: Optional[RuntimeParams] = None,
-                 symbol_hint: int = 4096) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        backend: str = "nccl",
+        collective_params: Optional[CollectiveParams] = None,
+        compute_params: Optional[ComputeParams] = None,
+        *,
+        contention_kappa: Optional[float] = None,
+        runtime: Optional[RuntimeParams] = None,
+        symbol_hint: int = 4096,
+    ) -> None:
         self.topology = topology
         self.runtime = runtime or RuntimeParams()
         self.backend = backend
@@ -145,6 +151,9 @@ class AnalyticCostModel:
 
     def slowdown(self, node_or_estimate: Any, concurrent: Any = None) -> float:
         """Compute slowdown factor while `concurrent` (a collective, or CommResources) runs."""
-        est = node_or_estimate if isinstance(node_or_estimate, ComputeEstimate) else self.compute.estimate(
-            node_or_estimate)
+        est = (
+            node_or_estimate
+            if isinstance(node_or_estimate, ComputeEstimate)
+            else self.compute.estimate(node_or_estimate)
+        )
         return self.contention.slowdown(est, concurrent)

@@ -75,7 +75,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 from commfuse.core.errors import ConfigError
 from commfuse.costmodel.estimator import CollectiveEstimate
@@ -185,9 +193,11 @@ class CollectiveParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     bandwidth_multiplier: dict[CollectiveKind, PositiveFloat] = Field(
-        default_factory=dict, description="effective bandwidth = analytic x multiplier, per kind")
+        default_factory=dict, description="effective bandwidth = analytic x multiplier, per kind"
+    )
     latency_multiplier: dict[CollectiveKind, NonNegativeFloat] = Field(
-        default_factory=dict, description="latency terms x multiplier, per kind")
+        default_factory=dict, description="latency terms x multiplier, per kind"
+    )
     fits: list[AlphaBeta] = Field(default_factory=list, description="fitted alpha/beta, take precedence")
 
     @model_validator(mode="after")
@@ -196,7 +206,9 @@ class CollectiveParams(BaseModel):
         for i, f in enumerate(self.fits):
             key = (f.kind, f.group_size)
             if key in seen:
-                raise ValueError(f"fits.{i}: duplicate fit for kind {f.kind.value!r} and group_size {f.group_size}")
+                raise ValueError(
+                    f"fits.{i}: duplicate fit for kind {f.kind.value!r} and group_size {f.group_size}"
+                )
             seen.add(key)
         return self
 
@@ -257,8 +269,14 @@ class CollectiveModel:
     raw size (nccl-tests convention); `candidates(...)` lists every algorithm.
     """
 
-    def __init__(self, topology: Topology, backend: str = "nccl", params: Optional[CollectiveParams] = None,
-                 *, symbol_hint: "int | SymbolHints" = 4096) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        backend: str = "nccl",
+        params: Optional[CollectiveParams] = None,
+        *,
+        symbol_hint: "int | SymbolHints" = 4096,
+    ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"collective model: backend must be one of {BACKENDS}, got {backend!r}")
         self.topology = topology
@@ -277,11 +295,25 @@ class CollectiveModel:
         # unknown group size (e.g. a graph loaded without its process groups): assume the whole world
         n = c.group.size or (len(c.group.ranks) if c.group.ranks else self.topology.world_size)
         size = message_bytes(c, self.symbol_hint)
-        return self.time(c.kind, size, n, ranks=c.group.ranks, algorithm=algorithm,
-                         pieces=m2ms_pieces(c, self.symbol_hint) if c.kind is K.M2MS else None)
+        return self.time(
+            c.kind,
+            size,
+            n,
+            ranks=c.group.ranks,
+            algorithm=algorithm,
+            pieces=m2ms_pieces(c, self.symbol_hint) if c.kind is K.M2MS else None,
+        )
 
-    def time(self, kind: CollectiveKind, size: int, n: int, *, ranks: Optional[Sequence[int]] = None,
-             algorithm: Optional[str] = None, pieces: Optional[Sequence[int]] = None) -> CollectiveEstimate:
+    def time(
+        self,
+        kind: CollectiveKind,
+        size: int,
+        n: int,
+        *,
+        ranks: Optional[Sequence[int]] = None,
+        algorithm: Optional[str] = None,
+        pieces: Optional[Sequence[int]] = None,
+    ) -> CollectiveEstimate:
         """Fastest (or the named) algorithm for `size` bytes (nccl-tests convention) over `n` ranks."""
         kind = CollectiveKind(kind)
         if n <= 1 or (size <= 0 and not (pieces and sum(pieces) > 0)):
@@ -289,8 +321,10 @@ class CollectiveModel:
         cands = self.candidates(kind, size, n, ranks=ranks, pieces=pieces)
         if algorithm is not None:
             if algorithm not in cands:
-                raise ConfigError(f"collective model: algorithm {algorithm!r} not available for {kind.value} "
-                                  f"on {self.backend} over {n} ranks; available: {sorted(cands)}")
+                raise ConfigError(
+                    f"collective model: algorithm {algorithm!r} not available for {kind.value} "
+                    f"on {self.backend} over {n} ranks; available: {sorted(cands)}"
+                )
             best = cands[algorithm]
         else:
             best = min(cands.values(), key=lambda e: (e.time_us, e.algorithm))
@@ -299,8 +333,15 @@ class CollectiveModel:
             return CollectiveEstimate(fit.time_us(size), best.wire_bytes, f"fitted:{best.algorithm}")
         return best
 
-    def candidates(self, kind: CollectiveKind, size: int, n: int, *, ranks: Optional[Sequence[int]] = None,
-                   pieces: Optional[Sequence[int]] = None) -> dict[str, CollectiveEstimate]:
+    def candidates(
+        self,
+        kind: CollectiveKind,
+        size: int,
+        n: int,
+        *,
+        ranks: Optional[Sequence[int]] = None,
+        pieces: Optional[Sequence[int]] = None,
+    ) -> dict[str, CollectiveEstimate]:
         """Every algorithm this backend has for `kind`, analytic (fits not applied)."""
         kind = CollectiveKind(kind)
         p = Placement.of(self.topology, n, ranks)
@@ -317,8 +358,9 @@ class CollectiveModel:
         elif kind is K.REDUCE_SCATTER:
             if gloo:
                 ar = self._ring(K.ALL_REDUCE, S, p, charge_as=K.REDUCE_SCATTER)
-                out["gloo-allreduce-emulation"] = CollectiveEstimate(ar.time_us, ar.wire_bytes,
-                                                                     "gloo-allreduce-emulation")
+                out["gloo-allreduce-emulation"] = CollectiveEstimate(
+                    ar.time_us, ar.wire_bytes, "gloo-allreduce-emulation"
+                )
             else:
                 out["ring"] = self._ring(kind, S, p)
                 if p.spans:
@@ -362,7 +404,8 @@ class CollectiveModel:
     def _lat(self, kind: CollectiveKind, intra_steps: float, inter_steps: float) -> float:
         t = self.topology
         return t.collective_launch_us + self._latm(kind) * (
-            intra_steps * t.intra_node_latency_us + inter_steps * t.inter_node_latency_us)
+            intra_steps * t.intra_node_latency_us + inter_steps * t.inter_node_latency_us
+        )
 
     def _fit(self, kind: CollectiveKind, n: int) -> Optional[AlphaBeta]:
         fit = self.params.fit_for(kind, n)
@@ -372,8 +415,9 @@ class CollectiveModel:
             fit = self.params.fit_for(K.ALL_REDUCE if self.backend == "gloo" else K.BROADCAST, n)
         return fit
 
-    def _ring(self, kind: CollectiveKind, S: float, p: Placement, charge_as: Optional[CollectiveKind] = None
-              ) -> CollectiveEstimate:
+    def _ring(
+        self, kind: CollectiveKind, S: float, p: Placement, charge_as: Optional[CollectiveKind] = None
+    ) -> CollectiveEstimate:
         n = p.n
         f = bus_factor(kind, n)
         steps = 2 * (n - 1) if kind is K.ALL_REDUCE else n - 1
@@ -385,7 +429,9 @@ class CollectiveModel:
 
     def _tree(self, kind: CollectiveKind, S: float, p: Placement) -> CollectiveEstimate:
         bw, _ = self._link(p)
-        time = self._lat(kind, 2 * (p.a_max - 1), 2 * math.ceil(math.log2(p.m))) + S / (0.5 * bw * self._bwm(kind))
+        time = self._lat(kind, 2 * (p.a_max - 1), 2 * math.ceil(math.log2(p.m))) + S / (
+            0.5 * bw * self._bwm(kind)
+        )
         # a tree rank receives from its children and sends the reduction up, then the result down: ~2S
         return CollectiveEstimate(time, int(round(2 * S)), "tree")
 
@@ -443,8 +489,9 @@ class CollectiveModel:
         time = self._lat(kind, intra, inter) + S / (bw * self._bwm(kind))
         return CollectiveEstimate(time, 0 if kind is K.RECV else int(S), "p2p")
 
-    def _m2ms(self, kind: CollectiveKind, S: float, p: Placement, pieces: Optional[Sequence[int]]
-              ) -> CollectiveEstimate:
+    def _m2ms(
+        self, kind: CollectiveKind, S: float, p: Placement, pieces: Optional[Sequence[int]]
+    ) -> CollectiveEstimate:
         bw, intra, inter = self._p2p_link(p)
         pieces = None if pieces is None else [x for x in pieces if x > 0]
         peers = len(pieces) if pieces is not None else p.n - 1

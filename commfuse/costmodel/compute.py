@@ -55,8 +55,21 @@ from commfuse.costmodel.symbol_hints import SymbolHints, hinted_shape
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.kinds import collective_spec, is_wait
 
-FAMILIES = ("matmul", "attention", "attention_bw", "conv", "norm", "softmax", "pointwise", "reduction", "embedding",
-            "memory", "view", "free", "unknown")
+FAMILIES = (
+    "matmul",
+    "attention",
+    "attention_bw",
+    "conv",
+    "norm",
+    "softmax",
+    "pointwise",
+    "reduction",
+    "embedding",
+    "memory",
+    "view",
+    "free",
+    "unknown",
+)
 
 # a family without its own fit/multiplier falls back to its parent's
 _PARENT = {"attention_bw": "attention"}
@@ -114,11 +127,17 @@ class ComputeParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    multiplier: dict[str, PositiveFloat] = Field(default_factory=dict, description="family -> time multiplier")
+    multiplier: dict[str, PositiveFloat] = Field(
+        default_factory=dict, description="family -> time multiplier"
+    )
     fits: dict[str, FamilyFit] = Field(default_factory=dict, description="family -> fitted a + b x unit")
-    overhead_us: NonNegativeFloat = Field(default=0.0, description="added to every non-free op (launch/dispatch)")
+    overhead_us: NonNegativeFloat = Field(
+        default=0.0, description="added to every non-free op (launch/dispatch)"
+    )
     view_us: NonNegativeFloat = Field(
-        default=0.0, description="time of an ATen view/metadata op (free on a GPU stream; a dispatch on CPU eager)")
+        default=0.0,
+        description="time of an ATen view/metadata op (free on a GPU stream; a dispatch on CPU eager)",
+    )
 
     @field_validator("multiplier", "fits")
     @classmethod
@@ -264,6 +283,7 @@ def _sdpa_fwd(bshd=False):
     def f(node, sz, ins, outs):
         b, h, lq, s, e, ev = _qkv(node, sz, 0, bshd)
         return 2 * b * h * lq * s * (e + ev), "attention"
+
     return f
 
 
@@ -271,6 +291,7 @@ def _sdpa_bwd(bshd=False):
     def f(node, sz, ins, outs):
         b, h, lq, s, e, ev = _qkv(node, sz, 1, bshd)
         return 2 * b * h * lq * s * (3 * e + 2 * ev), "attention_bw"
+
     return f
 
 
@@ -278,14 +299,21 @@ def _per_elem(k: int, family: str, of: str = "in"):
     def f(node, sz, ins, outs):
         ts = ins if of == "in" else outs
         return k * (max((sz.numel(t) for t in ts), default=0)), family
+
     return f
 
 
 _FORMULAS: dict[str, _Formula] = {
-    "mm": _mm, "addmm": _addmm, "_scaled_mm": _mm,
-    "bmm": _bmm, "baddbmm": lambda n, s, i, o: _bmm(n, s, i, o, first=1),
-    "matmul": _matmul_like, "linear": _matmul_like,
-    "convolution": _conv, "_convolution": _conv, "convolution_backward": _conv_bwd,
+    "mm": _mm,
+    "addmm": _addmm,
+    "_scaled_mm": _mm,
+    "bmm": _bmm,
+    "baddbmm": lambda n, s, i, o: _bmm(n, s, i, o, first=1),
+    "matmul": _matmul_like,
+    "linear": _matmul_like,
+    "convolution": _conv,
+    "_convolution": _conv,
+    "convolution_backward": _conv_bwd,
     "scaled_dot_product_attention": _sdpa_fwd(),
     "_scaled_dot_product_flash_attention": _sdpa_fwd(),
     "_scaled_dot_product_flash_attention_for_cpu": _sdpa_fwd(),
@@ -299,29 +327,83 @@ _FORMULAS: dict[str, _Formula] = {
     "_scaled_dot_product_cudnn_attention_backward": _sdpa_bwd(),
     "_flash_attention_backward": _sdpa_bwd(bshd=True),
     "_efficient_attention_backward": _sdpa_bwd(bshd=True),
-    "native_layer_norm": _per_elem(8, "norm"), "layer_norm": _per_elem(8, "norm"),
-    "_fused_rms_norm": _per_elem(8, "norm"), "rms_norm": _per_elem(8, "norm"),
-    "native_group_norm": _per_elem(8, "norm"), "native_batch_norm": _per_elem(8, "norm"),
+    "native_layer_norm": _per_elem(8, "norm"),
+    "layer_norm": _per_elem(8, "norm"),
+    "_fused_rms_norm": _per_elem(8, "norm"),
+    "rms_norm": _per_elem(8, "norm"),
+    "native_group_norm": _per_elem(8, "norm"),
+    "native_batch_norm": _per_elem(8, "norm"),
     "_native_batch_norm_legit": _per_elem(8, "norm"),
     "_native_batch_norm_legit_no_training": _per_elem(8, "norm"),
-    "native_layer_norm_backward": _per_elem(16, "norm"), "_fused_rms_norm_backward": _per_elem(16, "norm"),
-    "native_group_norm_backward": _per_elem(16, "norm"), "native_batch_norm_backward": _per_elem(16, "norm"),
-    "_softmax": _per_elem(5, "softmax"), "_log_softmax": _per_elem(5, "softmax"),
-    "softmax": _per_elem(5, "softmax"), "log_softmax": _per_elem(5, "softmax"),
+    "native_layer_norm_backward": _per_elem(16, "norm"),
+    "_fused_rms_norm_backward": _per_elem(16, "norm"),
+    "native_group_norm_backward": _per_elem(16, "norm"),
+    "native_batch_norm_backward": _per_elem(16, "norm"),
+    "_softmax": _per_elem(5, "softmax"),
+    "_log_softmax": _per_elem(5, "softmax"),
+    "softmax": _per_elem(5, "softmax"),
+    "log_softmax": _per_elem(5, "softmax"),
     "_safe_softmax": _per_elem(5, "softmax"),
-    "_softmax_backward_data": _per_elem(4, "softmax"), "_log_softmax_backward_data": _per_elem(4, "softmax"),
+    "_softmax_backward_data": _per_elem(4, "softmax"),
+    "_log_softmax_backward_data": _per_elem(4, "softmax"),
 }
 
 # gather-like: read only the selected rows (output) + the indices, write the output
 _GATHER = {"embedding", "index_select", "gather", "index", "take"}
-_FREE = {"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-         "sym_size", "sym_numel", "sym_stride", "sym_storage_offset", "_assert_scalar",
-         "_assert_tensor_metadata", "sym_constrain_range_for_size", "_local_scalar_dense"}
-_MEMORY = {"clone", "_to_copy", "copy", "copy_", "cat", "stack", "contiguous", "lift_fresh_copy",
-           "zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
-           "new_full", "scalar_tensor", "arange", "index_put", "index_put_", "scatter", "scatter_add",
-           "slice_scatter", "select_scatter", "constant_pad_nd", "embedding_dense_backward", "fill", "fill_",
-           "split_with_sizes_copy", "view_copy", "tril", "triu", "expand_copy", "permute_copy", "_reshape_copy"}
+_FREE = {
+    "_unsafe_view",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty",
+    "new_empty_strided",
+    "sym_size",
+    "sym_numel",
+    "sym_stride",
+    "sym_storage_offset",
+    "_assert_scalar",
+    "_assert_tensor_metadata",
+    "sym_constrain_range_for_size",
+    "_local_scalar_dense",
+}
+_MEMORY = {
+    "clone",
+    "_to_copy",
+    "copy",
+    "copy_",
+    "cat",
+    "stack",
+    "contiguous",
+    "lift_fresh_copy",
+    "zeros",
+    "ones",
+    "full",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "scalar_tensor",
+    "arange",
+    "index_put",
+    "index_put_",
+    "scatter",
+    "scatter_add",
+    "slice_scatter",
+    "select_scatter",
+    "constant_pad_nd",
+    "embedding_dense_backward",
+    "fill",
+    "fill_",
+    "split_with_sizes_copy",
+    "view_copy",
+    "tril",
+    "triu",
+    "expand_copy",
+    "permute_copy",
+    "_reshape_copy",
+}
 
 
 def _packet_name(target: Any) -> Optional[str]:
@@ -366,16 +448,22 @@ def op_cost(node: fx.Node, symbol_hint: "int | SymbolHints" = 4096) -> OpCost:
         except (TypeError, ValueError, IndexError, AttributeError):
             pass  # unexpected arg layout: fall through to the bytes-based guess, flagged
     elif name in _MEMORY:
-        reads = 0 if name.endswith("like") or name in ("zeros", "ones", "full", "new_zeros", "new_ones",
-                                                          "new_full", "scalar_tensor", "arange") else in_bytes
+        reads = (
+            0
+            if name.endswith("like")
+            or name
+            in ("zeros", "ones", "full", "new_zeros", "new_ones", "new_full", "scalar_tensor", "arange")
+            else in_bytes
+        )
         return OpCost(0, reads + out_bytes, "memory", dfam, out_numel)
     else:
         tags = getattr(target, "tags", ())
         if torch.Tag.pointwise in tags:
             return OpCost(out_numel, in_bytes + out_bytes, "pointwise", dfam, out_numel)
         if torch.Tag.reduction in tags:
-            return OpCost(max((sz.numel(t) for t in ins), default=0), in_bytes + out_bytes, "reduction", dfam,
-                          out_numel)
+            return OpCost(
+                max((sz.numel(t) for t in ins), default=0), in_bytes + out_bytes, "reduction", dfam, out_numel
+            )
     return OpCost(0, in_bytes + out_bytes, "unknown", dfam, out_numel, known=False)
 
 
@@ -385,8 +473,13 @@ def op_cost(node: fx.Node, symbol_hint: "int | SymbolHints" = 4096) -> OpCost:
 class ComputeModel:
     """Roofline compute model over a topology's device, with calibration."""
 
-    def __init__(self, topology: Topology, params: Optional[ComputeParams] = None, *,
-                 symbol_hint: "int | SymbolHints" = 4096):
+    def __init__(
+        self,
+        topology: Topology,
+        params: Optional[ComputeParams] = None,
+        *,
+        symbol_hint: "int | SymbolHints" = 4096,
+    ):
         self.topology = topology
         self.params = params or ComputeParams()
         self.symbol_hint = symbol_hint
@@ -415,5 +508,6 @@ class ComputeModel:
             tm = c.bytes / (self.topology.memory_bandwidth_GBps * _BYTES_PER_US_PER_GBPS)
             t = max(tc, tm) * p.multiplier.get(c.family, p.multiplier.get(parent, 1.0) if parent else 1.0)
             bound = "compute" if tc >= tm else "memory"
-        return ComputeEstimate(t + p.overhead_us, c.flops, c.bytes, c.family, bound, not c.known,
-                               c.out_numel, c.dtype_family)
+        return ComputeEstimate(
+            t + p.overhead_us, c.flops, c.bytes, c.family, bound, not c.known, c.out_numel, c.dtype_family
+        )

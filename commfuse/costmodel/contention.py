@@ -94,23 +94,35 @@ class GpuContentionParams(BaseModel):
     def from_topology(cls, t: Topology) -> "GpuContentionParams":
         if not t.is_gpu:
             raise ConfigError(f"contention: topology {t.name!r} has num_sms=0 (not a GPU); use the CPU model")
-        return cls(num_sms=t.num_sms, mem_bw_GBps=t.memory_bandwidth_GBps, link_bw_GBps=t.intra_node_bandwidth_GBps,
-                   per_channel_bw_GBps=t.intra_node_bandwidth_GBps / t.nccl_channels)
+        return cls(
+            num_sms=t.num_sms,
+            mem_bw_GBps=t.memory_bandwidth_GBps,
+            link_bw_GBps=t.intra_node_bandwidth_GBps,
+            per_channel_bw_GBps=t.intra_node_bandwidth_GBps / t.nccl_channels,
+        )
 
     def comm_mem_bw_GBps(self, r: CommResources) -> float:
         """V(NC, C)."""
         if r.channels <= 0:
             return 0.0
-        sent = min(r.channels * self.per_channel_bw_GBps * r.chunk_bytes / (r.chunk_bytes + self.chunk_half_bytes),
-                   self.link_bw_GBps)
+        sent = min(
+            r.channels * self.per_channel_bw_GBps * r.chunk_bytes / (r.chunk_bytes + self.chunk_half_bytes),
+            self.link_bw_GBps,
+        )
         return min(self.mem_bytes_per_wire_byte * sent, self.max_comm_mem_fraction * self.mem_bw_GBps)
 
 
 class ContentionModel:
     """``slowdown(compute_estimate, concurrent_collective) -> factor >= 1``."""
 
-    def __init__(self, topology: Topology, backend: str = "nccl", *, kappa: Optional[float] = None,
-                 gpu_params: Optional[GpuContentionParams] = None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        backend: str = "nccl",
+        *,
+        kappa: Optional[float] = None,
+        gpu_params: Optional[GpuContentionParams] = None,
+    ) -> None:
         if backend not in ("nccl", "gloo"):
             raise ConfigError(f"contention: backend must be 'nccl' or 'gloo', got {backend!r}")
         if kappa is not None and kappa < 0:
@@ -141,7 +153,9 @@ class ContentionModel:
         assert g is not None
         nc = 0 if r is None else r.channels
         if nc >= g.num_sms:
-            raise ConfigError(f"contention: collective takes {nc} channels but the device has {g.num_sms} SMs")
+            raise ConfigError(
+                f"contention: collective takes {nc} channels but the device has {g.num_sms} SMs"
+            )
         v = 0.0 if r is None else g.comm_mem_bw_GBps(r)
         waves = math.ceil(k.blocks / ((g.num_sms - nc) * k.blocks_per_sm))
         return waves * k.wave_compute_us + k.blocks * k.bytes_per_block / ((g.mem_bw_GBps - v) * _GBPS)

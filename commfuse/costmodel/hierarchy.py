@@ -35,7 +35,6 @@ class SubGroups:
     inter_pg: Any = field(default=None, compare=False, repr=False)
 
 
-
 def hierarchy_layout(ranks: Sequence[int], topology: Topology) -> Union[tuple[int, int], str]:
     """``(a, b)`` if ``ranks`` (a group, in group-rank order) is the node-major mesh
     [a nodes, b ranks each] with a, b >= 2 on ``topology``; else the reason it is not."""
@@ -68,7 +67,7 @@ def hierarchy_layout(ranks: Sequence[int], topology: Topology) -> Union[tuple[in
 def mesh_blocks(parent: Ranks, a: int, b: int) -> tuple[list[Ranks], list[Ranks]]:
     """The parent's intra-node blocks (a of b ranks) and inter-node blocks (b of a ranks):
     Centauri's ``index(j) = (j // b % a, j % b)`` on group rank j."""
-    intra = [parent[i * b:(i + 1) * b] for i in range(a)]
+    intra = [parent[i * b : (i + 1) * b] for i in range(a)]
     inter = [tuple(parent[i * b + j] for i in range(a)) for j in range(b)]
     return intra, inter
 
@@ -93,6 +92,13 @@ def subgroup_names(parent: Sequence[int]) -> tuple[str, str]:
     return INTRA_PREFIX + label, INTER_PREFIX + label
 
 
-
-__all__ = ["INTER_PREFIX", "INTRA_PREFIX", "Ranks", "SubGroups", "hierarchy_layout", "mesh_blocks", "ranks_label",
-           "subgroup_names"]
+__all__ = [
+    "INTER_PREFIX",
+    "INTRA_PREFIX",
+    "Ranks",
+    "SubGroups",
+    "hierarchy_layout",
+    "mesh_blocks",
+    "ranks_label",
+    "subgroup_names",
+]

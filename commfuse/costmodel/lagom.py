@@ -124,15 +124,27 @@ from commfuse.ir.collective import Collective
 from commfuse.ir.graph_ir import CollectiveIR
 
 __all__ = [
-    "CommSetting", "CommunicatorPool", "Evaluation", "LagomResult", "LagomStep", "PoolGroupPlan",
-    "brute_force", "communicator_memory_bytes", "ladder_for", "lagom_search", "plan_communicator_pool",
-    "pool_alias", "validate_communicator_ctas",
+    "CommSetting",
+    "CommunicatorPool",
+    "Evaluation",
+    "LagomResult",
+    "LagomStep",
+    "PoolGroupPlan",
+    "brute_force",
+    "communicator_memory_bytes",
+    "ladder_for",
+    "lagom_search",
+    "plan_communicator_pool",
+    "pool_alias",
+    "validate_communicator_ctas",
 ]
 
 Ranks = tuple[int, ...]
 
 NCCL_DEFAULT_CHUNK = 2 << 20  # Simple protocol chunk at NCCL_BUFFSIZE 4 MiB (BUFFSIZE / NCCL_STEPS * 4)
-NCCL_DEFAULT_NTHREADS = 512  # NCCL Simple-protocol threads on sm80+; recorded only (Lagom §3.2: NT barely matters)
+NCCL_DEFAULT_NTHREADS = (
+    512  # NCCL Simple-protocol threads on sm80+; recorded only (Lagom §3.2: NT barely matters)
+)
 NCCL_MAX_CHANNELS = 32  # largest advisory NC (NCCL's MAXCHANNELS was 32 for years; pools may ask for more)
 CHUNK_FLOOR = 64 << 10
 # NCCL's default per-protocol buffer sizes (init.cc DEFAULT_BUFFSIZE, DEFAULT_LL128_BUFFSIZE, DEFAULT_LL_BUFFSIZE)
@@ -172,9 +184,15 @@ class CommSetting:
 
     def to_meta(self) -> dict[str, Any]:
         """The plain dict passes write to ``start_node.meta["commfuse_comm_setting"]``."""
-        return {"min_ctas": self.min_ctas, "max_ctas": self.max_ctas, "chunk_bytes": self.chunk_bytes,
-                "nthreads": self.nthreads, "pool_group_alias": self.pool_group_alias,
-                "channels": self.channels, "source": self.source}
+        return {
+            "min_ctas": self.min_ctas,
+            "max_ctas": self.max_ctas,
+            "chunk_bytes": self.chunk_bytes,
+            "nthreads": self.nthreads,
+            "pool_group_alias": self.pool_group_alias,
+            "channels": self.channels,
+            "source": self.source,
+        }
 
 
 def _kib(b: int) -> str:
@@ -191,7 +209,9 @@ def tied_chunk(nc: int, nc0: int) -> int:
 
 
 # --------------------------------------------------------------------------- the pool
-def validate_communicator_ctas(value: Any, field_name: str = "communicator_ctas") -> tuple[tuple[int, int], ...]:
+def validate_communicator_ctas(
+    value: Any, field_name: str = "communicator_ctas"
+) -> tuple[tuple[int, int], ...]:
     """``[(min_ctas, max_ctas), ...]`` checked: positive ints, min <= max; duplicates dropped (first kept)."""
     if value is None:
         return ()
@@ -229,7 +249,9 @@ class PoolGroupPlan:
     alias: str
 
 
-def plan_communicator_pool(parents: Sequence[Sequence[int]], ctas: Sequence[tuple[int, int]]) -> list[PoolGroupPlan]:
+def plan_communicator_pool(
+    parents: Sequence[Sequence[int]], ctas: Sequence[tuple[int, int]]
+) -> list[PoolGroupPlan]:
     """Which pool groups ``commfuse.setup`` creates, in creation order (the same on every rank).
 
     For each parent group (in the order given: world, mesh dims, ``groups``; a rank tuple
@@ -258,8 +280,10 @@ def communicator_memory_bytes(channels: int, *, connections: int = CONNECTIONS_P
     return channels * connections * (NCCL_BUFFSIZE_SIMPLE + NCCL_BUFFSIZE_LL128 + NCCL_BUFFSIZE_LL)
 
 
-MEMORY_FORMULA = ("NC x 2 connections x (Simple 4 MiB + LL128 4800 KiB + LL 512 KiB) per communicator "
-                  "(NCCL default buffer sizes; tree/NVLS/proxy memory not counted; an estimate)")
+MEMORY_FORMULA = (
+    "NC x 2 connections x (Simple 4 MiB + LL128 4800 KiB + LL 512 KiB) per communicator "
+    "(NCCL default buffer sizes; tree/NVLS/proxy memory not counted; an estimate)"
+)
 
 
 @dataclass(frozen=True)
@@ -295,8 +319,12 @@ def ladder_for(c: Collective, nc0: int, num_sms: int, pool: Optional[Communicato
     if pool is None:
         cap = max(1, min(NCCL_MAX_CHANNELS, 2 * nc0, num_sms - 1))
         ncs = sorted({1 << k for k in range(cap.bit_length()) if (1 << k) <= cap} | {nc0})
-        return [default if nc == nc0 else
-                CommSetting(nc, tied_chunk(nc, nc0), min_ctas=nc, max_ctas=nc, source="advisory") for nc in ncs]
+        return [
+            default
+            if nc == nc0
+            else CommSetting(nc, tied_chunk(nc, nc0), min_ctas=nc, max_ctas=nc, source="advisory")
+            for nc in ncs
+        ]
     ranks = c.group.ranks
     if ranks is None or not pool.covers(ranks):
         return [default]
@@ -304,8 +332,14 @@ def ladder_for(c: Collective, nc0: int, num_sms: int, pool: Optional[Communicato
     for mn, mx in pool.ctas:
         nc = min(effective_channels(mn, mx, nc0), num_sms - 1)
         if nc not in by_nc:
-            by_nc[nc] = CommSetting(nc, NCCL_DEFAULT_CHUNK, min_ctas=mn, max_ctas=mx,
-                                    pool_group_alias=pool_alias(mn, mx, ranks), source="pool")
+            by_nc[nc] = CommSetting(
+                nc,
+                NCCL_DEFAULT_CHUNK,
+                min_ctas=mn,
+                max_ctas=mx,
+                pool_group_alias=pool_alias(mn, mx, ranks),
+                source="pool",
+            )
     return [by_nc[nc] for nc in sorted(by_nc)]
 
 
@@ -334,8 +368,11 @@ class SettingTimeModel:
         t = self.topology
         n = c.group.size or (len(c.group.ranks) if c.group.ranks else t.world_size)
         p = Placement.of(t, n, c.group.ranks)
-        return t.intra_node_bandwidth_GBps if not p.spans else min(
-            t.intra_node_bandwidth_GBps, p.a_min * t.inter_node_bandwidth_GBps)
+        return (
+            t.intra_node_bandwidth_GBps
+            if not p.spans
+            else min(t.intra_node_bandwidth_GBps, p.a_min * t.inter_node_bandwidth_GBps)
+        )
 
     def split(self, c: Collective) -> tuple[float, float, float]:
         """(time at default resources, latency part, bottleneck link GB/s)."""
@@ -366,7 +403,8 @@ class SettingTimeModel:
             if est is None:
                 est = self._compute[node] = self.estimator.compute_estimate(node)
             f = self._slow[key] = self.estimator.contention.slowdown(
-                est, [CommResources(nc, ch) for nc, ch in resources])
+                est, [CommResources(nc, ch) for nc, ch in resources]
+            )
         return f
 
 
@@ -398,8 +436,9 @@ class Evaluation:
 class _Judge:
     """Simulates the graph under settings (collectives not named: NCCL's defaults); counts evaluations."""
 
-    def __init__(self, gm: fx.GraphModule, model: SettingTimeModel, ir: CollectiveIR,
-                 collectives: Sequence[Collective]) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, model: SettingTimeModel, ir: CollectiveIR, collectives: Sequence[Collective]
+    ) -> None:
         self.model = model
         self.collectives = list(collectives)
         self.evaluations = 0
@@ -427,7 +466,9 @@ class _Judge:
                 self._sim.set_collective_time(c.start, t)
                 self._set[c.start] = t
         r = self._sim.simulate(memory=False, record=False)
-        return Evaluation(float(r.makespan_us), float(r.compute_us), float(r.comm_us), float(r.exposed_comm_us))
+        return Evaluation(
+            float(r.makespan_us), float(r.compute_us), float(r.comm_us), float(r.exposed_comm_us)
+        )
 
 
 # --------------------------------------------------------------------------- results
@@ -485,16 +526,21 @@ class LagomResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "settings": {k: v.to_meta() for k, v in self.settings.items()},
-            "makespan_default_us": self.makespan_default_us, "makespan_us": self.makespan_us,
+            "makespan_default_us": self.makespan_default_us,
+            "makespan_us": self.makespan_us,
             "default": asdict(self.default) if self.default else None,
             "chosen": asdict(self.chosen) if self.chosen else None,
-            "evaluations": self.evaluations, "brute_force_combinations": self.brute_force_combinations,
+            "evaluations": self.evaluations,
+            "brute_force_combinations": self.brute_force_combinations,
             "comm_time_us": {k: list(v) for k, v in self.comm_time_us.items()},
-            "trace": [asdict(s) for s in self.trace], "notes": list(self.notes),
-            "kept_default": self.kept_default, "budget_exhausted": self.budget_exhausted,
+            "trace": [asdict(s) for s in self.trace],
+            "notes": list(self.notes),
+            "kept_default": self.kept_default,
+            "budget_exhausted": self.budget_exhausted,
             "pool": None if self.pool is None else [list(p) for p in self.pool.ctas],
             "extra_communicators": dict(self.extra_communicators),
-            "extra_memory_bytes": self.extra_memory_bytes, "memory_formula": MEMORY_FORMULA,
+            "extra_memory_bytes": self.extra_memory_bytes,
+            "memory_formula": MEMORY_FORMULA,
         }
 
 
@@ -509,13 +555,21 @@ class _Problem:
     result: LagomResult
 
 
-def _prepare(gm: fx.GraphModule, estimator: AnalyticCostModel, pool: Optional[CommunicatorPool],
-             ir: Optional[CollectiveIR]) -> _Problem | LagomResult:
+def _prepare(
+    gm: fx.GraphModule,
+    estimator: AnalyticCostModel,
+    pool: Optional[CommunicatorPool],
+    ir: Optional[CollectiveIR],
+) -> _Problem | LagomResult:
     topo = estimator.topology
     if not topo.is_gpu or estimator.backend != "nccl" or estimator.contention.gpu is None:
-        return LagomResult(notes=[f"topology {topo.name!r} is not a GPU/NCCL topology (num_sms == 0 or backend "
-                                  f"{estimator.backend!r}): gloo has no per-collective communicator knobs "
-                                  "(channels, chunk, threads); nothing to tune"])
+        return LagomResult(
+            notes=[
+                f"topology {topo.name!r} is not a GPU/NCCL topology (num_sms == 0 or backend "
+                f"{estimator.backend!r}): gloo has no per-collective communicator knobs "
+                "(channels, chunk, threads); nothing to tune"
+            ]
+        )
     ir = ir if ir is not None else CollectiveIR(gm)
     model = SettingTimeModel(estimator)
     result = LagomResult(pool=pool)
@@ -536,12 +590,18 @@ def _prepare(gm: fx.GraphModule, estimator: AnalyticCostModel, pool: Optional[Co
         colls.append(c)
         ladders[c.name] = lad
     if skipped_local:
-        result.notes.append(f"no communication to tune (group of one rank or empty): {', '.join(skipped_local)}")
+        result.notes.append(
+            f"no communication to tune (group of one rank or empty): {', '.join(skipped_local)}"
+        )
     if no_pool:
-        result.notes.append("no pool communicator for the group (kept on its own communicator): " + ", ".join(no_pool))
+        result.notes.append(
+            "no pool communicator for the group (kept on its own communicator): " + ", ".join(no_pool)
+        )
     if pool is None:
-        result.notes.append("no communicator pool (commfuse.setup(communicator_ctas=...)): settings are advisory, "
-                            "collectives stay on their graph's group")
+        result.notes.append(
+            "no communicator pool (commfuse.setup(communicator_ctas=...)): settings are advisory, "
+            "collectives stay on their graph's group"
+        )
     result.ladders = {k: list(v) for k, v in ladders.items()}
     result.brute_force_combinations = math.prod(len(v) for v in ladders.values()) if ladders else 0
     judge = _Judge(gm, model, ir, [*colls, *(c for c in ir.collectives if c.name in fixed)])
@@ -553,8 +613,9 @@ def _better(a: float, b: float) -> bool:
     return a < b - _REL_EPS * max(1.0, abs(b))
 
 
-def _finish(p: _Problem, settings: dict[str, CommSetting], default_eval: Evaluation,
-            chosen_eval: Evaluation) -> LagomResult:
+def _finish(
+    p: _Problem, settings: dict[str, CommSetting], default_eval: Evaluation, chosen_eval: Evaluation
+) -> LagomResult:
     r = p.result
     nc0 = p.model.nc0
     default = {c.name: default_setting(nc0) for c in p.collectives}
@@ -566,8 +627,10 @@ def _finish(p: _Problem, settings: dict[str, CommSetting], default_eval: Evaluat
     r.default, r.chosen = default_eval, chosen_eval
     r.makespan_default_us, r.makespan_us = default_eval.makespan_us, chosen_eval.makespan_us
     r.evaluations = p.judge.evaluations
-    r.comm_time_us = {c.name: (p.model.comm_time_us(c, default_setting(nc0)), p.model.comm_time_us(c, settings[c.name]))
-                      for c in p.collectives}
+    r.comm_time_us = {
+        c.name: (p.model.comm_time_us(c, default_setting(nc0)), p.model.comm_time_us(c, settings[c.name]))
+        for c in p.collectives
+    }
     extra: dict[str, int] = {}
     for c in p.collectives:
         s = settings[c.name]
@@ -579,8 +642,14 @@ def _finish(p: _Problem, settings: dict[str, CommSetting], default_eval: Evaluat
     return r
 
 
-def lagom_search(gm: fx.GraphModule, estimator: AnalyticCostModel, *, pool: Optional[CommunicatorPool] = None,
-                 max_evaluations: int = 1000, ir: Optional[CollectiveIR] = None) -> LagomResult:
+def lagom_search(
+    gm: fx.GraphModule,
+    estimator: AnalyticCostModel,
+    *,
+    pool: Optional[CommunicatorPool] = None,
+    max_evaluations: int = 1000,
+    ir: Optional[CollectiveIR] = None,
+) -> LagomResult:
     """Lagom's Algorithms 1-2 on the scheduled graph ``gm`` (its node order is the schedule).
 
     ``estimator``: the topology's ``AnalyticCostModel`` (backend "nccl" on a GPU topology);
@@ -630,8 +699,10 @@ def lagom_search(gm: fx.GraphModule, estimator: AnalyticCostModel, *, pool: Opti
             cur = default_eval
         elif untouched:
             cur = judge.evaluate(current())
-        r.notes.append(f"evaluation budget ({max_evaluations}) exhausted: {len(untouched)} collective(s) the search "
-                       "had not reached stay on NCCL's default setting, the others keep their current one")
+        r.notes.append(
+            f"evaluation budget ({max_evaluations}) exhausted: {len(untouched)} collective(s) the search "
+            "had not reached stay on NCCL's default setting, the others keep their current one"
+        )
         return _finish(p, current(), default_eval, cur)
 
     def try_rung(j: str, to: int, phase: str) -> tuple[Evaluation, float, float]:
@@ -644,15 +715,38 @@ def lagom_search(gm: fx.GraphModule, estimator: AnalyticCostModel, *, pool: Opti
         touched.add(j)
         ev = judge.evaluate(current())
         step += 1
-        r.trace.append(LagomStep(step, j, s.label(), s2.label(), ev.makespan_us, ev.compute_us, ev.comm_us,
-                                 x_old, x_new, None, phase))
+        r.trace.append(
+            LagomStep(
+                step,
+                j,
+                s.label(),
+                s2.label(),
+                ev.makespan_us,
+                ev.compute_us,
+                ev.comm_us,
+                x_old,
+                x_new,
+                None,
+                phase,
+            )
+        )
         return ev, x_old, x_new
 
     def outcome(text: str, h: Optional[float] = None) -> None:
         last = r.trace[-1]
-        r.trace[-1] = LagomStep(last.step, last.collective, last.from_setting, last.to_setting, last.makespan_us,
-                                last.compute_us, last.comm_us, last.comm_time_before_us, last.comm_time_after_us,
-                                h, f"{last.outcome}: {text}")
+        r.trace[-1] = LagomStep(
+            last.step,
+            last.collective,
+            last.from_setting,
+            last.to_setting,
+            last.makespan_us,
+            last.compute_us,
+            last.comm_us,
+            last.comm_time_before_us,
+            last.comm_time_after_us,
+            h,
+            f"{last.outcome}: {text}",
+        )
 
     for rnd in range(1, MAX_ROUNDS + 1):
         # Algorithms 1-2: raise the unfinished collective with the smallest H by one rung
@@ -699,8 +793,14 @@ def lagom_search(gm: fx.GraphModule, estimator: AnalyticCostModel, *, pool: Opti
     return _finish(p, current(), default_eval, cur)
 
 
-def brute_force(gm: fx.GraphModule, estimator: AnalyticCostModel, *, pool: Optional[CommunicatorPool] = None,
-                max_combinations: int = 4096, ir: Optional[CollectiveIR] = None) -> LagomResult:
+def brute_force(
+    gm: fx.GraphModule,
+    estimator: AnalyticCostModel,
+    *,
+    pool: Optional[CommunicatorPool] = None,
+    max_combinations: int = 4096,
+    ir: Optional[CollectiveIR] = None,
+) -> LagomResult:
     """Every combination of the same ladders (tests and small cases): the exact optimum of Z.
 
     Ties: fewest channels in total, then the first combination in ladder order."""
@@ -712,8 +812,10 @@ def brute_force(gm: fx.GraphModule, estimator: AnalyticCostModel, *, pool: Optio
         r.settings = dict(p.fixed)
         return r
     if r.brute_force_combinations > max_combinations:
-        raise ConfigError(f"lagom brute_force: {r.brute_force_combinations} combinations exceed "
-                          f"max_combinations={max_combinations}")
+        raise ConfigError(
+            f"lagom brute_force: {r.brute_force_combinations} combinations exceed "
+            f"max_combinations={max_combinations}"
+        )
     nc0 = p.model.nc0
     default_eval = judge.evaluate({**p.fixed, **{c.name: default_setting(nc0) for c in p.collectives}})
     best: Optional[tuple[Evaluation, int, dict[str, CommSetting]]] = None
@@ -722,18 +824,23 @@ def brute_force(gm: fx.GraphModule, estimator: AnalyticCostModel, *, pool: Optio
         settings = dict(zip(names, combo, strict=True))
         ev = judge.evaluate({**p.fixed, **settings})
         channels = sum(s.channels for s in combo)
-        if best is None or _better(ev.makespan_us, best[0].makespan_us) or (
-                not _better(best[0].makespan_us, ev.makespan_us) and channels < best[1]):
+        if (
+            best is None
+            or _better(ev.makespan_us, best[0].makespan_us)
+            or (not _better(best[0].makespan_us, ev.makespan_us) and channels < best[1])
+        ):
             best = (ev, channels, settings)
     assert best is not None
     return _finish(p, best[2], default_eval, best[0])
 
 
-def evaluate_settings(gm: fx.GraphModule, estimator: AnalyticCostModel, settings: dict[str, CommSetting],
-                      ir: Optional[CollectiveIR] = None) -> Evaluation:
+def evaluate_settings(
+    gm: fx.GraphModule,
+    estimator: AnalyticCostModel,
+    settings: dict[str, CommSetting],
+    ir: Optional[CollectiveIR] = None,
+) -> Evaluation:
     """Z, Y, X of ``gm`` with the given settings (collectives not named run at NCCL's defaults)."""
     ir = ir if ir is not None else CollectiveIR(gm)
     judge = _Judge(gm, SettingTimeModel(estimator), ir, ir.collectives)
     return judge.evaluate(settings)
-
-

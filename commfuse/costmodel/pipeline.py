@@ -9,13 +9,17 @@ that runs such a pipeline inside its kernel (``commfuse::moe_layer`` with ``chun
 from __future__ import annotations
 
 
-def pipeline_us(dispatch_us: float, compute_us: float, combine_us: float, k: int, tail_us: float = 0.0) -> float:
+def pipeline_us(
+    dispatch_us: float, compute_us: float, combine_us: float, k: int, tail_us: float = 0.0
+) -> float:
     """Predicted span of the exchange cut into k even chunks (k = 1: the unpartitioned
     exchange); see :func:`chunk_pipeline_us`."""
     return chunk_pipeline_us([dispatch_us] * k, [compute_us / k] * k, [combine_us] * k, tail_us)
 
 
-def chunk_pipeline_us(dispatch: list[float], compute: list[float], combine: list[float], tail_us: float = 0.0) -> float:
+def chunk_pipeline_us(
+    dispatch: list[float], compute: list[float], combine: list[float], tail_us: float = 0.0
+) -> float:
     """Predicted span of a chunked exchange with per-chunk dispatch, compute and combine times:
     the dispatches queue on one communication stream, chunk i's compute starts when its
     dispatch arrived and chunk i-1's compute ended, its combine queues behind the earlier

@@ -51,8 +51,13 @@ class Provenance(BaseModel):
     def here(cls, notes: str = "") -> "Provenance":
         import torch
 
-        return cls(machine=platform.node(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                   torch_version=torch.__version__, commfuse_version=__version__, notes=notes)
+        return cls(
+            machine=platform.node(),
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            torch_version=torch.__version__,
+            commfuse_version=__version__,
+            notes=notes,
+        )
 
 
 class CostProfile(BaseModel):
@@ -72,8 +77,10 @@ class CostProfile(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "CostProfile":
         if self.topology_spec is None and self.topology not in PRESETS:
-            raise ValueError(f"topology {self.topology!r} is not a preset ({sorted(PRESETS)}) "
-                             "and no topology_spec is given")
+            raise ValueError(
+                f"topology {self.topology!r} is not a preset ({sorted(PRESETS)}) "
+                "and no topology_spec is given"
+            )
         return self
 
     def resolve_topology(self, num_nodes: Optional[int] = None) -> Topology:
@@ -83,12 +90,20 @@ class CostProfile(BaseModel):
         return Topology.preset(self.topology, num_nodes=nodes)
 
     def build_model(self, topology: Optional[Topology] = None):
-        return AnalyticCostModel(topology or self.resolve_topology(), self.backend, self.collective, self.compute,
-                                 contention_kappa=self.contention_kappa, runtime=self.runtime)
+        return AnalyticCostModel(
+            topology or self.resolve_topology(),
+            self.backend,
+            self.collective,
+            self.compute,
+            contention_kappa=self.contention_kappa,
+            runtime=self.runtime,
+        )
 
     def fingerprint(self) -> str:
         """sha256 of the canonical JSON: equal on every rank that loaded the same numbers."""
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[
+            :16
+        ]
 
     def save(self, path: str | Path) -> None:
         p = Path(path)

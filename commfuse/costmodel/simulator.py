@@ -205,8 +205,12 @@ class SimResult:
 
     @property
     def node_times(self) -> dict[str, tuple[str, float, float]]:
-        out = {n: (self.streams[s], a, b) for n, s, a, b in
-               zip(self.node_names, self.node_streams, self.node_starts, self.node_ends, strict=True)}
+        out = {
+            n: (self.streams[s], a, b)
+            for n, s, a, b in zip(
+                self.node_names, self.node_streams, self.node_starts, self.node_ends, strict=True
+            )
+        }
         for c in self.collectives:
             out[c.name] = (c.stream, c.start_us, c.end_us)
         return out
@@ -230,29 +234,77 @@ class SimResult:
         ``X`` events on their stream's track with an issue instant on the
         compute track. Load with chrome://tracing or ui.perfetto.dev."""
         ev: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "commfuse simulator"}}]
+            {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "commfuse simulator"}}
+        ]
         for tid, s in enumerate(self.streams):
             ev.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": s}})
-            ev.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
-        for name, code, st, a, b in zip(self.node_names, self.node_codes, self.node_streams,
-                                        self.node_starts, self.node_ends, strict=True):
+            ev.append(
+                {"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": tid, "args": {"sort_index": tid}}
+            )
+        for name, code, st, a, b in zip(
+            self.node_names, self.node_codes, self.node_streams, self.node_starts, self.node_ends, strict=True
+        ):
             if code == _COMPUTE or (code == _FREE and include_free):
-                ev.append({"name": name, "cat": "compute", "ph": "X", "pid": 0, "tid": st,
-                           "ts": float(a), "dur": float(b - a)})
+                ev.append(
+                    {
+                        "name": name,
+                        "cat": "compute",
+                        "ph": "X",
+                        "pid": 0,
+                        "tid": st,
+                        "ts": float(a),
+                        "dur": float(b - a),
+                    }
+                )
             elif code == _WAIT and b > a:
-                ev.append({"name": f"wait:{name}", "cat": "exposed", "ph": "X", "pid": 0, "tid": st,
-                           "ts": float(a), "dur": float(b - a)})
+                ev.append(
+                    {
+                        "name": f"wait:{name}",
+                        "cat": "exposed",
+                        "ph": "X",
+                        "pid": 0,
+                        "tid": st,
+                        "ts": float(a),
+                        "dur": float(b - a),
+                    }
+                )
         sid = {s: i for i, s in enumerate(self.streams)}
         for c in self.collectives:
-            ev.append({"name": c.name, "cat": f"comm,{c.kind}", "ph": "X", "pid": 0, "tid": sid[c.stream],
-                       "ts": float(c.start_us), "dur": float(c.end_us - c.start_us),
-                       "args": {"kind": c.kind, "group": c.group, "wire_bytes": str(c.wire_bytes),
-                                "algorithm": c.algorithm, "issue_us": float(c.issue_us),
-                                "hidden_us": float(c.hidden_us)}})
-            ev.append({"name": f"issue:{c.name}", "cat": "issue", "ph": "i", "s": "t", "pid": 0, "tid": 0,
-                       "ts": float(c.issue_us)})
-        return {"traceEvents": ev, "displayTimeUnit": "ms",
-                "otherData": {k: float(v) for k, v in self.summary().items()}}
+            ev.append(
+                {
+                    "name": c.name,
+                    "cat": f"comm,{c.kind}",
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": sid[c.stream],
+                    "ts": float(c.start_us),
+                    "dur": float(c.end_us - c.start_us),
+                    "args": {
+                        "kind": c.kind,
+                        "group": c.group,
+                        "wire_bytes": str(c.wire_bytes),
+                        "algorithm": c.algorithm,
+                        "issue_us": float(c.issue_us),
+                        "hidden_us": float(c.hidden_us),
+                    },
+                }
+            )
+            ev.append(
+                {
+                    "name": f"issue:{c.name}",
+                    "cat": "issue",
+                    "ph": "i",
+                    "s": "t",
+                    "pid": 0,
+                    "tid": 0,
+                    "ts": float(c.issue_us),
+                }
+            )
+        return {
+            "traceEvents": ev,
+            "displayTimeUnit": "ms",
+            "otherData": {k: float(v) for k, v in self.summary().items()},
+        }
 
     def write_chrome_trace(self, path: str, **kw: Any) -> None:
         with open(path, "w") as f:
@@ -291,8 +343,11 @@ def _alias_source(node: fx.Node) -> Optional[fx.Node]:
     if ret is None:
         return None
     for arg, a in zip(schema.arguments, node.args, strict=False):  # args may omit trailing defaults
-        if isinstance(a, fx.Node) and arg.alias_info is not None and \
-                set(arg.alias_info.before_set) & set(ret.before_set):
+        if (
+            isinstance(a, fx.Node)
+            and arg.alias_info is not None
+            and set(arg.alias_info.before_set) & set(ret.before_set)
+        ):
             return a
     for a in node.args:  # alias of something we cannot pin down: the first tensor input
         if isinstance(a, fx.Node):
@@ -349,8 +404,16 @@ class Simulator:
         c = self._coll_of.get(n)
         if c is not None:
             est = self.estimator.collective(c)
-            return _NodeCost(_COLL, est.time_us, self._stream(self.assignment.stream_of(c.group.name)),
-                             collective=c, estimate=est, alloc=alloc, alias_src=alias, sync=c.synchronous)
+            return _NodeCost(
+                _COLL,
+                est.time_us,
+                self._stream(self.assignment.stream_of(c.group.name)),
+                collective=c,
+                estimate=est,
+                alloc=alloc,
+                alias_src=alias,
+                sync=c.synchronous,
+            )
         start = self._wait_of.get(n)
         if start is not None:
             return _NodeCost(_WAIT, start=start, alloc=alloc, alias_src=alias)
@@ -373,7 +436,8 @@ class Simulator:
 
         stale = any(is_comm(n) for n in changed) or any(
             n.op == "call_function" and collective_spec(n.target) is not None and n not in self._coll_of
-            for n in live)
+            for n in live
+        )
         if stale:
             self._ir = CollectiveIR(self.gm)
             self._index_collectives()
@@ -407,16 +471,18 @@ class Simulator:
         e = self._table.get(n)
         if e is None:
             if n.op == "call_function" and (
-                    (collective_spec(n.target) is not None and n not in self._coll_of)
-                    or (is_wait(n.target) and n not in self._wait_of)):
+                (collective_spec(n.target) is not None and n not in self._coll_of)
+                or (is_wait(n.target) and n not in self._wait_of)
+            ):
                 self.update([n])
                 return self._table[n]
             e = self._table[n] = self._estimate(n)
         return e
 
     # -- sweep ----------------------------------------------------------------
-    def simulate(self, order: Sequence[fx.Node] | None = None, *, memory: bool = True,
-                 record: bool = True) -> SimResult:
+    def simulate(
+        self, order: Sequence[fx.Node] | None = None, *, memory: bool = True, record: bool = True
+    ) -> SimResult:
         """Run the timeline over `order` (default: the graph's current order).
 
         ``memory=False`` skips the peak-memory accounting and ``record=False``
@@ -521,8 +587,20 @@ class Simulator:
             hidden += h
             c = e.collective
             assert c is not None and e.estimate is not None
-            timings.append(CollectiveTiming(node.name, c.kind.value, c.group.name, self.streams[e.stream],
-                                            issue, s, end, e.estimate.wire_bytes, e.estimate.algorithm, h))
+            timings.append(
+                CollectiveTiming(
+                    node.name,
+                    c.kind.value,
+                    c.group.name,
+                    self.streams[e.stream],
+                    issue,
+                    s,
+                    end,
+                    e.estimate.wire_bytes,
+                    e.estimate.algorithm,
+                    h,
+                )
+            )
         peak, peak_node = self._peak_memory(nodes) if memory else (0, None)
         return SimResult(
             makespan_us=makespan,
@@ -535,11 +613,16 @@ class Simulator:
             peak_memory_node=peak_node,
             streams=list(self.streams),
             collectives=timings,
-            node_names=names, node_streams=sts, node_starts=starts, node_ends=ends, node_codes=codes,
+            node_names=names,
+            node_streams=sts,
+            node_starts=starts,
+            node_ends=ends,
+            node_codes=codes,
         )
 
-    def _stretch(self, node: fx.Node, t: float, work: float,
-                 active: list[tuple[float, float, Collective]]) -> float:
+    def _stretch(
+        self, node: fx.Node, t: float, work: float, active: list[tuple[float, float, Collective]]
+    ) -> float:
         """Wall time of `work` µs of compute starting at `t` under the contention hook."""
         assert self.slowdown is not None
         cur, remaining = t, work
@@ -582,8 +665,9 @@ class Simulator:
         return peak, peak_node
 
 
-def buffer_lifetimes(nodes: Sequence[fx.Node], alias_of: Callable[[fx.Node], Optional[fx.Node]],
-                     never: int) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, int]]:
+def buffer_lifetimes(
+    nodes: Sequence[fx.Node], alias_of: Callable[[fx.Node], Optional[fx.Node]], never: int
+) -> tuple[dict[fx.Node, fx.Node], dict[fx.Node, int]]:
     """Who owns each node's storage and when that storage is last used, for ``nodes`` in order.
 
     ``owner[n]``: the node whose buffer ``n`` uses (views, waits, getitem alias their source,
@@ -611,8 +695,9 @@ def buffer_lifetimes(nodes: Sequence[fx.Node], alias_of: Callable[[fx.Node], Opt
 alias_source = _alias_source  # public name: the node whose storage a view / wait / getitem aliases
 
 
-def simulate(gm: fx.GraphModule, estimator: CostEstimator, streams: StreamAssignment | None = None,
-             **kw: Any) -> SimResult:
+def simulate(
+    gm: fx.GraphModule, estimator: CostEstimator, streams: StreamAssignment | None = None, **kw: Any
+) -> SimResult:
     """One-shot :class:`Simulator` run over the graph's current order."""
     return Simulator(gm, estimator, streams, **kw).simulate()
 
@@ -626,8 +711,15 @@ class ScheduleComparison:
     results: dict[str, SimResult]
     collective_counts: dict[str, int]
 
-    METRICS = ("makespan_us", "compute_us", "comm_us", "exposed_comm_us", "hidden_comm_us",
-               "overlap_ratio", "peak_memory_bytes")
+    METRICS = (
+        "makespan_us",
+        "compute_us",
+        "comm_us",
+        "exposed_comm_us",
+        "hidden_comm_us",
+        "overlap_ratio",
+        "peak_memory_bytes",
+    )
 
     @property
     def rows(self) -> list[tuple[str, list[float]]]:
@@ -650,7 +742,9 @@ class ScheduleComparison:
             spec = ".3f" if m == "overlap_ratio" else ",.1f"
             lines.append(f"{m:<18}" + "".join(f"{float(v):>{w}{spec}}" for v in vals))
         lines.append(f"{'speedup':<18}" + "".join(f"{float(self.speedup(n)):>{w}.3f}" for n in self.names))
-        lines.append(f"{'collectives':<18}" + "".join(f"{self.collective_counts[n]:>{w}}" for n in self.names))
+        lines.append(
+            f"{'collectives':<18}" + "".join(f"{self.collective_counts[n]:>{w}}" for n in self.names)
+        )
         return "\n".join(lines)
 
     def __str__(self) -> str:

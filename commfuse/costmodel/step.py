@@ -56,15 +56,22 @@ class RuntimeParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     collective_in_graph_us: NonNegativeFloat = Field(
-        default=0.0, description="extra time of a collective issued between compute ops of a running graph, over "
-                                 "the back-to-back price of the collective fits (thread wake-ups, rank skew)")
+        default=0.0,
+        description="extra time of a collective issued between compute ops of a running graph, over "
+        "the back-to-back price of the collective fits (thread wake-ups, rank skew)",
+    )
     step_fixed_us: NonNegativeFloat = Field(
-        default=0.0, description="per training step outside the graphs: guards, AOTAutograd wrappers, autograd "
-                                 "engine start, eager loss, loop")
+        default=0.0,
+        description="per training step outside the graphs: guards, AOTAutograd wrappers, autograd "
+        "engine start, eager loss, loop",
+    )
     param_us: NonNegativeFloat = Field(
-        default=0.0, description="per plain trainable parameter tensor per step (unwrap, gradient, reset)")
+        default=0.0, description="per plain trainable parameter tensor per step (unwrap, gradient, reset)"
+    )
     dtensor_param_us: NonNegativeFloat = Field(
-        default=0.0, description="per DTensor trainable parameter per step (flatten/unflatten, gradient wrap, reset)")
+        default=0.0,
+        description="per DTensor trainable parameter per step (flatten/unflatten, gradient wrap, reset)",
+    )
 
     @property
     def modelled(self) -> bool:
@@ -83,9 +90,14 @@ class StepPrediction:
     graphs: dict[str, SimResult] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
-        return {"total_us": self.total_us, "graphs_us": self.graphs_us, "runtime_us": self.runtime_us,
-                "params": self.params, "dtensor_params": self.dtensor_params,
-                "graphs": {k: v.summary() for k, v in self.graphs.items()}}
+        return {
+            "total_us": self.total_us,
+            "graphs_us": self.graphs_us,
+            "runtime_us": self.runtime_us,
+            "params": self.params,
+            "dtensor_params": self.dtensor_params,
+            "graphs": {k: v.summary() for k, v in self.graphs.items()},
+        }
 
 
 def gradient_outputs(gm: fx.GraphModule) -> int:
@@ -95,10 +107,16 @@ def gradient_outputs(gm: fx.GraphModule) -> int:
     return sum(1 for o in outs if isinstance(o, fx.Node))
 
 
-def predict_step(graphs: Union[Mapping[str, fx.GraphModule], Sequence[fx.GraphModule]], estimator: CostEstimator,
-                 runtime: Optional[RuntimeParams] = None, *, params: Optional[int] = None,
-                 dtensor_params: int = 0, streams: Optional[StreamAssignment] = None,
-                 slowdown: Optional[SlowdownFn] = None) -> StepPrediction:
+def predict_step(
+    graphs: Union[Mapping[str, fx.GraphModule], Sequence[fx.GraphModule]],
+    estimator: CostEstimator,
+    runtime: Optional[RuntimeParams] = None,
+    *,
+    params: Optional[int] = None,
+    dtensor_params: int = 0,
+    streams: Optional[StreamAssignment] = None,
+    slowdown: Optional[SlowdownFn] = None,
+) -> StepPrediction:
     """Predict one training step from its graphs (see the module docstring).
 
     ``graphs``: ``{"forward": gm, "backward": gm}`` (or a list), simulated one after

@@ -58,8 +58,12 @@ class SymbolHints:
         return f"SymbolHints({self.values}, default={self.default})"
 
 
-def hinted(symbols: Iterable[sympy.Symbol], hint: "int | SymbolHints" = DEFAULT_SYMBOL_HINT, *,
-           degree: Optional[int] = None) -> dict[sympy.Symbol, int]:
+def hinted(
+    symbols: Iterable[sympy.Symbol],
+    hint: "int | SymbolHints" = DEFAULT_SYMBOL_HINT,
+    *,
+    degree: Optional[int] = None,
+) -> dict[sympy.Symbol, int]:
     """Values for ``symbols`` that appear together in one size or shape: a symbol with a hint of its
     own (``SymbolHints.values``) takes it; the others share the flat default. ``degree``: how many
     of them multiply together at most (default: all of them); each is hinted at
@@ -105,8 +109,9 @@ def hinted_shape(shape: Iterable[Any], hint: "int | SymbolHints" = DEFAULT_SYMBO
     flat = sorted((x for x in syms if str(x) not in own), key=str)
     numel = sympy.Mul(*[e for e in exprs if isinstance(e, sympy.Expr)])
     values = hinted(syms, hint, degree=_degree(numel, flat)) if syms else {}
-    return tuple(e if isinstance(e, int) else max(0, int(e.subs(values) if e.free_symbols else e))
-                 for e in exprs)
+    return tuple(
+        e if isinstance(e, int) else max(0, int(e.subs(values) if e.free_symbols else e)) for e in exprs
+    )
 
 
 def _symbol(x: Any) -> sympy.Symbol | None:
@@ -136,5 +141,11 @@ def balanced_exchange_hints(gm: fx.GraphModule) -> dict[str, int]:
     return hints
 
 
-__all__ = ["DEFAULT_SYMBOL_HINT", "SymbolHints", "balanced_exchange_hints", "hinted", "hinted_shape",
-           "hinted_size"]
+__all__ = [
+    "DEFAULT_SYMBOL_HINT",
+    "SymbolHints",
+    "balanced_exchange_hints",
+    "hinted",
+    "hinted_shape",
+    "hinted_size",
+]

@@ -45,8 +45,16 @@ import json
 import re
 from pathlib import Path
 
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from commfuse.core.errors import ConfigError, InputFileError
 
@@ -67,17 +75,23 @@ def load_json_model(cls, path: str | Path, what: str, noun: str):
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputFileError(path, f"cannot read {noun}: {e}",
-                             f"{what}: cannot read {noun} {str(path)!r}: {e}") from e
+        raise InputFileError(
+            path, f"cannot read {noun}: {e}", f"{what}: cannot read {noun} {str(path)!r}: {e}"
+        ) from e
     if not isinstance(data, dict):
         got = type(data).__name__
-        raise InputFileError(path, f"a {noun} must hold a JSON object, got {got}",
-                             f"{what}: {noun} {str(path)!r} must hold a JSON object, got {got}")
+        raise InputFileError(
+            path,
+            f"a {noun} must hold a JSON object, got {got}",
+            f"{what}: {noun} {str(path)!r} must hold a JSON object, got {got}",
+        )
     try:
         return cls.model_validate(data)
     except ValidationError as e:
         why = _describe_validation_error(e)
-        raise InputFileError(path, f"invalid {noun}: {why}", f"{what}: invalid {noun} {str(path)!r}: {why}") from e
+        raise InputFileError(
+            path, f"invalid {noun}: {why}", f"{what}: invalid {noun} {str(path)!r}: {why}"
+        ) from e
 
 
 class Topology(BaseModel):
@@ -89,12 +103,16 @@ class Topology(BaseModel):
     num_nodes: PositiveInt = 1
     ranks_per_node: PositiveInt = 1
     intra_node_bandwidth_GBps: PositiveFloat = Field(
-        default=100.0, description="per-rank achievable intra-node bus bandwidth, GB/s")
+        default=100.0, description="per-rank achievable intra-node bus bandwidth, GB/s"
+    )
     inter_node_bandwidth_GBps: PositiveFloat = Field(
-        default=25.0, description="per-rank share of the node's NIC bandwidth, GB/s")
+        default=25.0, description="per-rank share of the node's NIC bandwidth, GB/s"
+    )
     intra_node_latency_us: float = Field(default=5.0, ge=0, description="latency of one intra-node step, us")
     inter_node_latency_us: float = Field(default=10.0, ge=0, description="latency of one inter-node step, us")
-    collective_launch_us: float = Field(default=5.0, ge=0, description="fixed start-up cost of one collective, us")
+    collective_launch_us: float = Field(
+        default=5.0, ge=0, description="fixed start-up cost of one collective, us"
+    )
     # --- the device (one per rank) ---
     device: str = Field(default="generic", description="device model, informational")
     peak_tflops_fp32: PositiveFloat = Field(default=10.0, description="dense fp32 matmul peak, TFLOP/s")
@@ -103,12 +121,15 @@ class Topology(BaseModel):
     num_sms: NonNegativeInt = Field(default=0, description="streaming multiprocessors (Lagom's λ); 0 = CPU")
     nccl_channels: PositiveInt = Field(default=16, description="channels (CTAs) NCCL uses by default")
     contention_kappa: float = Field(
-        default=0.0, ge=0, description="CPU/gloo: compute slows by (1+κ) while a collective is in flight")
+        default=0.0, ge=0, description="CPU/gloo: compute slows by (1+κ) while a collective is in flight"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "Topology":
         if self.num_nodes > 1 and self.inter_node_bandwidth_GBps > self.intra_node_bandwidth_GBps * 100:
-            raise ValueError("inter_node_bandwidth_GBps is over 100x intra_node_bandwidth_GBps; units mixed up?")
+            raise ValueError(
+                "inter_node_bandwidth_GBps is over 100x intra_node_bandwidth_GBps; units mixed up?"
+            )
         if self.num_sms and self.nccl_channels >= self.num_sms:
             raise ValueError(f"nccl_channels ({self.nccl_channels}) must be below num_sms ({self.num_sms})")
         return self
@@ -191,7 +212,8 @@ class Topology(BaseModel):
         if world_size % local_world_size:
             raise ConfigError(
                 f"topology.detect: world_size {world_size} is not divisible by local_world_size "
-                f"{local_world_size} (nodes must hold the same number of ranks)")
+                f"{local_world_size} (nodes must hold the same number of ranks)"
+            )
         if not isinstance(device_name, str) or not device_name.strip():
             raise ConfigError(f"topology.detect: device_name must be a non-empty string, got {device_name!r}")
         preset = cls.preset_for_device(device_name)
@@ -199,10 +221,17 @@ class Topology(BaseModel):
             known = ", ".join(pat for pat, _ in DEVICE_PRESETS)
             raise ConfigError(
                 f"topology.detect: device_name {device_name!r} matches no preset (known patterns: {known}); "
-                "pass a Topology or a topology file instead")
+                "pass a Topology or a topology file instead"
+            )
         try:
-            return cls(**{**PRESETS[preset], "name": preset, "num_nodes": world_size // local_world_size,
-                          "ranks_per_node": local_world_size})
+            return cls(
+                **{
+                    **PRESETS[preset],
+                    "name": preset,
+                    "num_nodes": world_size // local_world_size,
+                    "ranks_per_node": local_world_size,
+                }
+            )
         except ValidationError as e:
             raise ConfigError(f"topology.detect: {_describe_validation_error(e)}") from e
 
@@ -212,32 +241,83 @@ class Topology(BaseModel):
 # their sources are listed in docs/costmodel.md ("Topology").
 PRESETS: dict[str, dict] = {
     # 8x H100 SXM, NVLink4/NVSwitch (450 GB/s/dir link, ~370 busbw ring), 8x NDR 400 Gb/s IB.
-    "dgx-h100": dict(ranks_per_node=8, intra_node_bandwidth_GBps=370.0, inter_node_bandwidth_GBps=45.0,
-                     intra_node_latency_us=1.0, inter_node_latency_us=5.0, collective_launch_us=6.0,
-                     device="H100-SXM", peak_tflops_fp32=67.0, peak_tflops_bf16=989.0,
-                     memory_bandwidth_GBps=3350.0, num_sms=132, nccl_channels=16),
+    "dgx-h100": dict(
+        ranks_per_node=8,
+        intra_node_bandwidth_GBps=370.0,
+        inter_node_bandwidth_GBps=45.0,
+        intra_node_latency_us=1.0,
+        inter_node_latency_us=5.0,
+        collective_launch_us=6.0,
+        device="H100-SXM",
+        peak_tflops_fp32=67.0,
+        peak_tflops_bf16=989.0,
+        memory_bandwidth_GBps=3350.0,
+        num_sms=132,
+        nccl_channels=16,
+    ),
     # 8x A100 SXM, NVLink3 (300 GB/s/dir, ~230 busbw), 8x HDR 200 Gb/s IB.
-    "dgx-a100": dict(ranks_per_node=8, intra_node_bandwidth_GBps=230.0, inter_node_bandwidth_GBps=22.0,
-                     intra_node_latency_us=1.2, inter_node_latency_us=6.0, collective_launch_us=6.0,
-                     device="A100-SXM", peak_tflops_fp32=19.5, peak_tflops_bf16=312.0,
-                     memory_bandwidth_GBps=2039.0, num_sms=108, nccl_channels=8),
+    "dgx-a100": dict(
+        ranks_per_node=8,
+        intra_node_bandwidth_GBps=230.0,
+        inter_node_bandwidth_GBps=22.0,
+        intra_node_latency_us=1.2,
+        inter_node_latency_us=6.0,
+        collective_launch_us=6.0,
+        device="A100-SXM",
+        peak_tflops_fp32=19.5,
+        peak_tflops_bf16=312.0,
+        memory_bandwidth_GBps=2039.0,
+        num_sms=108,
+        nccl_channels=8,
+    ),
     # Chimera's testbed: 8x RTX 4080 on PCIe 4.0 x16, no NVLink and no P2P (GeForce):
     # NCCL rings go through host memory, ~12 GB/s busbw. One 100 GbE NIC per node.
-    "pcie-8gpu": dict(ranks_per_node=8, intra_node_bandwidth_GBps=12.0, inter_node_bandwidth_GBps=1.4,
-                      intra_node_latency_us=4.0, inter_node_latency_us=8.0, collective_launch_us=8.0,
-                      device="RTX-4080", peak_tflops_fp32=48.7, peak_tflops_bf16=97.5,
-                      memory_bandwidth_GBps=717.0, num_sms=76, nccl_channels=4),
+    "pcie-8gpu": dict(
+        ranks_per_node=8,
+        intra_node_bandwidth_GBps=12.0,
+        inter_node_bandwidth_GBps=1.4,
+        intra_node_latency_us=4.0,
+        inter_node_latency_us=8.0,
+        collective_launch_us=8.0,
+        device="RTX-4080",
+        peak_tflops_fp32=48.7,
+        peak_tflops_bf16=97.5,
+        memory_bandwidth_GBps=717.0,
+        num_sms=76,
+        nccl_channels=4,
+    ),
     # DHelix-like: 8x A40 per node on PCIe 4.0 with P2P (~20 GB/s busbw), one HDR 200 Gb/s NIC per node.
-    "a40-pcie": dict(ranks_per_node=8, intra_node_bandwidth_GBps=20.0, inter_node_bandwidth_GBps=2.8,
-                     intra_node_latency_us=3.0, inter_node_latency_us=6.0, collective_launch_us=8.0,
-                     device="A40", peak_tflops_fp32=37.4, peak_tflops_bf16=149.7,
-                     memory_bandwidth_GBps=696.0, num_sms=84, nccl_channels=4),
+    "a40-pcie": dict(
+        ranks_per_node=8,
+        intra_node_bandwidth_GBps=20.0,
+        inter_node_bandwidth_GBps=2.8,
+        intra_node_latency_us=3.0,
+        inter_node_latency_us=6.0,
+        collective_launch_us=8.0,
+        device="A40",
+        peak_tflops_fp32=37.4,
+        peak_tflops_bf16=149.7,
+        memory_bandwidth_GBps=696.0,
+        num_sms=84,
+        nccl_channels=4,
+    ),
     # This CPU machine: gloo over loopback TCP, one compute thread per rank. Placeholders
     # until `commfuse calibrate` writes a profile.
-    "cpu-gloo": dict(ranks_per_node=2, intra_node_bandwidth_GBps=2.0, inter_node_bandwidth_GBps=1.0,
-                     intra_node_latency_us=50.0, inter_node_latency_us=100.0, collective_launch_us=30.0,
-                     device="cpu", peak_tflops_fp32=0.05, peak_tflops_bf16=0.02,
-                     memory_bandwidth_GBps=8.0, num_sms=0, nccl_channels=1, contention_kappa=0.3),
+    "cpu-gloo": dict(
+        ranks_per_node=2,
+        intra_node_bandwidth_GBps=2.0,
+        inter_node_bandwidth_GBps=1.0,
+        intra_node_latency_us=50.0,
+        inter_node_latency_us=100.0,
+        collective_launch_us=30.0,
+        device="cpu",
+        peak_tflops_fp32=0.05,
+        peak_tflops_bf16=0.02,
+        memory_bandwidth_GBps=8.0,
+        num_sms=0,
+        nccl_channels=1,
+        contention_kappa=0.3,
+    ),
 }
 
 # regex searched in the lower-cased device name -> preset, first match wins.

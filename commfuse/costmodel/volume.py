@@ -78,17 +78,45 @@ from commfuse.ir.transfers import BoundaryTransfers
 Num = Union[int, sympy.Expr]
 
 __all__ = [
-    "B", "S", "H", "N", "N1", "N2", "k",
-    "RangePoint", "Table2Row", "table2", "evaluate_point",
-    "tp_all_reduce_wire", "tp_all_reduce_logged", "pp_p2p_wire", "pp_p2p_logged",
-    "sp_all_gather_wire", "sp_all_gather_logged", "ep_all_to_all_wire", "ep_all_to_all_logged",
-    "reduce_scatter_wire", "reduce_scatter_logged", "m2ms_wire", "m2ms_logged",
+    "B",
+    "S",
+    "H",
+    "N",
+    "N1",
+    "N2",
+    "k",
+    "RangePoint",
+    "Table2Row",
+    "table2",
+    "evaluate_point",
+    "tp_all_reduce_wire",
+    "tp_all_reduce_logged",
+    "pp_p2p_wire",
+    "pp_p2p_logged",
+    "sp_all_gather_wire",
+    "sp_all_gather_logged",
+    "ep_all_to_all_wire",
+    "ep_all_to_all_logged",
+    "reduce_scatter_wire",
+    "reduce_scatter_logged",
+    "m2ms_wire",
+    "m2ms_logged",
     "table1",
-    "dp_all_reduce_wire", "dp_all_reduce_logged", "fsdp_wire", "fsdp_logged",
-    "tp_wire", "tp_logged", "sp_wire", "sp_logged",
-    "pp_stage_send_wire", "pp_bubble_fraction",
-    "ep_wire", "ep_logged", "moe_dispatch_slots",
-    "megatron_param_count", "llama_param_count",
+    "dp_all_reduce_wire",
+    "dp_all_reduce_logged",
+    "fsdp_wire",
+    "fsdp_logged",
+    "tp_wire",
+    "tp_logged",
+    "sp_wire",
+    "sp_logged",
+    "pp_stage_send_wire",
+    "pp_bubble_fraction",
+    "ep_wire",
+    "ep_logged",
+    "moe_dispatch_slots",
+    "megatron_param_count",
+    "llama_param_count",
 ]
 
 B, S, H = sympy.symbols("B S H", positive=True)
@@ -223,11 +251,28 @@ def evaluate_point(expr: sympy.Expr, point: RangePoint) -> sympy.Expr:
     return sympy.simplify(e)
 
 
-def _row(transition: str, size1: sympy.Expr, size2: sympy.Expr, demand: sympy.Expr,
-         paper: tuple[Num, Num], low: RangePoint, high: RangePoint, assumption: str) -> Table2Row:
+def _row(
+    transition: str,
+    size1: sympy.Expr,
+    size2: sympy.Expr,
+    demand: sympy.Expr,
+    paper: tuple[Num, Num],
+    low: RangePoint,
+    high: RangePoint,
+    assumption: str,
+) -> Table2Row:
     ratio = sympy.simplify(demand / (size1 + size2))
-    return Table2Row(transition, size1, size2, demand, ratio,
-                     (sympy.Rational(paper[0]), sympy.Rational(paper[1])), low, high, assumption)
+    return Table2Row(
+        transition,
+        size1,
+        size2,
+        demand,
+        ratio,
+        (sympy.Rational(paper[0]), sympy.Rational(paper[1])),
+        low,
+        high,
+        assumption,
+    )
 
 
 def table2() -> list[Table2Row]:
@@ -240,38 +285,74 @@ def table2() -> list[Table2Row]:
     half = sympy.Rational(1, 2)
     two_thirds = sympy.Rational(2, 3)
     rows = [
-        _row("TP+SP", sympy.Integer(0), tp_all_reduce_wire(B, S, H, N), reduce_scatter_wire(B, S, H, N),
-             (half, half), RangePoint(), RangePoint(),
-             "Megatron's all_reduce -> reduce_scatter; constant"),
-        _row("TP+PP", tp_all_reduce_wire(B, S, H, N1),
-             B * S * H / N1 + sp_all_gather_wire(B, S, H, N2),
-             pp_p2p_wire(B, S, H) + sp_all_gather_wire(B, S, H, N2),
-             (sympy.Rational(3, 5), sympy.Rational(4, 5)),
-             RangePoint({N2: 2}, N1, "N2 = 2, N1 -> oo"), RangePoint({N1: 2}, N2, "N1 = 2, N2 -> oo"),
-             "inf/sup over N1, N2 >= 2 (decreasing in N1, increasing in N2)"),
-        _row("TP+EP", tp_all_reduce_wire(B, S, H, N1), ep_all_to_all_wire(B, S, H, N2, k),
-             reduce_scatter_wire(B, S, H, N1) + ep_all_to_all_wire(B, S, H, N2, k),
-             (two_thirds, 1), RangePoint({N1: N, N2: N, k: 1}, None, "N1 = N2, k = 1"),
-             RangePoint({N1: N, N2: N}, k, "N1 = N2, k -> oo"),
-             "N1 = N2 (equal TP and EP degree); k >= 1"),
-        _row("PP+EP", pp_p2p_wire(B, S, H), ep_all_to_all_wire(B, S, H, N, k), pp_p2p_wire(B, S, H),
-             (0, two_thirds), RangePoint({N: 2}, k, "N = 2, k -> oo"), RangePoint({N: 2, k: 1}, None, "N = 2, k = 1"),
-             "N >= 2, k >= 1"),
-        _row("SP+PP", sp_all_gather_wire(B, S, H, N), pp_p2p_wire(B, S, H), pp_p2p_wire(B, S, H),
-             (half, two_thirds), RangePoint({}, N, "N -> oo"), RangePoint({N: 2}, None, "N = 2"),
-             "N >= 2"),
-        _row("SP+EP", sp_all_gather_wire(B, S, H, N1), ep_all_to_all_wire(B, S, H, N2, k),
-             ep_all_to_all_wire(B, S, H, N2, k),
-             (half, 1), RangePoint({N1: N, N2: N, k: 1}, None, "N1 = N2, k = 1"),
-             RangePoint({N1: N, N2: N}, k, "N1 = N2, k -> oo"),
-             "N1 = N2; k >= 1"),
+        _row(
+            "TP+SP",
+            sympy.Integer(0),
+            tp_all_reduce_wire(B, S, H, N),
+            reduce_scatter_wire(B, S, H, N),
+            (half, half),
+            RangePoint(),
+            RangePoint(),
+            "Megatron's all_reduce -> reduce_scatter; constant",
+        ),
+        _row(
+            "TP+PP",
+            tp_all_reduce_wire(B, S, H, N1),
+            B * S * H / N1 + sp_all_gather_wire(B, S, H, N2),
+            pp_p2p_wire(B, S, H) + sp_all_gather_wire(B, S, H, N2),
+            (sympy.Rational(3, 5), sympy.Rational(4, 5)),
+            RangePoint({N2: 2}, N1, "N2 = 2, N1 -> oo"),
+            RangePoint({N1: 2}, N2, "N1 = 2, N2 -> oo"),
+            "inf/sup over N1, N2 >= 2 (decreasing in N1, increasing in N2)",
+        ),
+        _row(
+            "TP+EP",
+            tp_all_reduce_wire(B, S, H, N1),
+            ep_all_to_all_wire(B, S, H, N2, k),
+            reduce_scatter_wire(B, S, H, N1) + ep_all_to_all_wire(B, S, H, N2, k),
+            (two_thirds, 1),
+            RangePoint({N1: N, N2: N, k: 1}, None, "N1 = N2, k = 1"),
+            RangePoint({N1: N, N2: N}, k, "N1 = N2, k -> oo"),
+            "N1 = N2 (equal TP and EP degree); k >= 1",
+        ),
+        _row(
+            "PP+EP",
+            pp_p2p_wire(B, S, H),
+            ep_all_to_all_wire(B, S, H, N, k),
+            pp_p2p_wire(B, S, H),
+            (0, two_thirds),
+            RangePoint({N: 2}, k, "N = 2, k -> oo"),
+            RangePoint({N: 2, k: 1}, None, "N = 2, k = 1"),
+            "N >= 2, k >= 1",
+        ),
+        _row(
+            "SP+PP",
+            sp_all_gather_wire(B, S, H, N),
+            pp_p2p_wire(B, S, H),
+            pp_p2p_wire(B, S, H),
+            (half, two_thirds),
+            RangePoint({}, N, "N -> oo"),
+            RangePoint({N: 2}, None, "N = 2"),
+            "N >= 2",
+        ),
+        _row(
+            "SP+EP",
+            sp_all_gather_wire(B, S, H, N1),
+            ep_all_to_all_wire(B, S, H, N2, k),
+            ep_all_to_all_wire(B, S, H, N2, k),
+            (half, 1),
+            RangePoint({N1: N, N2: N, k: 1}, None, "N1 = N2, k = 1"),
+            RangePoint({N1: N, N2: N}, k, "N1 = N2, k -> oo"),
+            "N1 = N2; k >= 1",
+        ),
     ]
     return rows
 
 
 # --------------------------------------------------------------------------- thesis models
-def dp_all_reduce_wire(P: Num, n_dp: Num, n_tp: Num = 1, n_pp: Num = 1, elt: Num = 1,
-                       reductions: Num = 1) -> sympy.Expr:
+def dp_all_reduce_wire(
+    P: Num, n_dp: Num, n_tp: Num = 1, n_pp: Num = 1, elt: Num = 1, reductions: Num = 1
+) -> sympy.Expr:
     """DP gradient all_reduce per iteration (thesis, ring): 2(n_DP-1)/n_DP · P/(n_TP·n_PP) · β.
 
     P: parameters of the whole model; the rank holds P/(n_TP·n_PP) of them.
@@ -281,13 +362,16 @@ def dp_all_reduce_wire(P: Num, n_dp: Num, n_tp: Num = 1, n_pp: Num = 1, elt: Num
     return _s(reductions) * 2 * _frac(n_dp) * _s(P) / (_s(n_tp) * n_pp) * elt
 
 
-def dp_all_reduce_logged(P: Num, n_dp: Num, n_tp: Num = 1, n_pp: Num = 1, elt: Num = 1,
-                         reductions: Num = 1) -> sympy.Expr:
+def dp_all_reduce_logged(
+    P: Num, n_dp: Num, n_tp: Num = 1, n_pp: Num = 1, elt: Num = 1, reductions: Num = 1
+) -> sympy.Expr:
     """NCCL count of the DP all_reduces: the gradient buffer, P/(n_TP·n_PP) · β per reduction."""
     return _s(reductions) * _s(P) / (_s(n_tp) * n_pp) * elt
 
 
-def fsdp_wire(P: Num, n_dp: Num, elt: Num = 1, micro_batches: Num = 1, gathers_per_step: Num = 1) -> sympy.Expr:
+def fsdp_wire(
+    P: Num, n_dp: Num, elt: Num = 1, micro_batches: Num = 1, gathers_per_step: Num = 1
+) -> sympy.Expr:
     """FSDP / ZeRO-3 (SimpleFSDP) per iteration: parameter all_gather + gradient reduce_scatter.
 
     Each moves (n-1)/n · P · β on the wire, ``gathers_per_step`` all_gathers (1:
@@ -297,13 +381,24 @@ def fsdp_wire(P: Num, n_dp: Num, elt: Num = 1, micro_batches: Num = 1, gathers_p
     return _s(micro_batches) * per_mb
 
 
-def fsdp_logged(P: Num, n_dp: Num, elt: Num = 1, micro_batches: Num = 1, gathers_per_step: Num = 1) -> sympy.Expr:
+def fsdp_logged(
+    P: Num, n_dp: Num, elt: Num = 1, micro_batches: Num = 1, gathers_per_step: Num = 1
+) -> sympy.Expr:
     """NCCL counts of FSDP: all_gather logs its send count P/n, reduce_scatter its receive count P/n."""
     return _s(micro_batches) * (_s(gathers_per_step) + 1) * _s(P) / n_dp * elt
 
 
-def tp_wire(layers: Num, b: Num, s: Num, h: Num, n_tp: Num, elt: Num = 1, micro_batches: Num = 1,
-            forward_all_reduces: Num = 2, backward_all_reduces: Num = 2) -> sympy.Expr:
+def tp_wire(
+    layers: Num,
+    b: Num,
+    s: Num,
+    h: Num,
+    n_tp: Num,
+    elt: Num = 1,
+    micro_batches: Num = 1,
+    forward_all_reduces: Num = 2,
+    backward_all_reduces: Num = 2,
+) -> sympy.Expr:
     """Megatron TP (thesis): layers · (fwd + bwd all_reduces) · 2(n-1)/n · b·s·h · β per micro-batch, × m.
 
     The thesis's ``L_stage · 8·b·s·h·(n_TP-1)/n_TP · β`` is the default 2 + 2
@@ -315,37 +410,87 @@ def tp_wire(layers: Num, b: Num, s: Num, h: Num, n_tp: Num, elt: Num = 1, micro_
     return _s(micro_batches) * layers * per_layer
 
 
-def tp_logged(layers: Num, b: Num, s: Num, h: Num, n_tp: Optional[Num] = None, elt: Num = 1,
-              micro_batches: Num = 1, forward_all_reduces: Num = 2, backward_all_reduces: Num = 2) -> sympy.Expr:
+def tp_logged(
+    layers: Num,
+    b: Num,
+    s: Num,
+    h: Num,
+    n_tp: Optional[Num] = None,
+    elt: Num = 1,
+    micro_batches: Num = 1,
+    forward_all_reduces: Num = 2,
+    backward_all_reduces: Num = 2,
+) -> sympy.Expr:
     """NCCL counts of Megatron TP: every all_reduce logs the whole b·s·h buffer."""
-    return (_s(micro_batches) * layers * (_s(forward_all_reduces) + backward_all_reduces)
-            * tp_all_reduce_logged(b, s, h, elt=elt))
+    return (
+        _s(micro_batches)
+        * layers
+        * (_s(forward_all_reduces) + backward_all_reduces)
+        * tp_all_reduce_logged(b, s, h, elt=elt)
+    )
 
 
-def sp_wire(layers: Num, b: Num, s: Num, h: Num, n_tp: Num, elt: Num = 1, micro_batches: Num = 1,
-            gathers_per_layer: Num = 4, scatters_per_layer: Num = 4) -> sympy.Expr:
+def sp_wire(
+    layers: Num,
+    b: Num,
+    s: Num,
+    h: Num,
+    n_tp: Num,
+    elt: Num = 1,
+    micro_batches: Num = 1,
+    gathers_per_layer: Num = 4,
+    scatters_per_layer: Num = 4,
+) -> sympy.Expr:
     """Megatron TP+SP: per layer 2 all_gathers + 2 reduce_scatters forward, the mirror images backward.
 
     s is the full sequence (the gathered tensor is [b, s, h]). Wire volume
     equals :func:`tp_wire` (an all_reduce is a reduce_scatter + all_gather)."""
-    return _s(micro_batches) * layers * (
-        _s(gathers_per_layer) * sp_all_gather_wire(b, s, h, n_tp, elt)
-        + _s(scatters_per_layer) * reduce_scatter_wire(b, s, h, n_tp, elt))
+    return (
+        _s(micro_batches)
+        * layers
+        * (
+            _s(gathers_per_layer) * sp_all_gather_wire(b, s, h, n_tp, elt)
+            + _s(scatters_per_layer) * reduce_scatter_wire(b, s, h, n_tp, elt)
+        )
+    )
 
 
-def sp_logged(layers: Num, b: Num, s: Num, h: Num, n_tp: Num, elt: Num = 1, micro_batches: Num = 1,
-              gathers_per_layer: Num = 4, scatters_per_layer: Num = 4) -> sympy.Expr:
+def sp_logged(
+    layers: Num,
+    b: Num,
+    s: Num,
+    h: Num,
+    n_tp: Num,
+    elt: Num = 1,
+    micro_batches: Num = 1,
+    gathers_per_layer: Num = 4,
+    scatters_per_layer: Num = 4,
+) -> sympy.Expr:
     """NCCL counts of TP+SP: b·s·h/n per all_gather (send) and per reduce_scatter (receive).
 
     Only 2/n of :func:`tp_logged`'s: why logged volume "drops" with SP far
     more than the wire volume does."""
-    return _s(micro_batches) * layers * (
-        _s(gathers_per_layer) * sp_all_gather_logged(b, s, h, n_tp, elt)
-        + _s(scatters_per_layer) * reduce_scatter_logged(b, s, h, n_tp, elt))
+    return (
+        _s(micro_batches)
+        * layers
+        * (
+            _s(gathers_per_layer) * sp_all_gather_logged(b, s, h, n_tp, elt)
+            + _s(scatters_per_layer) * reduce_scatter_logged(b, s, h, n_tp, elt)
+        )
+    )
 
 
-def pp_stage_send_wire(stage: int, n_pp: int, b: Num, s: Num, h: Num, elt: Num = 1,
-                       micro_batches: Num = 1, n_tp: Num = 1, scatter_gather: bool = True) -> sympy.Expr:
+def pp_stage_send_wire(
+    stage: int,
+    n_pp: int,
+    b: Num,
+    s: Num,
+    h: Num,
+    elt: Num = 1,
+    micro_batches: Num = 1,
+    n_tp: Num = 1,
+    scatter_gather: bool = True,
+) -> sympy.Expr:
     """Bytes one rank of pipeline ``stage`` (0-based) sends per iteration (thesis PP model).
 
     b·s·h·β per adjacent stage pair, per direction, per micro-batch: the first
@@ -371,22 +516,40 @@ def moe_dispatch_slots(tokens: Num, experts: Num, k: Num, capacity_factor: Num =
     return _s(experts) * sympy.ceiling(_s(capacity_factor) * k * tokens / experts)
 
 
-def ep_wire(B: Num, S: Num, h: Num, n_ep: Num, k: Num, elt: Num = 1, moe_layers: Num = 1,
-            micro_batches: Num = 1, all_to_alls_per_layer: Num = 4) -> sympy.Expr:
+def ep_wire(
+    B: Num,
+    S: Num,
+    h: Num,
+    n_ep: Num,
+    k: Num,
+    elt: Num = 1,
+    moe_layers: Num = 1,
+    micro_batches: Num = 1,
+    all_to_alls_per_layer: Num = 4,
+) -> sympy.Expr:
     """EP with the all-to-all dispatcher (thesis): 4·B·S·k·h·(1 - 1/n_EP)·β per MoE layer per micro-batch.
 
     4 = dispatch + combine in the forward and their transposes in the
     backward. B, S: the rank's tokens. ``moe_layers`` and ``k`` must be the
     run's (the thesis's check used top-1 and 4 layers for a top-2, 8-layer run)."""
-    return (_s(micro_batches) * moe_layers * all_to_alls_per_layer
-            * ep_all_to_all_wire(B, S, h, n_ep, k, elt))
+    return _s(micro_batches) * moe_layers * all_to_alls_per_layer * ep_all_to_all_wire(B, S, h, n_ep, k, elt)
 
 
-def ep_logged(B: Num, S: Num, h: Num, n_ep: Num, k: Num, elt: Num = 1, moe_layers: Num = 1,
-              micro_batches: Num = 1, all_to_alls_per_layer: Num = 4) -> sympy.Expr:
+def ep_logged(
+    B: Num,
+    S: Num,
+    h: Num,
+    n_ep: Num,
+    k: Num,
+    elt: Num = 1,
+    moe_layers: Num = 1,
+    micro_batches: Num = 1,
+    all_to_alls_per_layer: Num = 4,
+) -> sympy.Expr:
     """NCCL counts of the EP all_to_alls: each logs its whole B·S·k·h buffer."""
-    return (_s(micro_batches) * moe_layers * all_to_alls_per_layer
-            * ep_all_to_all_logged(B, S, h, n_ep, k, elt))
+    return (
+        _s(micro_batches) * moe_layers * all_to_alls_per_layer * ep_all_to_all_logged(B, S, h, n_ep, k, elt)
+    )
 
 
 def megatron_param_count(layers: Num, h: Num, vocab: Num, seq: Num) -> sympy.Expr:
@@ -431,8 +594,9 @@ class BoundaryPlan:
     dim: int | None = None
 
     def transfers(self):
-        return BoundaryTransfers(self.op, "boundary", self.group_size, self.src, self.dst, self.dim, self.splits,
-                                 self.unit)
+        return BoundaryTransfers(
+            self.op, "boundary", self.group_size, self.src, self.dst, self.dim, self.splits, self.unit
+        )
 
     def max_sent(self) -> sympy.Expr:
         """Elements the busiest sender puts on the wire (Chimera's per-rank volume of the op)."""
@@ -499,11 +663,21 @@ def sp_pp_transition(n: int) -> BoundaryTransition:
     M2MS): every stage-1 rank sends its sequence shard (S/n) to every stage-2 rank, which
     concatenates the shards in src order -- the gathered activation: BSH per sender."""
     p2p = stage_pairs_plan(n)
-    m2ms = BoundaryPlan("m2ms", 2 * n, tuple(range(n)), tuple(range(n, 2 * n)), B * H,
-                        tuple(tuple(S / n for _j in range(n)) for _i in range(n)), dim=1)
+    m2ms = BoundaryPlan(
+        "m2ms",
+        2 * n,
+        tuple(range(n)),
+        tuple(range(n, 2 * n)),
+        B * H,
+        tuple(tuple(S / n for _j in range(n)) for _i in range(n)),
+        dim=1,
+    )
     return BoundaryTransition(
-        "SP+PP", (("all_gather", sp_all_gather_wire(B, S, H, n)), ("stage_transfer", p2p.max_sent())),
-        (("m2ms", m2ms.max_sent()),), {"stage_transfer": p2p, "m2ms": m2ms})
+        "SP+PP",
+        (("all_gather", sp_all_gather_wire(B, S, H, n)), ("stage_transfer", p2p.max_sent())),
+        (("m2ms", m2ms.max_sent()),),
+        {"stage_transfer": p2p, "m2ms": m2ms},
+    )
 
 
 def tp_pp_transition(n1: int, n2: int) -> BoundaryTransition:
@@ -517,10 +691,18 @@ def tp_pp_transition(n1: int, n2: int) -> BoundaryTransition:
     shard = m2ms.max_sent()
     return BoundaryTransition(
         "TP+PP",
-        (("all_reduce", tp_all_reduce_wire(B, S, H, n1)), ("m2ms", shard), ("all_gather", sp_all_gather_wire(B, S, H, n2))),
-        (("reduce_scatter", reduce_scatter_wire(B, S, H, n1)), ("m2ms", shard),
-         ("all_gather", sp_all_gather_wire(B, S, H, n2))),
-        {"m2ms": m2ms})
+        (
+            ("all_reduce", tp_all_reduce_wire(B, S, H, n1)),
+            ("m2ms", shard),
+            ("all_gather", sp_all_gather_wire(B, S, H, n2)),
+        ),
+        (
+            ("reduce_scatter", reduce_scatter_wire(B, S, H, n1)),
+            ("m2ms", shard),
+            ("all_gather", sp_all_gather_wire(B, S, H, n2)),
+        ),
+        {"m2ms": m2ms},
+    )
 
 
 def pp_ep_transition(n: int, top_k: Num = 1) -> BoundaryTransition:
@@ -534,12 +716,22 @@ def pp_ep_transition(n: int, top_k: Num = 1) -> BoundaryTransition:
     different ranks must travel k times; the fused op then moves k·BSH and beats the current
     sequence only while k < n (ratio k·n / (n + (n-1)k))."""
     p2p = stage_pairs_plan(n)
-    m2ms = BoundaryPlan("m2ms", 2 * n, tuple(range(n)), tuple(range(n, 2 * n)), H,
-                        tuple(tuple(_s(top_k) * B * S / n for _j in range(n)) for _i in range(n)), dim=0)
+    m2ms = BoundaryPlan(
+        "m2ms",
+        2 * n,
+        tuple(range(n)),
+        tuple(range(n, 2 * n)),
+        H,
+        tuple(tuple(_s(top_k) * B * S / n for _j in range(n)) for _i in range(n)),
+        dim=0,
+    )
     return BoundaryTransition(
-        "PP+EP", (("stage_transfer", p2p.max_sent()), ("all_to_all", ep_all_to_all_wire(B, S, H, n, top_k))),
-        (("m2ms", m2ms.max_sent()),), {"stage_transfer": p2p, "m2ms": m2ms},
-        note="Table 2's real demand (BSH) holds for k = 1; the fused m2ms moves k·BSH")
+        "PP+EP",
+        (("stage_transfer", p2p.max_sent()), ("all_to_all", ep_all_to_all_wire(B, S, H, n, top_k))),
+        (("m2ms", m2ms.max_sent()),),
+        {"stage_transfer": p2p, "m2ms": m2ms},
+        note="Table 2's real demand (BSH) holds for k = 1; the fused m2ms moves k·BSH",
+    )
 
 
 def boundary_transitions(n: int = 4, n1: int = 4, n2: int = 2, top_k: Num = 1) -> list[BoundaryTransition]:
@@ -547,5 +739,13 @@ def boundary_transitions(n: int = 4, n1: int = 4, n2: int = 2, top_k: Num = 1) -
     return [sp_pp_transition(n), tp_pp_transition(n1, n2), pp_ep_transition(n, top_k)]
 
 
-__all__ += ["BoundaryPlan", "BoundaryTransition", "boundary_transitions", "pp_ep_transition", "resharding_plan",
-            "sp_pp_transition", "stage_pairs_plan", "tp_pp_transition"]
+__all__ += [
+    "BoundaryPlan",
+    "BoundaryTransition",
+    "boundary_transitions",
+    "pp_ep_transition",
+    "resharding_plan",
+    "sp_pp_transition",
+    "stage_pairs_plan",
+    "tp_pp_transition",
+]

@@ -55,7 +55,9 @@ def folded_layer_map(num_layers: int, num_stages: int) -> tuple[int, ...]:
     _pos_int("num_layers", num_layers)
     s = _pos_int("num_stages", num_stages)
     if num_layers % (2 * s):
-        raise ValueError(f"num_layers={num_layers} must be a multiple of 2 * num_stages = {2 * s} for folding")
+        raise ValueError(
+            f"num_layers={num_layers} must be a multiple of 2 * num_stages = {2 * s} for folding"
+        )
     per = num_layers // (2 * s)
     return tuple(vs if vs < s else 2 * s - 1 - vs for vs in (layer // per for layer in range(num_layers)))
 
@@ -109,8 +111,10 @@ class PipelineSchedule:
 def one_f_one_b(num_stages: int, microbatches: int) -> PipelineSchedule:
     """Classical 1F1B as blocks (one per stage action)."""
     s, m = _pos_int("num_stages", num_stages), _pos_int("microbatches", microbatches)
-    orders = tuple(tuple(Block(d, (ChunkAction(a.phase, a.microbatch, d),)) for a in stage_actions("1f1b", s, d, m))
-                   for d in range(s))
+    orders = tuple(
+        tuple(Block(d, (ChunkAction(a.phase, a.microbatch, d),)) for a in stage_actions("1f1b", s, d, m))
+        for d in range(s)
+    )
     return PipelineSchedule("1f1b", s, s, m, orders, tuple(range(s)))
 
 
@@ -179,8 +183,9 @@ def unit_durations(block: Block) -> float:
     return 1.0
 
 
-def simulate(schedule: PipelineSchedule, duration: Callable[[Block], float] = unit_durations, *,
-             latency: float = 0.0) -> Timeline:
+def simulate(
+    schedule: PipelineSchedule, duration: Callable[[Block], float] = unit_durations, *, latency: float = 0.0
+) -> Timeline:
     """List-schedule ``schedule`` (module docstring)."""
     if latency < 0:
         raise ValueError(f"latency must be >= 0, got {latency!r}")
@@ -197,8 +202,9 @@ def simulate(schedule: PipelineSchedule, duration: Callable[[Block], float] = un
         for d, order in enumerate(schedule.orders):
             while heads[d] < len(order):
                 blk = order[heads[d]]
-                needs = [(p, dev[p.vstage]) for a in blk.actions for p in schedule.deps(a)
-                         if p not in blk.actions]
+                needs = [
+                    (p, dev[p.vstage]) for a in blk.actions for p in schedule.deps(a) if p not in blk.actions
+                ]
                 if any(p not in end for p, _ in needs):
                     break
                 start = max([free[d]] + [end[p] + (latency if pd != d else 0.0) for p, pd in needs])
@@ -215,8 +221,11 @@ def simulate(schedule: PipelineSchedule, duration: Callable[[Block], float] = un
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = [f"device {d}: {[str(a) for a in o[heads[d]].actions]}" for d, o in enumerate(schedule.orders)
-                     if heads[d] < len(o)]
+            stuck = [
+                f"device {d}: {[str(a) for a in o[heads[d]].actions]}"
+                for d, o in enumerate(schedule.orders)
+                if heads[d] < len(o)
+            ]
             raise ValueError(f"simulate: schedule {schedule.name!r} deadlocks; waiting: {stuck}")
     makespan = max((e for _, _, e in done), default=0.0)
     return Timeline(schedule, tuple(done), end, makespan, tuple(busy), transfers)

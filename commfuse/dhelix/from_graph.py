@@ -53,11 +53,20 @@ from commfuse.ir.graph_ir import CollectiveIR
 aten = torch.ops.aten
 STRANDS = ("forward", "backward")
 # ops that only re-describe their input's storage / layout on the way to the output
-_VIEW_LIKE = frozenset({
-    aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten.reshape.default,
-    aten._unsafe_view.default, aten.squeeze.dim, aten.unsqueeze.default, aten.expand.default,
-    aten.alias.default,
-})
+_VIEW_LIKE = frozenset(
+    {
+        aten.t.default,
+        aten.transpose.int,
+        aten.permute.default,
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.squeeze.dim,
+        aten.unsqueeze.default,
+        aten.expand.default,
+        aten.alias.default,
+    }
+)
 _MATMULS = frozenset({aten.mm.default})
 
 
@@ -100,8 +109,11 @@ def _reaches_only_output(node: fx.Node, through=lambda u: u.target in _VIEW_LIKE
 
 def movable_ops(gm: fx.GraphModule) -> tuple[str, ...]:
     """Weight-gradient GEMMs of a backward graph (module docstring), in graph order."""
-    return tuple(n.name for n in gm.graph.nodes
-                 if n.op == "call_function" and n.target in _MATMULS and _reaches_only_output(n))
+    return tuple(
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target in _MATMULS and _reaches_only_output(n)
+    )
 
 
 def _view_chain(node: fx.Node) -> list[fx.Node]:
@@ -137,8 +149,10 @@ def _comm_kind(coll: Collective, topology: Topology) -> str:
     """``comm_cross`` if the collective's group spans nodes on ``topology``, else ``comm_local``."""
     ranks = coll.group.ranks
     if ranks is None:
-        raise ValueError(f"graph_segments: collective {coll.start.name!r} on {coll.group.describe()} has unknown "
-                         "ranks; cannot tell local from cross-node communication (run commfuse.setup(mesh=...) first)")
+        raise ValueError(
+            f"graph_segments: collective {coll.start.name!r} on {coll.group.describe()} has unknown "
+            "ranks; cannot tell local from cross-node communication (run commfuse.setup(mesh=...) first)"
+        )
     return "comm_cross" if topology.spans_nodes(tuple(ranks)) else "comm_local"
 
 
@@ -160,9 +174,17 @@ def _live_deltas(gm: fx.GraphModule, sim: Simulator, strand: str) -> dict[fx.Nod
     return delta
 
 
-def cut_segments(nodes: list[fx.Node], sim: Simulator, coll_of: dict[fx.Node, Collective],
-                 delta: dict[fx.Node, int], topology: Topology, *, prefix: str, split: set[str] = frozenset(),
-                 comm_kind=None) -> tuple[tuple[Segment, ...], tuple[tuple[str, ...], ...]]:
+def cut_segments(
+    nodes: list[fx.Node],
+    sim: Simulator,
+    coll_of: dict[fx.Node, Collective],
+    delta: dict[fx.Node, int],
+    topology: Topology,
+    *,
+    prefix: str,
+    split: set[str] = frozenset(),
+    comm_kind=None,
+) -> tuple[tuple[Segment, ...], tuple[tuple[str, ...], ...]]:
     """Cut ``nodes`` (one strand's nodes, in order) into segments (module docstring's rules);
     returns the segments and, per segment, the names of the nodes it covers.
 
@@ -182,8 +204,12 @@ def cut_segments(nodes: list[fx.Node], sim: Simulator, coll_of: dict[fx.Node, Co
     def close_run() -> None:
         nonlocal run, run_time
         if run_time > 0:
-            emit("compute", f"compute:{run[0].name}..{run[-1].name}" if len(run) > 1 else f"compute:{run[0].name}",
-                 run, run_time)
+            emit(
+                "compute",
+                f"compute:{run[0].name}..{run[-1].name}" if len(run) > 1 else f"compute:{run[0].name}",
+                run,
+                run_time,
+            )
             run, run_time = [], 0.0
 
     for n in nodes:
@@ -206,13 +232,16 @@ def cut_segments(nodes: list[fx.Node], sim: Simulator, coll_of: dict[fx.Node, Co
             emit("compute", f"compute:{run[0].name}..{run[-1].name}", run, run_time)
         else:
             last = segs[-1]
-            segs[-1] = Segment(last.name, last.kind, last.duration, last.mem_delta + sum(delta[n] for n in run))
+            segs[-1] = Segment(
+                last.name, last.kind, last.duration, last.mem_delta + sum(delta[n] for n in run)
+            )
             covers[-1] = covers[-1] + tuple(n.name for n in run)
     return tuple(segs), tuple(covers)
 
 
-def graph_segments(gm: fx.GraphModule, estimator, topology: Topology, *, strand: str,
-                   split_movable: bool = True) -> GraphSegments:
+def graph_segments(
+    gm: fx.GraphModule, estimator, topology: Topology, *, strand: str, split_movable: bool = True
+) -> GraphSegments:
     """Cut ``gm`` (one layer's forward or backward graph) into DHelix segments (module docstring).
 
     ``estimator`` is a :class:`~commfuse.costmodel.estimator.CostEstimator` (e.g.
@@ -225,6 +254,13 @@ def graph_segments(gm: fx.GraphModule, estimator, topology: Topology, *, strand:
     sim = Simulator(gm, estimator, ir=ir)
     delta = _live_deltas(gm, sim, strand)
     movable = movable_ops(gm) if strand == "backward" else ()
-    segs, covers = cut_segments(list(gm.graph.nodes), sim, {c.start: c for c in ir.collectives}, delta, topology,
-                                prefix=strand[0], split=set(movable) if split_movable else set())
+    segs, covers = cut_segments(
+        list(gm.graph.nodes),
+        sim,
+        {c.start: c for c in ir.collectives},
+        delta,
+        topology,
+        prefix=strand[0],
+        split=set(movable) if split_movable else set(),
+    )
     return GraphSegments(strand, segs, covers, movable)

@@ -48,7 +48,7 @@ __all__ = ["FUSED_GRAPH_META_KEY", "PHASE_META_KEY", "fused_partition", "is_fuse
 
 
 def phase_of(node: fx.Node) -> str | None:
-    """"forward" / "backward" for nodes of a fused forward graph; None elsewhere."""
+    """ "forward" / "backward" for nodes of a fused forward graph; None elsewhere."""
     return node.meta.get(PHASE_META_KEY)
 
 
@@ -76,7 +76,9 @@ def _why_not(joint: fx.GraphModule, num_fwd_outputs: int) -> Union[str, fx.Node]
     return t
 
 
-def fused_partition(joint: fx.GraphModule, num_fwd_outputs: int) -> Union[str, tuple[fx.GraphModule, fx.GraphModule]]:
+def fused_partition(
+    joint: fx.GraphModule, num_fwd_outputs: int
+) -> Union[str, tuple[fx.GraphModule, fx.GraphModule]]:
     """Partition ``joint`` (module docstring); a reason string when it does not match (then
     ``joint`` is unchanged)."""
     found = _why_not(joint, num_fwd_outputs)
@@ -103,9 +105,11 @@ def fused_partition(joint: fx.GraphModule, num_fwd_outputs: int) -> Union[str, t
     val = tangent.meta["val"]
     first = next(n for n in g.nodes if n.op != "placeholder")
     with g.inserting_before(first):
-        one = g.call_function(torch.ops.aten.full.default, ([], 1.0),
-                              {"dtype": val.dtype, "layout": torch.strided, "device": val.device,
-                               "pin_memory": False})
+        one = g.call_function(
+            torch.ops.aten.full.default,
+            ([], 1.0),
+            {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
+        )
     one.meta["val"] = val
     one.meta[PHASE_META_KEY] = "backward"
     tangent.replace_all_uses_with(one)
@@ -137,9 +141,14 @@ def fused_partition(joint: fx.GraphModule, num_fwd_outputs: int) -> Union[str, t
 
 def _contributions(n: fx.Node, root: fx.Node) -> Optional[list[fx.Node]]:
     """The per-micro-batch terms of an untagged add tree at ``root``; None if ``n`` is not one."""
-    if (n.op == "call_function" and n.target is torch.ops.aten.add.Tensor and not n.kwargs
-            and microbatch_of(n) is None and (n is root or len(n.users) == 1)
-            and all(isinstance(a, fx.Node) for a in n.args)):
+    if (
+        n.op == "call_function"
+        and n.target is torch.ops.aten.add.Tensor
+        and not n.kwargs
+        and microbatch_of(n) is None
+        and (n is root or len(n.users) == 1)
+        and all(isinstance(a, fx.Node) for a in n.args)
+    ):
         terms: list[fx.Node] = []
         for a in n.args:
             sub = _contributions(a, root)
@@ -184,7 +193,9 @@ def _accumulate_in_microbatch_order(g: fx.Graph, out: fx.Node, num_fwd_outputs: 
 
 def _is_left_chain(root: fx.Node, n: int) -> bool:
     depth, cur = 0, root
-    while cur.op == "call_function" and cur.target is torch.ops.aten.add.Tensor and microbatch_of(cur) is None:
+    while (
+        cur.op == "call_function" and cur.target is torch.ops.aten.add.Tensor and microbatch_of(cur) is None
+    ):
         depth += 1
         cur = cur.args[0]
     return depth == n - 1

@@ -90,7 +90,10 @@ class InterleavePlan:
     def digest(self) -> str:
         """Hash of the chosen order as positions in the input order, with each node's op: equal on
         ranks that chose the same order for the same graph (node names may differ per rank)."""
-        items = [f"{k}:{n.op}:{getattr(n.target, '__name__', n.target)}" for k, n in zip(self.positions, self.order, strict=True)]
+        items = [
+            f"{k}:{n.op}:{getattr(n.target, '__name__', n.target)}"
+            for k, n in zip(self.positions, self.order, strict=True)
+        ]
         return hashlib.sha256("\n".join(items).encode()).hexdigest()[:16]
 
     @property
@@ -102,20 +105,38 @@ class InterleavePlan:
         return sum(c.solo_us for c in self.chunks)
 
     def summary(self) -> dict:
-        return {"group": self.group, "units": self.units, "digest": self.digest(),
-                "planned_us": round(self.planned_us, 3), "solo_us": round(self.solo_us, 3),
-                "pairs": sum(c.codes.count("pair") for c in self.chunks),
-                "deferred_wgrad_chunks": sum(c.bwd_order == 1 for c in self.chunks),
-                "chunks": [{"step": c.step, "chunk": c.chunk, "fwd": c.fwd, "bwd": c.bwd, "codes": "".join(
-                    k[0] for k in c.codes), "planned_us": round(c.planned_us, 3), "solo_us": round(c.solo_us, 3)}
-                    for c in self.chunks]}
+        return {
+            "group": self.group,
+            "units": self.units,
+            "digest": self.digest(),
+            "planned_us": round(self.planned_us, 3),
+            "solo_us": round(self.solo_us, 3),
+            "pairs": sum(c.codes.count("pair") for c in self.chunks),
+            "deferred_wgrad_chunks": sum(c.bwd_order == 1 for c in self.chunks),
+            "chunks": [
+                {
+                    "step": c.step,
+                    "chunk": c.chunk,
+                    "fwd": c.fwd,
+                    "bwd": c.bwd,
+                    "codes": "".join(k[0] for k in c.codes),
+                    "planned_us": round(c.planned_us, 3),
+                    "solo_us": round(c.solo_us, 3),
+                }
+                for c in self.chunks
+            ],
+        }
 
 
 def _movable(node: fx.Node) -> bool:
     """A backward mm whose value only reaches the output (through views and the accumulation
     of micro-batch gradients): a weight-gradient GEMM nothing else in the step waits for."""
-    return node.target is aten.mm.default and _reaches_only_output(node, lambda u: (
-        (u.target in _VIEW_LIKE or u.target in _ACCUMULATE) and u.meta.get(PHASE_META_KEY) == "backward"))
+    return node.target is aten.mm.default and _reaches_only_output(
+        node,
+        lambda u: (
+            (u.target in _VIEW_LIKE or u.target in _ACCUMULATE) and u.meta.get(PHASE_META_KEY) == "backward"
+        ),
+    )
 
 
 def _deferred(nodes: list[fx.Node], movable: set[fx.Node]) -> list[fx.Node]:
@@ -149,9 +170,16 @@ class _Side:
             if alt != nodes:
                 orders.append(alt)
         for k, order in enumerate(orders):
-            segs, covers = cut_segments(order, planner.sim, planner.coll_of, planner.delta, planner.topology,
-                                        prefix=f"{prefix}{k}.", split={n.name for n in movable},
-                                        comm_kind=planner.comm_kind)
+            segs, covers = cut_segments(
+                order,
+                planner.sim,
+                planner.coll_of,
+                planner.delta,
+                planner.topology,
+                prefix=f"{prefix}{k}.",
+                split={n.name for n in movable},
+                comm_kind=planner.comm_kind,
+            )
             # per original segment its nodes; a merged segment is named "a+b+..." after its members
             parts = {s.name: [planner.by_name[x] for x in c] for s, c in zip(segs, covers, strict=True)}
             planner.comm_segments.update(s.name for s in segs if s.kind != "compute")
@@ -159,8 +187,9 @@ class _Side:
             self.candidates.append((merged, parts))
 
 
-def _self_overlaps(segs: tuple[Segment, ...], members: dict[str, list[fx.Node]], planner: "_Planner"
-                   ) -> list[list[str]]:
+def _self_overlaps(
+    segs: tuple[Segment, ...], members: dict[str, list[fx.Node]], planner: "_Planner"
+) -> list[list[str]]:
     """Groups of adjacent segments a collective already overlaps on its own side: from the
     collective's segment to the one before the segment holding its wait."""
     where: dict[fx.Node, int] = {}
@@ -187,8 +216,9 @@ def _self_overlaps(segs: tuple[Segment, ...], members: dict[str, list[fx.Node]],
 
 
 class _Planner:
-    def __init__(self, gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, topology: Topology, oef: OEFTable
-                 ) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, topology: Topology, oef: OEFTable
+    ) -> None:
         self.gm, self.sim, self.ir, self.topology, self.oef = gm, sim, ir, topology, oef
         self.nodes = list(gm.graph.nodes)
         self.by_name = {n.name: n for n in self.nodes}
@@ -220,8 +250,9 @@ def _live_deltas(nodes: list[fx.Node], sim: Simulator) -> dict[fx.Node, int]:
     return delta
 
 
-def _chunks(p: ScheduleProblem, g: MicrobatchGraph, unit_of: dict[int, int], phase: list[Optional[str]]
-            ) -> dict[tuple[int, str], list[list[int]]]:
+def _chunks(
+    p: ScheduleProblem, g: MicrobatchGraph, unit_of: dict[int, int], phase: list[Optional[str]]
+) -> dict[tuple[int, str], list[list[int]]]:
     """(unit, phase) -> node indices per chunk (forward: layers in order; backward: reversed)."""
     pos_layer = {name: r for r, name in enumerate(g.layers)}
     n_layers = len(g.layers)
@@ -245,7 +276,9 @@ def _microbatch_graph(p: ScheduleProblem) -> Optional[MicrobatchGraph]:
     g = microbatch_graph(p)
     if g is not None:
         return g
-    mb = {i: k for i, n in enumerate(p.nodes) if n.op == "call_function" and (k := microbatch_of(n)) is not None}
+    mb = {
+        i: k for i, n in enumerate(p.nodes) if n.op == "call_function" and (k := microbatch_of(n)) is not None
+    }
     if len(set(mb.values())) < 2:
         return None
     return MicrobatchGraph(sorted(set(mb.values())), [""], mb, {i: "" for i in mb})
@@ -265,8 +298,16 @@ def sequential_order(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR) -> li
     return [free.nodes[i] for i in order]
 
 
-def plan_interleaving(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, topology: Topology, oef: OEFTable, *,
-                      group: int = 1, mem_budget: Optional[float] = None) -> InterleavePlan | str:
+def plan_interleaving(
+    gm: fx.GraphModule,
+    sim: Simulator,
+    ir: CollectiveIR,
+    topology: Topology,
+    oef: OEFTable,
+    *,
+    group: int = 1,
+    mem_budget: Optional[float] = None,
+) -> InterleavePlan | str:
     """The interleaved order of a fused train-step graph (module docstring), or why there is none."""
     free = build_problem(gm, sim, ir, chain=())
     g = _microbatch_graph(free)
@@ -283,7 +324,7 @@ def plan_interleaving(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, topo
         if phase[i] == "forward":
             first_fwd[k] = min(first_fwd.get(k, i), i)
     mb_order = sorted(g.mb_order, key=lambda k: (first_fwd.get(k, free.size), k))
-    units = [mb_order[k:k + group] for k in range(0, len(mb_order), group)]
+    units = [mb_order[k : k + group] for k in range(0, len(mb_order), group)]
     if len(units) < 2:
         return f"one unit of {group} micro-batch(es): no backward has a next forward to run beside"
     unit_of = {mb: u for u, mbs in enumerate(units) for mb in mbs}
@@ -305,8 +346,18 @@ def plan_interleaving(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, topo
                 key[i] = (step, c, 0, 1, i)
             if members:
                 t = sum(free.time[i] for i in members)
-                plans.append(ChunkPlan(step, c, label(u, c, ph) if ph == "forward" else None,
-                                       label(u, c, ph) if ph == "backward" else None, (), t, t, 0))
+                plans.append(
+                    ChunkPlan(
+                        step,
+                        c,
+                        label(u, c, ph) if ph == "forward" else None,
+                        label(u, c, ph) if ph == "backward" else None,
+                        (),
+                        t,
+                        t,
+                        0,
+                    )
+                )
 
     alone(0, 0, "forward")
     for step in range(1, len(units)):
@@ -317,8 +368,9 @@ def plan_interleaving(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, topo
             fside = _Side(planner, fnodes, f"s{step}c{c}f", backward=False)
             bside = _Side(planner, bnodes, f"s{step}c{c}b", backward=True)
             try:
-                found = search_plans([fside.candidates[0][0]], [s for s, _ in bside.candidates], oef,
-                                     mem_budget=mem_budget)
+                found = search_plans(
+                    [fside.candidates[0][0]], [s for s, _ in bside.candidates], oef, mem_budget=mem_budget
+                )
             except InfeasiblePlanError as e:
                 return f"step {step}, chunk {c}: {e}"
             plan: PairingPlan = found.plan
@@ -331,11 +383,21 @@ def plan_interleaving(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, topo
                         sub = 0 if part in planner.comm_segments else 1
                         for n in members[part]:
                             key[idx[n]] = (step, c, q, sub, idx[n])
-            solo = sum(s.duration for s in fside.candidates[0][0]) + \
-                sum(s.duration for s in bside.candidates[found.bwd_index][0])
-            plans.append(ChunkPlan(step, c, label(step, c, "forward") if fnodes else None,
-                                   label(step - 1, c, "backward") if bnodes else None,
-                                   plan.codes, plan.total_time, solo, found.bwd_index))
+            solo = sum(s.duration for s in fside.candidates[0][0]) + sum(
+                s.duration for s in bside.candidates[found.bwd_index][0]
+            )
+            plans.append(
+                ChunkPlan(
+                    step,
+                    c,
+                    label(step, c, "forward") if fnodes else None,
+                    label(step - 1, c, "backward") if bnodes else None,
+                    plan.codes,
+                    plan.total_time,
+                    solo,
+                    found.bwd_index,
+                )
+            )
     alone(len(units), len(units) - 1, "backward")
     # A wait of a collective issued in a paired step closes that step (the barrier).
     for start, waits in planner.waits.items():
@@ -349,8 +411,11 @@ def plan_interleaving(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, topo
     order = keyed_topological_order(free, full)
     if len(order) != free.size:  # pragma: no cover - keyed_topological_order over a DAG
         raise AssertionError("plan_interleaving: the order lost nodes")
-    step_of = {free.nodes[i]: f"{k[0]}.{k[1]}.{k[2]}" for i, k in enumerate(key)
-               if k is not None and 0 < k[0] < len(units)}
+    step_of = {
+        free.nodes[i]: f"{k[0]}.{k[1]}.{k[2]}"
+        for i, k in enumerate(key)
+        if k is not None and 0 < k[0] < len(units)
+    }
     return InterleavePlan(group, units, plans, [free.nodes[i] for i in order], step_of, list(order))
 
 
@@ -365,7 +430,9 @@ def _complete_keys(p: ScheduleProblem, key: list[Optional[tuple]], inf: int) -> 
         elif n.op == "output":
             out[i] = (inf, inf, inf, inf, i)
     pending = [i for i in range(p.size) if out[i] is None]
-    reads_inputs_only = {i for i in pending if all(p.nodes[q].op in ("placeholder", "get_attr") for q in p.preds[i])}
+    reads_inputs_only = {
+        i for i in pending if all(p.nodes[q].op in ("placeholder", "get_attr") for q in p.preds[i])
+    }
     # first-reader keys, from the back (readers may themselves be unplaced)
     for i in reversed(pending):
         if i in reads_inputs_only:

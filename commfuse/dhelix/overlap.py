@@ -49,13 +49,20 @@ class OEFTable:
         for pair, v in mapping.items():
             if not (isinstance(pair, tuple) and len(pair) == 2 and all(k in SEGMENT_KINDS for k in pair)):
                 raise ValueError(f"OEFTable: key {pair!r} must be a pair of kinds from {SEGMENT_KINDS}")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= v <= 1.0) or not math.isfinite(v):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not (0.0 <= v <= 1.0)
+                or not math.isfinite(v)
+            ):
                 raise ValueError(f"OEFTable: factor for {pair!r} must be a number in [0, 1], got {v!r}")
             k = _key(*pair)
             if k in got and got[k] != v:
                 raise ValueError(f"OEFTable: {pair!r} given twice with different factors ({got[k]} vs {v})")
             got[k] = float(v)
-        missing = [(a, b) for i, a in enumerate(SEGMENT_KINDS) for b in SEGMENT_KINDS[i:] if (a, b) not in got]
+        missing = [
+            (a, b) for i, a in enumerate(SEGMENT_KINDS) for b in SEGMENT_KINDS[i:] if (a, b) not in got
+        ]
         if missing:
             raise ValueError(f"OEFTable: missing factors for kind pairs {missing}")
         return cls(tuple(sorted(got.items())))
@@ -70,14 +77,16 @@ class OEFTable:
 
 def default_oef() -> OEFTable:
     """Illustrative factors after the paper's qualitative findings (not measured)."""
-    return OEFTable.from_mapping({
-        ("compute", "compute"): 0.1,
-        ("compute", "comm_local"): 0.9,
-        ("compute", "comm_cross"): 0.9,
-        ("comm_local", "comm_local"): 0.1,
-        ("comm_local", "comm_cross"): 0.8,
-        ("comm_cross", "comm_cross"): 0.1,
-    })
+    return OEFTable.from_mapping(
+        {
+            ("compute", "compute"): 0.1,
+            ("compute", "comm_local"): 0.9,
+            ("compute", "comm_cross"): 0.9,
+            ("comm_local", "comm_local"): 0.1,
+            ("comm_local", "comm_cross"): 0.8,
+            ("comm_cross", "comm_cross"): 0.1,
+        }
+    )
 
 
 def pair_time(kind_a: str, t_a: float, kind_b: str, t_b: float, oef: OEFTable) -> float:
@@ -85,17 +94,23 @@ def pair_time(kind_a: str, t_a: float, kind_b: str, t_b: float, oef: OEFTable) -
     return t_a + t_b - oef(kind_a, kind_b) * min(t_a, t_b)
 
 
-def overlap_table(fwd: Sequence[Segment], bwd: Sequence[Segment], oef: OEFTable) -> tuple[tuple[float, ...], ...]:
+def overlap_table(
+    fwd: Sequence[Segment], bwd: Sequence[Segment], oef: OEFTable
+) -> tuple[tuple[float, ...], ...]:
     """The P table of Eq. 2 for forward strand ``fwd`` (beta) and backward strand ``bwd`` (alpha)."""
     fwd = check_strand(fwd, "fwd")
     bwd = check_strand(bwd, "bwd")
     rows = [tuple([0.0] + [float(s.duration) for s in bwd])]
     for f in fwd:
-        rows.append(tuple([float(f.duration)] + [pair_time(f.kind, f.duration, b.kind, b.duration, oef) for b in bwd]))
+        rows.append(
+            tuple([float(f.duration)] + [pair_time(f.kind, f.duration, b.kind, b.duration, oef) for b in bwd])
+        )
     return tuple(rows)
 
 
-def merge_overlapping(segments: Sequence[Segment], groups: Iterable[Sequence[str]], oef) -> tuple[Segment, ...]:
+def merge_overlapping(
+    segments: Sequence[Segment], groups: Iterable[Sequence[str]], oef
+) -> tuple[Segment, ...]:
     """Merge each group (names of adjacent segments) into one segment (see :mod:`commfuse.dhelix.segments`).
 
     ``oef`` is an :class:`~commfuse.dhelix.overlap.OEFTable`."""
@@ -123,7 +138,7 @@ def merge_overlapping(segments: Sequence[Segment], groups: Iterable[Sequence[str
     k = 0
     while k < len(segs):
         n = start_of.get(k, 1)
-        members = segs[k:k + n]
+        members = segs[k : k + n]
         if n == 1:
             out.append(members[0])
         else:
@@ -135,7 +150,10 @@ def merge_overlapping(segments: Sequence[Segment], groups: Iterable[Sequence[str
                 dur = pair_time(kind_seg.kind, dur, m.kind, m.duration, oef)
                 if m.duration > kind_seg.duration:
                     kind_seg = m
-            out.append(Segment("+".join(m.name for m in members), kind_seg.kind, dur,
-                               sum(m.mem_delta for m in members)))
+            out.append(
+                Segment(
+                    "+".join(m.name for m in members), kind_seg.kind, dur, sum(m.mem_delta for m in members)
+                )
+            )
         k += n
     return tuple(out)

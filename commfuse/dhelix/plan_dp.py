@@ -89,8 +89,14 @@ def _check_number(name: str, v, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a number{' or None' if allow_none else ''}, got {v!r}")
 
 
-def best_plan(fwd: Sequence[Segment], bwd: Sequence[Segment], oef: OEFTable, *,
-              mem_budget: float | None = None, mem_start: float = 0.0) -> PairingPlan:
+def best_plan(
+    fwd: Sequence[Segment],
+    bwd: Sequence[Segment],
+    oef: OEFTable,
+    *,
+    mem_budget: float | None = None,
+    mem_start: float = 0.0,
+) -> PairingPlan:
     """Minimal-time pairing plan of ``fwd`` with ``bwd`` by Eq. 2 (module docstring)."""
     fwd = check_strand(fwd, "fwd")
     bwd = check_strand(bwd, "bwd")
@@ -107,7 +113,12 @@ def best_plan(fwd: Sequence[Segment], bwd: Sequence[Segment], oef: OEFTable, *,
     def moves(i: int, j: int):
         """(kind, predecessor, step time, step peak) of every step ending at (i, j), in preference order."""
         if i and j:
-            yield "pair", (i - 1, j - 1), P[i][j], step_peak("pair", mem(i - 1, j - 1), fwd[i - 1], bwd[j - 1])
+            yield (
+                "pair",
+                (i - 1, j - 1),
+                P[i][j],
+                step_peak("pair", mem(i - 1, j - 1), fwd[i - 1], bwd[j - 1]),
+            )
         if i:
             yield "fwd", (i - 1, j), P[i][0], step_peak("fwd", mem(i - 1, j), fwd[i - 1], None)
         if j:
@@ -125,14 +136,22 @@ def best_plan(fwd: Sequence[Segment], bwd: Sequence[Segment], oef: OEFTable, *,
         need = _least_budget(fwd, bwd, mem_start)
         raise InfeasiblePlanError(
             f"mem_budget={mem_budget!r}: no pairing plan keeps the peak within the budget "
-            f"(the least feasible budget is {need!r})")
+            f"(the least feasible budget is {need!r})"
+        )
     steps: list[PlanStep] = []
     i, j = nf, nb
     while (i, j) != (0, 0):
         for kind, (pi, pj), t, peak in moves(i, j):  # preference order = tie-break
             if peak <= budget and T[pi][pj] + t == T[i][j]:
-                steps.append(PlanStep(kind, fwd[i - 1].name if kind != "bwd" else None,
-                                      bwd[j - 1].name if kind != "fwd" else None, t, peak))
+                steps.append(
+                    PlanStep(
+                        kind,
+                        fwd[i - 1].name if kind != "bwd" else None,
+                        bwd[j - 1].name if kind != "fwd" else None,
+                        t,
+                        peak,
+                    )
+                )
                 i, j = pi, pj
                 break
         else:  # pragma: no cover - T[i][j] came from one of these moves
@@ -152,7 +171,9 @@ def _least_budget(fwd: tuple[Segment, ...], bwd: tuple[Segment, ...], mem_start:
         for j in range(nb + 1):
             m = lambda a, c: mem_start + pf[a] + pb[c]  # noqa: E731
             if i and j:
-                B[i][j] = min(B[i][j], max(B[i - 1][j - 1], step_peak("pair", m(i - 1, j - 1), fwd[i - 1], bwd[j - 1])))
+                B[i][j] = min(
+                    B[i][j], max(B[i - 1][j - 1], step_peak("pair", m(i - 1, j - 1), fwd[i - 1], bwd[j - 1]))
+                )
             if i:
                 B[i][j] = min(B[i][j], max(B[i - 1][j], step_peak("fwd", m(i - 1, j), fwd[i - 1], None)))
             if j:
@@ -167,8 +188,14 @@ class SearchResult:
     bwd_index: int
 
 
-def search_plans(fwd_candidates: Sequence[Sequence[Segment]], bwd_candidates: Sequence[Sequence[Segment]],
-                 oef: OEFTable, *, mem_budget: float | None = None, mem_start: float = 0.0) -> SearchResult:
+def search_plans(
+    fwd_candidates: Sequence[Sequence[Segment]],
+    bwd_candidates: Sequence[Sequence[Segment]],
+    oef: OEFTable,
+    *,
+    mem_budget: float | None = None,
+    mem_start: float = 0.0,
+) -> SearchResult:
     """Best plan over all candidate-order pairs (ties: lowest forward, then backward index)."""
     if not fwd_candidates or not bwd_candidates:
         raise ValueError("search_plans: fwd_candidates and bwd_candidates must be non-empty")

@@ -119,6 +119,7 @@ def _clamp(v: float) -> float:
 
 # ---------------------------------------------------------------- measurement (every rank)
 
+
 def _op(kind: str, size: int, world: int, group) -> Callable[[], list]:
     """A zero-argument launcher: runs compute now or issues a collective async; returns handles."""
     import torch
@@ -161,8 +162,9 @@ def _trial(launchers: Sequence[Callable[[], list]], group) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
-def _time_pair(a: Callable[[], list], b: Callable[[], list], a_first: bool, repeats: int,
-               group) -> tuple[float, float, float]:
+def _time_pair(
+    a: Callable[[], list], b: Callable[[], list], a_first: bool, repeats: int, group
+) -> tuple[float, float, float]:
     """Medians of A alone, B alone and A with B. The three are timed back to back in every
     repeat (after one warm-up round) so load that comes and goes on a shared machine hits all
     three alike instead of one solo time that is then reused for every pair."""
@@ -181,8 +183,13 @@ def _pairs(kinds: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
-def measure_oef(kinds: Sequence[str] = OP_KINDS, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
-                group=None, comm_scope: str = "local") -> OEFProfile:
+def measure_oef(
+    kinds: Sequence[str] = OP_KINDS,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 5,
+    group=None,
+    comm_scope: str = "local",
+) -> OEFProfile:
     """Measure the profile on every rank of ``group`` (default: world); identical result everywhere."""
     import torch
     import torch.distributed as dist
@@ -214,18 +221,33 @@ def measure_oef(kinds: Sequence[str] = OP_KINDS, sizes: Sequence[int] = DEFAULT_
     i = 0
     for size in sizes:
         for a, b in pairs:
-            t_a, t_b, t_ab = vals[i:i + 3]
+            t_a, t_b, t_ab = vals[i : i + 3]
             i += 3
             entries.append(OEFEntry(a, b, int(size), t_a, t_b, t_ab, overlap_effectiveness(t_a, t_b, t_ab)))
-    return OEFProfile(SCHEMA_VERSION, _machine(), _today(), world, dist.get_backend(group), comm_scope,
-                      repeats, tuple(int(s) for s in sizes), tuple(entries))
+    return OEFProfile(
+        SCHEMA_VERSION,
+        _machine(),
+        _today(),
+        world,
+        dist.get_backend(group),
+        comm_scope,
+        repeats,
+        tuple(int(s) for s in sizes),
+        tuple(entries),
+    )
 
 
 def _machine() -> dict:
     import torch
 
-    return {"hostname": platform.node(), "platform": platform.platform(), "processor": platform.machine(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _today() -> str:
@@ -233,6 +255,7 @@ def _today() -> str:
 
 
 # ---------------------------------------------------------------- file format
+
 
 def save_oef_profile(path: str, profile: OEFProfile) -> None:
     d = asdict(profile)
@@ -266,7 +289,9 @@ def read_oef_profile(path: str) -> OEFProfile:
         raise ConfigError(f"{where}: top level must be a JSON object")
     version = _field(d, "schema_version", int, where)
     if version != SCHEMA_VERSION:
-        raise ConfigError(f"{where}: field 'schema_version' is {version}, this commfuse reads {SCHEMA_VERSION}")
+        raise ConfigError(
+            f"{where}: field 'schema_version' is {version}, this commfuse reads {SCHEMA_VERSION}"
+        )
     machine = _field(d, "machine", dict, where)
     date = _field(d, "date", str, where)
     world = _field(d, "world_size", int, where)
@@ -296,8 +321,14 @@ def read_oef_profile(path: str) -> OEFProfile:
 
 # ---------------------------------------------------------------- lookup
 
-def oef_for(kind_a: str, kind_b: str, profile: Optional[OEFProfile] = None,
-            fallback: Optional[OEFTable] = None, size: Optional[int] = None) -> float:
+
+def oef_for(
+    kind_a: str,
+    kind_b: str,
+    profile: Optional[OEFProfile] = None,
+    fallback: Optional[OEFTable] = None,
+    size: Optional[int] = None,
+) -> float:
     """Factor in [0, 1] for two op kinds (or segment kinds): measured if present, else fallback."""
     scope = profile.comm_scope if profile is not None else "local"
     sa, sb = segment_kind(kind_a, scope), segment_kind(kind_b, scope)
@@ -305,11 +336,15 @@ def oef_for(kind_a: str, kind_b: str, profile: Optional[OEFProfile] = None,
         if kind_a in OP_KINDS and kind_b in OP_KINDS:
             v = profile.factor(kind_a, kind_b, size)
         else:  # a segment kind: the median over the op pairs that map to this segment pair
-            vs = [profile.factor(a, b, size) for a in OP_KINDS for b in OP_KINDS
-                  if OP_KINDS.index(a) <= OP_KINDS.index(b)
-                  and {segment_kind(a, scope), segment_kind(b, scope)} == {sa, sb}
-                  and (kind_a not in OP_KINDS or kind_a in (a, b))
-                  and (kind_b not in OP_KINDS or kind_b in (a, b))]
+            vs = [
+                profile.factor(a, b, size)
+                for a in OP_KINDS
+                for b in OP_KINDS
+                if OP_KINDS.index(a) <= OP_KINDS.index(b)
+                and {segment_kind(a, scope), segment_kind(b, scope)} == {sa, sb}
+                and (kind_a not in OP_KINDS or kind_a in (a, b))
+                and (kind_b not in OP_KINDS or kind_b in (a, b))
+            ]
             vs = [_clamp(x) for x in vs if x is not None]
             v = statistics.median(vs) if vs else None
         if v is not None:
@@ -319,8 +354,13 @@ def oef_for(kind_a: str, kind_b: str, profile: Optional[OEFProfile] = None,
 
 def oef_table(profile: OEFProfile, fallback: Optional[OEFTable] = None) -> OEFTable:
     """Segment-kind table for plan search (module docstring)."""
-    return OEFTable.from_mapping({(a, b): oef_for(a, b, profile, fallback)
-                                  for i, a in enumerate(SEGMENT_KINDS) for b in SEGMENT_KINDS[i:]})
+    return OEFTable.from_mapping(
+        {
+            (a, b): oef_for(a, b, profile, fallback)
+            for i, a in enumerate(SEGMENT_KINDS)
+            for b in SEGMENT_KINDS[i:]
+        }
+    )
 
 
 def load_oef_profile(path: str, fallback: Optional[OEFTable] = None) -> OEFTable:

@@ -65,7 +65,9 @@ def check_strand(segments: Sequence[Segment], what: str) -> tuple[Segment, ...]:
     return out
 
 
-def legal_orders(ops: Sequence[str], deps: Mapping[str, Iterable[str]], *, limit: int = 10_000) -> list[tuple[str, ...]]:
+def legal_orders(
+    ops: Sequence[str], deps: Mapping[str, Iterable[str]], *, limit: int = 10_000
+) -> list[tuple[str, ...]]:
     """All topological orders of ``ops`` under ``deps`` (op -> ops it needs first).
 
     Deterministic: orders come out lexicographically by position in ``ops``, whatever
@@ -105,5 +107,3 @@ def legal_orders(ops: Sequence[str], deps: Mapping[str, Iterable[str]], *, limit
     if not out:
         raise ValueError("legal_orders: the dependency graph has a cycle")
     return out
-
-

@@ -35,8 +35,10 @@ class FoundBug:
     def describe(self) -> str:
         p = self.shrunk or self.program
         where = f" -> {self.saved}" if self.saved else ""
-        return (f"program {self.index}: {self.failure.headline()}\n    shrunk to {p.summary()} "
-                f"({self.shrink_checks} checks){where}")
+        return (
+            f"program {self.index}: {self.failure.headline()}\n    shrunk to {p.summary()} "
+            f"({self.shrink_checks} checks){where}"
+        )
 
 
 @dataclass
@@ -68,14 +70,20 @@ class CampaignReport:
             f"fuzz: {self.programs} programs (seed {self.seed}) in {self.seconds:.1f} s = "
             f"{self.programs_per_second:.1f} programs/s; {self.per_rank} with one graph per rank, "
             f"{self.joint} joint; {self.graph_nodes} graph nodes",
-            "  families " + ", ".join(f"{k} {v}" for k, v in sorted(self.families.items())) +
-            "; world sizes " + ", ".join(f"{k}: {v}" for k, v in sorted(self.world_sizes.items())) +
-            "; dtypes " + ", ".join(f"{k} {v}" for k, v in sorted(self.dtypes.items())),
+            "  families "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.families.items()))
+            + "; world sizes "
+            + ", ".join(f"{k}: {v}" for k, v in sorted(self.world_sizes.items()))
+            + "; dtypes "
+            + ", ".join(f"{k} {v}" for k, v in sorted(self.dtypes.items())),
             "  pipelines checked " + ", ".join(f"{k} x{v}" for k, v in sorted(self.pipeline_checks.items())),
-            "  of which changed the graph " + ", ".join(f"{k} x{v}" for k, v in sorted(self.pipeline_changes.items())),
+            "  of which changed the graph "
+            + ", ".join(f"{k} x{v}" for k, v in sorted(self.pipeline_changes.items())),
         ]
         if self.failures:
-            lines.append("  FAILURES " + ", ".join(f"{p}/{k} x{c}" for (p, k), c in sorted(self.failures.items())))
+            lines.append(
+                "  FAILURES " + ", ".join(f"{p}/{k} x{c}" for (p, k), c in sorted(self.failures.items()))
+            )
             lines += ["  " + b.describe() for b in self.bugs]
         else:
             lines.append("  no failures")
@@ -83,16 +91,32 @@ class CampaignReport:
 
     def to_json(self) -> dict:
         return {
-            "seed": self.seed, "programs": self.programs, "seconds": round(self.seconds, 2),
-            "programs_per_second": round(self.programs_per_second, 2), "per_rank": self.per_rank,
-            "joint": self.joint, "graph_nodes": self.graph_nodes, "families": dict(self.families),
-            "world_sizes": {str(k): v for k, v in self.world_sizes.items()}, "dtypes": dict(self.dtypes),
+            "seed": self.seed,
+            "programs": self.programs,
+            "seconds": round(self.seconds, 2),
+            "programs_per_second": round(self.programs_per_second, 2),
+            "per_rank": self.per_rank,
+            "joint": self.joint,
+            "graph_nodes": self.graph_nodes,
+            "families": dict(self.families),
+            "world_sizes": {str(k): v for k, v in self.world_sizes.items()},
+            "dtypes": dict(self.dtypes),
             "pipeline_checks": dict(self.pipeline_checks),
             "pipeline_changes": dict(self.pipeline_changes),
-            "failures": [{"pipeline": p, "kind": k, "count": c} for (p, k), c in sorted(self.failures.items())],
-            "bugs": [{"index": b.index, "pipeline": b.failure.pipeline, "kind": b.failure.kind,
-                      "headline": b.failure.headline(), "saved": str(b.saved) if b.saved else None,
-                      "shrunk_ops": len((b.shrunk or b.program).ops)} for b in self.bugs],
+            "failures": [
+                {"pipeline": p, "kind": k, "count": c} for (p, k), c in sorted(self.failures.items())
+            ],
+            "bugs": [
+                {
+                    "index": b.index,
+                    "pipeline": b.failure.pipeline,
+                    "kind": b.failure.kind,
+                    "headline": b.failure.headline(),
+                    "saved": str(b.saved) if b.saved else None,
+                    "shrunk_ops": len((b.shrunk or b.program).ops),
+                }
+                for b in self.bugs
+            ],
         }
 
     def merge(self, other: "CampaignReport") -> None:
@@ -138,10 +162,19 @@ def still_fails_fn(failure: Failure, pipe: Optional[PipelineSpec]) -> Callable[[
     return pred
 
 
-def shrink_failure(program: Program, failure: Failure, pipelines: Sequence[PipelineSpec], *, max_checks: int = 300,
-                   time_limit: Optional[float] = 120.0, log=None) -> tuple[Program, int]:
+def shrink_failure(
+    program: Program,
+    failure: Failure,
+    pipelines: Sequence[PipelineSpec],
+    *,
+    max_checks: int = 300,
+    time_limit: Optional[float] = 120.0,
+    log=None,
+) -> tuple[Program, int]:
     pipe = _pipeline_for(failure, pipelines)
-    return shrink(program, still_fails_fn(failure, pipe), max_checks=max_checks, time_limit=time_limit, log=log)
+    return shrink(
+        program, still_fails_fn(failure, pipe), max_checks=max_checks, time_limit=time_limit, log=log
+    )
 
 
 def run_campaign(
@@ -208,8 +241,12 @@ def run_campaign(
                 if shrink_failures and report.failures[sig] <= shrinks_per_signature:
                     bug.shrunk, bug.shrink_checks = shrink_failure(program, f, pipes, log=progress)
                     if save_dir is not None:
-                        found = {"seed": seed, "index": i, "ops_before_shrink": len(program.ops),
-                                 **({"family": family} if family else {})}
+                        found = {
+                            "seed": seed,
+                            "index": i,
+                            "ops_before_shrink": len(program.ops),
+                            **({"family": family} if family else {}),
+                        }
                         reg = make_regression(bug.shrunk, f, _pipeline_for(f, pipes), found=found)
                         bug.saved = save_regression(save_dir, reg)
                 if report.failures[sig] <= shrinks_per_signature or not shrink_failures:
@@ -219,31 +256,64 @@ def run_campaign(
                 if stop_after_failures is not None and failing >= stop_after_failures:
                     break
             if progress and report.programs % 500 == 0:
-                progress(f"{report.programs} programs, {time.perf_counter() - t0:.0f} s, "
-                         f"{sum(report.failures.values())} failures")
+                progress(
+                    f"{report.programs} programs, {time.perf_counter() - t0:.0f} s, "
+                    f"{sum(report.failures.values())} failures"
+                )
     report.seconds = time.perf_counter() - t0
     return report
 
 
 # -- parallel campaigns (separate processes: built-in passes and the forced variants) -----------------
 def _worker(args: tuple) -> dict:
-    seed, indices, pipe_names, include_default, shrink_failures, save_dir, time_limit, features, check_ir, family, \
-        frozen = args
+    (
+        seed,
+        indices,
+        pipe_names,
+        include_default,
+        shrink_failures,
+        save_dir,
+        time_limit,
+        features,
+        check_ir,
+        family,
+        frozen,
+    ) = args
     import warnings
 
     warnings.filterwarnings("ignore")
     pipes = all_pipelines(pipe_names, include_default=include_default)
-    rep = run_campaign(seed=seed, indices=indices, pipelines=pipes, shrink_failures=shrink_failures,
-                       save_dir=save_dir, time_limit=time_limit, features=features, check_ir=check_ir,
-                       family=family, corpus=frozen)
+    rep = run_campaign(
+        seed=seed,
+        indices=indices,
+        pipelines=pipes,
+        shrink_failures=shrink_failures,
+        save_dir=save_dir,
+        time_limit=time_limit,
+        features=features,
+        check_ir=check_ir,
+        family=family,
+        corpus=frozen,
+    )
     return {"report": rep}
 
 
-def run_parallel(programs: int, seed: int, jobs: int, *, passes: Optional[Sequence[str]] = None,
-                 include_default: bool = True, shrink_failures: bool = True, save_dir: Optional[str] = None,
-                 time_limit: Optional[float] = None, start: int = 0, features: Sequence[str] = (),
-                 check_ir: bool = False, family: Optional[str] = None,
-                 corpus: Optional[Corpus] = None) -> CampaignReport:
+def run_parallel(
+    programs: int,
+    seed: int,
+    jobs: int,
+    *,
+    passes: Optional[Sequence[str]] = None,
+    include_default: bool = True,
+    shrink_failures: bool = True,
+    save_dir: Optional[str] = None,
+    time_limit: Optional[float] = None,
+    start: int = 0,
+    features: Sequence[str] = (),
+    check_ir: bool = False,
+    family: Optional[str] = None,
+    corpus: Optional[Corpus] = None,
+) -> CampaignReport:
     """The same campaign split over ``jobs`` processes (interleaved indices; with ``corpus``, its
     programs dealt out in turn, and ``programs``, ``seed`` and ``start`` are ignored)."""
     import multiprocessing as mp
@@ -251,14 +321,30 @@ def run_parallel(programs: int, seed: int, jobs: int, *, passes: Optional[Sequen
     t0 = time.perf_counter()
     if corpus is not None:
         seed = corpus.seed
-        parts_of = [Corpus(corpus.seed, corpus.programs[j::jobs], start=corpus.start, features=corpus.features)
-                    for j in range(jobs)]
+        parts_of = [
+            Corpus(corpus.seed, corpus.programs[j::jobs], start=corpus.start, features=corpus.features)
+            for j in range(jobs)
+        ]
         chunks: list = [None] * jobs
     else:
         parts_of = [None] * jobs
         chunks = [list(range(start + j, start + programs, jobs)) for j in range(jobs)]
-    args = [(seed, c, list(passes) if passes is not None else None, include_default, shrink_failures, save_dir,
-             time_limit, tuple(features), check_ir, family, part) for c, part in zip(chunks, parts_of, strict=True)]
+    args = [
+        (
+            seed,
+            c,
+            list(passes) if passes is not None else None,
+            include_default,
+            shrink_failures,
+            save_dir,
+            time_limit,
+            tuple(features),
+            check_ir,
+            family,
+            part,
+        )
+        for c, part in zip(chunks, parts_of, strict=True)
+    ]
     with mp.get_context("spawn").Pool(jobs) as pool:
         parts = pool.map(_worker, args)
     report = CampaignReport(seed=seed)

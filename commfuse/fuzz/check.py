@@ -55,15 +55,24 @@ FAILURE_KINDS = {
     "contract": "a pass registered keeps_collective_order changed the collective sequence (verifier hashes)",
     "generator": "the fuzzer generated a program it cannot trace or run (a fuzzer bug)",
     "ir": "(with check_ir) the CollectiveIR disagrees with the program about a forward collective "
-          "(kind, group, reduce op, logical gather/scatter/split/concat dim)",
+    "(kind, group, reduce op, logical gather/scatter/split/concat dim)",
 }
 
 _IR_KIND = {
-    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_reduce_inplace": "all_reduce",
-    "all_reduce_coalesced_inplace": "all_reduce", "all_gather": "all_gather", "all_gather_coalesced": "all_gather",
-    "reduce_scatter": "reduce_scatter", "reduce_scatter_coalesced": "reduce_scatter", "all_to_all": "all_to_all",
-    "all_to_all_uneven": "all_to_all", "broadcast": "broadcast", "broadcast_inplace": "broadcast",
-    "m2ms": "many_to_many_scatter", "stage_transfer": "p2p",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_reduce_inplace": "all_reduce",
+    "all_reduce_coalesced_inplace": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_coalesced": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_coalesced": "reduce_scatter",
+    "all_to_all": "all_to_all",
+    "all_to_all_uneven": "all_to_all",
+    "broadcast": "broadcast",
+    "broadcast_inplace": "broadcast",
+    "m2ms": "many_to_many_scatter",
+    "stage_transfer": "p2p",
 }
 
 
@@ -89,20 +98,35 @@ def ir_problems(program: Program, gm: fx.GraphModule) -> list[str]:
         if c.kind.value != kind:
             problems.append(f"{where}: kind {c.kind.value}, expected {kind}")
             continue
-        if c.group.size != n or (c.group.ranks is not None and list(c.group.ranks) not in [list(b) for b in part]):
-            problems.append(f"{where}: group size {c.group.size} ranks {c.group.ranks}, expected one of {part}")
+        if c.group.size != n or (
+            c.group.ranks is not None and list(c.group.ranks) not in [list(b) for b in part]
+        ):
+            problems.append(
+                f"{where}: group size {c.group.size} ranks {c.group.ranks}, expected one of {part}"
+            )
         if "reduce" in op and c.reduce_op != op["reduce"]:
             problems.append(f"{where}: reduce op {c.reduce_op}, expected {op['reduce']}")
         if n > 1 and op["op"] in ("all_gather", "reduce_scatter") and c.logical_dim != op["dim"]:
-            problems.append(f"{where}: logical dim {c.logical_dim}, expected {op['dim']} "
-                            f"(input {c.input_shapes}, output {c.output_shapes})")
-        if op["op"] == "m2ms" and c.input_shapes and c.input_shapes[0] is not None \
-                and c.logical_dim != op["dim"] % len(c.input_shapes[0]):
+            problems.append(
+                f"{where}: logical dim {c.logical_dim}, expected {op['dim']} "
+                f"(input {c.input_shapes}, output {c.output_shapes})"
+            )
+        if (
+            op["op"] == "m2ms"
+            and c.input_shapes
+            and c.input_shapes[0] is not None
+            and c.logical_dim != op["dim"] % len(c.input_shapes[0])
+        ):
             problems.append(f"{where}: logical dim {c.logical_dim}, expected {op['dim']} (m2ms)")
-        if n > 1 and op["op"] == "all_to_all" and (c.logical_dim, c.logical_concat_dim) != \
-                (op["split_dim"], op["concat_dim"]):
-            problems.append(f"{where}: logical dims {c.logical_dim}->{c.logical_concat_dim}, expected "
-                            f"{op['split_dim']}->{op['concat_dim']}")
+        if (
+            n > 1
+            and op["op"] == "all_to_all"
+            and (c.logical_dim, c.logical_concat_dim) != (op["split_dim"], op["concat_dim"])
+        ):
+            problems.append(
+                f"{where}: logical dims {c.logical_dim}->{c.logical_concat_dim}, expected "
+                f"{op['split_dim']}->{op['concat_dim']}"
+            )
     return problems
 
 
@@ -118,35 +142,57 @@ class PipelineSpec:
     scaled: bool = False  # compare outputs normalised by their magnitude (FuzzTarget.scaled_tolerance)
 
     def config(self, group_roles: Optional[dict[str, str]] = None) -> Config:
-        return Config(passes=list(self.passes) if self.passes is not None else None, strict=True,
-                      topology=self.topology, group_roles=group_roles or {})
+        return Config(
+            passes=list(self.passes) if self.passes is not None else None,
+            strict=True,
+            topology=self.topology,
+            group_roles=group_roles or {},
+        )
 
     def to_json(self) -> dict:
-        return {"name": self.name, "passes": list(self.passes) if self.passes is not None else None,
-                "exact": self.exact}
+        return {
+            "name": self.name,
+            "passes": list(self.passes) if self.passes is not None else None,
+            "exact": self.exact,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "PipelineSpec":
         passes = d.get("passes")
         if d["name"] == "default":
             return default_pipeline()
-        return single_pass_pipeline(passes[0]) if passes and len(passes) == 1 else \
-            cls(d["name"], tuple(passes) if passes is not None else None, d.get("exact", False))
+        return (
+            single_pass_pipeline(passes[0])
+            if passes and len(passes) == 1
+            else cls(d["name"], tuple(passes) if passes is not None else None, d.get("exact", False))
+        )
 
 
 def single_pass_pipeline(name: str) -> PipelineSpec:
     t = fuzz_target(name)
-    return PipelineSpec(name, (name,), exact=t.exact, topology=t.topology, keeps_order=t.keeps_collective_order,
-                        scaled=t.scaled_tolerance)
+    return PipelineSpec(
+        name,
+        (name,),
+        exact=t.exact,
+        topology=t.topology,
+        keeps_order=t.keeps_collective_order,
+        scaled=t.scaled_tolerance,
+    )
 
 
 def default_pipeline() -> PipelineSpec:
     targets = [fuzz_target(p) for p in DEFAULT_PIPELINE]
-    return PipelineSpec("default", None, exact=all(t.exact for t in targets),
-                        keeps_order=all(t.keeps_collective_order for t in targets))
+    return PipelineSpec(
+        "default",
+        None,
+        exact=all(t.exact for t in targets),
+        keeps_order=all(t.keeps_collective_order for t in targets),
+    )
 
 
-def all_pipelines(passes: Optional[Sequence[str]] = None, *, include_default: bool = True) -> list[PipelineSpec]:
+def all_pipelines(
+    passes: Optional[Sequence[str]] = None, *, include_default: bool = True
+) -> list[PipelineSpec]:
     names = sorted(available_passes()) if passes is None else list(passes)
     out = [single_pass_pipeline(p) for p in names]
     if include_default:
@@ -204,8 +250,9 @@ def _copy_gm(gm: fx.GraphModule) -> fx.GraphModule:
     return new
 
 
-def _optimize(gm: fx.GraphModule, pipe: PipelineSpec, before=None,
-              group_roles: Optional[dict[str, str]] = None) -> Optional[Failure]:
+def _optimize(
+    gm: fx.GraphModule, pipe: PipelineSpec, before=None, group_roles: Optional[dict[str, str]] = None
+) -> Optional[Failure]:
     """Run the pipeline on ``gm``; ``before``: the input's verifier report (for order contracts);
     ``group_roles``: what the program's user declares (the TP contract)."""
 
@@ -216,16 +263,27 @@ def _optimize(gm: fx.GraphModule, pipe: PipelineSpec, before=None,
     except VerificationError as e:
         return Failure(pipe.name, "verifier", str(e))
     except PassError as e:
-        return Failure(pipe.name, "pass_error", f"{e}\n{''.join(traceback.format_exception(e.cause))[-3000:]}")
+        return Failure(
+            pipe.name, "pass_error", f"{e}\n{''.join(traceback.format_exception(e.cause))[-3000:]}"
+        )
     except Exception as e:  # noqa: BLE001 - anything a pipeline raises is a failure of that pipeline
         return Failure(pipe.name, "pass_error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
     v = verify_graph(gm)
     if not v.ok:
-        return Failure(pipe.name, "verifier", "verifier rejects the optimised graph:\n  " + "\n  ".join(v.problems))
-    if pipe.keeps_order and before is not None and (v.sequence_hashes, v.order_hash) != \
-            (before.sequence_hashes, before.order_hash):
-        return Failure(pipe.name, "contract", f"collective sequence changed: per-group hashes "
-                       f"{before.sequence_hashes} -> {v.sequence_hashes}, order {before.order_hash} -> {v.order_hash}")
+        return Failure(
+            pipe.name, "verifier", "verifier rejects the optimised graph:\n  " + "\n  ".join(v.problems)
+        )
+    if (
+        pipe.keeps_order
+        and before is not None
+        and (v.sequence_hashes, v.order_hash) != (before.sequence_hashes, before.order_hash)
+    ):
+        return Failure(
+            pipe.name,
+            "contract",
+            f"collective sequence changed: per-group hashes "
+            f"{before.sequence_hashes} -> {v.sequence_hashes}, order {before.order_hash} -> {v.order_hash}",
+        )
     return None
 
 
@@ -246,8 +304,9 @@ def _groups_mapping(program: Program, names: dict[str, list[int]]) -> dict[str, 
         return dict(names)  # one graph per rank: every name is one block
     out: dict[str, Any] = {}
     for name, ranks in names.items():  # one SPMD graph: a name stands for its whole partition
-        out[name] = next((part for part in program.groups.values() if list(ranks) in [list(b) for b in part]),
-                         list(ranks))
+        out[name] = next(
+            (part for part in program.groups.values() if list(ranks) in [list(b) for b in part]), list(ranks)
+        )
     return out
 
 
@@ -291,15 +350,22 @@ def prepare(program: Program, pipelines: Sequence[PipelineSpec] = (), *, check_i
             if check_ir and r == 0:
                 probs = ir_problems(program, gm)
                 if probs:
-                    failures.append(Failure("ir", "ir", "the IR disagrees with the program:\n  " + "\n  ".join(probs)))
+                    failures.append(
+                        Failure("ir", "ir", "the IR disagrees with the program:\n  " + "\n  ".join(probs))
+                    )
         graphs.append(gm)
         names_all.update(names)
         pre = verify_graph(gm)
         pre_reports.append(pre)
         if not pre.ok and not rejected:
             rejected = True
-            failures.append(Failure("input", "input_rejected",
-                                    "verifier rejects the traced graph:\n  " + "\n  ".join(pre.problems)))
+            failures.append(
+                Failure(
+                    "input",
+                    "input_rejected",
+                    "verifier rejects the traced graph:\n  " + "\n  ".join(pre.problems),
+                )
+            )
     traced = Traced(program, graphs, _groups_mapping(program, names_all), inputs)
     reference = ReferenceInterpreter(graphs[0] if len(graphs) == 1 else graphs, n, traced.groups)
     nodes = sum(len(g.graph.nodes) for g in graphs)
@@ -328,8 +394,14 @@ def prepare(program: Program, pipelines: Sequence[PipelineSpec] = (), *, check_i
                 reports = opt.meta.get(REPORTS_META, [])
                 if any(rec.changed for rep in reports for rec in rep.passes):
                     changed.add(p.name)
-    return Prepared(traced, reference, {k: v for k, v in optimised.items() if k not in failed}, failures, nodes,
-                    changed - failed)
+    return Prepared(
+        traced,
+        reference,
+        {k: v for k, v in optimised.items() if k not in failed},
+        failures,
+        nodes,
+        changed - failed,
+    )
 
 
 def run_on_reference(traced: Traced, graphs: list) -> list[Any]:
@@ -368,14 +440,21 @@ def _same_leaves(a: Any, b: Any) -> bool:
     fa, fb = _flat(a), _flat(b)
     return len(fa) == len(fb) and all(
         isinstance(x, torch.Tensor) == isinstance(y, torch.Tensor)
-        and (not isinstance(x, torch.Tensor) or x.shape == y.shape) for x, y in zip(fa, fb, strict=True))
+        and (not isinstance(x, torch.Tensor) or x.shape == y.shape)
+        for x, y in zip(fa, fb, strict=True)
+    )
 
 
 def _normalised(a: Any, e: Any) -> tuple[list, list]:
     """Both outputs' leaves, floating tensors divided by max(1, max|expected leaf|)."""
     fa, fe = _flat(a), _flat(e)
     for i, (x, y) in enumerate(zip(fa, fe, strict=False)):  # leaf counts may differ: reported by the caller
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and y.is_floating_point() and y.numel():
+        if (
+            isinstance(x, torch.Tensor)
+            and isinstance(y, torch.Tensor)
+            and y.is_floating_point()
+            and y.numel()
+        ):
             s = max(1.0, float(y.detach().abs().float().max()))
             fa[i], fe[i] = x / s, y / s
     return fa, fe
@@ -409,8 +488,12 @@ class _Float64Inside(torch.overrides.TorchFunctionMode):
     _NARROWING = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self._NARROWING and args and isinstance(args[0], torch.Tensor) \
-                and args[0].dtype == torch.float64:
+        if (
+            func in self._NARROWING
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].dtype == torch.float64
+        ):
             return args[0]
 
         def conv(a):
@@ -441,13 +524,58 @@ def _float64_inside() -> Iterator[None]:
 # -- Monte Carlo arithmetic: how far rounding alone moves the unoptimised program ------------
 # Ops whose result is one of their inputs' values, exactly (no rounding): layout, copies,
 # selection, sign. Views (OpOverload.is_view) are exact too. Dtype casts are handled apart.
-_EXACT_OPS = frozenset({
-    "clone", "contiguous", "copy", "copy_", "cat", "stack", "index", "index_select", "gather", "scatter",
-    "select_scatter", "slice_scatter", "where", "masked_fill", "neg", "abs", "relu", "sign", "maximum", "minimum",
-    "max", "min", "amax", "amin", "argmax", "argmin", "topk", "sort", "one_hot", "repeat", "flip", "roll",
-    "constant_pad_nd", "zeros", "zeros_like", "ones", "ones_like", "empty", "empty_like", "empty_strided",
-    "new_zeros", "new_ones", "new_empty", "new_empty_strided", "full", "full_like", "scalar_tensor", "lift_fresh_copy",
-})
+_EXACT_OPS = frozenset(
+    {
+        "clone",
+        "contiguous",
+        "copy",
+        "copy_",
+        "cat",
+        "stack",
+        "index",
+        "index_select",
+        "gather",
+        "scatter",
+        "select_scatter",
+        "slice_scatter",
+        "where",
+        "masked_fill",
+        "neg",
+        "abs",
+        "relu",
+        "sign",
+        "maximum",
+        "minimum",
+        "max",
+        "min",
+        "amax",
+        "amin",
+        "argmax",
+        "argmin",
+        "topk",
+        "sort",
+        "one_hot",
+        "repeat",
+        "flip",
+        "roll",
+        "constant_pad_nd",
+        "zeros",
+        "zeros_like",
+        "ones",
+        "ones_like",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_empty_strided",
+        "full",
+        "full_like",
+        "scalar_tensor",
+        "lift_fresh_copy",
+    }
+)
 _CASTS = frozenset({"_to_copy", "to", "convert_element_type", "type_as"})
 _SUMMING = ("sum", "avg")  # reduce ops whose every step rounds (max/min are exact; products are not emulated)
 _MCA_SAMPLES = 16
@@ -507,8 +635,11 @@ def _rounding_points(n: fx.Node) -> tuple:
         return ()
     if not isinstance(t, torch._ops.OpOverload):
         return ()
-    if t.namespace in ("_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor") or t.is_view \
-            or t._schema.is_mutable:  # in-place results alias a buffer other readers see unperturbed
+    if (
+        t.namespace in ("_c10d_functional", "_c10d_functional_autograd", "c10d", "_dtensor")
+        or t.is_view
+        or t._schema.is_mutable
+    ):  # in-place results alias a buffer other readers see unperturbed
         return ()
     name = t.overloadpacket.__name__
     val = n.meta.get("val")
@@ -564,14 +695,17 @@ def _with_random_rounding(gm: fx.GraphModule, sample: int, groups: GroupTable) -
             u = _unit_roundoff(inp.meta.get("val"))
             if u:
                 with g.inserting_before(n):
-                    p = g.call_function(_mca_summand, (inp, rank, where, u, (sample * 7919 + ordinal) * 131 + j))
+                    p = g.call_function(
+                        _mca_summand, (inp, rank, where, u, (sample * 7919 + ordinal) * 131 + j)
+                    )
                 n.replace_input_with(inp, p)
     new.recompile()
     return new
 
 
-def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list, expected: list,
-                   actual: list) -> bool:
+def _rounding_only(
+    reference: ReferenceInterpreter, traced: Traced, graphs: list, expected: list, actual: list
+) -> bool:
     """For floating-point programs of targets not registered exact: whether a difference is
     rounding alone (a program whose loss amplifies rounding, e.g. ``sin`` of an all-reduced sum
     in the hundreds, differs by more than fixed tolerances under any other summation order). Both
@@ -595,8 +729,10 @@ def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list
         return False
     if not all(_same_leaves(a, e) for a, e in zip(actual, expected, strict=True)):
         return False  # other outputs (a leaf missing, another shape) are never rounding
-    ins64 = [[t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in r]
-             for r in traced.inputs]
+    ins64 = [
+        [t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in r]
+        for r in traced.inputs
+    ]
     n = traced.program.world_size
 
     def run(gms: list, ins: list = ins64) -> list:
@@ -611,15 +747,21 @@ def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list
     atol = tolerances(dtype)[1]
 
     def errors(outs: list, r: int) -> list[float]:  # per floating leaf: max |out - truth| / magnitude
-        return [float((o.double() - t.double()).abs().max()) / max(1.0, float(t.abs().max()))
-                for t, o in zip(_flat(truth[r]), _flat(outs[r]), strict=True)
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+        return [
+            float((o.double() - t.double()).abs().max()) / max(1.0, float(t.abs().max()))
+            for t, o in zip(_flat(truth[r]), _flat(outs[r]), strict=True)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+        ]
 
     suspect = []  # ranks the unoptimised run's own noise does not explain
     for r in range(len(truth)):
         for t, o64 in zip(_flat(truth[r]), _flat(opt64[r]), strict=True):
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and \
-                    float((o64.double() - t.double()).abs().max()) > 1e-9 * max(1.0, float(t.abs().max())):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.is_floating_point()
+                and t.numel()
+                and float((o64.double() - t.double()).abs().max()) > 1e-9 * max(1.0, float(t.abs().max()))
+            ):
                 return False
         canonical = max(errors(expected, r), default=0.0)
         if max(errors(actual, r), default=0.0) > 8 * canonical + atol:
@@ -642,8 +784,9 @@ def _rounding_only(reference: ReferenceInterpreter, traced: Traced, graphs: list
     return False
 
 
-def compare_outputs(actual: list, expected: list, *, exact: bool, program: Program, scaled: bool = False
-                    ) -> Optional[str]:
+def compare_outputs(
+    actual: list, expected: list, *, exact: bool, program: Program, scaled: bool = False
+) -> Optional[str]:
     """None if every rank's outputs agree, else a description of every difference
     (``scaled``: leaves normalised by their magnitude first)."""
 
@@ -657,21 +800,36 @@ def compare_outputs(actual: list, expected: list, *, exact: bool, program: Progr
             if exact:
                 assert_bitwise_equal_tree(a, e, msg=f"on rank {r}")
             else:
-                summands = program.max_group_size() if program.torch_dtype in (torch.bfloat16, torch.float16) else None
-                assert_close_tree(a, e, dtype=program.torch_dtype, msg=f"on rank {r}",
-                                  rtol=None, atol=None, summands=summands)
+                summands = (
+                    program.max_group_size()
+                    if program.torch_dtype in (torch.bfloat16, torch.float16)
+                    else None
+                )
+                assert_close_tree(
+                    a,
+                    e,
+                    dtype=program.torch_dtype,
+                    msg=f"on rank {r}",
+                    rtol=None,
+                    atol=None,
+                    summands=summands,
+                )
         except AssertionError as err:
             problems.append(str(err))
     if not problems:
         return None
-    policy = "bitwise (pass registered exact)" if exact else \
-        f"tolerances({program.dtype}) = {tolerances(program.torch_dtype)}" + (" on magnitude-normalised outputs"
-                                                                             if scaled else "")
+    policy = (
+        "bitwise (pass registered exact)"
+        if exact
+        else f"tolerances({program.dtype}) = {tolerances(program.torch_dtype)}"
+        + (" on magnitude-normalised outputs" if scaled else "")
+    )
     return f"outputs differ from the unoptimised graph ({policy}):\n" + "\n".join(problems)
 
 
-def check_program(program: Program, pipelines: Optional[Sequence[PipelineSpec]] = None, *,
-                  check_ir: bool = False) -> CheckResult:
+def check_program(
+    program: Program, pipelines: Optional[Sequence[PipelineSpec]] = None, *, check_ir: bool = False
+) -> CheckResult:
     """Check ``program`` under ``pipelines`` (default: every pass alone + the default pipeline);
     ``check_ir``: also compare the CollectiveIR of the traced graph with the program."""
     t0 = time.perf_counter()
@@ -680,7 +838,9 @@ def check_program(program: Program, pipelines: Optional[Sequence[PipelineSpec]] 
     try:
         prep = prepare(program, pipes, check_ir=check_ir)
     except Exception as e:  # noqa: BLE001
-        res.failures.append(Failure("trace", "generator", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
+        res.failures.append(
+            Failure("trace", "generator", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
+        )
         res.seconds = time.perf_counter() - t0
         return res
     traced, optimised = prep.traced, prep.optimised
@@ -690,8 +850,14 @@ def check_program(program: Program, pipelines: Optional[Sequence[PipelineSpec]] 
     try:
         expected = prep.reference.run(traced.inputs)
     except Exception as e:  # noqa: BLE001
-        res.failures.append(Failure("reference", "generator", f"the unoptimised program fails on the reference: "
-                                    f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"))
+        res.failures.append(
+            Failure(
+                "reference",
+                "generator",
+                f"the unoptimised program fails on the reference: "
+                f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}",
+            )
+        )
         res.seconds = time.perf_counter() - t0
         return res
     exact = {p.name: p.exact for p in pipes}
@@ -703,11 +869,16 @@ def check_program(program: Program, pipelines: Optional[Sequence[PipelineSpec]] 
             res.failures.append(Failure(name, "reference_error", f"{type(e).__name__}: {e}"))
             continue
         except Exception as e:  # noqa: BLE001 - e.g. an op called with wrong arguments after a bad rewrite
-            res.failures.append(Failure(name, "reference_error", f"{type(e).__name__}: {e}\n"
-                                        f"{traceback.format_exc()[-2000:]}"))
+            res.failures.append(
+                Failure(name, "reference_error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}")
+            )
             continue
         diff = compare_outputs(actual, expected, exact=exact[name], program=program, scaled=scaled[name])
-        if diff is not None and not exact[name] and _rounding_only(prep.reference, traced, graphs, expected, actual):
+        if (
+            diff is not None
+            and not exact[name]
+            and _rounding_only(prep.reference, traced, graphs, expected, actual)
+        ):
             diff = None
         if diff is not None:
             res.failures.append(Failure(name, "mismatch", diff))

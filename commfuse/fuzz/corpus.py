@@ -46,20 +46,40 @@ class Corpus:
     path: Optional[Path] = field(default=None, compare=False)
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "seed": self.seed, "start": self.start, "features": list(self.features),
-                "command": self.command,
-                "programs": [{"index": i, "program": p.to_json()} for i, p in self.programs]}
+        return {
+            "format": FORMAT,
+            "seed": self.seed,
+            "start": self.start,
+            "features": list(self.features),
+            "command": self.command,
+            "programs": [{"index": i, "program": p.to_json()} for i, p in self.programs],
+        }
 
 
-def make_corpus(seed: int, programs: int, *, start: int = 0, features: Sequence[str] = (),
-                pipelines: Optional[Sequence[PipelineSpec]] = None) -> Corpus:
+def make_corpus(
+    seed: int,
+    programs: int,
+    *,
+    start: int = 0,
+    features: Sequence[str] = (),
+    pipelines: Optional[Sequence[PipelineSpec]] = None,
+) -> Corpus:
     """Programs ``start .. start+programs-1`` of ``seed`` as a campaign with ``pipelines``
     (default: every registered pass and the default pipeline) would generate them."""
 
     pipes = list(pipelines) if pipelines is not None else all_pipelines()
     progs = [(i, program_for(seed, i, pipes, features)) for i in range(start, start + programs)]
-    cmd = ["python", "-m", "commfuse.fuzz", "--write-corpus", "FILE", "--seed", str(seed), "--programs",
-           str(programs)]
+    cmd = [
+        "python",
+        "-m",
+        "commfuse.fuzz",
+        "--write-corpus",
+        "FILE",
+        "--seed",
+        str(seed),
+        "--programs",
+        str(programs),
+    ]
     if start:
         cmd += ["--start", str(start)]
     for f in features:
@@ -71,7 +91,9 @@ def save_corpus(path: str | Path, corpus: Corpus) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # one program per line: a regenerated corpus diffs program by program
-    body = ",\n".join(json.dumps({"index": i, "program": p.to_json()}, sort_keys=True) for i, p in corpus.programs)
+    body = ",\n".join(
+        json.dumps({"index": i, "program": p.to_json()}, sort_keys=True) for i, p in corpus.programs
+    )
     head = {k: v for k, v in corpus.to_json().items() if k != "programs"}
     text = json.dumps(head, sort_keys=True)[:-1] + ', "programs": [\n' + body + "\n]}\n"
     path.write_text(text)
@@ -86,7 +108,9 @@ def load_corpus(path: str | Path) -> Corpus:
     except (OSError, json.JSONDecodeError) as e:
         raise CorpusError(f"{path}: cannot read the fuzz corpus: {e}") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CorpusError(f"{path}: field 'format' must be {FORMAT}, got {doc.get('format') if isinstance(doc, dict) else doc!r}")
+        raise CorpusError(
+            f"{path}: field 'format' must be {FORMAT}, got {doc.get('format') if isinstance(doc, dict) else doc!r}"
+        )
     for key, typ in (("seed", int), ("programs", list)):
         if not isinstance(doc.get(key), typ):
             raise CorpusError(f"{path}: field {key!r} must be a {typ.__name__}")
@@ -95,6 +119,14 @@ def load_corpus(path: str | Path) -> Corpus:
         try:
             progs.append((int(entry["index"]), Program.from_json(entry["program"])))
         except (KeyError, TypeError, ValueError) as e:
-            raise CorpusError(f"{path}: programs[{k}] is not a program entry ({type(e).__name__}: {e})") from e
-    return Corpus(doc["seed"], progs, start=int(doc.get("start", 0)), features=tuple(doc.get("features", ())),
-                  command=str(doc.get("command", "")), path=path)
+            raise CorpusError(
+                f"{path}: programs[{k}] is not a program entry ({type(e).__name__}: {e})"
+            ) from e
+    return Corpus(
+        doc["seed"],
+        progs,
+        start=int(doc.get("start", 0)),
+        features=tuple(doc.get("features", ())),
+        command=str(doc.get("command", "")),
+        path=path,
+    )

@@ -31,7 +31,11 @@ from typing import Any, Optional, Sequence
 import torch
 
 from commfuse.api import optimize
-from commfuse.core.torch_private import inductor_compile_fx_inner, inductor_decompositions, process_group_names
+from commfuse.core.torch_private import (
+    inductor_compile_fx_inner,
+    inductor_decompositions,
+    process_group_names,
+)
 from commfuse.fuzz.check import Failure, _rounding_only, compare_outputs, default_pipeline, prepare
 from commfuse.fuzz.program import Program, make_inputs, trace_rank
 from commfuse.lowering import lower_runtime
@@ -74,8 +78,10 @@ def run_program_on_rank(text: str, compile_regions: bool) -> dict[str, Any]:
         # a region that fell back to eager still gives the same values; it is reported, since
         # it means a region commfuse cut could not be compiled
         fallbacks = sorted({str(w.message)[:300] for w in caught if "runs eagerly" in str(w.message)})
-        return {"outputs": [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in flat],
-                "fallbacks": fallbacks}
+        return {
+            "outputs": [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in flat],
+            "fallbacks": fallbacks,
+        }
     except Exception as e:  # noqa: BLE001 - reported as the program's failure
         return {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
     finally:
@@ -108,7 +114,9 @@ def _inductor_region_compiler():
     return compile_region
 
 
-def check_executed(program: Program, pool, *, compile_regions: bool, timeout: float = 300.0) -> Optional[Failure]:
+def check_executed(
+    program: Program, pool, *, compile_regions: bool, timeout: float = 300.0
+) -> Optional[Failure]:
     """Run ``program`` on ``pool`` (its world size) through the default executor and compare
     every rank's outputs with the reference run of the unoptimised program."""
     prep = prepare(program, [])

@@ -37,36 +37,145 @@ from commfuse.fuzz.program import OPS, Program, _shape_rule
 
 FAMILIES: dict[str, dict[str, float]] = {
     "mixed": {
-        "unary": 3, "binary": 2, "residual": 2, "matmul": 3, "linear": 1, "scores": 1, "layer_norm": 2,
-        "softmax": 1, "router_topk": 1, "reduce": 1, "view": 3, "cat": 1, "mutate": 2,
-        "all_reduce": 3, "all_gather": 3, "reduce_scatter": 3, "all_to_all": 2, "dispatch": 0.3, "combine": 3,
-        "broadcast": 1, "coalesced": 1, "inplace": 1, "p2p": 0.2, "m2ms": 0.6, "stage_transfer": 0.6,
-        "tp_mlp": 1, "sp_block": 1, "fsdp_linear": 1, "moe_block": 0.2, "update_after_collective": 1,
+        "unary": 3,
+        "binary": 2,
+        "residual": 2,
+        "matmul": 3,
+        "linear": 1,
+        "scores": 1,
+        "layer_norm": 2,
+        "softmax": 1,
+        "router_topk": 1,
+        "reduce": 1,
+        "view": 3,
+        "cat": 1,
+        "mutate": 2,
+        "all_reduce": 3,
+        "all_gather": 3,
+        "reduce_scatter": 3,
+        "all_to_all": 2,
+        "dispatch": 0.3,
+        "combine": 3,
+        "broadcast": 1,
+        "coalesced": 1,
+        "inplace": 1,
+        "p2p": 0.2,
+        "m2ms": 0.6,
+        "stage_transfer": 0.6,
+        "tp_mlp": 1,
+        "sp_block": 1,
+        "fsdp_linear": 1,
+        "moe_block": 0.2,
+        "update_after_collective": 1,
     },
-    "tp": {"unary": 2, "binary": 1, "residual": 2, "matmul": 2, "linear": 1, "layer_norm": 2, "all_reduce": 3,
-           "tp_mlp": 4, "view": 1, "mutate": 1},
-    "sp": {"unary": 1, "residual": 1, "matmul": 2, "layer_norm": 2, "softmax": 1, "scores": 1, "view": 3,
-           "all_gather": 4, "reduce_scatter": 4, "sp_block": 4, "all_to_all": 1},
-    "moe": {"unary": 1, "matmul": 2, "router_topk": 3, "all_to_all": 3, "dispatch": 3, "combine": 4,
-            "moe_block": 4, "residual": 1, "capacity_exchange": 3, "dropless_exchange": 3},
-    "fsdp": {"unary": 1, "matmul": 1, "layer_norm": 1, "fsdp_linear": 5, "reduce_scatter": 2, "all_reduce": 1,
-             "residual": 1, "mutate": 1, "update_after_collective": 1},
-    "pp": {"unary": 2, "matmul": 2, "layer_norm": 1, "p2p": 4, "residual": 1, "all_reduce": 1,
-           "stage_transfer": 3, "m2ms": 3, "all_gather": 1, "reduce_scatter": 1},
-    "coalesced": {"unary": 1, "matmul": 1, "coalesced": 4, "inplace": 3, "broadcast": 2, "all_reduce": 1,
-                  "mutate": 1, "update_after_collective": 1},
+    "tp": {
+        "unary": 2,
+        "binary": 1,
+        "residual": 2,
+        "matmul": 2,
+        "linear": 1,
+        "layer_norm": 2,
+        "all_reduce": 3,
+        "tp_mlp": 4,
+        "view": 1,
+        "mutate": 1,
+    },
+    "sp": {
+        "unary": 1,
+        "residual": 1,
+        "matmul": 2,
+        "layer_norm": 2,
+        "softmax": 1,
+        "scores": 1,
+        "view": 3,
+        "all_gather": 4,
+        "reduce_scatter": 4,
+        "sp_block": 4,
+        "all_to_all": 1,
+    },
+    "moe": {
+        "unary": 1,
+        "matmul": 2,
+        "router_topk": 3,
+        "all_to_all": 3,
+        "dispatch": 3,
+        "combine": 4,
+        "moe_block": 4,
+        "residual": 1,
+        "capacity_exchange": 3,
+        "dropless_exchange": 3,
+    },
+    "fsdp": {
+        "unary": 1,
+        "matmul": 1,
+        "layer_norm": 1,
+        "fsdp_linear": 5,
+        "reduce_scatter": 2,
+        "all_reduce": 1,
+        "residual": 1,
+        "mutate": 1,
+        "update_after_collective": 1,
+    },
+    "pp": {
+        "unary": 2,
+        "matmul": 2,
+        "layer_norm": 1,
+        "p2p": 4,
+        "residual": 1,
+        "all_reduce": 1,
+        "stage_transfer": 3,
+        "m2ms": 3,
+        "all_gather": 1,
+        "reduce_scatter": 1,
+    },
+    "coalesced": {
+        "unary": 1,
+        "matmul": 1,
+        "coalesced": 4,
+        "inplace": 3,
+        "broadcast": 2,
+        "all_reduce": 1,
+        "mutate": 1,
+        "update_after_collective": 1,
+    },
     # commfuse's MoE layer op (commfuse.moe) behind sequence/tensor-parallel token gathers
-    "moe_layer": {"moe_layer": 6, "unary": 1, "residual": 1, "layer_norm": 1, "matmul": 1, "sp_block": 1,
-                  "view": 1},
+    "moe_layer": {
+        "moe_layer": 6,
+        "unary": 1,
+        "residual": 1,
+        "layer_norm": 1,
+        "matmul": 1,
+        "sp_block": 1,
+        "view": 1,
+    },
     # adjacent collectives on aliased / reordered groups and on the two dims of a 2-D mesh
     # (groups from _Gen._pair_groups; drawn in a slot of its own, see FAMILY_WEIGHTS)
-    "group_pairs": {"adjacent_pair": 6, "unary": 1, "residual": 1, "matmul": 1, "layer_norm": 1, "view": 1,
-                    "all_gather": 1, "reduce_scatter": 1, "all_reduce": 1, "mutate": 0.5},
+    "group_pairs": {
+        "adjacent_pair": 6,
+        "unary": 1,
+        "residual": 1,
+        "matmul": 1,
+        "layer_norm": 1,
+        "view": 1,
+        "all_gather": 1,
+        "reduce_scatter": 1,
+        "all_reduce": 1,
+        "mutate": 0.5,
+    },
 }
 # Families a program without a given family is drawn from. A family left out (``group_pairs``) is
 # generated only when named: campaigns give it a slot of its own (targets.program_for), so adding
 # it changed no program of an existing seed.
-FAMILY_WEIGHTS = {"mixed": 6, "tp": 1, "sp": 1, "moe": 0.6, "fsdp": 1, "pp": 0.4, "coalesced": 1, "moe_layer": 0.6}
+FAMILY_WEIGHTS = {
+    "mixed": 6,
+    "tp": 1,
+    "sp": 1,
+    "moe": 0.6,
+    "fsdp": 1,
+    "pp": 0.4,
+    "coalesced": 1,
+    "moe_layer": 0.6,
+}
 MAX_NUMEL = 4096
 
 
@@ -93,13 +202,29 @@ FEATURES = ("inplace_buffer_reads",)
 
 
 class _Gen:
-    def __init__(self, rng: random.Random, world_size: int, dtype: str, joint: bool, family: str,
-                 features: frozenset = frozenset()) -> None:
+    def __init__(
+        self,
+        rng: random.Random,
+        world_size: int,
+        dtype: str,
+        joint: bool,
+        family: str,
+        features: frozenset = frozenset(),
+    ) -> None:
         self.rng = rng
         self.features = features
         self.n = world_size
-        self.prog = Program(world_size=world_size, groups={"world": [list(range(world_size))]}, inputs=[], ops=[],
-                            outputs=[], dtype=dtype, joint=joint, seed=rng.randrange(2**31), family=family)
+        self.prog = Program(
+            world_size=world_size,
+            groups={"world": [list(range(world_size))]},
+            inputs=[],
+            ops=[],
+            outputs=[],
+            dtype=dtype,
+            joint=joint,
+            seed=rng.randrange(2**31),
+            family=family,
+        )
         self.vals: list[Val] = []
         self.counter = 0
         self.step = 0
@@ -119,7 +244,9 @@ class _Gen:
         if n >= 4:
             for size in (2, n // 2):
                 if 1 < size < n and n % size == 0:
-                    cands.append([list(range(b * size, (b + 1) * size)) for b in range(n // size)])  # contiguous
+                    cands.append(
+                        [list(range(b * size, (b + 1) * size)) for b in range(n // size)]
+                    )  # contiguous
                     stride = n // size
                     cands.append([list(range(b, n, stride)) for b in range(stride)])  # strided
         if n >= 2 and rng.random() < 0.1:
@@ -153,8 +280,10 @@ class _Gen:
         for size in (2, n // 2):
             if 1 < size < n and n % size == 0:
                 stride = n // size
-                for part in ([list(range(b * size, (b + 1) * size)) for b in range(n // size)],
-                             [list(range(b, n, stride)) for b in range(stride)]):
+                for part in (
+                    [list(range(b * size, (b + 1) * size)) for b in range(n // size)],
+                    [list(range(b, n, stride)) for b in range(stride)],
+                ):
                     if part not in subs:
                         subs.append(part)
         kind = rng.choice(["alias", "reorder"] + (["mesh", "mesh"] if n in (4, 8) else []))
@@ -180,7 +309,11 @@ class _Gen:
         else:
             twin = f"{base}_reordered"
             some = len(part) > 1 and rng.random() < 0.5
-            which = set(rng.sample(range(len(part)), rng.randint(1, len(part) - 1))) if some else set(range(len(part)))
+            which = (
+                set(rng.sample(range(len(part)), rng.randint(1, len(part) - 1)))
+                if some
+                else set(range(len(part)))
+            )
             blocks = []
             for i, b in enumerate(part):
                 if i in which:
@@ -194,7 +327,9 @@ class _Gen:
 
     def unit(self) -> int:
         """A size divisible by every group size (the world size)."""
-        return self.n * self.rng.choice([1, 1, 2, 2, 3, 4]) if self.n <= 4 else self.n * self.rng.choice([1, 2])
+        return (
+            self.n * self.rng.choice([1, 1, 2, 2, 3, 4]) if self.n <= 4 else self.n * self.rng.choice([1, 2])
+        )
 
     def small(self) -> int:
         return self.rng.choice([1, 2, 2, 3])
@@ -205,8 +340,9 @@ class _Gen:
 
     def new_input(self, shape: tuple, init: str = "act", replicated: bool = False) -> Val:
         name = self.new_name("x" if init == "act" else "w")
-        self.prog.inputs.append({"name": name, "shape": list(shape), "init": init,
-                                 **({"replicated": True} if replicated else {})})
+        self.prog.inputs.append(
+            {"name": name, "shape": list(shape), "init": init, **({"replicated": True} if replicated else {})}
+        )
         v = Val(name, tuple(shape), is_input=True, step=self.step, bounded=init in ("bias",), root=name)
         self.vals.append(v)
         return v
@@ -229,9 +365,23 @@ class _Gen:
     def gsize(self, role: str) -> int:
         return len(self.prog.groups[role][0])
 
-    def emit(self, op: str, ins: list[Val], n_out: int = 1, *, bounded: bool = False, vary: Optional[int] = None,
-             grad: Optional[bool] = None, **attrs) -> Optional[list[Val]]:
-        spec = {"op": op, "in": [v.name for v in ins], "out": [self.new_name() for _ in range(n_out)], **attrs}
+    def emit(
+        self,
+        op: str,
+        ins: list[Val],
+        n_out: int = 1,
+        *,
+        bounded: bool = False,
+        vary: Optional[int] = None,
+        grad: Optional[bool] = None,
+        **attrs,
+    ) -> Optional[list[Val]]:
+        spec = {
+            "op": op,
+            "in": [v.name for v in ins],
+            "out": [self.new_name() for _ in range(n_out)],
+            **attrs,
+        }
         try:
             shapes = _shape_rule(self.prog, spec, [v.shape for v in ins])
         except Exception:  # noqa: BLE001 - an invalid combination: try something else
@@ -249,9 +399,18 @@ class _Gen:
             v.uses += 1
             v.coll_input = v.coll_input or OPS[op].collective
         self.step += 1
-        outs = [Val(name, tuple(s), vary=vary, bounded=bounded, grad=grad, step=self.step,
-                    root=ins[0].root if op in _VIEW_OPS else name)
-                for name, s in zip(spec["out"], shapes, strict=True)]
+        outs = [
+            Val(
+                name,
+                tuple(s),
+                vary=vary,
+                bounded=bounded,
+                grad=grad,
+                step=self.step,
+                root=ins[0].root if op in _VIEW_OPS else name,
+            )
+            for name, s in zip(spec["out"], shapes, strict=True)
+        ]
         self.vals.extend(outs)
         return outs
 
@@ -259,7 +418,9 @@ class _Gen:
     def b_unary(self) -> bool:
         x = self.pick()
         fn = self.rng.choice(["relu", "gelu", "tanh", "sigmoid", "silu", "neg", "abs", "scale"])
-        return bool(self.emit("unary", [x], bounded=fn in ("tanh", "sigmoid") or (x.bounded and fn != "scale"), fn=fn))
+        return bool(
+            self.emit("unary", [x], bounded=fn in ("tanh", "sigmoid") or (x.bounded and fn != "scale"), fn=fn)
+        )
 
     def b_binary(self, residual: bool = False) -> bool:
         a = self.pick()
@@ -280,8 +441,14 @@ class _Gen:
     def b_matmul(self, linear: bool = False) -> bool:
         x = self.pick(lambda v: len(v.shape) >= 2 or v.vary is None)
         k = x.shape[-1]
-        reuse = self.pick(lambda v: v.is_input and len(v.shape) == 2 and v.shape[0] == k and v is not x, recent=False)
-        w = reuse if reuse is not None and self.rng.random() < 0.3 else self.new_input((k, self.unit()), "weight")
+        reuse = self.pick(
+            lambda v: v.is_input and len(v.shape) == 2 and v.shape[0] == k and v is not x, recent=False
+        )
+        w = (
+            reuse
+            if reuse is not None and self.rng.random() < 0.3
+            else self.new_input((k, self.unit()), "weight")
+        )
         if linear:
             b = self.new_input((w.shape[1],), "bias")
             return bool(self.emit("linear", [x, w, b]))
@@ -323,8 +490,14 @@ class _Gen:
         x = self.pick(lambda v: v.vary is None and len(v.shape) >= 2)
         if x is None:
             return False
-        return bool(self.emit("reduce", [x], fn=self.rng.choice(["sum", "mean", "amax"]),
-                              dim=self.rng.randrange(len(x.shape))))
+        return bool(
+            self.emit(
+                "reduce",
+                [x],
+                fn=self.rng.choice(["sum", "mean", "amax"]),
+                dim=self.rng.randrange(len(x.shape)),
+            )
+        )
 
     def b_view(self) -> bool:
         x = self.pick(lambda v: len(v.shape) >= 2)
@@ -379,10 +552,19 @@ class _Gen:
             if not x:
                 return False
             x = x[0]
-        return bool(self.emit("all_reduce", [x], bounded=x.bounded and red in ("avg", "max", "min", "product"),
-                              group=role, reduce=red))
+        return bool(
+            self.emit(
+                "all_reduce",
+                [x],
+                bounded=x.bounded and red in ("avg", "max", "min", "product"),
+                group=role,
+                reduce=red,
+            )
+        )
 
-    def b_all_gather(self, x: Optional[Val] = None, dim: Optional[int] = None, role: Optional[str] = None) -> bool:
+    def b_all_gather(
+        self, x: Optional[Val] = None, dim: Optional[int] = None, role: Optional[str] = None
+    ) -> bool:
         x = x or self.pick(lambda v: v.vary is None and len(v.shape) >= 1)
         if x is None:
             return False
@@ -390,7 +572,9 @@ class _Gen:
         dim = self.rng.randrange(len(x.shape)) if dim is None else dim
         return bool(self.emit("all_gather", [x], bounded=x.bounded, group=role, dim=dim))
 
-    def b_reduce_scatter(self, x: Optional[Val] = None, dim: Optional[int] = None, role: Optional[str] = None) -> bool:
+    def b_reduce_scatter(
+        self, x: Optional[Val] = None, dim: Optional[int] = None, role: Optional[str] = None
+    ) -> bool:
         x = x or self.pick(lambda v: v.vary is None and len(v.shape) >= 1)
         if x is None:
             return False
@@ -434,8 +618,16 @@ class _Gen:
         x = self.pick(lambda v: v.vary is None)
         role = self.group()
         if self.rng.random() < 0.3:
-            return bool(self.emit("broadcast_inplace", [x], bounded=x.bounded, group=role,
-                                  src=self.rng.randrange(self.gsize(role)), **self._buffer_read()))
+            return bool(
+                self.emit(
+                    "broadcast_inplace",
+                    [x],
+                    bounded=x.bounded,
+                    group=role,
+                    src=self.rng.randrange(self.gsize(role)),
+                    **self._buffer_read(),
+                )
+            )
         src = self.rng.randrange(self.gsize(role))
         return bool(self.emit("broadcast", [x], bounded=x.bounded, group=role, src=src))
 
@@ -448,8 +640,11 @@ class _Gen:
         role = self.group()
         n = self.gsize(role)
         kind = self.rng.choice(["all_reduce_coalesced", "all_gather_coalesced", "reduce_scatter_coalesced"])
-        pred = (lambda v: v.vary is None and len(v.shape) >= 1 and v.shape[0] % n == 0) \
-            if kind == "reduce_scatter_coalesced" else (lambda v: v.vary is None and len(v.shape) >= 1)
+        pred = (
+            (lambda v: v.vary is None and len(v.shape) >= 1 and v.shape[0] % n == 0)
+            if kind == "reduce_scatter_coalesced"
+            else (lambda v: v.vary is None and len(v.shape) >= 1)
+        )
         xs = []
         for _ in range(self.rng.choice([2, 2, 3])):
             v = self.pick(lambda v: pred(v) and v not in xs, recent=False)
@@ -466,15 +661,30 @@ class _Gen:
         role = self.group()
         if self.rng.random() < 0.5:
             x = self.pick(lambda v: v.vary is None)
-            return bool(self.emit("all_reduce_inplace", [x], group=role, reduce=self.rng.choice(["sum", "max"]),
-                                  **self._buffer_read()))
+            return bool(
+                self.emit(
+                    "all_reduce_inplace",
+                    [x],
+                    group=role,
+                    reduce=self.rng.choice(["sum", "max"]),
+                    **self._buffer_read(),
+                )
+            )
         xs = []
         for _ in range(2):
             v = self.pick(lambda v: v.vary is None and v not in xs, recent=False)
             if v is not None:
                 xs.append(v)
-        return bool(self.emit("all_reduce_coalesced_inplace", xs, len(xs), group=role,
-                              reduce=self.rng.choice(["sum", "avg"]), **self._buffer_read()))
+        return bool(
+            self.emit(
+                "all_reduce_coalesced_inplace",
+                xs,
+                len(xs),
+                group=role,
+                reduce=self.rng.choice(["sum", "avg"]),
+                **self._buffer_read(),
+            )
+        )
 
     def b_p2p(self) -> bool:
         role = self.group(lambda n: n >= 2)
@@ -482,8 +692,16 @@ class _Gen:
         if role is None:
             return False
         n = self.gsize(role)
-        return bool(self.emit("p2p", [x], bounded=x.bounded, group=role, shift=self.rng.randrange(1, n),
-                              batch=self.rng.random() < 0.4))
+        return bool(
+            self.emit(
+                "p2p",
+                [x],
+                bounded=x.bounded,
+                group=role,
+                shift=self.rng.randrange(1, n),
+                batch=self.rng.random() < 0.4,
+            )
+        )
 
     def _rank_sets(self, n: int) -> tuple[list[int], list[int]]:
         """Random src / dst lists of group ranks (random order): disjoint (a stage boundary),
@@ -525,8 +743,11 @@ class _Gen:
             pad = 1
         if rng.random() < 0.2:
             pad += rng.randint(1, 2)
-        return bool(self.emit("m2ms", [x], bounded=x.bounded, group=role, dim=d, splits=splits, src=src, dst=dst,
-                              pad=pad))
+        return bool(
+            self.emit(
+                "m2ms", [x], bounded=x.bounded, group=role, dim=d, splits=splits, src=src, dst=dst, pad=pad
+            )
+        )
 
     def b_stage_transfer(self) -> bool:
         """commfuse's stage transfer: pairs src[i] -> dst[i] of a group (a shift, one stage half
@@ -545,7 +766,7 @@ class _Gen:
         elif kind == "halves":
             ranks = rng.sample(range(n), n)
             half = rng.randint(1, n // 2)
-            src, dst = ranks[:half], ranks[half:2 * half]
+            src, dst = ranks[:half], ranks[half : 2 * half]
         else:
             m = rng.randint(1, n)
             src, dst = rng.sample(range(n), m), rng.sample(range(n), m)
@@ -558,8 +779,18 @@ class _Gen:
         wait must stay above the update."""
         if self.prog.joint:
             return False
-        kind = self.rng.choice(["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p",
-                                "m2ms", "stage_transfer"])
+        kind = self.rng.choice(
+            [
+                "all_reduce",
+                "all_gather",
+                "reduce_scatter",
+                "all_to_all",
+                "broadcast",
+                "p2p",
+                "m2ms",
+                "stage_transfer",
+            ]
+        )
         if kind == "p2p" and self.group(lambda n: n >= 2) is None:
             return False
         if not getattr(self, f"b_{kind}")():
@@ -574,7 +805,6 @@ class _Gen:
         res = next(v for v in self.vals if v.name == op["out"][0])
         self.emit("unary", [res], fn="relu")
         return True
-
 
     def b_tp_mlp(self) -> bool:
         x = self.pick(lambda v: v.vary is None and len(v.shape) >= 2)
@@ -725,7 +955,9 @@ class _Gen:
         can; token_groups 1 or the group size. The router is the same on every rank: a
         replicated input, or a shard all_gathered on the EP group (provably replicated)."""
         rng = self.rng
-        x = self.pick(lambda v: v.vary is None and len(v.shape) >= 2 and not (v.is_input and v.name[0] == "w"))
+        x = self.pick(
+            lambda v: v.vary is None and len(v.shape) >= 2 and not (v.is_input and v.name[0] == "w")
+        )
         if x is None:
             return False
         role = self.group(lambda n: n >= 2) or self.group()
@@ -775,10 +1007,21 @@ class _Gen:
             rw = rw[0]
         else:
             rw = self.new_input((e, h), "router", replicated=True)
-        ws = [self.new_input((local, h, f), "expert"), self.new_input((local, h, f), "expert"),
-              self.new_input((local, f, h), "expert")]
-        outs = self.emit("moe_layer", [tokens_in, rw, *ws], 4, group=ep_role, top_k=top_k, capacity_factor=cf,
-                         token_groups=token_groups, **({} if ep else {"ep": False}))
+        ws = [
+            self.new_input((local, h, f), "expert"),
+            self.new_input((local, h, f), "expert"),
+            self.new_input((local, f, h), "expert"),
+        ]
+        outs = self.emit(
+            "moe_layer",
+            [tokens_in, rw, *ws],
+            4,
+            group=ep_role,
+            top_k=top_k,
+            capacity_factor=cf,
+            token_groups=token_groups,
+            **({} if ep else {"ep": False}),
+        )
         if not outs:
             return False
         out, probs_sum, top1, z = outs
@@ -806,19 +1049,32 @@ class _Gen:
         the shapes allow); its result, or None."""
         rng, n = self.rng, self.gsize(role)
         if kind == "all_gather":
-            outs = self.emit("all_gather", [x], bounded=x.bounded, group=role, dim=rng.randrange(len(x.shape)))
+            outs = self.emit(
+                "all_gather", [x], bounded=x.bounded, group=role, dim=rng.randrange(len(x.shape))
+            )
         elif kind == "reduce_scatter":
             dims = [d for d in range(len(x.shape)) if x.shape[d] % n == 0]
             if not dims:
                 return None
-            outs = self.emit("reduce_scatter", [x], group=role, dim=rng.choice(dims),
-                             reduce=rng.choice(["sum", "sum", "avg", "max", "min"]))
+            outs = self.emit(
+                "reduce_scatter",
+                [x],
+                group=role,
+                dim=rng.choice(dims),
+                reduce=rng.choice(["sum", "sum", "avg", "max", "min"]),
+            )
         elif kind == "all_to_all":
             dims = [d for d in range(len(x.shape)) if x.shape[d] % n == 0]
             if not dims:
                 return None
-            outs = self.emit("all_to_all", [x], bounded=x.bounded, group=role, split_dim=rng.choice(dims),
-                             concat_dim=rng.randrange(len(x.shape)))
+            outs = self.emit(
+                "all_to_all",
+                [x],
+                bounded=x.bounded,
+                group=role,
+                split_dim=rng.choice(dims),
+                concat_dim=rng.randrange(len(x.shape)),
+            )
         else:
             red = rng.choice(["sum", "sum", "avg", "max", "min"])
             outs = self.emit("all_reduce", [x], bounded=x.bounded and red != "sum", group=role, reduce=red)
@@ -841,8 +1097,15 @@ class _Gen:
             g1 = g2 = rng.choice(sorted({r for pair in self.pairs for r in pair}))
         else:
             g1, g2 = self.group(), self.group()
-        kinds = ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter", "all_to_all", "all_to_all",
-                 "all_reduce"]
+        kinds = [
+            "all_gather",
+            "all_gather",
+            "reduce_scatter",
+            "reduce_scatter",
+            "all_to_all",
+            "all_to_all",
+            "all_reduce",
+        ]
         k1, k2 = rng.choice(kinds), rng.choice(kinds)
         x = self.pick(lambda v: v.vary is None and len(v.shape) >= 1)
         if x is None:
@@ -926,7 +1189,9 @@ def _numel(shape: tuple) -> int:
 def _broadcasts(src: tuple, dst: tuple) -> bool:
     if len(src) > len(dst):
         return False
-    return all(s == d or s == 1 for s, d in zip(src[::-1], dst[::-1], strict=False))  # trailing dims: src may have fewer
+    return all(
+        s == d or s == 1 for s, d in zip(src[::-1], dst[::-1], strict=False)
+    )  # trailing dims: src may have fewer
 
 
 def _composition(rng: random.Random, total: int, parts: int) -> list[int]:
@@ -961,6 +1226,7 @@ def generate_program(
     prog = gen.run(rng.randint(2, max_blocks))
     # Derived from the data seed (no extra draw: campaign streams stay what they were).
     # moe_layer: half the programs, since motion needs a replicated router (an input under the contract).
-    prog.tp_contract = (family in ("tp", "sp", "mixed", "group_pairs") and prog.seed % 3 == 0) or \
-        (family == "moe_layer" and prog.seed % 2 == 0)
+    prog.tp_contract = (family in ("tp", "sp", "mixed", "group_pairs") and prog.seed % 3 == 0) or (
+        family == "moe_layer" and prog.seed % 2 == 0
+    )
     return prog

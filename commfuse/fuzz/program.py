@@ -92,8 +92,10 @@ class Program:
     def summary(self) -> str:
         kinds = ",".join(o["op"] for o in self.ops)
         mb = f" x{self.microbatches} micro-batches" if self.microbatches > 1 else ""
-        return (f"N={self.world_size} {self.dtype}{' joint' if self.joint else ''}{mb} {self.family} "
-                f"{len(self.ops)} ops [{kinds}]")
+        return (
+            f"N={self.world_size} {self.dtype}{' joint' if self.joint else ''}{mb} {self.family} "
+            f"{len(self.ops)} ops [{kinds}]"
+        )
 
     # ------------------------------------------------------------------ json
     def to_json(self) -> dict:
@@ -106,7 +108,9 @@ class Program:
         d = dict(d)
         fmt = d.pop("format", FORMAT)
         if fmt != FORMAT:
-            raise ValueError(f"fuzz program format {fmt} is not supported (this commfuse reads format {FORMAT})")
+            raise ValueError(
+                f"fuzz program format {fmt} is not supported (this commfuse reads format {FORMAT})"
+            )
         return cls(**d)
 
     def dumps(self) -> str:
@@ -143,8 +147,17 @@ def _unary(ctx, op, x):
     f = op["fn"]
     if f == "scale":
         return [x * op.get("c", 0.5)]
-    return [{"relu": torch.relu, "gelu": F.gelu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu,
-             "neg": torch.neg, "abs": torch.abs}[f](x)]
+    return [
+        {
+            "relu": torch.relu,
+            "gelu": F.gelu,
+            "tanh": torch.tanh,
+            "sigmoid": torch.sigmoid,
+            "silu": F.silu,
+            "neg": torch.neg,
+            "abs": torch.abs,
+        }[f](x)
+    ]
 
 
 def _binary(ctx, op, a, b):
@@ -200,13 +213,13 @@ def _permute(ctx, op, x):
 def _split_dim(ctx, op, x):
     d, f = op["dim"], op["factor"]
     s = list(x.shape)
-    return [x.reshape(*s[:d], f, s[d] // f, *s[d + 1:])]
+    return [x.reshape(*s[:d], f, s[d] // f, *s[d + 1 :])]
 
 
 def _merge_dims(ctx, op, x):
     d = op["dim"]
     s = list(x.shape)
-    return [x.reshape(*s[:d], s[d] * s[d + 1], *s[d + 2:])]
+    return [x.reshape(*s[:d], s[d] * s[d + 1], *s[d + 2 :])]
 
 
 def _contiguous(ctx, op, x):
@@ -243,8 +256,9 @@ def _moe_layer(ctx, op, x, router_w, w1, w3, w2):
 
     name = ctx.pgs[op["group"]].group_name if op.get("ep", True) else ""
     tokens = x.reshape(-1, x.shape[-1])
-    out, probs_sum, top1, z = moe_layer(tokens, router_w, w1, w3, w2, op["top_k"], float(op["capacity_factor"]),
-                                        op["token_groups"], name)
+    out, probs_sum, top1, z = moe_layer(
+        tokens, router_w, w1, w3, w2, op["top_k"], float(op["capacity_factor"]), op["token_groups"], name
+    )
     t = tokens.shape[0]
     return [out.view(x.shape), probs_sum / t, top1 / t, z / t]
 
@@ -352,8 +366,9 @@ def _all_gather_coalesced(ctx, op, *xs):
 
 
 def _reduce_scatter_coalesced(ctx, op, *xs):
-    return list(funcol.reduce_scatter_single_coalesced(_nograd(ctx, *xs), op["reduce"], [0] * len(xs),
-                                                       _pg(ctx, op)))
+    return list(
+        funcol.reduce_scatter_single_coalesced(_nograd(ctx, *xs), op["reduce"], [0] * len(xs), _pg(ctx, op))
+    )
 
 
 def _all_reduce_inplace(ctx, op, x):
@@ -386,7 +401,9 @@ def _p2p(ctx, op, x):
     dst, src, name = (g + op["shift"]) % n, (g - op["shift"]) % n, pg.group_name
     x = x.contiguous()
     if op.get("batch"):
-        outs = c10d.batch_p2p_ops.default(["isend", "irecv"], [dst, src], [0, 0], [x, torch.empty_like(x)], name)
+        outs = c10d.batch_p2p_ops.default(
+            ["isend", "irecv"], [dst, src], [0, 0], [x, torch.empty_like(x)], name
+        )
         _W(outs[0])
         return [_W(outs[1])]
     s = c10d.isend.default(x, dst, 0, name)
@@ -473,12 +490,17 @@ OPS: dict[str, OpDef] = {
 
 
 def _loss_terms(outs: list[torch.Tensor]) -> torch.Tensor | None:
-    terms = [(o.float() * torch.sin(o.float()).detach()).sum() for o in outs
-             if isinstance(o, torch.Tensor) and o.requires_grad]
+    terms = [
+        (o.float() * torch.sin(o.float()).detach()).sum()
+        for o in outs
+        if isinstance(o, torch.Tensor) and o.requires_grad
+    ]
     return sum(terms) if terms else None
 
 
-MICROBATCH_PHASE = "commfuse_fuzz_phase"  # meta["custom"] key of a micro-batch's backward, moved by trace_rank
+MICROBATCH_PHASE = (
+    "commfuse_fuzz_phase"  # meta["custom"] key of a micro-batch's backward, moved by trace_rank
+)
 
 
 def build_callable(program: Program, ctx: Ctx) -> Callable[..., list]:
@@ -513,7 +535,10 @@ def build_callable(program: Program, ctx: Ctx) -> Callable[..., list]:
         total: list = [None] * len(params)
         for k in range(program.microbatches):
             with annotate({MICROBATCH_META_KEY: k}):
-                xs = [a * (1.0 + 0.25 * k) if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
+                xs = [
+                    a * (1.0 + 0.25 * k) if isinstance(a, torch.Tensor) and a.requires_grad else a
+                    for a in args
+                ]
                 outs = body(*xs)
                 loss = _loss_terms(outs)
             all_outs.extend(outs)
@@ -521,7 +546,9 @@ def build_callable(program: Program, ctx: Ctx) -> Callable[..., list]:
                 continue
             with annotate({MICROBATCH_META_KEY: k, MICROBATCH_PHASE: "backward"}):
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
-            total = [g if t is None else (t if g is None else t + g) for t, g in zip(total, grads, strict=True)]
+            total = [
+                g if t is None else (t if g is None else t + g) for t, g in zip(total, grads, strict=True)
+            ]
         return all_outs + [g for g in total if g is not None]
 
     return microbatched if program.joint and program.microbatches > 1 else fn
@@ -573,8 +600,14 @@ def create_groups(program: Program, rank: int) -> tuple[Ctx, dict[str, list[int]
             if rank in block:
                 pgs[role], grank[role], gsize[role] = pg, list(block).index(rank), len(block)
                 names[pg.group_name] = list(block)
-    ctx = Ctx(rank=rank, world_size=program.world_size, pgs=pgs, group_rank=grank, group_size=gsize,
-              joint=program.joint)
+    ctx = Ctx(
+        rank=rank,
+        world_size=program.world_size,
+        pgs=pgs,
+        group_rank=grank,
+        group_size=gsize,
+        joint=program.joint,
+    )
     return ctx, names
 
 
@@ -613,7 +646,7 @@ def trace_rank(program: Program, rank: int, inputs: list[torch.Tensor]):
         # micro-batch tags ride on node meta (torch.fx.traceback.annotate): only those traces pay
         # for preserving it
         batched = program.joint and program.microbatches > 1
-        with warnings.catch_warnings(), (preserve_node_meta() if batched else contextlib.nullcontext()):
+        with warnings.catch_warnings(), preserve_node_meta() if batched else contextlib.nullcontext():
             warnings.simplefilter("ignore")
             gm = make_fx(build_callable(program, ctx), tracing_mode="fake")(*args)
     finally:
@@ -632,7 +665,8 @@ def _tag_phases(gm) -> None:
             continue
         custom = n.meta.get("custom") or {}
         back = custom.get(MICROBATCH_PHASE) == "backward" or any(
-            a.meta.get(PHASE_META_KEY) == "backward" for a in n.all_input_nodes)
+            a.meta.get(PHASE_META_KEY) == "backward" for a in n.all_input_nodes
+        )
         n.meta[PHASE_META_KEY] = "backward" if back else "forward"
 
 
@@ -653,8 +687,15 @@ def value_shapes(program: Program) -> dict[str, tuple]:
 
 def _shape_rule(program: Program, op: dict, ins: list[tuple]) -> list[tuple]:
     name = op["op"]
-    if name in ("all_reduce", "broadcast", "all_reduce_inplace", "broadcast_inplace", "p2p", "all_reduce_coalesced",
-                "all_reduce_coalesced_inplace"):
+    if name in (
+        "all_reduce",
+        "broadcast",
+        "all_reduce_inplace",
+        "broadcast_inplace",
+        "p2p",
+        "all_reduce_coalesced",
+        "all_reduce_coalesced_inplace",
+    ):
         return list(ins)
     n = len(program.groups[op["group"]][0]) if "group" in op else 1
     if name == "all_gather":
@@ -676,9 +717,14 @@ def _shape_rule(program: Program, op: dict, ins: list[tuple]) -> list[tuple]:
         return [tuple(s)]
     if name == "m2ms":
         S, src, dst, d = op["splits"], op["src"], op["dst"], op["dim"]
-        if len(S) != len(src) or any(len(r) != len(dst) for r in S) or any(v < 0 for r in S for v in r) \
-                or any(not 0 <= g < n for g in (*src, *dst)) or len(set(src)) != len(src) \
-                or len(set(dst)) != len(dst):
+        if (
+            len(S) != len(src)
+            or any(len(r) != len(dst) for r in S)
+            or any(v < 0 for r in S for v in r)
+            or any(not 0 <= g < n for g in (*src, *dst))
+            or len(set(src)) != len(src)
+            or len(set(dst)) != len(dst)
+        ):
             raise ValueError(f"m2ms: inconsistent src {src} / dst {dst} / splits {S} for a group of {n}")
         s = list(ins[0])
         if not -len(s) <= d < len(s) or max(sum(r) for r in S) > s[d]:
@@ -690,8 +736,12 @@ def _shape_rule(program: Program, op: dict, ins: list[tuple]) -> list[tuple]:
         return [tuple(s)]
     if name == "stage_transfer":
         src, dst = op["src"], op["dst"]
-        if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst) \
-                or any(not 0 <= g < n for g in (*src, *dst)):
+        if (
+            len(src) != len(dst)
+            or len(set(src)) != len(src)
+            or len(set(dst)) != len(dst)
+            or any(not 0 <= g < n for g in (*src, *dst))
+        ):
             raise ValueError(f"stage_transfer: bad pairs {src} -> {dst} for a group of {n}")
         return list(ins)
     if name == "all_to_all_uneven":
@@ -702,11 +752,20 @@ def _shape_rule(program: Program, op: dict, ins: list[tuple]) -> list[tuple]:
         x, rw, w1, w3, w2 = ins
         e, h = rw
         local = e // n if op.get("ep", True) else e
-        if len(x) < 2 or x[-1] != h or w1 != w3 or w1[:2] != (local, h) or w2 != (local, w1[2], h) \
-                or (op.get("ep", True) and e % n) or not 1 <= op["top_k"] <= e:
+        if (
+            len(x) < 2
+            or x[-1] != h
+            or w1 != w3
+            or w1[:2] != (local, h)
+            or w2 != (local, w1[2], h)
+            or (op.get("ep", True) and e % n)
+            or not 1 <= op["top_k"] <= e
+        ):
             raise ValueError(f"moe_layer: inconsistent shapes {ins} for a group of {n}")
         if op["capacity_factor"] > 0 and math.prod(x[:-1]) % op["token_groups"]:
-            raise ValueError(f"moe_layer: {math.prod(x[:-1])} tokens do not split into {op['token_groups']} groups")
+            raise ValueError(
+                f"moe_layer: {math.prod(x[:-1])} tokens do not split into {op['token_groups']} groups"
+            )
         return [tuple(x), (e,), (e,), ()]
     if name == "moe_aux_loss":
         return [()]

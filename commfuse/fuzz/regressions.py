@@ -51,17 +51,35 @@ class Regression:
 
     def to_json(self) -> dict:
         return {
-            "format": FORMAT, "title": self.title, "pipeline": self.pipeline,
-            "failure": {"kind": self.failure_kind, "message": self.message}, "status": self.status,
-            "found": self.found, "note": self.note, "program": self.program.to_json(),
+            "format": FORMAT,
+            "title": self.title,
+            "pipeline": self.pipeline,
+            "failure": {"kind": self.failure_kind, "message": self.message},
+            "status": self.status,
+            "found": self.found,
+            "note": self.note,
+            "program": self.program.to_json(),
         }
 
 
-def make_regression(program: Program, failure: Failure, pipe: Optional[PipelineSpec], *, found: dict | None = None,
-                    status: str = "open") -> Regression:
+def make_regression(
+    program: Program,
+    failure: Failure,
+    pipe: Optional[PipelineSpec],
+    *,
+    found: dict | None = None,
+    status: str = "open",
+) -> Regression:
     title = f"{failure.pipeline}: {failure.kind} ({program.summary()})"
-    return Regression(program, pipe.to_json() if pipe is not None else None, failure.kind, status, title,
-                      failure.message[:4000], dict(found or {}, commfuse=__version__))
+    return Regression(
+        program,
+        pipe.to_json() if pipe is not None else None,
+        failure.kind,
+        status,
+        title,
+        failure.message[:4000],
+        dict(found or {}, commfuse=__version__),
+    )
 
 
 def save_regression(directory: str | Path, reg: Regression) -> Path:
@@ -83,8 +101,17 @@ def load_regression(path: str | Path) -> Regression:
     if d.get("format") != FORMAT:
         raise ValueError(f"{path}: regression format {d.get('format')} is not supported (expected {FORMAT})")
     f = d.get("failure", {})
-    return Regression(Program.from_json(d["program"]), d.get("pipeline"), f.get("kind", ""), d.get("status", "open"),
-                      d.get("title", ""), f.get("message", ""), d.get("found", {}), path, d.get("note", ""))
+    return Regression(
+        Program.from_json(d["program"]),
+        d.get("pipeline"),
+        f.get("kind", ""),
+        d.get("status", "open"),
+        d.get("title", ""),
+        f.get("message", ""),
+        d.get("found", {}),
+        path,
+        d.get("note", ""),
+    )
 
 
 def load_regressions(directory: str | Path) -> list[Regression]:

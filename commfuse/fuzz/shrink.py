@@ -77,8 +77,17 @@ def _attribute_candidates(p: Program) -> Iterator[Program]:
         q = p.copy()
         q.joint = False
         yield q
-    simpler = {"group": "world", "reduce": "sum", "dim": 0, "split_dim": 0, "concat_dim": 0, "batch": False,
-               "shift": 1, "src": 0, "log": False}
+    simpler = {
+        "group": "world",
+        "reduce": "sum",
+        "dim": 0,
+        "split_dim": 0,
+        "concat_dim": 0,
+        "batch": False,
+        "shift": 1,
+        "src": 0,
+        "log": False,
+    }
     for i, op in enumerate(p.ops):
         for key, val in simpler.items():
             if key in op and op[key] != val:
@@ -99,8 +108,11 @@ def _shape_candidates(p: Program) -> Iterator[Program]:
 
 
 def _world_candidates(p: Program) -> Iterator[Program]:
-    if p.world_size > 2 and all(op.get("group", "world") == "world" for op in p.ops) \
-            and not any("splits" in op for op in p.ops):
+    if (
+        p.world_size > 2
+        and all(op.get("group", "world") == "world" for op in p.ops)
+        and not any("splits" in op for op in p.ops)
+    ):
         q = p.copy()
         q.world_size = 2
         q.groups = {"world": [[0, 1]]}

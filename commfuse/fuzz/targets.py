@@ -79,26 +79,56 @@ def register_fuzz_target(
 ) -> FuzzTarget:
     """Tell the fuzzer how to fuzz ``pass_name``, a pass registered outside the built-in table
     (built-in passes declare ``fuzz = FuzzSpec(...)``; see docs/contributing.md)."""
-    t = _target(pass_name, generators=generators, needs_joint=needs_joint, topology=topology, exact=exact,
-                world_sizes=world_sizes, keeps_collective_order=keeps_collective_order,
-                scaled_tolerance=scaled_tolerance, microbatches=microbatches)
+    t = _target(
+        pass_name,
+        generators=generators,
+        needs_joint=needs_joint,
+        topology=topology,
+        exact=exact,
+        world_sizes=world_sizes,
+        keeps_collective_order=keeps_collective_order,
+        scaled_tolerance=scaled_tolerance,
+        microbatches=microbatches,
+    )
     _TARGETS[pass_name] = t
     return t
 
 
-def _target(pass_name: str, *, generators, needs_joint, topology, exact, world_sizes, keeps_collective_order,
-            scaled_tolerance, microbatches) -> FuzzTarget:
+def _target(
+    pass_name: str,
+    *,
+    generators,
+    needs_joint,
+    topology,
+    exact,
+    world_sizes,
+    keeps_collective_order,
+    scaled_tolerance,
+    microbatches,
+) -> FuzzTarget:
     if generators is not None:
         unknown = [g for g in generators if g not in FAMILIES]
         if unknown:
-            raise ValueError(f"register_fuzz_target({pass_name!r}): unknown generators {unknown}; "
-                             f"known: {sorted(FAMILIES)}")
+            raise ValueError(
+                f"register_fuzz_target({pass_name!r}): unknown generators {unknown}; "
+                f"known: {sorted(FAMILIES)}"
+            )
     if topology is not None and world_sizes is not None and topology.world_size not in world_sizes:
-        raise ValueError(f"register_fuzz_target({pass_name!r}): topology has {topology.world_size} ranks, "
-                         f"not in world_sizes {list(world_sizes)}")
-    t = FuzzTarget(pass_name, tuple(generators) if generators is not None else None, needs_joint or microbatches,
-                   topology, exact, tuple(world_sizes) if world_sizes is not None else None, keeps_collective_order,
-                   scaled_tolerance=scaled_tolerance, microbatches=microbatches)
+        raise ValueError(
+            f"register_fuzz_target({pass_name!r}): topology has {topology.world_size} ranks, "
+            f"not in world_sizes {list(world_sizes)}"
+        )
+    t = FuzzTarget(
+        pass_name,
+        tuple(generators) if generators is not None else None,
+        needs_joint or microbatches,
+        topology,
+        exact,
+        tuple(world_sizes) if world_sizes is not None else None,
+        keeps_collective_order,
+        scaled_tolerance=scaled_tolerance,
+        microbatches=microbatches,
+    )
     return t
 
 
@@ -123,38 +153,59 @@ def fuzz_target(pass_name: str) -> FuzzTarget:
     if spec is None or spec.not_fuzzed is not None:
         return FuzzTarget(pass_name, registered=False)
     if (pass_name, spec) not in _FROM_SPEC:
-        _FROM_SPEC[pass_name, spec] = _target(pass_name, generators=spec.generators, needs_joint=spec.needs_joint, topology=spec.topology,
-                   exact=spec.exact, world_sizes=spec.world_sizes, keeps_collective_order=spec.keeps_collective_order,
-                   scaled_tolerance=spec.scaled_tolerance, microbatches=spec.microbatches)
+        _FROM_SPEC[pass_name, spec] = _target(
+            pass_name,
+            generators=spec.generators,
+            needs_joint=spec.needs_joint,
+            topology=spec.topology,
+            exact=spec.exact,
+            world_sizes=spec.world_sizes,
+            keeps_collective_order=spec.keeps_collective_order,
+            scaled_tolerance=spec.scaled_tolerance,
+            microbatches=spec.microbatches,
+        )
     return _FROM_SPEC[pass_name, spec]
 
 
 def fuzz_notes() -> dict[str, str]:
     """Pass name -> why the fuzzer does not cover it (declared ``not_fuzzed``, or noted here)."""
     specs = {name: _declared(name) for name in available_passes()}
-    notes = {name: spec.not_fuzzed for name, spec in specs.items() if spec is not None and spec.not_fuzzed is not None}
+    notes = {
+        name: spec.not_fuzzed
+        for name, spec in specs.items()
+        if spec is not None and spec.not_fuzzed is not None
+    }
     return {**notes, **FUZZ_NOTES}
 
 
 def registered_targets() -> dict[str, FuzzTarget]:
     """Every pass the fuzzer checks with a declared or registered target."""
-    declared = {name: fuzz_target(name) for name in available_passes()
-                if (spec := _declared(name)) is not None and spec.not_fuzzed is None}
+    declared = {
+        name: fuzz_target(name)
+        for name in available_passes()
+        if (spec := _declared(name)) is not None and spec.not_fuzzed is None
+    }
     return {**declared, **_TARGETS}
 
 
 def passes_missing_fuzz_entry() -> list[str]:
     """Passes with neither a fuzz spec, a registration here, nor a note."""
-    return sorted(p for p in available_passes()
-                  if p not in _TARGETS and _declared(p) is None and p not in FUZZ_NOTES)
+    return sorted(
+        p for p in available_passes() if p not in _TARGETS and _declared(p) is None and p not in FUZZ_NOTES
+    )
 
 
 # program_for: programs 9, 29, 49, ... of a campaign (index % 20 == 9) are group_pairs programs
 GROUP_PAIRS_SLOT = (20, 9)
 
 
-def program_for(seed: int, index: int, pipelines: Sequence = (), features: Sequence[str] = (),
-                family: Optional[str] = None) -> Program:
+def program_for(
+    seed: int,
+    index: int,
+    pipelines: Sequence = (),
+    features: Sequence[str] = (),
+    family: Optional[str] = None,
+) -> Program:
     """Program ``index`` of a campaign with ``seed``.
 
     Every fourth program is generated for a pass registered with constraints (families,
@@ -192,9 +243,13 @@ def _program_for_target(rng: random.Random, t, features: Sequence[str]) -> Progr
     # families of the ordinary mix only (group_pairs has its own slot): a target that also names
     # group_pairs draws the same programs as one that does not
     fams = ([g for g in t.generators if g in FAMILY_WEIGHTS] or list(t.generators)) if t.generators else None
-    prog = generate_program(rng, family=rng.choice(fams) if fams else None,
-                            world_size=rng.choice(sizes) if sizes else None,
-                            joint=True if t.needs_joint else None, features=features)
+    prog = generate_program(
+        rng,
+        family=rng.choice(fams) if fams else None,
+        world_size=rng.choice(sizes) if sizes else None,
+        joint=True if t.needs_joint else None,
+        features=features,
+    )
     if t.microbatches:
         prog.microbatches = 2 + prog.seed % 2  # derived: no extra draw from the stream
     return prog

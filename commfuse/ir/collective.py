@@ -84,7 +84,9 @@ class Collective:
     logical_output: fx.Node | None = None
     layout_nodes: list[fx.Node] = field(default_factory=list)
     role: ParallelRole = ParallelRole.UNKNOWN
-    role_source: str = "unknown"  # "user", "mesh" (setup), "dtensor" (the graph's DTensor meshes), "inferred", "unknown"
+    role_source: str = (
+        "unknown"  # "user", "mesh" (setup), "dtensor" (the graph's DTensor meshes), "inferred", "unknown"
+    )
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -72,17 +72,42 @@ class NodeDims:
 
 _MATMUL = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.matmul.default}
 _VIEWS = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.permute.default,
-    aten.transpose.int, aten.t.default, aten.expand.default, aten.squeeze.dim, aten.squeeze.dims,
-    aten.squeeze.default, aten.unsqueeze.default, aten.clone.default, aten.contiguous.default,
-    aten.alias.default, aten.detach.default, aten._to_copy.default, aten.view.dtype,
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.expand.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.unsqueeze.default,
+    aten.clone.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten._to_copy.default,
+    aten.view.dtype,
 }
 _NORMS = {aten.native_layer_norm.default, aten.native_layer_norm_backward.default}
-_SOFTMAX = {aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
-            aten._log_softmax_backward_data.default}
+_SOFTMAX = {
+    aten._softmax.default,
+    aten._log_softmax.default,
+    aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
+}
 _LINEAR_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default}
-_OTHER_REDUCTIONS = {aten.amax.default, aten.amin.default, aten.var.correction, aten.var_mean.correction,
-                     aten.std.correction, aten.max.dim, aten.min.dim, aten.logsumexp.default}
+_OTHER_REDUCTIONS = {
+    aten.amax.default,
+    aten.amin.default,
+    aten.var.correction,
+    aten.var_mean.correction,
+    aten.std.correction,
+    aten.max.dim,
+    aten.min.dim,
+    aten.logsumexp.default,
+}
 _LAYOUT = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.cat.default}
 
 
@@ -113,8 +138,15 @@ class DimTypeAnalysis:
     # -- per category -------------------------------------------------------
     def _opaque(self, node: fx.Node) -> NodeDims:
         nd = tuple(DimType.ND for _ in range(_rank(node)))
-        return NodeDims(OpCategory.OPAQUE, nd, {i: tuple(DimType.ND for _ in range(_rank(a)))
-                                                for i, a in enumerate(node.args) if isinstance(a, fx.Node)})
+        return NodeDims(
+            OpCategory.OPAQUE,
+            nd,
+            {
+                i: tuple(DimType.ND for _ in range(_rank(a)))
+                for i, a in enumerate(node.args)
+                if isinstance(a, fx.Node)
+            },
+        )
 
     def _src(self, a) -> tuple[DimType, ...]:
         if isinstance(a, fx.Node) and a in self.types:
@@ -155,12 +187,13 @@ class DimTypeAnalysis:
         if pd is None:
             return self._opaque(node)
         if pd.outs is not None and isinstance(node.args[1], int) and node.args[1] < len(pd.outs):
-            return NodeDims(pd.category,
-                            pd.outs[node.args[1]])
+            return NodeDims(pd.category, pd.outs[node.args[1]])
         if pd.category is OpCategory.OPAQUE:
             return self._opaque(node)
-        return NodeDims(OpCategory.LAYOUT, pd.out if len(pd.out) == _rank(node) else
-                        tuple(DimType.ND for _ in range(_rank(node))))
+        return NodeDims(
+            OpCategory.LAYOUT,
+            pd.out if len(pd.out) == _rank(node) else tuple(DimType.ND for _ in range(_rank(node))),
+        )
 
     def _matmul(self, node: fx.Node) -> NodeDims:
         OD, CD = DimType.OD, DimType.CD
@@ -182,7 +215,11 @@ class DimTypeAnalysis:
 
     def _elementwise(self, node: fx.Node) -> NodeDims:
         # Element-wise ops split along any dim (Table 3: OD everywhere), broadcast dims included.
-        ins = {i: tuple(DimType.OD for _ in range(_rank(a))) for i, a in enumerate(node.args) if isinstance(a, fx.Node)}
+        ins = {
+            i: tuple(DimType.OD for _ in range(_rank(a)))
+            for i, a in enumerate(node.args)
+            if isinstance(a, fx.Node)
+        }
         return NodeDims(OpCategory.ELEMENTWISE, tuple(DimType.OD for _ in range(_rank(node))), ins)
 
     def _norm(self, node: fx.Node) -> NodeDims:
@@ -197,7 +234,11 @@ class DimTypeAnalysis:
 
     def _softmax(self, node: fx.Node) -> NodeDims:
         r = _rank(node)
-        dim_arg = node.args[1] if node.target in (aten._softmax.default, aten._log_softmax.default) else node.args[2]
+        dim_arg = (
+            node.args[1]
+            if node.target in (aten._softmax.default, aten._log_softmax.default)
+            else node.args[2]
+        )
         dim = dim_arg % r if r else 0
         out = tuple(DimType.ND if d == dim else DimType.OD for d in range(r))
         return NodeDims(OpCategory.SOFTMAX, out, {0: out})
@@ -205,7 +246,11 @@ class DimTypeAnalysis:
     def _reduction(self, node: fx.Node) -> NodeDims:
         x = node.args[0]
         rx = _rank(x)
-        dims = node.args[1] if len(node.args) > 1 and isinstance(node.args[1], (list, tuple)) else node.kwargs.get("dim")
+        dims = (
+            node.args[1]
+            if len(node.args) > 1 and isinstance(node.args[1], (list, tuple))
+            else node.kwargs.get("dim")
+        )
         if isinstance(dims, int):
             dims = [dims]
         reduced = set(range(rx)) if not dims else {d % rx for d in dims}

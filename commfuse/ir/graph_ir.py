@@ -170,13 +170,16 @@ class CollectiveIR:
             synchronous=spec.synchronous,
         )
         if spec.kind is CollectiveKind.ALL_TO_ALL:
-            c.extra["equal_splits"] = args.input_split_sizes is None or len(set(map(str, args.input_split_sizes))) <= 1
+            c.extra["equal_splits"] = (
+                args.input_split_sizes is None or len(set(map(str, args.input_split_sizes))) <= 1
+            )
             # split sizes given explicitly are this rank's (uneven, or data-dependent): another
             # rank's sizes, and so the collective's bytes there, may differ -- unless they are the
             # even division of a static dim 0, which every rank with the same shapes passes
             c.extra["rank_local_sizes"] = not (
                 _shape_derived_splits(args.input_split_sizes, in_shapes, group.size)
-                and _shape_derived_splits(args.output_split_sizes, out_shapes, group.size))
+                and _shape_derived_splits(args.output_split_sizes, out_shapes, group.size)
+            )
         self._logical_layout(c)
         if spec.refine is not None:
             spec.refine(c)
@@ -184,8 +187,11 @@ class CollectiveIR:
         return c
 
     def _logical_layout(self, c: Collective) -> None:
-        c.logical_dim = 0 if c.kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER,
-                                        CollectiveKind.ALL_TO_ALL) else None
+        c.logical_dim = (
+            0
+            if c.kind in (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_TO_ALL)
+            else None
+        )
         c.logical_input = c.inputs[0] if len(c.inputs) == 1 else None
         c.logical_output = c.waits[0] if len(c.waits) == 1 and not c.coalesced else None
         if c.synchronous:  # no wait: the op's own value is the result
@@ -219,7 +225,10 @@ class CollectiveIR:
             c.role_source = "inferred" if inferred is not ParallelRole.UNKNOWN else "unknown"
         elif ParallelRole(given) is ParallelRole.TP and inferred is ParallelRole.SP:
             # Sequence parallelism runs on the TP group: a sequence-dim gather/scatter there is SP.
-            c.role, c.role_source = ParallelRole.SP, self.options.role_sources.get(c.group.name, "user") + "+inferred"
+            c.role, c.role_source = (
+                ParallelRole.SP,
+                self.options.role_sources.get(c.group.name, "user") + "+inferred",
+            )
         else:
             c.role = ParallelRole(given)
             c.role_source = self.options.role_sources.get(c.group.name, "user")
@@ -278,7 +287,9 @@ def _tangent_dependents(gm: fx.GraphModule) -> set[fx.Node]:
     nodes tagged backward in a fused forward+backward graph)."""
     out: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        if (n.op == "placeholder" and n.name.startswith("tangents")) or n.meta.get(PHASE_META_KEY) == "backward":
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or n.meta.get(
+            PHASE_META_KEY
+        ) == "backward":
             out.add(n)
         elif any(a in out for a in n.all_input_nodes):
             out.add(n)

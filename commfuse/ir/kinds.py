@@ -79,11 +79,15 @@ def _group_name(g: Any) -> str:
 
 
 def _p_all_reduce(a: tuple, k: dict) -> CollectiveArgs:
-    return CollectiveArgs((a[0],), _group_name(_kw(a, k, 2, "group_name")), reduce_op=_kw(a, k, 1, "reduce_op"))
+    return CollectiveArgs(
+        (a[0],), _group_name(_kw(a, k, 2, "group_name")), reduce_op=_kw(a, k, 1, "reduce_op")
+    )
 
 
 def _p_all_gather(a: tuple, k: dict) -> CollectiveArgs:
-    return CollectiveArgs((a[0],), _group_name(_kw(a, k, 2, "group_name")), group_size=_kw(a, k, 1, "group_size"))
+    return CollectiveArgs(
+        (a[0],), _group_name(_kw(a, k, 2, "group_name")), group_size=_kw(a, k, 1, "group_size")
+    )
 
 
 def _p_reduce_scatter(a: tuple, k: dict) -> CollectiveArgs:
@@ -109,7 +113,9 @@ def _p_broadcast(a: tuple, k: dict) -> CollectiveArgs:
 
 
 def _p_p2p(a: tuple, k: dict) -> CollectiveArgs:
-    return CollectiveArgs((a[0],), _group_name(_kw(a, k, 3, "group_name")), src_or_dst=a[1] if len(a) > 1 else None)
+    return CollectiveArgs(
+        (a[0],), _group_name(_kw(a, k, 3, "group_name")), src_or_dst=a[1] if len(a) > 1 else None
+    )
 
 
 def _p_batch_p2p(a: tuple, k: dict) -> CollectiveArgs:
@@ -157,20 +163,33 @@ def _register_builtin() -> None:
     table = [
         (f, "all_reduce", CollectiveOpSpec(K.ALL_REDUCE, _p_all_reduce)),
         (f, "all_reduce_", CollectiveOpSpec(K.ALL_REDUCE, _p_all_reduce, inplace=True)),
-        (f, "all_reduce_coalesced", CollectiveOpSpec(K.ALL_REDUCE, _coalesced(_p_all_reduce), coalesced=True)),
-        (f, "all_reduce_coalesced_",
-         CollectiveOpSpec(K.ALL_REDUCE, _coalesced(_p_all_reduce), coalesced=True, inplace=True)),
+        (
+            f,
+            "all_reduce_coalesced",
+            CollectiveOpSpec(K.ALL_REDUCE, _coalesced(_p_all_reduce), coalesced=True),
+        ),
+        (
+            f,
+            "all_reduce_coalesced_",
+            CollectiveOpSpec(K.ALL_REDUCE, _coalesced(_p_all_reduce), coalesced=True, inplace=True),
+        ),
         (f, "all_gather_into_tensor", CollectiveOpSpec(K.ALL_GATHER, _p_all_gather)),
         (fa, "all_gather_into_tensor", CollectiveOpSpec(K.ALL_GATHER, _p_all_gather)),
-        (f, "all_gather_into_tensor_coalesced",
-         CollectiveOpSpec(K.ALL_GATHER, _coalesced(_p_all_gather), coalesced=True)),
+        (
+            f,
+            "all_gather_into_tensor_coalesced",
+            CollectiveOpSpec(K.ALL_GATHER, _coalesced(_p_all_gather), coalesced=True),
+        ),
         # `_out` variants (Inductor's bucketing emits them) write into a given buffer: in-place semantics.
         (f, "all_gather_into_tensor_out", CollectiveOpSpec(K.ALL_GATHER, _p_all_gather, inplace=True)),
         (f, "reduce_scatter_tensor_out", CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter, inplace=True)),
         (f, "reduce_scatter_tensor", CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter)),
         (fa, "reduce_scatter_tensor", CollectiveOpSpec(K.REDUCE_SCATTER, _p_reduce_scatter)),
-        (f, "reduce_scatter_tensor_coalesced",
-         CollectiveOpSpec(K.REDUCE_SCATTER, _coalesced(_p_reduce_scatter), coalesced=True)),
+        (
+            f,
+            "reduce_scatter_tensor_coalesced",
+            CollectiveOpSpec(K.REDUCE_SCATTER, _coalesced(_p_reduce_scatter), coalesced=True),
+        ),
         (f, "all_to_all_single", CollectiveOpSpec(K.ALL_TO_ALL, _p_all_to_all)),
         (fa, "all_to_all_single", CollectiveOpSpec(K.ALL_TO_ALL, _p_all_to_all)),
         (f, "broadcast", CollectiveOpSpec(K.BROADCAST, _p_broadcast)),

@@ -92,7 +92,9 @@ def _slice_pieces(src: fx.Node, pieces: list, n: int) -> int | None:
         if not isinstance(size, int) or size % n or (dim is not None and d != dim):
             return None
         k = size // n
-        if start != i * k or (end if end is not None else size) not in ((i + 1) * k,) + ((size,) if i == n - 1 else ()):
+        if start != i * k or (end if end is not None else size) not in ((i + 1) * k,) + (
+            (size,) if i == n - 1 else ()
+        ):
             return None
         dim = d
     return dim
@@ -121,8 +123,11 @@ def match_gather_shuffle(wait: fx.Node, group_size: int | None) -> Shuffle | Non
     if group_size is None or not wait.users:
         return None
     users = list(wait.users)
-    if (len(users) == group_size and all(len(p.users) == 1 for p in users)
-            and len({u for p in users for u in p.users}) == 1):
+    if (
+        len(users) == group_size
+        and all(len(p.users) == 1 for p in users)
+        and len({u for p in users for u in p.users}) == 1
+    ):
         cat = next(iter(users[0].users))
         if cat.op == "call_function" and cat.target in _CATS:
             pieces = list(cat.args[0])

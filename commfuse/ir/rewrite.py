@@ -118,6 +118,7 @@ def trace(fn: Callable[..., Any], args: Sequence[Any], consts: tuple = (), fake_
             setattr(fake_mode, _CACHE_ATTR, cache)
     gm = cache.get(key)
     if gm is None:
+
         def body(*tensors):
             return fn(*tensors, *consts)
 
@@ -148,8 +149,11 @@ def _distinct(vals: list[Any]) -> list[Any]:
     return out
 
 
-_ASSERTS = {torch.ops.aten._assert_async.default, torch.ops.aten._assert_async.msg,
-            torch.ops.aten._assert_scalar.default}
+_ASSERTS = {
+    torch.ops.aten._assert_async.default,
+    torch.ops.aten._assert_async.msg,
+    torch.ops.aten._assert_scalar.default,
+}
 
 
 def _drop_shape_asserts(gm: fx.GraphModule) -> None:
@@ -164,8 +168,15 @@ def _drop_shape_asserts(gm: fx.GraphModule) -> None:
         gm.recompile()
 
 
-def splice(gm: fx.GraphModule, fn: Callable[..., Any], args: Sequence[fx.Node], *,
-           consts: tuple = (), before: fx.Node, meta_from: fx.Node | None = None) -> Any:
+def splice(
+    gm: fx.GraphModule,
+    fn: Callable[..., Any],
+    args: Sequence[fx.Node],
+    *,
+    consts: tuple = (),
+    before: fx.Node,
+    meta_from: fx.Node | None = None,
+) -> Any:
     """Insert ``fn(*args, *consts)`` before ``before``; returns the node(s) of its result.
 
     ``meta_from``: a node whose non-value metadata (stack trace, partitioner tags that
@@ -217,7 +228,12 @@ def erase_dead(gm: fx.GraphModule, roots: Sequence[fx.Node]) -> int:
     seen: set[fx.Node] = set()
     while stack:
         n = stack.pop()
-        if n in seen or getattr(n, "_erased", False) or n.users or n.op in ("placeholder", "output", "get_attr"):
+        if (
+            n in seen
+            or getattr(n, "_erased", False)
+            or n.users
+            or n.op in ("placeholder", "output", "get_attr")
+        ):
             continue
         if n.op != "call_function":
             continue

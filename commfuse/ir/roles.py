@@ -20,7 +20,19 @@ import torch.fx as fx
 from commfuse.ir.collective import Collective, ParallelRole
 from commfuse.ir.kinds import CollectiveKind
 
-_VIEWISH = {"view", "reshape", "_unsafe_view", "t", "permute", "transpose", "detach", "alias", "clone", "squeeze", "unsqueeze"}
+_VIEWISH = {
+    "view",
+    "reshape",
+    "_unsafe_view",
+    "t",
+    "permute",
+    "transpose",
+    "detach",
+    "alias",
+    "clone",
+    "squeeze",
+    "unsqueeze",
+}
 
 
 def _strip_views(node: fx.Node) -> fx.Node:
@@ -40,7 +52,12 @@ def _feeds_output(node: fx.Node, depth: int = 4) -> bool:
             for u in n.users:
                 if u.op == "output":
                     return True
-                if u.op == "call_function" and getattr(u.target, "__name__", "").split(".")[0] in _VIEWISH | {"wait_tensor", "div", "mul", "add"}:
+                if u.op == "call_function" and getattr(u.target, "__name__", "").split(".")[0] in _VIEWISH | {
+                    "wait_tensor",
+                    "div",
+                    "mul",
+                    "add",
+                }:
                     nxt.append(u)
         frontier = nxt
     return False

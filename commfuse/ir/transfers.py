@@ -41,7 +41,11 @@ class BoundaryTransfers:
         if self.unit_bytes is None:
             return []
         if self.op == STAGE_TRANSFER_OP:
-            return [(s, d, self.unit_bytes) for s, d in zip(self.src, self.dst, strict=True) if self.unit_bytes != 0]
+            return [
+                (s, d, self.unit_bytes)
+                for s, d in zip(self.src, self.dst, strict=True)
+                if self.unit_bytes != 0
+            ]
         out = []
         for i, s in enumerate(self.src):
             for j, d in enumerate(self.dst):
@@ -86,8 +90,10 @@ class BoundaryTransfers:
         if self.op == STAGE_TRANSFER_OP:
             pairs = ", ".join(f"{s}->{d}" for s, d in zip(self.src, self.dst, strict=True))
             return f"stage_transfer [{pairs}] on group {self.group_name}"
-        return (f"m2ms dim {self.dim} src {list(self.src)} -> dst {list(self.dst)} splits "
-                f"{[list(r) for r in self.splits or ()]} on group {self.group_name}")
+        return (
+            f"m2ms dim {self.dim} src {list(self.src)} -> dst {list(self.dst)} splits "
+            f"{[list(r) for r in self.splits or ()]} on group {self.group_name}"
+        )
 
 
 def _total(vals) -> Size:
@@ -95,7 +101,6 @@ def _total(vals) -> Size:
     for v in vals:
         t = t + v
     return t
-
 
 
 __all__ = ["M2MS_OP", "STAGE_TRANSFER_OP", "BoundaryTransfers"]

@@ -20,8 +20,12 @@ from typing import Any, Callable, Optional
 
 import torch.fx as fx
 
-from commfuse.core.torch_private import (make_boxed_func, resolve_process_group, structured_trace_enabled,
-                                          trace_artifact)
+from commfuse.core.torch_private import (
+    make_boxed_func,
+    resolve_process_group,
+    structured_trace_enabled,
+    trace_artifact,
+)
 from commfuse.lowering.plan import LoweringPlan, build_plan
 from commfuse.lowering.recorder import Recorder, record
 from commfuse.lowering.regions import compile_compute_regions, compile_guarded
@@ -33,10 +37,16 @@ def lower_eager(gm: fx.GraphModule) -> Callable:
     return make_boxed_func(gm.forward)
 
 
-def plan_for(gm: fx.GraphModule, graph_kind: str, group_roles: Optional[dict[str, str]] = None) -> LoweringPlan:
+def plan_for(
+    gm: fx.GraphModule, graph_kind: str, group_roles: Optional[dict[str, str]] = None
+) -> LoweringPlan:
     """The plan for `gm` in this process (pool aliases used when registered here)."""
-    return build_plan(gm, graph_kind, group_available=lambda name: resolve_process_group(name) is not None,
-                      group_roles=group_roles)
+    return build_plan(
+        gm,
+        graph_kind,
+        group_available=lambda name: resolve_process_group(name) is not None,
+        group_roles=group_roles,
+    )
 
 
 def write_plan(plan: LoweringPlan, dump_dir: Optional[str]) -> None:
@@ -54,11 +64,16 @@ def write_plan(plan: LoweringPlan, dump_dir: Optional[str]) -> None:
         pass
 
 
-def lower_runtime(gm: fx.GraphModule, graph_kind: str, *, dump_dir: Optional[str] = None,
-                  compile_regions: Optional[Callable[[fx.GraphModule, list], Any]] = None,
-                  example_inputs: Optional[list] = None,
-                  on_plan: Optional[Callable[[LoweringPlan], None]] = None,
-                  group_roles: Optional[dict[str, str]] = None) -> Callable:
+def lower_runtime(
+    gm: fx.GraphModule,
+    graph_kind: str,
+    *,
+    dump_dir: Optional[str] = None,
+    compile_regions: Optional[Callable[[fx.GraphModule, list], Any]] = None,
+    example_inputs: Optional[list] = None,
+    on_plan: Optional[Callable[[LoweringPlan], None]] = None,
+    group_roles: Optional[dict[str, str]] = None,
+) -> Callable:
     """commfuse's runtime lowering of one graph (boxed). ``compile_regions(region_gm, example_inputs)``
     compiles compute (Inductor); a graph without collectives is one region. ``on_plan`` receives the plan.
     ``group_roles``: the pipeline's group name -> role, for the plan's (and the profiler labels') roles."""
@@ -66,7 +81,9 @@ def lower_runtime(gm: fx.GraphModule, graph_kind: str, *, dump_dir: Optional[str
     write_plan(plan, dump_dir)
     # beside the graphs in torch's structured trace (TORCH_TRACE): what the runtime will issue
     if structured_trace_enabled():
-        trace_artifact(f"commfuse_{graph_kind}_lowering_plan", "json", lambda: json.dumps(plan.to_dict(), indent=1))
+        trace_artifact(
+            f"commfuse_{graph_kind}_lowering_plan", "json", lambda: json.dumps(plan.to_dict(), indent=1)
+        )
     if on_plan is not None:
         on_plan(plan)
     if not plan.collectives:
@@ -75,13 +92,27 @@ def lower_runtime(gm: fx.GraphModule, graph_kind: str, *, dump_dir: Optional[str
         if example_inputs is None:
             example_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
 
-        return compile_guarded(compile_regions, gm, list(example_inputs),
-                               f"the {graph_kind} graph (one compute region, no collective)")
+        return compile_guarded(
+            compile_regions,
+            gm,
+            list(example_inputs),
+            f"the {graph_kind} graph (one compute region, no collective)",
+        )
     lowered = lower_graph(gm, plan)
     if compile_regions is not None:
         lowered = compile_compute_regions(lowered, compile_regions, graph_kind)
     return make_boxed_func(lowered)
 
 
-__all__ = ["LoweredGraph", "LoweringPlan", "Recorder", "build_plan", "lower_eager", "lower_graph",
-           "lower_runtime", "plan_for", "record", "write_plan"]
+__all__ = [
+    "LoweredGraph",
+    "LoweringPlan",
+    "Recorder",
+    "build_plan",
+    "lower_eager",
+    "lower_graph",
+    "lower_runtime",
+    "plan_for",
+    "record",
+    "write_plan",
+]

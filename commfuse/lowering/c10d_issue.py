@@ -33,8 +33,14 @@ from commfuse.core.torch_private import c10d_functional as F
 from commfuse.ops.boundary import M2MS, M2MS_AUTOGRAD, parse_m2ms
 
 _F_OPS = {
-    "sum": "SUM", "avg": "AVG", "product": "PRODUCT", "min": "MIN", "max": "MAX",
-    "band": "BAND", "bor": "BOR", "bxor": "BXOR",
+    "sum": "SUM",
+    "avg": "AVG",
+    "product": "PRODUCT",
+    "min": "MIN",
+    "max": "MAX",
+    "band": "BAND",
+    "bor": "BOR",
+    "bxor": "BXOR",
 }
 
 
@@ -120,8 +126,13 @@ def _broadcast(inp: Tensor, src: int, pg) -> Issued:
 def _coalesced(one: Callable[..., Issued], inputs, *rest) -> Issued:
     parts = [one(t, *rest) for t in inputs]
     finish = next((p.finish for p in parts if p.finish is not None), None)
-    return Issued([p.outputs[0] for p in parts], [p.works[0] for p in parts], finish,
-                  sum(p.sent_bytes for p in parts), sum(p.received_bytes for p in parts))
+    return Issued(
+        [p.outputs[0] for p in parts],
+        [p.works[0] for p in parts],
+        finish,
+        sum(p.sent_bytes for p in parts),
+        sum(p.received_bytes for p in parts),
+    )
 
 
 def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
@@ -130,28 +141,45 @@ def _arg(args: tuple, kwargs: dict, i: int, name: str) -> Any:
 
 # target -> issue(args, kwargs, pg); args follow the functional op's schema
 _ISSUERS: dict[Any, Callable[[tuple, dict, Any], Issued]] = {
-    F.all_reduce.default: lambda a, k, pg: _all_reduce(_arg(a, k, 0, "input"), _arg(a, k, 1, "reduce_op"), pg),
-    F.all_gather_into_tensor.default:
-        lambda a, k, pg: _all_gather(_arg(a, k, 0, "input"), int(_arg(a, k, 1, "group_size")), pg),
-    F.reduce_scatter_tensor.default:
-        lambda a, k, pg: _reduce_scatter(_arg(a, k, 0, "input"), _arg(a, k, 1, "reduce_op"),
-                                         int(_arg(a, k, 2, "group_size")), pg),
-    F.all_to_all_single.default:
-        lambda a, k, pg: _all_to_all(_arg(a, k, 0, "input"), _arg(a, k, 1, "output_split_sizes"),
-                                     _arg(a, k, 2, "input_split_sizes"), pg),
+    F.all_reduce.default: lambda a, k, pg: _all_reduce(
+        _arg(a, k, 0, "input"), _arg(a, k, 1, "reduce_op"), pg
+    ),
+    F.all_gather_into_tensor.default: lambda a, k, pg: _all_gather(
+        _arg(a, k, 0, "input"), int(_arg(a, k, 1, "group_size")), pg
+    ),
+    F.reduce_scatter_tensor.default: lambda a, k, pg: _reduce_scatter(
+        _arg(a, k, 0, "input"), _arg(a, k, 1, "reduce_op"), int(_arg(a, k, 2, "group_size")), pg
+    ),
+    F.all_to_all_single.default: lambda a, k, pg: _all_to_all(
+        _arg(a, k, 0, "input"), _arg(a, k, 1, "output_split_sizes"), _arg(a, k, 2, "input_split_sizes"), pg
+    ),
     F.broadcast.default: lambda a, k, pg: _broadcast(_arg(a, k, 0, "input"), _arg(a, k, 1, "src"), pg),
-    F.all_reduce_coalesced.default:
-        lambda a, k, pg: _coalesced(_all_reduce, _arg(a, k, 0, "inputs"), _arg(a, k, 1, "reduce_op"), pg),
-    F.all_gather_into_tensor_coalesced.default:
-        lambda a, k, pg: _coalesced(_all_gather, _arg(a, k, 0, "inputs"), int(_arg(a, k, 1, "group_size")), pg),
-    F.reduce_scatter_tensor_coalesced.default:
-        lambda a, k, pg: _coalesced(_reduce_scatter, _arg(a, k, 0, "inputs"), _arg(a, k, 1, "reduce_op"),
-                                    int(_arg(a, k, 2, "group_size")), pg),
+    F.all_reduce_coalesced.default: lambda a, k, pg: _coalesced(
+        _all_reduce, _arg(a, k, 0, "inputs"), _arg(a, k, 1, "reduce_op"), pg
+    ),
+    F.all_gather_into_tensor_coalesced.default: lambda a, k, pg: _coalesced(
+        _all_gather, _arg(a, k, 0, "inputs"), int(_arg(a, k, 1, "group_size")), pg
+    ),
+    F.reduce_scatter_tensor_coalesced.default: lambda a, k, pg: _coalesced(
+        _reduce_scatter,
+        _arg(a, k, 0, "inputs"),
+        _arg(a, k, 1, "reduce_op"),
+        int(_arg(a, k, 2, "group_size")),
+        pg,
+    ),
 }
 
 # Where each op keeps its group name (schema position), for the fallback's swap.
-_GROUP_ARG = {"all_reduce_": 2, "broadcast_": 2, "isend": 3, "irecv": 3, "batch_p2p_ops": 4,
-              "reduce_to_root": 4, "m2ms": 6, "stage_transfer": 4}
+_GROUP_ARG = {
+    "all_reduce_": 2,
+    "broadcast_": 2,
+    "isend": 3,
+    "irecv": 3,
+    "batch_p2p_ops": 4,
+    "reduce_to_root": 4,
+    "m2ms": 6,
+    "stage_transfer": 4,
+}
 
 
 def has_issuer(target: Any) -> bool:
@@ -177,17 +205,20 @@ def _m2ms_sent_bytes(args: tuple, kwargs: dict, pg) -> int:
 _FALLBACK_SENT = {M2MS: _m2ms_sent_bytes, M2MS_AUTOGRAD: _m2ms_sent_bytes}
 
 
-def issue_fallback(target: Any, args: tuple, kwargs: dict, group_name: Optional[str], pg: Any = None) -> Issued:
+def issue_fallback(
+    target: Any, args: tuple, kwargs: dict, group_name: Optional[str], pg: Any = None
+) -> Issued:
     """Run the graph's own op (it registers its work for ``wait_tensor``), routed to `group_name`
     (``pg``: that group, to count the bytes this rank sends where the op's arguments say)."""
     pos = _GROUP_ARG.get(getattr(getattr(target, "_overloadpacket", None), "__name__", ""))
     if group_name is not None and pos is not None and len(args) > pos:
-        args = (*args[:pos], group_name, *args[pos + 1:])
+        args = (*args[:pos], group_name, *args[pos + 1 :])
     sent = _FALLBACK_SENT[target](args, kwargs, pg) if target in _FALLBACK_SENT else 0
     out = target(*args, **kwargs)
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
-    return Issued(outs, [], None, sent, sum(_nbytes(t) for t in outs if isinstance(t, Tensor)),
-                  extra={"fallback": True})
+    return Issued(
+        outs, [], None, sent, sum(_nbytes(t) for t in outs if isinstance(t, Tensor)), extra={"fallback": True}
+    )
 
 
 def wait_fallback(t: Tensor) -> Tensor:

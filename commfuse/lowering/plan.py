@@ -100,12 +100,16 @@ class LoweringPlan:
 
     def describe(self) -> str:
         """Human-readable plan, one line per collective (what the dumps show)."""
-        lines = [f"lowering plan ({self.graph_kind}): {len(self.collectives)} collectives, "
-                 f"{self.num_streams} compute stream(s), {len(self.events)} cross-stream event(s)"]
+        lines = [
+            f"lowering plan ({self.graph_kind}): {len(self.collectives)} collectives, "
+            f"{self.num_streams} compute stream(s), {len(self.events)} cross-stream event(s)"
+        ]
         for c in self.collectives:
             via = "" if c.issue_group == c.group else f" via {c.issue_group}"
-            lines.append(f"  #{c.index} {c.kind} {c.start} on {c.group}{via}, "
-                         f"{c.logged_bytes if c.logged_bytes is not None else '?'} B, waited by {', '.join(c.waits)}")
+            lines.append(
+                f"  #{c.index} {c.kind} {c.start} on {c.group}{via}, "
+                f"{c.logged_bytes if c.logged_bytes is not None else '?'} B, waited by {', '.join(c.waits)}"
+            )
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -124,8 +128,13 @@ def _concrete(x: Any) -> Optional[int]:
         return None
 
 
-def build_plan(gm: fx.GraphModule, graph_kind: str = "graph", *,
-               group_available=None, group_roles: Optional[dict[str, str]] = None) -> LoweringPlan:
+def build_plan(
+    gm: fx.GraphModule,
+    graph_kind: str = "graph",
+    *,
+    group_available=None,
+    group_roles: Optional[dict[str, str]] = None,
+) -> LoweringPlan:
     """The plan for `gm` as it stands (its node order is the issue order).
     ``group_roles``: group name -> role as the pipeline was given them (else inferred; names only).
 
@@ -142,13 +151,23 @@ def build_plan(gm: fx.GraphModule, graph_kind: str = "graph", *,
             if group_available is not None and group_available(alias):
                 issue_group = alias
             else:
-                plan.notes.append(f"{c.start.name}: communicator-pool group {alias!r} is not set up in this "
-                                  f"process (commfuse.setup(communicator_ctas=...)); issued on {c.group.name}")
-        plan.collectives.append(PlannedCollective(
-            index=i, start=c.start.name, waits=tuple(w.name for w in c.waits), kind=c.kind.value,
-            group=c.group.name, issue_group=issue_group, logged_bytes=_concrete(c.logged_bytes),
-            setting=dict(setting) if isinstance(setting, dict) else None,
-            role=None if c.role is ParallelRole.UNKNOWN else c.role.value))
+                plan.notes.append(
+                    f"{c.start.name}: communicator-pool group {alias!r} is not set up in this "
+                    f"process (commfuse.setup(communicator_ctas=...)); issued on {c.group.name}"
+                )
+        plan.collectives.append(
+            PlannedCollective(
+                index=i,
+                start=c.start.name,
+                waits=tuple(w.name for w in c.waits),
+                kind=c.kind.value,
+                group=c.group.name,
+                issue_group=issue_group,
+                logged_bytes=_concrete(c.logged_bytes),
+                setting=dict(setting) if isinstance(setting, dict) else None,
+                role=None if c.role is ParallelRole.UNKNOWN else c.role.value,
+            )
+        )
     _plan_streams(gm, plan)
     return plan
 

@@ -136,13 +136,23 @@ class Recorder:
             except (AttributeError, RuntimeError):
                 return  # no future on this backend: the wait's end stands in
 
-    def kernel_collective(self, kind: str, group: str, sent_bytes: int, received_bytes: int, work: Any,
-                          op: str) -> None:
+    def kernel_collective(
+        self, kind: str, group: str, sent_bytes: int, received_bytes: int, work: Any, op: str
+    ) -> None:
         """A collective an op issued inside its kernel (:mod:`commfuse.core.kernel_collectives`):
         recorded under the graph :data:`KERNEL_GRAPH`, its logged bytes the buffer it handed to c10d."""
-        rec = CollectiveRecord(index=-1, name=op, graph=KERNEL_GRAPH, kind=kind, group=group, issue_group=group,
-                               logged_bytes=sent_bytes, sent_bytes=sent_bytes, received_bytes=received_bytes,
-                               issued_ns=time.perf_counter_ns())
+        rec = CollectiveRecord(
+            index=-1,
+            name=op,
+            graph=KERNEL_GRAPH,
+            kind=kind,
+            group=group,
+            issue_group=group,
+            logged_bytes=sent_bytes,
+            sent_bytes=sent_bytes,
+            received_bytes=received_bytes,
+            issued_ns=time.perf_counter_ns(),
+        )
         self.collective(rec, [work] if work is not None else [])
 
     def wait(self, rec: Optional[CollectiveRecord], graph: str, begin_ns: int) -> None:
@@ -188,23 +198,54 @@ class Recorder:
         for c in self.collectives:
             tracks.setdefault(f"comm:{c.issue_group}", len(tracks))
         ev: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": self.rank, "tid": 0,
-             "args": {"name": f"commfuse rank {self.rank}"}}]
-        ev += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}}
-               for name, tid in tracks.items()]
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": self.rank,
+                "tid": 0,
+                "args": {"name": f"commfuse rank {self.rank}"},
+            }
+        ]
+        ev += [
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}}
+            for name, tid in tracks.items()
+        ]
         for r in self.regions:
-            ev.append({"name": r.kind if r.kind == "compute" else "wait", "cat": r.kind, "ph": "X",
-                       "pid": self.rank, "tid": 0, "ts": us(r.begin_ns), "dur": (r.end_ns - r.begin_ns) / 1e3,
-                       "args": {"graph": r.graph}})
+            ev.append(
+                {
+                    "name": r.kind if r.kind == "compute" else "wait",
+                    "cat": r.kind,
+                    "ph": "X",
+                    "pid": self.rank,
+                    "tid": 0,
+                    "ts": us(r.begin_ns),
+                    "dur": (r.end_ns - r.begin_ns) / 1e3,
+                    "args": {"graph": r.graph},
+                }
+            )
         for c in self.collectives:
             end = c.end_ns if c.end_ns is not None else c.issued_ns
             args = {k: v for k, v in asdict(c).items() if not k.endswith("_ns")}
             args["end_from"] = "work" if c.done_ns is not None else "wait"
-            ev.append({"name": f"{c.kind} {c.name}", "cat": f"comm,{c.kind}", "ph": "X", "pid": self.rank,
-                       "tid": tracks[f"comm:{c.issue_group}"], "ts": us(c.issued_ns),
-                       "dur": (end - c.issued_ns) / 1e3, "args": args})
-        other = {"source": "commfuse.record", "rank": self.rank, "clock": "time.perf_counter_ns",
-                 "t0_perf_counter_ns": t0, "t0_unix_ns": t0 + self.unix_minus_perf_ns}
+            ev.append(
+                {
+                    "name": f"{c.kind} {c.name}",
+                    "cat": f"comm,{c.kind}",
+                    "ph": "X",
+                    "pid": self.rank,
+                    "tid": tracks[f"comm:{c.issue_group}"],
+                    "ts": us(c.issued_ns),
+                    "dur": (end - c.issued_ns) / 1e3,
+                    "args": args,
+                }
+            )
+        other = {
+            "source": "commfuse.record",
+            "rank": self.rank,
+            "clock": "time.perf_counter_ns",
+            "t0_perf_counter_ns": t0,
+            "t0_unix_ns": t0 + self.unix_minus_perf_ns,
+        }
         return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": other}
 
     def write(self, directory: str | os.PathLike) -> Path:
@@ -226,7 +267,9 @@ def profiler_offset_us(recorder_trace: dict[str, Any], profiler_trace: dict[str,
     t0 = recorder_trace.get("otherData", {}).get("t0_unix_ns")
     base = profiler_trace.get("baseTimeNanoseconds")
     if t0 is None or base is None:
-        raise ValueError("need a recorder trace with otherData.t0_unix_ns and a Kineto trace with baseTimeNanoseconds")
+        raise ValueError(
+            "need a recorder trace with otherData.t0_unix_ns and a Kineto trace with baseTimeNanoseconds"
+        )
     return (int(t0) - int(base)) / 1e3
 
 

@@ -52,7 +52,10 @@ def _bare_symbols(val: Any) -> set:
     if isinstance(val, torch.SymInt):
         exprs = [val.node.expr]
     elif isinstance(val, torch.Tensor):
-        exprs = [getattr(x, "node", None) and x.node.expr for x in (*val.shape, *val.stride(), val.storage_offset())]
+        exprs = [
+            getattr(x, "node", None) and x.node.expr
+            for x in (*val.shape, *val.stride(), val.storage_offset())
+        ]
     else:
         return set()
     return {e for e in exprs if e is not None and getattr(e, "is_Symbol", False)}
@@ -168,8 +171,13 @@ class GuardedRegion:
     its first compiled run failed (see the module docstring). ``layouts``: per input, the strides
     the compiled form expects (see ``_expected_layout``); inputs are copied into them if needed."""
 
-    def __init__(self, compiled: Optional[Callable[[list], Any]], eager: fx.GraphModule, where: str,
-                 layouts: Optional[list] = None) -> None:
+    def __init__(
+        self,
+        compiled: Optional[Callable[[list], Any]],
+        eager: fx.GraphModule,
+        where: str,
+        layouts: Optional[list] = None,
+    ) -> None:
         # an instance attribute: wrappers made with functools.wraps (AOTAutograd's, Dynamo's
         # disable) copy __dict__, and AOTAutograd calls a compiled graph boxed only if it is set
         self._boxed_call = True
@@ -191,25 +199,39 @@ class GuardedRegion:
         if self.proven:
             return self.compiled(self._restrided(args))
         try:
-            out = self.compiled(self._restrided(list(args)))  # a copy: a boxed callable may clear the list it is given
+            out = self.compiled(
+                self._restrided(list(args))
+            )  # a copy: a boxed callable may clear the list it is given
         except Exception as e:  # noqa: BLE001 - any failure of the compiled form: run the graph itself
             self.compiled = None
-            warnings.warn(f"commfuse: {self.where} failed on its first run and runs eagerly from now on "
-                          f"(same values, no fusion): {type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"commfuse: {self.where} failed on its first run and runs eagerly from now on "
+                f"(same values, no fusion): {type(e).__name__}: {e}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return self.eager(*args)
         self.proven = True
         return out
 
 
-def compile_guarded(compile_region: Callable[[fx.GraphModule, list], Any], gm: fx.GraphModule, example_inputs: list,
-                    where: str) -> GuardedRegion:
+def compile_guarded(
+    compile_region: Callable[[fx.GraphModule, list], Any],
+    gm: fx.GraphModule,
+    example_inputs: list,
+    where: str,
+) -> GuardedRegion:
     """``compile_region(gm, example_inputs)``, falling back to running ``gm`` eagerly when that
     compile fails or the compiled form fails on its first run (one warning naming ``where``)."""
     try:
         compiled = compile_region(gm, example_inputs)
     except Exception as e:  # noqa: BLE001 - Inductor can fail in many ways; the graph itself still runs
-        warnings.warn(f"commfuse: {where} did not compile and runs eagerly (same values, no fusion): "
-                      f"{type(e).__name__}: {e}", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"commfuse: {where} did not compile and runs eagerly (same values, no fusion): "
+            f"{type(e).__name__}: {e}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         log.debug("commfuse: %s did not compile", where, exc_info=True)
         compiled = None
     mutated = _mutated_inputs(gm)
@@ -231,8 +253,11 @@ class _Region(torch.nn.Module):
 
 
 def _example_inputs(sub: fx.GraphModule, vals: dict[str, Any]) -> list[Any]:
-    return [vals[n.target] if n.target in vals else n.meta.get("val")
-            for n in sub.graph.nodes if n.op == "placeholder"]
+    return [
+        vals[n.target] if n.target in vals else n.meta.get("val")
+        for n in sub.graph.nodes
+        if n.op == "placeholder"
+    ]
 
 
 def _hold_attribute_outputs(gm: fx.GraphModule) -> dict[int, str]:
@@ -267,8 +292,9 @@ def _restore_attribute_outputs(split: fx.GraphModule, gm: fx.GraphModule, held: 
     out.args = (type(out.args[0])(values),)
 
 
-def compile_compute_regions(lowered: LoweredGraph, compile_region: Callable[[fx.GraphModule, list], Any],
-                            graph_kind: str = "graph") -> LoweredGraph:
+def compile_compute_regions(
+    lowered: LoweredGraph, compile_region: Callable[[fx.GraphModule, list], Any], graph_kind: str = "graph"
+) -> LoweredGraph:
     """Replace every compute region of `lowered.module` by `compile_region(region_gm, example_inputs)`
     (a boxed callable, e.g. Inductor's compiled graph), guarded by the eager fallback."""
     gm = lowered.module
@@ -277,15 +303,21 @@ def compile_compute_regions(lowered: LoweredGraph, compile_region: Callable[[fx.
     if bind_region_symbols(gm, ids):
         gm.recompile()
     held = _hold_attribute_outputs(gm)
-    split = split_module(gm, gm, lambda n: ids[n.name], keep_original_order=True,
-                         keep_original_node_name=True)
+    split = split_module(
+        gm, gm, lambda n: ids[n.name], keep_original_order=True, keep_original_node_name=True
+    )
     _restore_attribute_outputs(split, gm, held)
     for n in list(split.graph.nodes):
         if n.op != "call_module":
             continue
         sub = getattr(split, n.target)
-        calls = [m for m in sub.graph.nodes if m.op == "call_function" and m.target is not commfuse_bind_symbols
-                 and m.target is not operator.getitem]
+        calls = [
+            m
+            for m in sub.graph.nodes
+            if m.op == "call_function"
+            and m.target is not commfuse_bind_symbols
+            and m.target is not operator.getitem
+        ]
         if not calls or all(is_runtime_call(m) for m in calls):
             continue  # a runtime call, with the getitems that unpack a coalesced one's results
         _drop_symbol_anchors(sub)
@@ -294,8 +326,12 @@ def compile_compute_regions(lowered: LoweredGraph, compile_region: Callable[[fx.
         if single:
             out.args = ((out.args[0],),)
             sub.recompile()
-        compiled = compile_guarded(compile_region, sub, _example_inputs(sub, vals),
-                                   f"compute region {n.target} of the {graph_kind} graph")
+        compiled = compile_guarded(
+            compile_region,
+            sub,
+            _example_inputs(sub, vals),
+            f"compute region {n.target} of the {graph_kind} graph",
+        )
         setattr(split, n.target, _Region(compiled, single))
     split.recompile()
     return LoweredGraph(split, lowered.plan, lowered.state)

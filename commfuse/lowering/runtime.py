@@ -75,8 +75,12 @@ def region_ids(gm: fx.GraphModule) -> dict[str, int]:
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
-        if n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], fx.Node) \
-                and n.args[0].name in ids:
+        if (
+            n.op == "call_function"
+            and n.target is operator.getitem
+            and isinstance(n.args[0], fx.Node)
+            and n.args[0].name in ids
+        ):
             # Unpack a multi-output op where it ran: regions then pass tensors, never lists.
             ids[n.name] = ids[n.args[0].name]
         elif is_runtime_call(n):
@@ -138,8 +142,10 @@ class RuntimeState:
         if pg is None:
             pg = resolve_process_group(name)
             if pg is None:
-                raise RuntimeError(f"commfuse runtime: no process group named {name!r} in this process "
-                                   f"(groups come from torch.distributed / commfuse.setup, never from compiling)")
+                raise RuntimeError(
+                    f"commfuse runtime: no process group named {name!r} in this process "
+                    f"(groups come from torch.distributed / commfuse.setup, never from compiling)"
+                )
             self.groups[name] = pg
         return pg
 
@@ -165,13 +171,26 @@ def _make_issuer(state: RuntimeState, planned: PlannedCollective, target: Any) -
             issued = c10d_issue.issue(target, args, kwargs, state.group(planned.issue_group))
         else:
             issued = c10d_issue.issue_fallback(
-                target, args, kwargs, planned.issue_group if planned.issue_group != planned.group else None,
-                pg=state.group(planned.issue_group) if rec is not None else None)
+                target,
+                args,
+                kwargs,
+                planned.issue_group if planned.issue_group != planned.group else None,
+                pg=state.group(planned.issue_group) if rec is not None else None,
+            )
         record = None
         if rec is not None:
             record = rec_mod.CollectiveRecord(
-                planned.index, planned.start, state.label, planned.kind, planned.group, planned.issue_group,
-                planned.logged_bytes, issued.sent_bytes, issued.received_bytes, t0)
+                planned.index,
+                planned.start,
+                state.label,
+                planned.kind,
+                planned.group,
+                planned.issue_group,
+                planned.logged_bytes,
+                issued.sent_bytes,
+                issued.received_bytes,
+                t0,
+            )
             rec.collective(record, issued.works)
             rec.call_end(state.label)
         if not synchronous:
@@ -264,8 +283,11 @@ def lower_graph(gm: fx.GraphModule, plan: LoweringPlan, *, streams: bool = True)
             n.target = _make_issuer(state, p, n.target)
         elif is_wait(n.target):
             c = waited.get(n.name)
-            label = f"commfuse::wait:{c.kind}[{c.role or c.group}]:{c.start}" if c is not None \
+            label = (
+                f"commfuse::wait:{c.kind}[{c.role or c.group}]:{c.start}"
+                if c is not None
                 else f"commfuse::wait:{n.name}"
+            )
             n.target = _make_wait(state, n.name, label)
     module = fx.GraphModule(gm, graph, class_name="CommfuseLowered")
     if streams and plan.node_streams and torch.cuda.is_available():

@@ -84,7 +84,9 @@ class CudaStreams:
 
     def _ensure(self) -> None:
         if not self.streams:
-            self.streams = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(self.num_streams - 1)]
+            self.streams = [torch.cuda.current_stream()] + [
+                torch.cuda.Stream() for _ in range(self.num_streams - 1)
+            ]
             self.events = [torch.cuda.Event() for _ in range(self.num_events)]
 
     def fork(self) -> None:
@@ -118,8 +120,14 @@ def apply_stream_plan(module: fx.GraphModule, plan: LoweringPlan) -> CudaStreams
     program = stream_program(module, plan)
     rt = CudaStreams(plan.num_streams, len(plan.events))
     g = module.graph
-    fns = {"fork": rt.fork, "switch": rt.switch, "record": rt.record, "wait": rt.wait, "keep": rt.keep,
-           "join": rt.join}
+    fns = {
+        "fork": rt.fork,
+        "switch": rt.switch,
+        "record": rt.record,
+        "wait": rt.wait,
+        "keep": rt.keep,
+        "join": rt.join,
+    }
     # Insert each op just before the next node of the program (or after the last placeholder).
     pending: list[Op] = []
     for item in program:

@@ -108,9 +108,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def all_gather_cat(
-    t: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
+def all_gather_cat(t: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate the plain tensor ``t`` of every rank of ``group`` along ``dim``
     (eager, for checking results; every rank gets the result)."""
     world = dist.get_world_size(group)

@@ -65,8 +65,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from commfuse.models.common import Batch, init_weights_
 
@@ -117,9 +123,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, theta: float = 10000.0
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope(q: torch.Tensor, k: torch.Tensor, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding (rotate-half form) for ``[batch, seq, heads, head_dim]``.
 
     Positions are ``0..seq-1`` of the tensor it is given, so it must see the
@@ -127,9 +131,7 @@ def apply_rope(
     Real arithmetic only, no complex tensors, to keep tracing simple.
     """
     seq, head_dim = q.shape[1], q.shape[-1]
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=q.device, dtype=torch.float32) / head_dim
-    )
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=q.device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq, device=q.device, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)[None, :, None, :]  # [1, seq, 1, hd]
     cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
@@ -202,9 +204,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = LlamaConfig(n_layers, dim, n_heads, ffn_dim, vocab, rope)
         self.tok_embeddings = nn.Embedding(vocab, dim) if vocab else None
-        self.layers = nn.ModuleList(
-            TransformerBlock(dim, n_heads, ffn_dim, rope) for _ in range(n_layers)
-        )
+        self.layers = nn.ModuleList(TransformerBlock(dim, n_heads, ffn_dim, rope) for _ in range(n_layers))
         self.norm = RMSNorm(dim) if vocab else None
         self.output = nn.Linear(dim, vocab, bias=False) if vocab else None
 
@@ -221,9 +221,7 @@ def build_llama(config: LlamaConfig | None = None, seed: int = 0) -> LlamaModel:
     """A :class:`LlamaModel` with deterministic weights (same on every rank);
     ``config`` defaults to ``LlamaConfig()``."""
     config = config or LlamaConfig()
-    model = LlamaModel(
-        config.n_layers, config.dim, config.n_heads, config.ffn_dim, config.vocab, config.rope
-    )
+    model = LlamaModel(config.n_layers, config.dim, config.n_heads, config.ffn_dim, config.vocab, config.rope)
     return init_weights_(model, seed)
 
 
@@ -249,9 +247,7 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     # a Partial DTensor and its backward is one reduce_scatter. Handing the
     # column-parallel layers a plain tensor instead makes them re-wrap it as
     # Replicate, whose backward is an all_reduce followed by a local slice.
-    gather_seq = PrepareModuleInput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-    )
+    gather_seq = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     return {
         "attention_norm": SequenceParallel(),
         "attention": gather_seq,
@@ -267,9 +263,7 @@ def _block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     }
 
 
-def parallelize_llama(
-    model: LlamaModel, mesh: DeviceMesh, *, sequence_parallel: bool = True
-) -> LlamaModel:
+def parallelize_llama(model: LlamaModel, mesh: DeviceMesh, *, sequence_parallel: bool = True) -> LlamaModel:
     """Apply TP (+SP) in place over the 1-D ``mesh``; returns ``model``.
 
     Weights become DTensors (``Shard(0)`` for column-parallel, ``Shard(1)`` for

@@ -56,8 +56,14 @@ from commfuse.moe.layer import keep_local_experts
 Style = Literal["gshard", "dropless"]
 Layout = Literal["ep", "tp_ep", "sp_ep_sp"]
 
-__all__ = ["DroplessMoE", "GShardMoE", "MoEStyleConfig", "build_moe_style", "build_moe_style_tp",
-           "parallelize_moe_style_tp"]
+__all__ = [
+    "DroplessMoE",
+    "GShardMoE",
+    "MoEStyleConfig",
+    "build_moe_style",
+    "build_moe_style_tp",
+    "parallelize_moe_style_tp",
+]
 
 
 def _router_logits(x: torch.Tensor, weight: torch.Tensor, fp32: bool) -> torch.Tensor:
@@ -67,8 +73,9 @@ def _router_logits(x: torch.Tensor, weight: torch.Tensor, fp32: bool) -> torch.T
     return F.linear(x, weight).float()
 
 
-def _switch_aux(probs: torch.Tensor, first_choice: torch.Tensor, logits: torch.Tensor, num_experts: int,
-                z_weight: float) -> torch.Tensor:
+def _switch_aux(
+    probs: torch.Tensor, first_choice: torch.Tensor, logits: torch.Tensor, num_experts: int, z_weight: float
+) -> torch.Tensor:
     """Switch load balancing over the tokens of dim 0 plus the ST-MoE z-loss."""
     top1_fraction = F.one_hot(first_choice, num_experts).float().mean(dim=0)
     aux = num_experts * (top1_fraction * probs.mean(dim=0)).sum()
@@ -78,8 +85,16 @@ def _switch_aux(probs: torch.Tensor, first_choice: torch.Tensor, logits: torch.T
 class GShardMoE(nn.Module):
     """GShard capacity MoE on tokens ``[..., dim]`` (one token group per call under EP)."""
 
-    def __init__(self, dim: int, num_experts: int, ffn_dim: int, top_k: int = 2, capacity_factor: float = 1.25,
-                 z_weight: float = 1e-3, fp32_router: bool = True) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        ffn_dim: int,
+        top_k: int = 2,
+        capacity_factor: float = 1.25,
+        z_weight: float = 1e-3,
+        fp32_router: bool = True,
+    ) -> None:
         super().__init__()
         self.dim, self.num_experts, self.top_k = dim, num_experts, top_k
         self.capacity_factor, self.z_weight, self.fp32_router = capacity_factor, z_weight, fp32_router
@@ -111,8 +126,9 @@ class GShardMoE(nn.Module):
         e, d = self.num_experts, self.dim
         n, local = self.ep_size, self.num_experts // self.ep_size
         if self.ep_group_name is not None:
-            dispatched = funcol.all_to_all_single_autograd(dispatched.reshape(e * capacity, d), None, None,
-                                                           self.ep_group_name)
+            dispatched = funcol.all_to_all_single_autograd(
+                dispatched.reshape(e * capacity, d), None, None, self.ep_group_name
+            )
         rows = dispatched.reshape(n, local, capacity, d).transpose(0, 1).reshape(local, n * capacity, d)
         h = torch.bmm(F.silu(torch.bmm(rows, self.w1)) * torch.bmm(rows, self.w3), self.w2)
         back = h.reshape(local, n, capacity, d).transpose(0, 1).reshape(e * capacity, d)
@@ -124,9 +140,19 @@ class GShardMoE(nn.Module):
 class DroplessMoE(nn.Module):
     """torchtitan-style dropless token-choice MoE on tokens ``[..., dim]``."""
 
-    def __init__(self, dim: int, num_experts: int, ffn_dim: int, top_k: int = 2, z_weight: float = 1e-3,
-                 score_func: Literal["softmax", "sigmoid"] = "softmax", route_norm: bool = True,
-                 route_scale: float = 1.0, fp32_router: bool = True, track_tokens: bool = False) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        ffn_dim: int,
+        top_k: int = 2,
+        z_weight: float = 1e-3,
+        score_func: Literal["softmax", "sigmoid"] = "softmax",
+        route_norm: bool = True,
+        route_scale: float = 1.0,
+        fp32_router: bool = True,
+        track_tokens: bool = False,
+    ) -> None:
         super().__init__()
         self.dim, self.num_experts, self.top_k, self.z_weight = dim, num_experts, top_k, z_weight
         self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
@@ -202,8 +228,9 @@ class DroplessMoE(nn.Module):
         recv_splits = recv_counts.view(n, local).sum(dim=1).tolist()
         received = funcol.all_to_all_single_autograd(routed, recv_splits, send_splits, group)
         # Received rows come source-major; regroup them expert-major for the experts.
-        row_expert = torch.repeat_interleave(torch.arange(local).repeat(n), recv_counts,
-                                             output_size=received.shape[0])
+        row_expert = torch.repeat_interleave(
+            torch.arange(local).repeat(n), recv_counts, output_size=received.shape[0]
+        )
         perm = torch.argsort(row_expert, stable=True)
         out = self._experts(received[perm], recv_counts.view(n, local).sum(dim=0))
         unpermuted = torch.zeros_like(out).index_copy(0, perm, out)
@@ -228,8 +255,9 @@ def build_moe_style(cfg: MoEStyleConfig, seed: int = 0, **options) -> nn.Module:
 
     ``options`` go to the layer's constructor (e.g. ``score_func``, ``fp32_router``)."""
     if cfg.style == "gshard":
-        layer = GShardMoE(cfg.dim, cfg.num_experts, cfg.ffn_dim, cfg.top_k, cfg.capacity_factor, cfg.z_weight,
-                          **options)
+        layer = GShardMoE(
+            cfg.dim, cfg.num_experts, cfg.ffn_dim, cfg.top_k, cfg.capacity_factor, cfg.z_weight, **options
+        )
     elif cfg.style == "dropless":
         layer = DroplessMoE(cfg.dim, cfg.num_experts, cfg.ffn_dim, cfg.top_k, cfg.z_weight, **options)
     else:
@@ -272,8 +300,9 @@ def build_moe_style_tp(cfg: MoEStyleConfig, seed: int = 0, **options) -> StyleBl
     return block
 
 
-def parallelize_moe_style_tp(block: StyleBlock, mesh: DeviceMesh, layout: Layout,
-                             ep_mesh: DeviceMesh | None = None) -> StyleBlock:
+def parallelize_moe_style_tp(
+    block: StyleBlock, mesh: DeviceMesh, layout: Layout, ep_mesh: DeviceMesh | None = None
+) -> StyleBlock:
     """TP attention + EP experts over the 1-D ``mesh`` in place (layouts of :mod:`.moe_tp`);
     with ``ep_mesh`` (the other dim of a 2-D mesh) the experts are split over that one instead,
     TP and EP on separate mesh dims (see :func:`commfuse.models.moe_tp.parallelize_moe_block`)."""

@@ -47,8 +47,13 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from commfuse.models.common import init_weights_
 from commfuse.models.llama import Attention, RMSNorm
@@ -77,8 +82,9 @@ class MoETransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim)
         self.attention = Attention(cfg.dim, cfg.n_heads)
         self.ffn_norm = RMSNorm(cfg.dim)
-        self.moe = MoELayer(cfg.dim, cfg.num_experts, cfg.ffn_dim, cfg.top_k, cfg.capacity_factor,
-                            cfg.token_groups)
+        self.moe = MoELayer(
+            cfg.dim, cfg.num_experts, cfg.ffn_dim, cfg.top_k, cfg.capacity_factor, cfg.token_groups
+        )
         self.z_loss_weight = cfg.z_loss_weight
         self.mesh: DeviceMesh | None = None  # set for "sp_ep_sp"
 
@@ -120,8 +126,9 @@ def build_moe_tp(cfg: MoETPConfig | None = None, seed: int = 0) -> MoETransforme
     return init_weights_(MoETransformer(cfg or MoETPConfig()), seed, std=0.1)
 
 
-def parallelize_moe_block(block: nn.Module, mesh: DeviceMesh, layout: Layout,
-                          ep_mesh: DeviceMesh | None = None) -> nn.Module:
+def parallelize_moe_block(
+    block: nn.Module, mesh: DeviceMesh, layout: Layout, ep_mesh: DeviceMesh | None = None
+) -> nn.Module:
     """TP attention (+ SP norms for ``sp_ep_sp``) and EP experts of one decoder block, in place.
 
     The block has ``attention_norm``, ``attention`` (wq/wk/wv/wo), ``ffn_norm``, ``moe`` (with
@@ -142,19 +149,24 @@ def parallelize_moe_block(block: nn.Module, mesh: DeviceMesh, layout: Layout,
         "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
     }
     if sp:
-        plan.update({
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "ffn_norm": SequenceParallel(),
-        })
+        plan.update(
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "ffn_norm": SequenceParallel(),
+            }
+        )
         block.mesh = mesh
     parallelize_module(block, mesh, plan, src_data_rank=None)
     block.moe.expert_parallel((mesh if ep_mesh is None else ep_mesh).get_group())
     return block
 
 
-def parallelize_moe_tp(model: MoETransformer, mesh: DeviceMesh, layout: Layout,
-                       ep_mesh: DeviceMesh | None = None) -> MoETransformer:
+def parallelize_moe_tp(
+    model: MoETransformer, mesh: DeviceMesh, layout: Layout, ep_mesh: DeviceMesh | None = None
+) -> MoETransformer:
     """TP attention + EP experts over the 1-D ``mesh`` in place (see the module docstring);
     ``ep_mesh``: the experts over that mesh instead (:func:`parallelize_moe_block`)."""
     sp = layout == "sp_ep_sp"
@@ -163,8 +175,13 @@ def parallelize_moe_tp(model: MoETransformer, mesh: DeviceMesh, layout: Layout,
     if model.config.vocab:
         if sp:
             raise ValueError("the vocab head is only built for layout 'tp_ep'")
-        parallelize_module(model, mesh, {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        }, src_data_rank=None)
+        parallelize_module(
+            model,
+            mesh,
+            {
+                "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                "output": ColwiseParallel(output_layouts=Replicate()),
+            },
+            src_data_rank=None,
+        )
     return model

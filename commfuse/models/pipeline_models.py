@@ -48,7 +48,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from commfuse.models.moe import gshard_gating
-from commfuse.pipeline.collectives import all_gather, all_to_all, copy_to_group, reduce_from_group, reduce_scatter
+from commfuse.pipeline.collectives import (
+    all_gather,
+    all_to_all,
+    copy_to_group,
+    reduce_from_group,
+    reduce_scatter,
+)
 from commfuse.pipeline.layout import StageGroup
 
 KINDS = ("sp", "tp", "ep")
@@ -99,7 +105,9 @@ class ShardedBlock(nn.Module):
         for name, dim in self.SHARD_DIMS.items():
             p = getattr(self, name)
             if dim is not None and n > 1:
-                setattr(self, name, nn.Parameter(shard_of(p.detach(), dim, n, position).clone(), p.requires_grad))
+                setattr(
+                    self, name, nn.Parameter(shard_of(p.detach(), dim, n, position).clone(), p.requires_grad)
+                )
         return self
 
 
@@ -168,8 +176,9 @@ class EPMoEBlock(ShardedBlock):
 
     SHARD_DIMS = {"norm_weight": None, "router": None, "w1": 0, "w3": 0, "w2": 0}
 
-    def __init__(self, dim: int, ffn_dim: int, num_experts: int, top_k: int, capacity_factor: float,
-                 token_groups: int) -> None:
+    def __init__(
+        self, dim: int, ffn_dim: int, num_experts: int, top_k: int, capacity_factor: float, token_groups: int
+    ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.token_groups = token_groups  # used unsharded only: one group per EP rank
@@ -221,8 +230,9 @@ def _block(cfg: PipelineModelConfig, index: int, stage_size: int) -> ShardedBloc
     return EPMoEBlock(cfg.dim, cfg.ffn_dim, cfg.num_experts, cfg.top_k, cfg.capacity_factor, stage_size)
 
 
-def build_stages(cfg: PipelineModelConfig, stage_groups: Optional[Sequence[StageGroup]], position: int,
-                 stage_size: int) -> list[nn.Sequential]:
+def build_stages(
+    cfg: PipelineModelConfig, stage_groups: Optional[Sequence[StageGroup]], position: int, stage_size: int
+) -> list[nn.Sequential]:
     """One ``nn.Sequential`` per stage, sharded for ``position`` of ``stage_groups`` (None: the
     unsharded reference of a pipeline whose stages have ``stage_size`` ranks)."""
     if stage_groups is not None and len(stage_groups) != cfg.num_stages:
@@ -252,8 +262,9 @@ def shard_dims(stage: nn.Module) -> dict[str, Optional[int]]:
 
 
 # ------------------------------------------------------------------ data and loss
-def make_full_data(cfg: PipelineModelConfig, stage_size: int, batch: int, seq: int,
-                   seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+def make_full_data(
+    cfg: PipelineModelConfig, stage_size: int, batch: int, seq: int, seed: int = 1234
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The global input and target (``ep``: ``stage_size * batch`` rows, one block of rows per rank)."""
     rows = batch * stage_size if cfg.kind == "ep" else batch
     gen = torch.Generator().manual_seed(seed)
@@ -261,7 +272,9 @@ def make_full_data(cfg: PipelineModelConfig, stage_size: int, batch: int, seq: i
     return x, torch.randn(rows, seq, cfg.dim, generator=gen)
 
 
-def position_view(cfg: PipelineModelConfig, stage_size: int, position: int, full: torch.Tensor) -> torch.Tensor:
+def position_view(
+    cfg: PipelineModelConfig, stage_size: int, position: int, full: torch.Tensor
+) -> torch.Tensor:
     """Position ``position``'s part of a global tensor (input, target or output)."""
     if cfg.kind == "tp" or stage_size == 1:
         return full
@@ -269,8 +282,9 @@ def position_view(cfg: PipelineModelConfig, stage_size: int, position: int, full
     return full.chunk(stage_size, dim)[position].contiguous()
 
 
-def reference_microbatch(cfg: PipelineModelConfig, stage_size: int, full: torch.Tensor, microbatches: int,
-                         i: int) -> torch.Tensor:
+def reference_microbatch(
+    cfg: PipelineModelConfig, stage_size: int, full: torch.Tensor, microbatches: int, i: int
+) -> torch.Tensor:
     """The global tensor of micro-batch ``i``: every position's micro-batch i, put together."""
     if cfg.kind != "ep":
         return full.tensor_split(microbatches)[i]
@@ -278,7 +292,9 @@ def reference_microbatch(cfg: PipelineModelConfig, stage_size: int, full: torch.
     return torch.cat(parts, 0)
 
 
-def make_loss_fn(cfg: PipelineModelConfig, stage_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def make_loss_fn(
+    cfg: PipelineModelConfig, stage_size: int
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     shards = 1 if cfg.kind == "tp" else stage_size
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -287,8 +303,9 @@ def make_loss_fn(cfg: PipelineModelConfig, stage_size: int) -> Callable[[torch.T
     return loss_fn
 
 
-def reference_step(cfg: PipelineModelConfig, stage_size: int, x_full: torch.Tensor, t_full: torch.Tensor,
-                   microbatches: int) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+def reference_step(
+    cfg: PipelineModelConfig, stage_size: int, x_full: torch.Tensor, t_full: torch.Tensor, microbatches: int
+) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """The unsharded model in one process, the plain accumulation loop over micro-batches.
 
     Returns every position's loss (what the last stage's rank at that position reports:
@@ -311,6 +328,20 @@ def reference_step(cfg: PipelineModelConfig, stage_size: int, x_full: torch.Tens
     return per_position, grads
 
 
-__all__ = ["DPBlock", "EPMoEBlock", "KINDS", "PipelineModelConfig", "SPBlock", "ShardedBlock", "TPBlock",
-           "build_stages", "make_full_data", "make_loss_fn", "position_view", "reference_microbatch", "reference_step",
-           "shard_dims", "shard_of"]
+__all__ = [
+    "DPBlock",
+    "EPMoEBlock",
+    "KINDS",
+    "PipelineModelConfig",
+    "SPBlock",
+    "ShardedBlock",
+    "TPBlock",
+    "build_stages",
+    "make_full_data",
+    "make_loss_fn",
+    "position_view",
+    "reference_microbatch",
+    "reference_step",
+    "shard_dims",
+    "shard_of",
+]

@@ -157,8 +157,11 @@ def routers(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, Optional[fx.Node], Ro
         scores, passed = _back(c.input, _SCORE_OPS)
         if isinstance(scores, fx.Node) and op_name(scores) == "sigmoid":
             logits, _ = _back(Call(scores).input, _SCORE_OPS)
-            yield n, logits if isinstance(logits, fx.Node) else None, \
-                "router scores are a sigmoid; commfuse::moe_layer routes by softmax"
+            yield (
+                n,
+                logits if isinstance(logits, fx.Node) else None,
+                "router scores are a sigmoid; commfuse::moe_layer routes by softmax",
+            )
             continue
         if "softmax" not in passed:
             continue  # a top-k of something else
@@ -184,7 +187,9 @@ def _router(topk: fx.Node, c: Call, lc: Call, k: Any) -> Router | str:
     if static_shape(weight) != ((h, e) if transposed else (e, h)):
         return f"router weight {weight.name} has shape {list(static_shape(weight) or [])}, not [E, H]"
     if value(logits).dtype != torch.float32 or value(x).dtype != torch.float32:
-        return f"router logits computed in {value(x).dtype}; commfuse::moe_layer computes them in torch.float32"
+        return (
+            f"router logits computed in {value(x).dtype}; commfuse::moe_layer computes them in torch.float32"
+        )
     dim = c.arg(2, "dim", -1)
     if dim not in (-1, len(static_shape(c.input)) - 1):
         return f"top-k over dim {dim}, not the experts"
@@ -260,8 +265,11 @@ def weight_assignments(leaves: list[fx.Node], h: int, local: int) -> Iterator[tu
             if len(leaves) == 3:
                 for gate, up, down in itertools.permutations(range(3)):
                     for tg, tu, td in _orient(mats[gate], mats[up], mats[down], h, f):
-                        yield (WeightRecipe((leaves[gate],), tg), WeightRecipe((leaves[up],), tu),
-                               WeightRecipe((leaves[down],), td))
+                        yield (
+                            WeightRecipe((leaves[gate],), tg),
+                            WeightRecipe((leaves[up],), tu),
+                            WeightRecipe((leaves[down],), td),
+                        )
             elif len(leaves) == 2:
                 for fused, down in ((0, 1), (1, 0)):
                     m = mats[fused]
@@ -270,12 +278,14 @@ def weight_assignments(leaves: list[fx.Node], h: int, local: int) -> Iterator[tu
                             continue
                         for td in _options(mats[down], "FH", h, f):
                             for first in (0, 1):
-                                yield (WeightRecipe((leaves[fused],), transpose, (dim, first)),
-                                       WeightRecipe((leaves[fused],), transpose, (dim, 1 - first)),
-                                       WeightRecipe((leaves[down],), td))
+                                yield (
+                                    WeightRecipe((leaves[fused],), transpose, (dim, first)),
+                                    WeightRecipe((leaves[fused],), transpose, (dim, 1 - first)),
+                                    WeightRecipe((leaves[down],), td),
+                                )
         return
     if all(len(s) == 2 for s in shapes) and len(leaves) == 3 * local:
-        per_expert = [leaves[3 * i:3 * i + 3] for i in range(local)]
+        per_expert = [leaves[3 * i : 3 * i + 3] for i in range(local)]
         first = [static_shape(leaf) for leaf in per_expert[0]]
         if any([static_shape(leaf) for leaf in group] != first for group in per_expert):
             return
@@ -283,9 +293,11 @@ def weight_assignments(leaves: list[fx.Node], h: int, local: int) -> Iterator[tu
         for f in sorted(ffns):
             for gate, up, down in itertools.permutations(range(3)):
                 for tg, tu, td in _orient(first[gate], first[up], first[down], h, f):
-                    yield (WeightRecipe(tuple(g[gate] for g in per_expert), tg),
-                           WeightRecipe(tuple(g[up] for g in per_expert), tu),
-                           WeightRecipe(tuple(g[down] for g in per_expert), td))
+                    yield (
+                        WeightRecipe(tuple(g[gate] for g in per_expert), tg),
+                        WeightRecipe(tuple(g[up] for g in per_expert), tu),
+                        WeightRecipe(tuple(g[down] for g in per_expert), td),
+                    )
 
 
 def _orient(gate: tuple, up: tuple, down: tuple, h: int, f: int) -> Iterator[tuple[bool, bool, bool]]:
@@ -305,8 +317,9 @@ def _options(shape: tuple, role: str, h: int, f: int) -> list[bool]:
 
 
 # ------------------------------------------------------------------ probing
-def _probe_graph(gm: fx.GraphModule, region: set[fx.Node], tokens: fx.Node, leaves: list[fx.Node],
-                 outs: list[fx.Node]) -> fx.GraphModule:
+def _probe_graph(
+    gm: fx.GraphModule, region: set[fx.Node], tokens: fx.Node, leaves: list[fx.Node], outs: list[fx.Node]
+) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in [tokens, *leaves]:
@@ -321,8 +334,9 @@ def _probe_graph(gm: fx.GraphModule, region: set[fx.Node], tokens: fx.Node, leav
     return fx.GraphModule(gm, g)
 
 
-def _probe_inputs(tokens: fx.Node, router: Router, experts: list[fx.Node], ranks: int, seed: int,
-                  distinct_rows: int) -> list[list[torch.Tensor]]:
+def _probe_inputs(
+    tokens: fx.Node, router: Router, experts: list[fx.Node], ranks: int, seed: int, distinct_rows: int
+) -> list[list[torch.Tensor]]:
     """Per rank: tokens, router weight (the same on every rank), this rank's expert weights.
 
     ``distinct_rows``: 0 for random tokens; else the tokens repeat that many rows, so that
@@ -334,7 +348,7 @@ def _probe_inputs(tokens: fx.Node, router: Router, experts: list[fx.Node], ranks
     def randn(*s):
         return torch.randn(*s, generator=gen, dtype=torch.float32)
 
-    rw = randn(router.num_experts, h) * (4.0 / h ** 0.5)
+    rw = randn(router.num_experts, h) * (4.0 / h**0.5)
     rw = (rw.t() if router.weight_transposed else rw).contiguous().to(value(router.weight).dtype)
     inputs = []
     for _ in range(ranks):
@@ -344,8 +358,13 @@ def _probe_inputs(tokens: fx.Node, router: Router, experts: list[fx.Node], ranks
         else:
             x = randn(t, h)
         ws = [randn(*static_shape(w)) * static_shape(w)[-1] ** -0.5 for w in experts]
-        inputs.append([x.reshape(shape).to(value(tokens).dtype), rw.clone(),
-                       *[w.to(value(e).dtype) for w, e in zip(ws, experts, strict=True)]])
+        inputs.append(
+            [
+                x.reshape(shape).to(value(tokens).dtype),
+                rw.clone(),
+                *[w.to(value(e).dtype) for w, e in zip(ws, experts, strict=True)],
+            ]
+        )
     return inputs
 
 
@@ -405,10 +424,17 @@ def recognise(gm: fx.GraphModule, r: Router) -> MeaningMatch:
     h, dtype = r.hidden, value(tokens).dtype
     numel = torch.Size(shape).numel()
     after = descendants(r.topk)
-    outs = [n for n in gm.graph.nodes if n in after and n.op in ("call_function", "call_method")
-            and isinstance(value(n), torch.Tensor) and value(n).dtype == dtype
-            and static_shape(n) is not None and static_shape(n)[-1:] == (h,)
-            and torch.Size(static_shape(n)).numel() == numel][:_MAX_OUTPUTS]
+    outs = [
+        n
+        for n in gm.graph.nodes
+        if n in after
+        and n.op in ("call_function", "call_method")
+        and isinstance(value(n), torch.Tensor)
+        and value(n).dtype == dtype
+        and static_shape(n) is not None
+        and static_shape(n)[-1:] == (h,)
+        and torch.Size(static_shape(n)).numel() == numel
+    ][:_MAX_OUTPUTS]
     if not outs:
         raise NotMoE("no value after the top-k has the tokens' shape and dtype (no combined output)")
     closest: Optional[NotMoE] = None
@@ -435,10 +461,14 @@ def _prove(gm: fx.GraphModule, r: Router, tokens: fx.Node, out: fx.Node) -> Mean
     if r.weight not in leaves:
         raise NotMoE("it does not depend on the router weight")
     experts = sorted((n for n in leaves if n is not r.weight), key=lambda n: _first_use(n, order))
-    bad = [n.name for n in experts if not isinstance(value(n), torch.Tensor) or not value(n).is_floating_point()]
+    bad = [
+        n.name for n in experts if not isinstance(value(n), torch.Tensor) or not value(n).is_floating_point()
+    ]
     if bad:
         raise NotMoE(f"reads graph inputs besides tokens and weights: {', '.join(bad)}")
-    unstable = sorted(n.name for n in region if op_name(n) in _SORTS and not Call(n).kwargs.get("stable", False))
+    unstable = sorted(
+        n.name for n in region if op_name(n) in _SORTS and not Call(n).kwargs.get("stable", False)
+    )
     if unstable:
         raise NotMoE(f"unstable sort {', '.join(unstable)}: the order of ties is the implementation's")
     group, ranks = _group(region)
@@ -450,12 +480,15 @@ def _prove(gm: fx.GraphModule, r: Router, tokens: fx.Node, out: fx.Node) -> Mean
     recipes = list(weight_assignments(experts, h, local))
     if not recipes:
         shapes = ", ".join(f"{n.name} {list(static_shape(n) or [])}" for n in experts)
-        raise NotMoE(f"expert weights not recognised as SwiGLU gate/up/down of {local} local experts: {shapes}", 1)
+        raise NotMoE(
+            f"expert weights not recognised as SwiGLU gate/up/down of {local} local experts: {shapes}", 1
+        )
     if _macs(r, t, experts, ranks) > PROBE_MACS_LIMIT:
         raise NotMoE(f"too large to probe at compile time (over {PROBE_MACS_LIMIT:.0e} multiply-adds)", 2)
     names = [r.weight, *experts]
-    interp = ReferenceInterpreter(_probe_graph(gm, region, tokens, names, [out]), ranks,
-                                  {group: list(range(ranks))} if group else None)
+    interp = ReferenceInterpreter(
+        _probe_graph(gm, region, tokens, names, [out]), ranks, {group: list(range(ranks))} if group else None
+    )
     probes = []
     for seed, distinct_rows in ((20261127, 0), (20261128, 1), (20261129, 3)):
         inputs = _probe_inputs(tokens, r, experts, ranks, seed, distinct_rows)
@@ -483,17 +516,23 @@ def _prove(gm: fx.GraphModule, r: Router, tokens: fx.Node, out: fx.Node) -> Mean
         dead = _dead_after_rewrite(out, region, leaves, tokens)
         kept = sorted(n.name for n in region - set(dead) if _communicates(n))
         if kept:
-            raise NotMoE(f"collectives {', '.join(kept)} are still needed outside the region (an intermediate "
-                         "value is read by other code)", 3)
+            raise NotMoE(
+                f"collectives {', '.join(kept)} are still needed outside the region (an intermediate "
+                "value is read by other code)",
+                3,
+            )
         return MeaningMatch(r, tokens, out, recipe, cap, cf, groups, group, dead, region)
-    raise NotMoE("computes something other than commfuse::moe_layer on the probes (no assignment of the "
-                 "expert weights, capacity and token groups reproduces it)", 2)
+    raise NotMoE(
+        "computes something other than commfuse::moe_layer on the probes (no assignment of the "
+        "expert weights, capacity and token groups reproduces it)",
+        2,
+    )
 
 
 def _candidates(recipes, region, t, k) -> Iterator[tuple[tuple[WeightRecipe, ...], int, int]]:
     for recipe in recipes:
         for cap in _capacities(region, t, k):
-            for groups in ([1] if cap == 0 else _token_groups(region, t)):
+            for groups in [1] if cap == 0 else _token_groups(region, t):
                 yield recipe, cap, groups
 
 
@@ -502,7 +541,9 @@ def _build(recipe: WeightRecipe, inputs: list[torch.Tensor], names: list[fx.Node
     return recipe.build(by_node.__getitem__, lambda f, *a: f(*a))
 
 
-def _dead_after_rewrite(out: fx.Node, region: set[fx.Node], leaves: list[fx.Node], x: fx.Node) -> list[fx.Node]:
+def _dead_after_rewrite(
+    out: fx.Node, region: set[fx.Node], leaves: list[fx.Node], x: fx.Node
+) -> list[fx.Node]:
     """Region nodes nothing reads once ``out`` 's users read the op: the rewrite erases them,
     with what is computed from the region alone and read by nothing else (the runtime asserts
     Dynamo records on the region's symbols)."""
@@ -510,8 +551,12 @@ def _dead_after_rewrite(out: fx.Node, region: set[fx.Node], leaves: list[fx.Node
     graph_order = list(out.graph.nodes)
     derived: set[fx.Node] = set()
     for n in graph_order:
-        if n not in inner and n.op in ("call_function", "call_method") and n.all_input_nodes \
-                and all(a in inner or a in derived for a in n.all_input_nodes):
+        if (
+            n not in inner
+            and n.op in ("call_function", "call_method")
+            and n.all_input_nodes
+            and all(a in inner or a in derived for a in n.all_input_nodes)
+        ):
             derived.add(n)
     dead = inner | derived
     changed = True

@@ -39,8 +39,9 @@ class RouterStats:
         return self.z_sum / self.num_tokens
 
 
-
-def keep_local_experts(module: nn.Module, group: ProcessGroup, names: tuple[str, ...] = ("w1", "w3", "w2")) -> None:
+def keep_local_experts(
+    module: nn.Module, group: ProcessGroup, names: tuple[str, ...] = ("w1", "w3", "w2")
+) -> None:
     """Replace ``module``'s stacked expert weights ``names`` ([E, ...]) by this rank's slice
     ``[r*E/N, (r+1)*E/N)`` of ``group`` (rank r of N); ``module.num_experts`` stays E."""
     import torch.distributed as dist
@@ -51,13 +52,23 @@ def keep_local_experts(module: nn.Module, group: ProcessGroup, names: tuple[str,
     local = module.num_experts // n
     for name in names:
         full = getattr(module, name)
-        setattr(module, name, nn.Parameter(full.detach()[r * local:(r + 1) * local].clone(), full.requires_grad))
+        setattr(
+            module, name, nn.Parameter(full.detach()[r * local : (r + 1) * local].clone(), full.requires_grad)
+        )
+
 
 class MoELayer(nn.Module):
     """Router + ``num_experts`` SwiGLU experts as one expert-parallel op."""
 
-    def __init__(self, dim: int, num_experts: int, ffn_dim: int, top_k: int = 2,
-                 capacity_factor: float = 0.0, token_groups: int = 1) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        ffn_dim: int,
+        top_k: int = 2,
+        capacity_factor: float = 0.0,
+        token_groups: int = 1,
+    ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
@@ -81,6 +92,15 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         # Leading dims stay: a graph pass can then shard any of them (e.g. the sequence).
-        out, probs_sum, top1, z = moe_layer(x, self.router, self.w1, self.w3, self.w2, self.top_k,
-                                            self.capacity_factor, self.token_groups, self.group_name)
+        out, probs_sum, top1, z = moe_layer(
+            x,
+            self.router,
+            self.w1,
+            self.w3,
+            self.w2,
+            self.top_k,
+            self.capacity_factor,
+            self.token_groups,
+            self.group_name,
+        )
         return out, RouterStats(probs_sum, top1, z, x.numel() // x.shape[-1])

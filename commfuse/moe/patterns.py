@@ -26,14 +26,34 @@ _MISSING = object()
 # Python operators Dynamo records as call_function targets, by the name of the
 # tensor method they stand for.
 _OPERATORS = {
-    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "truediv",
-    operator.floordiv: "floordiv", operator.matmul: "matmul", operator.getitem: "getitem",
-    operator.lt: "lt", operator.gt: "gt", operator.le: "le", operator.ge: "ge", operator.eq: "eq",
-    operator.neg: "neg", operator.pow: "pow", operator.iadd: "add", operator.imul: "mul",
+    operator.add: "add",
+    operator.sub: "sub",
+    operator.mul: "mul",
+    operator.truediv: "truediv",
+    operator.floordiv: "floordiv",
+    operator.matmul: "matmul",
+    operator.getitem: "getitem",
+    operator.lt: "lt",
+    operator.gt: "gt",
+    operator.le: "le",
+    operator.ge: "ge",
+    operator.eq: "eq",
+    operator.neg: "neg",
+    operator.pow: "pow",
+    operator.iadd: "add",
+    operator.imul: "mul",
 }
 # Tensor-method aliases that are the same operation.
-_ALIASES = {"div": "truediv", "divide": "truediv", "multiply": "mul", "subtract": "sub",
-            "true_divide": "truediv", "greater": "gt", "less": "lt", "square": "square"}
+_ALIASES = {
+    "div": "truediv",
+    "divide": "truediv",
+    "multiply": "mul",
+    "subtract": "sub",
+    "true_divide": "truediv",
+    "greater": "gt",
+    "less": "lt",
+    "square": "square",
+}
 
 
 def op_name(node: fx.Node) -> Optional[str]:
@@ -46,8 +66,11 @@ def op_name(node: fx.Node) -> Optional[str]:
     if t in _OPERATORS:
         return _OPERATORS[t]
     if isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        ns, base = t._qualified_op_name.split("::") if isinstance(t, torch._ops.OpOverloadPacket) \
+        ns, base = (
+            t._qualified_op_name.split("::")
+            if isinstance(t, torch._ops.OpOverloadPacket)
             else t._schema.name.split("::")
+        )
         if ns in ("_c10d_functional", "_c10d_functional_autograd"):
             return "c10d." + base
         return base if ns == "aten" else f"{ns}.{base}"

@@ -40,12 +40,16 @@ _STAT_REASON = {"probs", "top1_idx", "top1_oh", "top1_ohf", "lse", "lse2", "logi
 def _why(n: fx.Node, f: Fact, users: list[fx.Node], info: RegionInfo) -> str:
     names = ", ".join(u.name for u in users)
     if f.kind == "counts":
-        return (f"unsupported statistic: {names} uses the token counts over all top-{info.top_k} choices "
-                f"({n.name}); commfuse::moe_layer returns first-choice counts only")
+        return (
+            f"unsupported statistic: {names} uses the token counts over all top-{info.top_k} choices "
+            f"({n.name}); commfuse::moe_layer returns first-choice counts only"
+        )
     if f.kind in _STAT_REASON:
-        return (f"unsupported statistic: {names} uses {n.name} ({f.kind}); commfuse::moe_layer returns the sums "
-                "over all tokens of the call of the probabilities, the first-choice one-hot and the squared "
-                "logsumexp")
+        return (
+            f"unsupported statistic: {names} uses {n.name} ({f.kind}); commfuse::moe_layer returns the sums "
+            "over all tokens of the call of the probabilities, the first-choice one-hot and the squared "
+            "logsumexp"
+        )
     return f"{n.name} ({f.kind}) is also used by {names}, which the template does not account for"
 
 
@@ -80,9 +84,12 @@ def prove(m: Matcher) -> tuple[list[Match], list[str]]:
             else:
                 reasons.append(_why(n, f, users, info))
         if leaving:
-            reasons.insert(0, f"region cut by a graph break: intermediate values ({', '.join(leaving)}) leave the "
-                              "graph before the combine, the rest of the MoE is in another graph (dropless "
-                              "dispatch needs torch._dynamo.config.capture_scalar_outputs = True)")
+            reasons.insert(
+                0,
+                f"region cut by a graph break: intermediate values ({', '.join(leaving)}) leave the "
+                "graph before the combine, the rest of the MoE is in another graph (dropless "
+                "dispatch needs torch._dynamo.config.capture_scalar_outputs = True)",
+            )
         if len(info.groups) > 1:
             reasons.append(f"all_to_alls of one region over different groups {sorted(info.groups)}")
         if not outs and not reasons:
@@ -98,12 +105,21 @@ def prove(m: Matcher) -> tuple[list[Match], list[str]]:
             refusals.append(f"{name}: left unchanged: several combined outputs with different experts")
             continue
         f = fo[0]
-        matches.append(Match(
-            info=info, style="gshard" if f.get("C") else "dropless", nodes=region, outs=outs, stats=stats,
-            weights=(f["w1"], f["w3"], f["w2"]),
-            transposed=(bool(f.get("t1")), bool(f.get("t3")), bool(f.get("t2"))),
-            top_k=info.top_k, capacity=f.get("C") or 0, token_groups=f.get("G") or 1,
-            group_name=f.get("group") or ""))
+        matches.append(
+            Match(
+                info=info,
+                style="gshard" if f.get("C") else "dropless",
+                nodes=region,
+                outs=outs,
+                stats=stats,
+                weights=(f["w1"], f["w3"], f["w2"]),
+                transposed=(bool(f.get("t1")), bool(f.get("t3")), bool(f.get("t2"))),
+                top_k=info.top_k,
+                capacity=f.get("C") or 0,
+                token_groups=f.get("G") or 1,
+                group_name=f.get("group") or "",
+            )
+        )
     return matches, refusals
 
 
@@ -127,6 +143,8 @@ def fragments(m: Matcher, exclude: frozenset[fx.Node] | set[fx.Node] = frozenset
             ops.append(n.name)
     if not a2a or not ops:
         return []
-    return [f"all_to_all {', '.join(a2a)} with dispatch operations ({', '.join(ops) or 'none'}) and no router in "
-            "this graph: if this is an MoE layer, its region was cut by a graph break (dropless dispatch needs "
-            "torch._dynamo.config.capture_scalar_outputs = True); left unchanged"]
+    return [
+        f"all_to_all {', '.join(a2a)} with dispatch operations ({', '.join(ops) or 'none'}) and no router in "
+        "this graph: if this is an MoE layer, its region was cut by a graph break (dropless dispatch needs "
+        "torch._dynamo.config.capture_scalar_outputs = True); left unchanged"
+    ]

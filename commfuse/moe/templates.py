@@ -137,8 +137,19 @@ def _einsum_parts(eq: str) -> Optional[tuple[list[str], str]]:
 
 
 _SYM_KINDS = {"send", "recv", "per", "cnt", "symsum", "symbool"}
-_ASSERT_OPS = {"ge", "le", "eq", "lt", "gt", "_assert_scalar", "sym_constrain_range_for_size",
-               "sym_constrain_range", "_check", "_check_is_size", "builtins.sum"}
+_ASSERT_OPS = {
+    "ge",
+    "le",
+    "eq",
+    "lt",
+    "gt",
+    "_assert_scalar",
+    "sym_constrain_range_for_size",
+    "sym_constrain_range",
+    "_check",
+    "_check_is_size",
+    "builtins.sum",
+}
 
 
 class Matcher:
@@ -186,8 +197,11 @@ class Matcher:
 
     def _free(self, x: Any) -> bool:
         """A tensor that no region computes (an input of a region)."""
-        return isinstance(x, fx.Node) and tensor(x) is not None and \
-            (x not in self.facts or self.facts[x].root is None)
+        return (
+            isinstance(x, fx.Node)
+            and tensor(x) is not None
+            and (x not in self.facts or self.facts[x].root is None)
+        )
 
     # ------------------------------------------------------------ router
     def _cast(self, c: Call, to: Optional[torch.dtype]) -> Optional[Fact]:
@@ -201,11 +215,20 @@ class Matcher:
             return None
         if dtype(src) == to:
             return f  # no-op cast: the same value
-        conv = {("logits_lowp", torch.float32): "logits", ("choice", None): "choice_f",
-                ("kept_b", None): "kept", ("slot_oh", None): "slot_ohf", ("top1_oh", None): "top1_ohf",
-                ("experts_flat", torch.float32): "experts_flat_f", ("counts", torch.int64): "counts",
-                ("counts", torch.int32): "counts", ("back", torch.float32): "back",
-                ("weighted", None): "weighted", ("dispatch", None): "dispatch_f", ("combine", None): "combine"}
+        conv = {
+            ("logits_lowp", torch.float32): "logits",
+            ("choice", None): "choice_f",
+            ("kept_b", None): "kept",
+            ("slot_oh", None): "slot_ohf",
+            ("top1_oh", None): "top1_ohf",
+            ("experts_flat", torch.float32): "experts_flat_f",
+            ("counts", torch.int64): "counts",
+            ("counts", torch.int32): "counts",
+            ("back", torch.float32): "back",
+            ("weighted", None): "weighted",
+            ("dispatch", None): "dispatch_f",
+            ("combine", None): "combine",
+        }
         kind = conv.get((f.kind, to), conv.get((f.kind, None)))
         if kind is None or (not to.is_floating_point and kind != "counts"):
             return None
@@ -261,8 +284,10 @@ class Matcher:
         self.regions[c.node] = info
         if dtype(c.node) == torch.float32:
             return Fact("logits", c.node)
-        info.reasons.append(f"router logits computed in {dtype(c.node)} (commfuse::moe_layer computes them in "
-                            "float32; cast the router input and weight to float32 first)")
+        info.reasons.append(
+            f"router logits computed in {dtype(c.node)} (commfuse::moe_layer computes them in "
+            "float32; cast the router input and weight to float32 first)"
+        )
         return Fact("logits_lowp", c.node)
 
     def r_matmul(self, c: Call) -> Optional[Fact]:
@@ -311,8 +336,11 @@ class Matcher:
     def r_softmax(self, c: Call) -> Optional[Fact]:
         f = self.fact(c.input, "logits")
         s = shape(c.input)
-        if f is None or norm_dim(c.arg(1, "dim"), len(s)) != len(s) - 1 or \
-                c.kwargs.get("dtype") not in (None, torch.float32):
+        if (
+            f is None
+            or norm_dim(c.arg(1, "dim"), len(s)) != len(s) - 1
+            or c.kwargs.get("dtype") not in (None, torch.float32)
+        ):
             return None
         return self._new("probs", f)
 
@@ -329,8 +357,12 @@ class Matcher:
         if f is None:
             return None
         k = c.arg(1, "k")
-        if not isinstance(k, int) or norm_dim(c.arg(2, "dim", -1), len(s)) != len(s) - 1 or \
-                c.arg(3, "largest", True) is not True or c.arg(4, "sorted", True) is not True:
+        if (
+            not isinstance(k, int)
+            or norm_dim(c.arg(2, "dim", -1), len(s)) != len(s) - 1
+            or c.arg(3, "largest", True) is not True
+            or c.arg(4, "sorted", True) is not True
+        ):
             return None
         info = self.region(f)
         if info.top_k not in (None, k):
@@ -363,14 +395,22 @@ class Matcher:
             return self._new("scores_sorted", f, order=self.facts[idx]["order"])
         if k == "received" and self.fact(idx, "perm") and self._same_root(f, self.facts[idx]):
             return self._new("xs", f, **{**f.a, "perm": idx})
-        if k == "ys" and self.fact(idx, "perm_inv") and self._same_root(f, self.facts[idx]) and \
-                self.facts[idx]["perm"] is f.get("perm"):
+        if (
+            k == "ys"
+            and self.fact(idx, "perm_inv")
+            and self._same_root(f, self.facts[idx])
+            and self.facts[idx]["perm"] is f.get("perm")
+        ):
             return self._new("yr", f, **f.a)
         if k == "split" and isinstance(idx, int):
             return self._new("chunk", f, **{**f.a, "l": idx})
         if k in ("send_t", "recv_t", "per_t", "counts") and isinstance(idx, int):
-            return self._new({"send_t": "send_i", "recv_t": "recv_i", "per_t": "per_i", "counts": "cnt_i"}[k],
-                             f, i=idx, **{kk: v for kk, v in f.a.items() if kk != "i"})
+            return self._new(
+                {"send_t": "send_i", "recv_t": "recv_i", "per_t": "per_i", "counts": "cnt_i"}[k],
+                f,
+                i=idx,
+                **{kk: v for kk, v in f.a.items() if kk != "i"},
+            )
         if k == "buf" and idx == 0 and not f["dims"][0]:
             return self._new("buf", f, **{**f.a, "dims": f["dims"][1:]})
         return None
@@ -396,7 +436,9 @@ class Matcher:
         if k in ("assign_g", "assign") and dims == {2} and not keep:
             return self._new("combine" if k == "assign_g" else "assign_sum", f, C=f["C"])
         if k in ("counts_nl", "recv_nl") and not keep and dims in ({0}, {1}):
-            kind = {("counts_nl", 1): "send_t", ("recv_nl", 1): "recv_t", ("recv_nl", 0): "per_t"}.get((k, min(dims)))
+            kind = {("counts_nl", 1): "send_t", ("recv_nl", 1): "recv_t", ("recv_nl", 0): "per_t"}.get(
+                (k, min(dims))
+            )
             return None if kind is None else self._new(kind, f, **f.a)
         return self._stat(c, f, dims, keep, scale_by_count=False)
 
@@ -406,7 +448,9 @@ class Matcher:
         if f is None or s is None:
             return None
         dims = norm_dims(c.arg(1, "dim", None), len(s))
-        return None if dims is None else self._stat(c, f, dims, c.arg(2, "keepdim", False), scale_by_count=True)
+        return (
+            None if dims is None else self._stat(c, f, dims, c.arg(2, "keepdim", False), scale_by_count=True)
+        )
 
     def _stat(self, c: Call, f: Fact, dims: frozenset, keep: bool, scale_by_count: bool) -> Optional[Fact]:
         """A sum/mean over all of the call's tokens of probs / first-choice one-hot / squared lse."""
@@ -428,7 +472,7 @@ class Matcher:
             # x + eps rounds back to x for every sum of top-k softmax probabilities (>= 1/E)
             # when eps is below a quarter ulp of 1/E in float32 (margin for sums a rounding below 1/E).
             e = self.region(fa).num_experts
-            if b * e * 2.0 ** 26 < 1:
+            if b * e * 2.0**26 < 1:
                 return fa
             return None
         pair = {fa.kind if fa else None, fb.kind if fb else None}
@@ -451,8 +495,9 @@ class Matcher:
         if fa is None or fb is None or fb["gates"] is not c.args[0] or fa["normalized"]:
             return None
         if self.region(fa).top_k == 1:
-            self.region(fa).reasons.append("top-1 gate renormalised to 1 (commfuse::moe_layer keeps the "
-                                           "probability as the top-1 gate)")
+            self.region(fa).reasons.append(
+                "top-1 gate renormalised to 1 (commfuse::moe_layer keeps the probability as the top-1 gate)"
+            )
         return self._new("gates", fa, normalized=True)
 
     def r_mul(self, c: Call) -> Optional[Fact]:
@@ -470,8 +515,12 @@ class Matcher:
             return None
         pair = (fa.kind, fb.kind)
         rules = {
-            ("pos", "choice"): "pos_m", ("choice_f", "kept_u"): "choice_kept", ("ck_u", "so_u"): "assign",
-            ("assign", "gates_u2"): "assign_g", ("lse", "lse"): "lse2", ("back", "scores_col"): "weighted",
+            ("pos", "choice"): "pos_m",
+            ("choice_f", "kept_u"): "choice_kept",
+            ("ck_u", "so_u"): "assign",
+            ("assign", "gates_u2"): "assign_g",
+            ("lse", "lse"): "lse2",
+            ("back", "scores_col"): "weighted",
         }
         for (p, q), kind in rules.items():
             if pair in ((p, q), (q, p)):
@@ -492,11 +541,17 @@ class Matcher:
                 return self._new(kind, fp)
         if {fa.kind, fb.kind} == {"act", "proj"} or {fa.kind, fb.kind} == {"act_l", "proj_l"}:
             act, proj = (fa, fb) if fa.kind.startswith("act") else (fb, fa)
-            if act.get("dims") != proj.get("dims") or act.get("l") != proj.get("l") or \
-                    act["src"] is not proj["src"]:
+            if (
+                act.get("dims") != proj.get("dims")
+                or act.get("l") != proj.get("l")
+                or act["src"] is not proj["src"]
+            ):
                 return None
-            return self._new("hid" if fa.kind in ("act", "proj") else "hid_l", act,
-                             **{**act.a, "w1": act["w"], "w3": proj["w"], "t1": act.get("t"), "t3": proj.get("t")})
+            return self._new(
+                "hid" if fa.kind in ("act", "proj") else "hid_l",
+                act,
+                **{**act.a, "w1": act["w"], "w3": proj["w"], "t1": act.get("t"), "t3": proj.get("t")},
+            )
         return None
 
     def r_logsumexp(self, c: Call) -> Optional[Fact]:
@@ -570,8 +625,13 @@ class Matcher:
             return None
         d = d % (len(s) + 1)
         last, before_last = len(s), len(s) - 1
-        table = {("kept", last): "kept_u", ("choice_kept", last): "ck_u", ("slot_ohf", before_last): "so_u",
-                 ("gates", last): "gates_u1", ("gates_u1", last): "gates_u2"}
+        table = {
+            ("kept", last): "kept_u",
+            ("choice_kept", last): "ck_u",
+            ("slot_ohf", before_last): "so_u",
+            ("gates", last): "gates_u1",
+            ("gates_u1", last): "gates_u2",
+        }
         kind = table.get((f.kind, d))
         if kind is not None:
             if kind == "gates_u1" and not f["normalized"]:
@@ -586,7 +646,9 @@ class Matcher:
     # ------------------------------------------------------------ GShard buffer (named-axis layouts)
     def r_einsum(self, c: Call) -> Optional[Fact]:
         eq = c.args[0]
-        ops = list(c.args[1]) if len(c.args) == 2 and isinstance(c.args[1], (list, tuple)) else list(c.args[1:])
+        ops = (
+            list(c.args[1]) if len(c.args) == 2 and isinstance(c.args[1], (list, tuple)) else list(c.args[1:])
+        )
         parts = _einsum_parts(eq) if isinstance(eq, str) else None
         if parts is None or len(ops) != 2 or len(parts[0]) != 2:
             return None
@@ -597,8 +659,12 @@ class Matcher:
             if mask is not None and mask.kind == "dispatch_f" and len(ml) == 4 and len(tl) == 3:
                 info = self.region(mask)
                 g, t, e, cc = ml
-                if tok is not info.x or tl[:2] != g + t or len(set(ml + tl[2])) != 5 or \
-                        sorted(out) != sorted(g + e + cc + tl[2]):
+                if (
+                    tok is not info.x
+                    or tl[:2] != g + t
+                    or len(set(ml + tl[2])) != 5
+                    or sorted(out) != sorted(g + e + cc + tl[2])
+                ):
                     return None
                 sizes = dict(zip(ml, shape(ops[0] if mask is fa else ops[1]), strict=True))
                 sizes[tl[2]] = info.hidden
@@ -607,11 +673,23 @@ class Matcher:
                 return self._new("buf", mask, dims=dims, stage="dispatched", C=mask["C"], x=tok, G=sizes[g])
         # combine: weights [G,T,E,C] with the returned buffer [G,E,C,D] -> tokens [G,T,D]
         for comb, cl, buf, bl in ((fa, ia, fb, ib), (fb, ib, fa, ia)):
-            if comb is not None and comb.kind == "combine" and buf is not None and buf.kind == "buf" and \
-                    (buf["stage"] == "returned" or (buf["stage"] == "y" and buf.get("group") is None)) and \
-                    self._same_root(comb, buf) and len(cl) == 4 and len(bl) == 4:
+            if (
+                comb is not None
+                and comb.kind == "combine"
+                and buf is not None
+                and buf.kind == "buf"
+                and (buf["stage"] == "returned" or (buf["stage"] == "y" and buf.get("group") is None))
+                and self._same_root(comb, buf)
+                and len(cl) == 4
+                and len(bl) == 4
+            ):
                 g, t, e, cc = cl
-                if comb["C"] != buf["C"] or len(set(cl)) != 4 or len(set(bl)) != 4 or set(bl) - set(cl) == set():
+                if (
+                    comb["C"] != buf["C"]
+                    or len(set(cl)) != 4
+                    or len(set(bl)) != 4
+                    or set(bl) - set(cl) == set()
+                ):
                     return None
                 d = (set(bl) - set(cl)).pop()
                 want = {g: "g", e: "e", cc: "c", d: "d"}
@@ -622,7 +700,9 @@ class Matcher:
                         return None
                 if self.region(comb).x is not buf["x"]:
                     return None
-                return self._new("out", comb, **{k: v for k, v in buf.a.items() if k not in ("dims", "stage")})
+                return self._new(
+                    "out", comb, **{k: v for k, v in buf.a.items() if k not in ("dims", "stage")}
+                )
         return None
 
     def r_reshape(self, c: Call) -> Optional[Fact]:
@@ -643,14 +723,30 @@ class Matcher:
             return self._new("experts_flat", f)
         if k == "gates" and f["normalized"] and out is not None and len(out) == 1 and len(s) == 2:
             return self._new("gates_flat", f)
-        if k in ("counts", "recv_counts") and out is not None and len(out) == 2 and s is not None and \
-                out[0] * out[1] == info.num_experts:
+        if (
+            k in ("counts", "recv_counts")
+            and out is not None
+            and len(out) == 2
+            and s is not None
+            and out[0] * out[1] == info.num_experts
+        ):
             if k == "counts" and not f.get("int"):
                 return None
-            return self._new("counts_nl" if k == "counts" else "recv_nl", f, n=out[0], local=out[1],
-                             **{kk: v for kk, v in f.a.items() if kk not in ("n", "local")})
-        if k in ("token_of", "scores_sorted") and out is not None and len(out) == 2 and out[1] == 1 and \
-                sizes and sizes[-1] == 1:
+            return self._new(
+                "counts_nl" if k == "counts" else "recv_nl",
+                f,
+                n=out[0],
+                local=out[1],
+                **{kk: v for kk, v in f.a.items() if kk not in ("n", "local")},
+            )
+        if (
+            k in ("token_of", "scores_sorted")
+            and out is not None
+            and len(out) == 2
+            and out[1] == 1
+            and sizes
+            and sizes[-1] == 1
+        ):
             return self._new("token_col" if k == "token_of" else "scores_col", f, order=f["order"])
         return None
 
@@ -694,7 +790,12 @@ class Matcher:
         if f.kind == "buf" and f["stage"] in ("dispatched", "y"):
             s = static_shape(c.input)
             n = len(in_splits)
-            if s is None or not n or list(in_splits) != [s[0] // n] * n or list(out_splits) != list(in_splits):
+            if (
+                s is None
+                or not n
+                or list(in_splits) != [s[0] // n] * n
+                or list(out_splits) != list(in_splits)
+            ):
                 return None
             dims = list(f["dims"])
             head = list(dims[0])
@@ -714,8 +815,13 @@ class Matcher:
                 stage = "returned"
             dims[0] = _merge(tuple(head))
             info.groups.add(group)
-            return self._new("a2a", f, result=self._new("buf", f, **{**f.a, "dims": tuple(dims), "stage": stage,
-                                                                       "group": group, "n": n}))
+            return self._new(
+                "a2a",
+                f,
+                result=self._new(
+                    "buf", f, **{**f.a, "dims": tuple(dims), "stage": stage, "group": group, "n": n}
+                ),
+            )
         if f.kind == "counts" and f.get("int"):
             e = info.num_experts
             n = len(in_splits)
@@ -726,21 +832,39 @@ class Matcher:
         if f.kind == "routed":
             send = [self.fact(x, "send") for x in in_splits]
             recv = [self.fact(x, "recv") for x in out_splits]
-            if not send or None in send or None in recv or len(send) != len(recv) or \
-                    [s["i"] for s in send] != list(range(len(send))) or \
-                    [r["i"] for r in recv] != list(range(len(recv))) or \
-                    {r["group"] for r in recv} != {group} or not self._same_root(f, *send, *recv) or \
-                    {(s["n"], s["local"]) for s in send + recv} != {(len(send), recv[0]["local"])}:
+            if (
+                not send
+                or None in send
+                or None in recv
+                or len(send) != len(recv)
+                or [s["i"] for s in send] != list(range(len(send)))
+                or [r["i"] for r in recv] != list(range(len(recv)))
+                or {r["group"] for r in recv} != {group}
+                or not self._same_root(f, *send, *recv)
+                or {(s["n"], s["local"]) for s in send + recv} != {(len(send), recv[0]["local"])}
+            ):
                 return None
             info.groups.add(group)
-            return self._new("a2a", f, result=self._new("received", f, group=group, n=len(send),
-                                                         local=send[0]["local"], order=f["order"]))
+            return self._new(
+                "a2a",
+                f,
+                result=self._new(
+                    "received", f, group=group, n=len(send), local=send[0]["local"], order=f["order"]
+                ),
+            )
         if f.kind == "yr":
             send = [self.fact(x, "send") for x in out_splits]
             recv = [self.fact(x, "recv") for x in in_splits]
-            if not send or None in send or None in recv or [s["i"] for s in send] != list(range(len(send))) or \
-                    [r["i"] for r in recv] != list(range(len(recv))) or f.get("group") != group or \
-                    {r["group"] for r in recv} != {group} or not self._same_root(f, *send, *recv):
+            if (
+                not send
+                or None in send
+                or None in recv
+                or [s["i"] for s in send] != list(range(len(send)))
+                or [r["i"] for r in recv] != list(range(len(recv)))
+                or f.get("group") != group
+                or {r["group"] for r in recv} != {group}
+                or not self._same_root(f, *send, *recv)
+            ):
                 return None
             return self._new("a2a", f, result=self._new("back", f, **f.a))
         return None
@@ -755,7 +879,11 @@ class Matcher:
         if f is None:
             return None
         e = self.region(f).num_experts
-        if c.arg(1, "bins", 100) != e or not is_const(c.arg(2, "min", 0), 0) or not is_const(c.arg(3, "max", 0), e):
+        if (
+            c.arg(1, "bins", 100) != e
+            or not is_const(c.arg(2, "min", 0), 0)
+            or not is_const(c.arg(3, "max", 0), e)
+        ):
             return None
         return self._new("counts", f, int=False)
 
@@ -784,8 +912,12 @@ class Matcher:
 
     def r_gather(self, c: Call) -> Optional[Fact]:
         f = self.fact(c.arg(2, "index"), "token_idx")
-        if f is None or c.input is not self.region(f).x or norm_dim(c.arg(1, "dim"), 2) != 0 or \
-                len(shape(c.input)) != 2:
+        if (
+            f is None
+            or c.input is not self.region(f).x
+            or norm_dim(c.arg(1, "dim"), 2) != 0
+            or len(shape(c.input)) != 2
+        ):
             return None
         return self._new("routed", f, order=f["order"])
 
@@ -830,8 +962,12 @@ class Matcher:
     def r_repeat_interleave(self, c: Call) -> Optional[Fact]:
         f = self.fact(c.input, "arange_rep")
         r = self.fact(c.arg(1, "repeats"), "recv_counts")
-        if f is None or r is None or (f["local"], f["n"]) != (r["local"], r["n"]) or \
-                c.arg(2, "dim", None) not in (None, 0):
+        if (
+            f is None
+            or r is None
+            or (f["local"], f["n"]) != (r["local"], r["n"])
+            or c.arg(2, "dim", None) not in (None, 0)
+        ):
             return None
         return self._new("row_expert", r, **r.a)
 
@@ -848,8 +984,16 @@ class Matcher:
             return None
         if f.kind == "xs" and len(fs) != f["local"]:
             return None
-        return self._new("split", f, local=len(fs), group=f.get("group"), n=f.get("n", 1),
-                         direct=f.kind == "routed", order=f["order"], perm=f.get("perm"))
+        return self._new(
+            "split",
+            f,
+            local=len(fs),
+            group=f.get("group"),
+            n=f.get("n", 1),
+            direct=f.kind == "routed",
+            order=f["order"],
+            perm=f.get("perm"),
+        )
 
     def _expert_matmul(self, c: Call) -> Optional[Fact]:
         f = self.fact(c.input, "chunk", "hid_l")
@@ -873,8 +1017,13 @@ class Matcher:
         if not isinstance(items, (list, tuple)) or norm_dim(c.arg(1, "dim", 0), 2) != 0:
             return None
         fs = [self.fact(x, "y_l") for x in items]
-        if not fs or None in fs or [g["l"] for g in fs] != list(range(len(fs))) or len(fs) != fs[0]["local"] or \
-                not self._same_root(*fs):
+        if (
+            not fs
+            or None in fs
+            or [g["l"] for g in fs] != list(range(len(fs)))
+            or len(fs) != fs[0]["local"]
+            or not self._same_root(*fs)
+        ):
             return None
         keys = ("w1", "w3", "w2", "t1", "t3", "t2")
         if any(any(g[k] is not fs[0][k] for k in keys) for g in fs):
@@ -905,10 +1054,19 @@ class Matcher:
         return self._new("yr", fs, **fs.a)
 
     def _combine(self, c: Call, index_kind: str) -> Optional[Fact]:
-        base, idx, src = c.input, c.arg(2, "index"), c.arg(3, "src" if index_kind == "token_idx" else "source")
+        base, idx, src = (
+            c.input,
+            c.arg(2, "index"),
+            c.arg(3, "src" if index_kind == "token_idx" else "source"),
+        )
         fz, fi, fw = self.fact(base, "zeros_x"), self.fact(idx, index_kind), self.fact(src, "weighted")
-        if None in (fz, fi, fw) or norm_dim(c.arg(1, "dim"), 2) != 0 or not self._same_root(fi, fw) or \
-                fz["x"] is not self.region(fw).x or fi["order"] is not fw.get("order"):
+        if (
+            None in (fz, fi, fw)
+            or norm_dim(c.arg(1, "dim"), 2) != 0
+            or not self._same_root(fi, fw)
+            or fz["x"] is not self.region(fw).x
+            or fi["order"] is not fw.get("order")
+        ):
             return None
         return self._new("out", fw, **fw.a)
 

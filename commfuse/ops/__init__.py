@@ -14,9 +14,20 @@ of these ops: :func:`install` plugs them in through those layers' registration p
 from __future__ import annotations
 
 from commfuse.ops import boundary, moe_layer, reduce_to_root
-from commfuse.ops.boundary import (M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, M2MSArgs,
-                                   StageTransferArgs, m2ms, parse_m2ms, parse_stage_transfer, stage_transfer,
-                                   trace_as_rank, trace_position)
+from commfuse.ops.boundary import (
+    M2MS,
+    M2MS_AUTOGRAD,
+    STAGE_TRANSFER,
+    STAGE_TRANSFER_AUTOGRAD,
+    M2MSArgs,
+    StageTransferArgs,
+    m2ms,
+    parse_m2ms,
+    parse_stage_transfer,
+    stage_transfer,
+    trace_as_rank,
+    trace_position,
+)
 
 _installed = False
 
@@ -32,6 +43,18 @@ def install() -> None:
     _installed = True
 
 
-__all__ = ["M2MS", "M2MSArgs", "M2MS_AUTOGRAD", "STAGE_TRANSFER", "STAGE_TRANSFER_AUTOGRAD", "StageTransferArgs",
-           "install", "m2ms", "parse_m2ms", "parse_stage_transfer", "stage_transfer", "trace_as_rank",
-           "trace_position"]
+__all__ = [
+    "M2MS",
+    "M2MSArgs",
+    "M2MS_AUTOGRAD",
+    "STAGE_TRANSFER",
+    "STAGE_TRANSFER_AUTOGRAD",
+    "StageTransferArgs",
+    "install",
+    "m2ms",
+    "parse_m2ms",
+    "parse_stage_transfer",
+    "stage_transfer",
+    "trace_as_rank",
+    "trace_position",
+]

@@ -45,7 +45,9 @@ class Analysis(Generic[T]):
         return f"Analysis({self.name})"
 
 
-COLLECTIVE_IR: Analysis[CollectiveIR] = Analysis("collective_ir", lambda ctx: CollectiveIR(ctx.gm, ctx.ir_options))
+COLLECTIVE_IR: Analysis[CollectiveIR] = Analysis(
+    "collective_ir", lambda ctx: CollectiveIR(ctx.gm, ctx.ir_options)
+)
 
 
 class SessionState(Protocol):
@@ -99,7 +101,8 @@ class PassContext:
         # whose peers are other ranks' groups (a pair on two mesh dims) decides from.
         self.partitions: list[list[tuple[int, ...]]] = [
             [tuple(int(r) for r in b) for b in part]
-            for part in [*getattr(self.session, "partitions", []), *partitions]]
+            for part in [*getattr(self.session, "partitions", []), *partitions]
+        ]
         self._ir_options = IRBuildOptions(group_roles=group_roles or {}, role_sources=role_sources or {})
         shared = SharedSizes(self._ir_options, uniform_batches=config.uniform_batches)
         self.cost = CostPolicy(topology, model=cost_model, graph=gm, shared=shared)
@@ -132,9 +135,16 @@ class PassContext:
 
     def derive(self, gm: fx.GraphModule) -> "PassContext":
         """A context for another graph (a candidate rewrite on a copy), sharing everything else."""
-        other = PassContext(gm, self.config, graph_kind=self.graph_kind, topology=self.topology,
-                            group_roles=self._ir_options.group_roles, role_sources=self._ir_options.role_sources,
-                            session=self.session, rank=self.rank)
+        other = PassContext(
+            gm,
+            self.config,
+            graph_kind=self.graph_kind,
+            topology=self.topology,
+            group_roles=self._ir_options.group_roles,
+            role_sources=self._ir_options.role_sources,
+            session=self.session,
+            rank=self.rank,
+        )
         other.cost = self.cost
         other.partitions = self.partitions
         return other

@@ -36,7 +36,9 @@ from commfuse.passmgr.invariance import SharedSizes
 
 DEFAULT_PRESET = "dgx-h100"
 # gloo questions without a topology: the cpu-gloo preset's figures, every rank on one node
-DEFAULT_GLOO_TOPOLOGY = Topology(**{**PRESETS["cpu-gloo"], "name": "cpu-gloo-one-node", "ranks_per_node": 4096})
+DEFAULT_GLOO_TOPOLOGY = Topology(
+    **{**PRESETS["cpu-gloo"], "name": "cpu-gloo-one-node", "ranks_per_node": 4096}
+)
 
 
 def graph_world(ir: CollectiveIR) -> int:
@@ -48,8 +50,14 @@ def graph_world(ir: CollectiveIR) -> int:
 
 
 class CostPolicy:
-    def __init__(self, topology: Optional[Topology], *, model: Optional[AnalyticCostModel] = None,
-                 graph: Optional[fx.GraphModule] = None, shared: Optional[SharedSizes] = None) -> None:
+    def __init__(
+        self,
+        topology: Optional[Topology],
+        *,
+        model: Optional[AnalyticCostModel] = None,
+        graph: Optional[fx.GraphModule] = None,
+        shared: Optional[SharedSizes] = None,
+    ) -> None:
         """``model``: price with this estimator (e.g. one built from a calibrated profile) instead of
         the topology's analytic model. ``graph``: the graph priced; the split sizes of its
         data-dependent token exchanges are priced at balanced routing
@@ -106,8 +114,9 @@ class CostPolicy:
         nodes = max(1, math.ceil(graph_world(ir) / preset.ranks_per_node))
         key = ("nccl", nodes)
         if key not in self._defaults:
-            self._defaults[key] = self._hinted(AnalyticCostModel(Topology.preset(DEFAULT_PRESET, num_nodes=nodes),
-                                                                 backend="nccl"))
+            self._defaults[key] = self._hinted(
+                AnalyticCostModel(Topology.preset(DEFAULT_PRESET, num_nodes=nodes), backend="nccl")
+            )
         return self._defaults[key], f"default {DEFAULT_PRESET} x{nodes}"
 
 

@@ -42,7 +42,9 @@ def next_graph_index(dump_dir: str, kind: str) -> int:
 
 
 class DumpWriter:
-    def __init__(self, dump_dir: str, kind: str, *, svg_max_nodes: int = 250, index: int | None = None) -> None:
+    def __init__(
+        self, dump_dir: str, kind: str, *, svg_max_nodes: int = 250, index: int | None = None
+    ) -> None:
         self.kind = kind
         self.root = os.path.abspath(dump_dir)
         self.index = next_graph_index(dump_dir, kind) if index is None else index
@@ -59,9 +61,17 @@ class DumpWriter:
                 first = self.root not in _WARNED_DIRS
                 _WARNED_DIRS.add(self.root)
         if first:
-            where = f"dumps under {self.root} are skipped" if isinstance(err, OSError) else "this graph's dumps are skipped"
-            warnings.warn(f"commfuse: cannot write graph dump {what} ({type(err).__name__}: {err}); "
-                          f"{where}, compilation is unaffected", RuntimeWarning, stacklevel=3)
+            where = (
+                f"dumps under {self.root} are skipped"
+                if isinstance(err, OSError)
+                else "this graph's dumps are skipped"
+            )
+            warnings.warn(
+                f"commfuse: cannot write graph dump {what} ({type(err).__name__}: {err}); "
+                f"{where}, compilation is unaffected",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         self._failed = True
 
     def write_graph(self, label: str, gm: fx.GraphModule, ir: CollectiveIR) -> None:
@@ -93,9 +103,12 @@ class DumpWriter:
                 (self.dir / f"{stem}.dot").write_text(dot)
         except Exception as e:  # noqa: BLE001 - a picture that cannot be drawn costs only the picture
             self._svg_failed = True
-            warnings.warn(f"commfuse: cannot render {self.dir / stem}.svg ({type(e).__name__}: {e}); "
-                          "SVG dumps are skipped for this graph, text and JSON dumps continue",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"commfuse: cannot render {self.dir / stem}.svg ({type(e).__name__}: {e}); "
+                "SVG dumps are skipped for this graph, text and JSON dumps continue",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def update_index(self, top: Path, rank: int, world_size: int | None) -> None:
         """Rewrite this rank's entry of the index at the dump dir's top."""

@@ -75,8 +75,10 @@ class GateVerdict:
         return out
 
     def refusal(self) -> str:
-        return (f"rewrite reverted: predicted {self.after_us:.1f} us with it vs {self.before_us:.1f} us without "
-                f"({self.priced_with})")
+        return (
+            f"rewrite reverted: predicted {self.after_us:.1f} us with it vs {self.before_us:.1f} us without "
+            f"({self.priced_with})"
+        )
 
 
 def _runs_on_cpu(ir: CollectiveIR) -> bool:

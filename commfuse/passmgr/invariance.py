@@ -75,9 +75,28 @@ BATCH_SHARING_ROLES = frozenset({ParallelRole.TP, ParallelRole.SP})
 # Collectives whose operand sizes must be equal on every rank of their group.
 _EQUAL_SIZE_KINDS = frozenset({K.ALL_GATHER, K.REDUCE_SCATTER, K.ALL_REDUCE, K.BROADCAST, K.REDUCE})
 # Ops whose output is a view, copy or cast of their one tensor input (same number of elements).
-_SAME_NUMEL = frozenset({"view", "reshape", "_unsafe_view", "t", "transpose", "permute", "clone",
-                         "contiguous", "detach", "alias", "squeeze", "unsqueeze", "_to_copy", "convert_element_type",
-                         "expand_copy", "view_copy", "as_strided", "flatten"})
+_SAME_NUMEL = frozenset(
+    {
+        "view",
+        "reshape",
+        "_unsafe_view",
+        "t",
+        "transpose",
+        "permute",
+        "clone",
+        "contiguous",
+        "detach",
+        "alias",
+        "squeeze",
+        "unsqueeze",
+        "_to_copy",
+        "convert_element_type",
+        "expand_copy",
+        "view_copy",
+        "as_strided",
+        "flatten",
+    }
+)
 
 
 def batch_splitting_groups(ir: CollectiveIR) -> dict[str, str]:
@@ -126,8 +145,9 @@ def _zero_dim(v) -> bool:
     return (isinstance(v, torch.Tensor) and v.dim() == 0) or isinstance(v, (int, float, bool)) or v is None
 
 
-def _size_determines_input(n: fx.Node, by_start: dict[fx.Node, Collective],
-                           by_logical: dict[fx.Node, Collective]) -> list[fx.Node]:
+def _size_determines_input(
+    n: fx.Node, by_start: dict[fx.Node, Collective], by_logical: dict[fx.Node, Collective]
+) -> list[fx.Node]:
     """The inputs whose sizes ``n``'s output size determines on every rank: the one input of a
     view, cast or unary elementwise op, a wait's collective, the operands of an equal-size
     collective (its output is a fixed multiple of its input for the group's size), the
@@ -152,8 +172,11 @@ def _anchors(ir: CollectiveIR, group: str) -> set[fx.Node]:
     """The nodes whose sizes ``group``'s collectives fix on every rank of it."""
     out: set[fx.Node] = set()
     by_start = {c.start: c for c in ir.collectives}
-    by_logical = {c.logical_output: c for c in ir.collectives
-                  if isinstance(c.logical_output, fx.Node) and c.logical_output not in c.waits}
+    by_logical = {
+        c.logical_output: c
+        for c in ir.collectives
+        if isinstance(c.logical_output, fx.Node) and c.logical_output not in c.waits
+    }
     for c in ir.collectives:
         if c.group.name != group or not sizes_agree(c):
             continue
@@ -186,8 +209,9 @@ def _shared_across(gm: fx.GraphModule, ir: CollectiveIR, group: str) -> set[fx.N
     return shared
 
 
-def varying_nodes(gm: fx.GraphModule, ir: CollectiveIR,
-                  groups: Optional[Iterable[str]] = None) -> frozenset[fx.Node]:
+def varying_nodes(
+    gm: fx.GraphModule, ir: CollectiveIR, groups: Optional[Iterable[str]] = None
+) -> frozenset[fx.Node]:
     """The nodes of ``gm`` whose sizes may differ between two ranks of a group that splits the
     batch (``groups``: only these groups; default every group of the graph). Empty when every
     group shares the batch."""
@@ -213,8 +237,9 @@ class SharedSizes:
         (``Config.uniform_batches``): nothing varies."""
         self.options = options or IRBuildOptions()
         self.uniform_batches = uniform_batches
-        self._graphs: "weakref.WeakKeyDictionary[fx.Graph, tuple[frozenset[fx.Node], frozenset[fx.Node]]]" = \
+        self._graphs: "weakref.WeakKeyDictionary[fx.Graph, tuple[frozenset[fx.Node], frozenset[fx.Node]]]" = (
             weakref.WeakKeyDictionary()
+        )
 
     def classify(self, gm: fx.GraphModule, ir: Optional[CollectiveIR] = None) -> frozenset[fx.Node]:
         """Classify ``gm`` now (``ir``: its IR, when the caller has one built with the same options)."""

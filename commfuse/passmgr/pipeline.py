@@ -39,7 +39,12 @@ from commfuse.core.dump_layout import rank_dump_dir
 from commfuse.core.errors import PassError, VerificationError
 from commfuse.core.meta import REPORTS_META
 from commfuse.core.ranks import process_rank, process_world_size, warn_rank0
-from commfuse.core.torch_private import copy_graph, reset_graph_namespace, structured_trace_enabled, trace_artifact
+from commfuse.core.torch_private import (
+    copy_graph,
+    reset_graph_namespace,
+    structured_trace_enabled,
+    trace_artifact,
+)
 from commfuse.costmodel.analytic import AnalyticCostModel
 from commfuse.costmodel.topology import Topology
 from commfuse.ir.graph_ir import CollectiveIR
@@ -74,8 +79,14 @@ def restore_graph(graph: fx.Graph, snapshot: fx.Graph) -> None:
     graph.output(out)
 
 
-def run_step(p: GraphPass, ctx: PassContext, *, where: Optional[str] = None,
-             snapshot: Optional[fx.Graph] = None, judged: bool = True) -> PassResult:
+def run_step(
+    p: GraphPass,
+    ctx: PassContext,
+    *,
+    where: Optional[str] = None,
+    snapshot: Optional[fx.Graph] = None,
+    judged: bool = True,
+) -> PassResult:
     """Run ``p`` as one step of a pipeline: a change is recompiled, the analyses ``p`` does not
     preserve are dropped, and the graph is verified (``Config.verify``; raises
     :class:`VerificationError` naming ``where``, default the pass). Then the step-time gate
@@ -103,8 +114,12 @@ def run_step(p: GraphPass, ctx: PassContext, *, where: Optional[str] = None,
                 restore_graph(ctx.gm.graph, snapshot)
                 ctx.gm.recompile()
                 ctx.invalidate()
-                return PassResult(False, counts={**result.counts, "reverted_by_gate": 1},
-                                  refusals=[*result.refusals, verdict.refusal()], decisions=result.decisions)
+                return PassResult(
+                    False,
+                    counts={**result.counts, "reverted_by_gate": 1},
+                    refusals=[*result.refusals, verdict.refusal()],
+                    decisions=result.decisions,
+                )
     return result
 
 
@@ -136,7 +151,9 @@ class PassPipeline(GraphPass):
             counts.update({f"{name}.{k}": v for k, v in r.counts.items()})
             refusals.extend(f"{name}: {why}" for why in r.refusals)
             decisions.extend({"step": name, **d} for d in r.decisions)
-        return PassResult(any(r.changed for _, r in results), counts=counts, refusals=refusals, decisions=decisions)
+        return PassResult(
+            any(r.changed for _, r in results), counts=counts, refusals=refusals, decisions=decisions
+        )
 
     def run(self, ctx: PassContext) -> PassResult:
         return self.combine(self.run_steps(ctx))
@@ -164,8 +181,16 @@ class GraphDumps(Instrumentation):
     ``only_if_changed``: write nothing unless a pass changes the graph (the input is then
     written from a copy taken before the first pass)."""
 
-    def __init__(self, dump_dir: str, graph_kind: str, *, svg_max_nodes: int, only_if_changed: bool = False,
-                 rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        dump_dir: str,
+        graph_kind: str,
+        *,
+        svg_max_nodes: int,
+        only_if_changed: bool = False,
+        rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+    ) -> None:
         self.rank = 0 if rank is None else rank
         self.top, mine = rank_dump_dir(dump_dir, self.rank)
         self.world_size = world_size
@@ -184,7 +209,9 @@ class GraphDumps(Instrumentation):
         if not record.changed:
             return
         if self._deferred_input is not None:
-            self.writer.write_graph("input", self._deferred_input, CollectiveIR(self._deferred_input, ctx.ir_options))
+            self.writer.write_graph(
+                "input", self._deferred_input, CollectiveIR(self._deferred_input, ctx.ir_options)
+            )
             self._deferred_input = None
         self.writer.write_graph(f"after_{p.name}", gm, ctx.ir)
 
@@ -244,7 +271,9 @@ def pass_summary(record: PassRecord) -> str:
         return f"{record.name}: failed, graph restored: {record.error}"
     counts = ", ".join(f"{k}={v}" for k, v in record.counts.items() if v)
     what = "changed" if record.changed else "unchanged"
-    line = f"{record.name}: {what}" + (f" ({counts})" if counts else "") + f" in {record.seconds * 1e3:.1f} ms"
+    line = (
+        f"{record.name}: {what}" + (f" ({counts})" if counts else "") + f" in {record.seconds * 1e3:.1f} ms"
+    )
     if record.refusals:
         line += f"; {len(record.refusals)} refusal(s), first: {record.refusals[0]}"
     return line
@@ -264,14 +293,21 @@ class PassLog(Instrumentation):
             for why in record.refusals:
                 log.debug("commfuse: %s graph: %s refused: %s", self.graph_kind, p.name, why)
             for d in record.decisions:
-                log.debug("commfuse: %s graph: %s decided: %s", self.graph_kind, p.name, json.dumps(d, default=str))
+                log.debug(
+                    "commfuse: %s graph: %s decided: %s", self.graph_kind, p.name, json.dumps(d, default=str)
+                )
 
     def after_pipeline(self, gm: fx.GraphModule, ctx: PassContext, report: PipelineReport) -> None:
         changed = [p.name for p in report.passes if p.changed]
-        log.info("commfuse: %s graph: %d pass(es) ran, %s; collectives %s -> %s%s", self.graph_kind,
-                 len(report.passes), f"changed by {', '.join(changed)}" if changed else "unchanged",
-                 report.input_kinds or "{}", report.output_kinds or "{}",
-                 f" ({report.skipped_reason})" if report.skipped_reason else "")
+        log.info(
+            "commfuse: %s graph: %d pass(es) ran, %s; collectives %s -> %s%s",
+            self.graph_kind,
+            len(report.passes),
+            f"changed by {', '.join(changed)}" if changed else "unchanged",
+            report.input_kinds or "{}",
+            report.output_kinds or "{}",
+            f" ({report.skipped_reason})" if report.skipped_reason else "",
+        )
 
 
 class ReportTo(Instrumentation):
@@ -293,12 +329,22 @@ class Pipeline:
     ``instruments`` run on every graph, after the pipeline's own (timing, and dumps when
     the config asks for them)."""
 
-    def __init__(self, passes: Sequence[GraphPass], config: "Config", *, topology: Optional[Topology] = None,
-                 group_roles: Optional[dict[str, str]] = None, role_sources: Optional[dict[str, str]] = None,
-                 session: Optional[SessionState] = None, topology_source: Optional[str] = None,
-                 cost_model: Optional[AnalyticCostModel] = None, cost_label: Optional[str] = None,
-                 rank: Optional[int] = None, instruments: Sequence[Instrumentation] = (),
-                 partitions: Sequence[Sequence[Sequence[int]]] = ()) -> None:
+    def __init__(
+        self,
+        passes: Sequence[GraphPass],
+        config: "Config",
+        *,
+        topology: Optional[Topology] = None,
+        group_roles: Optional[dict[str, str]] = None,
+        role_sources: Optional[dict[str, str]] = None,
+        session: Optional[SessionState] = None,
+        topology_source: Optional[str] = None,
+        cost_model: Optional[AnalyticCostModel] = None,
+        cost_label: Optional[str] = None,
+        rank: Optional[int] = None,
+        instruments: Sequence[Instrumentation] = (),
+        partitions: Sequence[Sequence[Sequence[int]]] = (),
+    ) -> None:
         self.config = config
         self.topology = topology
         self.group_roles = group_roles or {}
@@ -321,8 +367,16 @@ class Pipeline:
         if dump_dir:
             # every rank gets the same dump dir: each writes under its own rank<r>/
             rank = self.rank if self.rank is not None else process_rank()
-            out.append(GraphDumps(dump_dir, graph_kind, svg_max_nodes=self.config.svg_max_nodes,
-                                  only_if_changed=dump_if_changed, rank=rank, world_size=process_world_size()))
+            out.append(
+                GraphDumps(
+                    dump_dir,
+                    graph_kind,
+                    svg_max_nodes=self.config.svg_max_nodes,
+                    only_if_changed=dump_if_changed,
+                    rank=rank,
+                    world_size=process_world_size(),
+                )
+            )
             # what `commfuse report` reads beside the dumps: predicted timelines, group and layer names
             out.append(ReportFacts(graph_kind))
         # after the timer: the pass records they emit carry their seconds
@@ -332,9 +386,16 @@ class Pipeline:
             out.append(PassLog(graph_kind))
         return out + self.instruments
 
-    def run(self, gm: fx.GraphModule, *, graph_kind: str, stages: Iterable[Stage],
-            dump_if_changed: bool = False, more_stages: bool = False,
-            notes: Sequence[str] = ()) -> PipelineReport:
+    def run(
+        self,
+        gm: fx.GraphModule,
+        *,
+        graph_kind: str,
+        stages: Iterable[Stage],
+        dump_if_changed: bool = False,
+        more_stages: bool = False,
+        notes: Sequence[str] = (),
+    ) -> PipelineReport:
         """Run the passes of ``stages`` on ``gm``; returns the graph's report.
 
         ``dump_if_changed``: dump this graph only when a pass changes it (the Dynamo graph
@@ -349,16 +410,27 @@ class Pipeline:
         instruments' ``after_pipeline`` sees the same report again."""
         stages = set(stages)
         cfg = self.config
-        ctx = PassContext(gm, cfg, graph_kind=graph_kind, topology=self.topology, group_roles=self.group_roles,
-                          role_sources=self.role_sources, session=self.session, cost_model=self.cost_model,
-                          rank=self.rank, partitions=self.partitions)
+        ctx = PassContext(
+            gm,
+            cfg,
+            graph_kind=graph_kind,
+            topology=self.topology,
+            group_roles=self.group_roles,
+            role_sources=self.role_sources,
+            session=self.session,
+            cost_model=self.cost_model,
+            rank=self.rank,
+            partitions=self.partitions,
+        )
         earlier = self._open.pop(gm, None)
         if earlier is not None and earlier.report.graph != graph_kind:
             earlier = None
         if earlier is None:
             instruments = self._instruments(graph_kind, dump_if_changed)
-            report = PipelineReport(graph=graph_kind, topology=_describe_topology(self.topology, self.topology_source,
-                                                                                  self.cost_label))
+            report = PipelineReport(
+                graph=graph_kind,
+                topology=_describe_topology(self.topology, self.topology_source, self.cost_label),
+            )
             _describe_input(ctx, report)
         else:
             instruments, report = earlier.instruments, earlier.report
@@ -375,8 +447,12 @@ class Pipeline:
             report.input_problems = [*report.input_problems, *pre.problems]
             if selected:
                 report.skipped_reason = "input graph failed verification; no pass was run"
-                warn_rank0(f"commfuse: {graph_kind} graph left unchanged: input graph failed verification: "
-                           f"{pre.problems[0]}", RuntimeWarning, stacklevel=2)
+                warn_rank0(
+                    f"commfuse: {graph_kind} graph left unchanged: input graph failed verification: "
+                    f"{pre.problems[0]}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             selected = []
 
         # The graph as it was before the current pass, to restore if the pass fails. A pass that
@@ -394,7 +470,11 @@ class Pipeline:
                 ins.before_pass(p, record)
             try:
                 result = run_step(p, ctx, snapshot=snapshot)
-                record.changed, record.counts, record.refusals = result.changed, result.counts, result.refusals
+                record.changed, record.counts, record.refusals = (
+                    result.changed,
+                    result.counts,
+                    result.refusals,
+                )
                 record.decisions = result.decisions
                 if result.changed:
                     snapshot = None
@@ -411,8 +491,12 @@ class Pipeline:
                         raise
                     raise PassError(p.name, e) from e
                 # every rank runs the same pass on the same graph and fails alike: one copy
-                warn_rank0(f"commfuse: pass '{p.name}' failed on the {graph_kind} graph and was skipped "
-                           f"(graph restored): {record.error}", RuntimeWarning, stacklevel=2)
+                warn_rank0(
+                    f"commfuse: pass '{p.name}' failed on the {graph_kind} graph and was skipped "
+                    f"(graph restored): {record.error}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
                 log.debug("pass %s failed", p.name, exc_info=True)
                 continue
             for ins in instruments:
@@ -448,20 +532,45 @@ def _describe_input(ctx: PassContext, report: PipelineReport) -> None:
     report.input_wire_bytes = size_to_json(wire)
     if ctx.ir.hidden_collectives:
         hidden = ", ".join(f"{n.name}: {k}" for n, k in ctx.ir.hidden_collectives.items())
-        report.notes.append(f"collectives inside control flow / higher-order ops ({hidden}) are not analysed; "
-                            "passes treat those nodes as opaque")
+        report.notes.append(
+            f"collectives inside control flow / higher-order ops ({hidden}) are not analysed; "
+            "passes treat those nodes as opaque"
+        )
 
 
-def _describe_topology(topology: Optional[Topology], source: Optional[str], cost_label: Optional[str] = None) -> str:
+def _describe_topology(
+    topology: Optional[Topology], source: Optional[str], cost_label: Optional[str] = None
+) -> str:
     if cost_label is not None:
         return f"{_describe_topology(topology, source)}; priced with {cost_label}"
     if topology is None:
-        return "none (cost-model passes refuse; give Config.topology or setup(topology=), or run under torchrun)"
-    where = {"config": "Config.topology", "setup": "commfuse.setup", "given": "given",
-             "detected": "detected from the torchrun environment", "cost_profile": "Config.cost_profile"}.get(source or "given", source)
-    return (f"{topology.name}: {topology.num_nodes} node(s) x {topology.ranks_per_node} ranks, "
-            f"device {topology.device} ({where})")
+        return (
+            "none (cost-model passes refuse; give Config.topology or setup(topology=), or run under torchrun)"
+        )
+    where = {
+        "config": "Config.topology",
+        "setup": "commfuse.setup",
+        "given": "given",
+        "detected": "detected from the torchrun environment",
+        "cost_profile": "Config.cost_profile",
+    }.get(source or "given", source)
+    return (
+        f"{topology.name}: {topology.num_nodes} node(s) x {topology.ranks_per_node} ranks, "
+        f"device {topology.device} ({where})"
+    )
 
 
-__all__ = ["GraphDumps", "Instrumentation", "PassLog", "PassPipeline", "PassTimer", "Pipeline", "ReportTo",
-           "StructuredTrace", "pass_summary", "restore_graph", "run_step", "snapshot_graph"]
+__all__ = [
+    "GraphDumps",
+    "Instrumentation",
+    "PassLog",
+    "PassPipeline",
+    "PassTimer",
+    "Pipeline",
+    "ReportTo",
+    "StructuredTrace",
+    "pass_summary",
+    "restore_graph",
+    "run_step",
+    "snapshot_graph",
+]

@@ -26,19 +26,24 @@ def _label(text: str) -> str:
 
 def _collective_label(c, sub: str = "") -> str:
     dim = "" if c.logical_dim is None else f" dim {c.logical_dim}"
-    return (f"<b>{_label(c.kind.value)}{dim}</b> {_label(c.name)}<br/>{_label(c.group.describe())}"
-            f"<br/>{_label(f'{c.logged_bytes} B logged, {c.wire_bytes} B wire per rank')}{sub}")
+    return (
+        f"<b>{_label(c.kind.value)}{dim}</b> {_label(c.name)}<br/>{_label(c.group.describe())}"
+        f"<br/>{_label(f'{c.logged_bytes} B logged, {c.wire_bytes} B wire per rank')}{sub}"
+    )
 
 
 def graph_to_dot(gm: fx.GraphModule, ir: CollectiveIR, *, title: str = "") -> str:
     colors = {g: _PALETTE[i % len(_PALETTE)] for i, g in enumerate(sorted(ir.groups))}
     coll = {c.start: c for c in ir.collectives}
     wait_of = {w: c for c in ir.collectives for w in c.waits}
-    lines = ["digraph G {", "  rankdir=TB; node [shape=box, fontsize=9, fontname=Helvetica];",
-             f'  labelloc=t; label=<{_label(title)}>;']
+    lines = [
+        "digraph G {",
+        "  rankdir=TB; node [shape=box, fontsize=9, fontname=Helvetica];",
+        f"  labelloc=t; label=<{_label(title)}>;",
+    ]
     legend = " ".join(f'<font color="{col}">&#9632; group {_label(g)}</font>' for g, col in colors.items())
     if legend:
-        lines.append(f'  legend [shape=plaintext, label=<{legend}>];')
+        lines.append(f"  legend [shape=plaintext, label=<{legend}>];")
     for n in gm.graph.nodes:
         shape = shape_of(n)
         sub = "" if shape is None else "<br/>" + _label(str(list(shape)))
@@ -46,13 +51,21 @@ def graph_to_dot(gm: fx.GraphModule, ir: CollectiveIR, *, title: str = "") -> st
             c = coll[n]
             col = colors[c.group.name]
             text = _collective_label(c, sub)
-            lines.append(f'  "{_label(n.name)}" [label=<{text}>, style=filled, fillcolor="{col}", fontcolor=white];')
+            lines.append(
+                f'  "{_label(n.name)}" [label=<{text}>, style=filled, fillcolor="{col}", fontcolor=white];'
+            )
         elif n in wait_of or (n.op == "call_function" and is_wait(n.target)):
             col = colors.get(wait_of[n].group.name, "black") if n in wait_of else "black"
-            lines.append(f'  "{_label(n.name)}" [label=<wait {_label(n.name)}{sub}>, style=dashed, color="{col}"];')
+            lines.append(
+                f'  "{_label(n.name)}" [label=<wait {_label(n.name)}{sub}>, style=dashed, color="{col}"];'
+            )
         else:
             op = n.target.__name__ if callable(n.target) and hasattr(n.target, "__name__") else str(n.target)
-            text = f"{_label(n.name)}<br/><i>{_label(op)}</i>{sub}" if n.op == "call_function" else f"{_label(n.op)} {_label(n.name)}{sub}"
+            text = (
+                f"{_label(n.name)}<br/><i>{_label(op)}</i>{sub}"
+                if n.op == "call_function"
+                else f"{_label(n.op)} {_label(n.name)}{sub}"
+            )
             lines.append(f'  "{_label(n.name)}" [label=<{text}>];')
         for a in n.all_input_nodes:
             lines.append(f'  "{_label(a.name)}" -> "{_label(n.name)}";')
@@ -72,14 +85,27 @@ def condensed_dot(gm: fx.GraphModule, ir: CollectiveIR, *, title: str = "") -> s
         if n in coll or n in wait_of:
             box[n] = n.name
             continue
-        if not runs or runs[-1][0] == "__closed__" or (runs and runs[-1][1] and runs[-1][1][-1].next is not n):
+        if (
+            not runs
+            or runs[-1][0] == "__closed__"
+            or (runs and runs[-1][1] and runs[-1][1][-1].next is not n)
+        ):
             runs.append((f"run{len(runs)}", []))
         runs[-1][1].append(n)
         box[n] = runs[-1][0]
-    lines = ["digraph G {", "  rankdir=TB; node [shape=box, fontsize=9, fontname=Helvetica];",
-             f'  labelloc=t; label=<{_label(title)} (condensed: {len(gm.graph.nodes)} nodes)>;']
+    lines = [
+        "digraph G {",
+        "  rankdir=TB; node [shape=box, fontsize=9, fontname=Helvetica];",
+        f"  labelloc=t; label=<{_label(title)} (condensed: {len(gm.graph.nodes)} nodes)>;",
+    ]
     for name, nodes in runs:
-        ops = sorted({getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in nodes if n.op == "call_function"})
+        ops = sorted(
+            {
+                getattr(n.target, "__name__", str(n.target)).split(".")[0]
+                for n in nodes
+                if n.op == "call_function"
+            }
+        )
         shown = ", ".join(ops[:6]) + (", ..." if len(ops) > 6 else "")
         # Graphviz rejects an empty <i></i> (a run of placeholders/outputs only has no op names).
         body = f"<br/><i>{_label(shown)}</i>" if shown else ""
@@ -87,9 +113,13 @@ def condensed_dot(gm: fx.GraphModule, ir: CollectiveIR, *, title: str = "") -> s
     for n, c in coll.items():
         col = colors[c.group.name]
         text = _collective_label(c)
-        lines.append(f'  "{_label(n.name)}" [label=<{text}>, style=filled, fillcolor="{col}", fontcolor=white];')
+        lines.append(
+            f'  "{_label(n.name)}" [label=<{text}>, style=filled, fillcolor="{col}", fontcolor=white];'
+        )
     for w, c in wait_of.items():
-        lines.append(f'  "{_label(w.name)}" [label=<wait {_label(w.name)}>, style=dashed, color="{colors[c.group.name]}"];')
+        lines.append(
+            f'  "{_label(w.name)}" [label=<wait {_label(w.name)}>, style=dashed, color="{colors[c.group.name]}"];'
+        )
     edges = set()
     for n in gm.graph.nodes:
         for a in n.all_input_nodes:
@@ -105,5 +135,7 @@ def dot_to_svg(dot: str, *, timeout_s: float = 30.0) -> bytes | None:
     exe = shutil.which("dot")
     if exe is None:
         return None
-    proc = subprocess.run([exe, "-Tsvg"], input=dot.encode(), capture_output=True, timeout=timeout_s, check=True)
+    proc = subprocess.run(
+        [exe, "-Tsvg"], input=dot.encode(), capture_output=True, timeout=timeout_s, check=True
+    )
     return proc.stdout

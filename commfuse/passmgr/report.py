@@ -102,7 +102,10 @@ def _add(a, b):
 
 def build_analysis_report(ir: CollectiveIR, *, graph: str = "graph") -> AnalysisReport:
     rows: list[CollectiveReport] = []
-    sums: dict[str, dict[str, list]] = {"kind": defaultdict(lambda: [0, 0, 0]), "group": defaultdict(lambda: [0, 0, 0])}
+    sums: dict[str, dict[str, list]] = {
+        "kind": defaultdict(lambda: [0, 0, 0]),
+        "group": defaultdict(lambda: [0, 0, 0]),
+    }
     total = [0, 0, 0]
 
     def count(kind: str, group: str, logged, wire) -> None:
@@ -142,10 +145,20 @@ def build_analysis_report(ir: CollectiveIR, *, graph: str = "graph") -> Analysis
     embedded = []
     for e in ir.embedded:
         for t in e.transfers:
-            embedded.append(EmbeddedReport(node=e.node.name, op=str(e.node.target), kind=t.kind.value, group=t.group,
-                                           group_size=t.group_size, what=t.what, logged_bytes=t.logged_bytes,
-                                           wire_bytes=t.wire_bytes, estimated=t.estimated,
-                                           backward=e.node in ir.backward_nodes))
+            embedded.append(
+                EmbeddedReport(
+                    node=e.node.name,
+                    op=str(e.node.target),
+                    kind=t.kind.value,
+                    group=t.group,
+                    group_size=t.group_size,
+                    what=t.what,
+                    logged_bytes=t.logged_bytes,
+                    wire_bytes=t.wire_bytes,
+                    estimated=t.estimated,
+                    backward=e.node in ir.backward_nodes,
+                )
+            )
             count(t.kind.value, t.group, t.logged_bytes, t.wire_bytes)
 
     def totals(acc) -> Totals:

@@ -66,7 +66,9 @@ def cost_model(profile: Any = None, topology: Any = None, backend: Optional[str]
     if profile is not None:
         if not isinstance(profile, CostProfile):
             profile = CostProfile.load(profile)
-        return profile.build_model(topology), f"profile {profile.topology}/{profile.backend} {profile.provenance.date}"
+        return profile.build_model(
+            topology
+        ), f"profile {profile.topology}/{profile.backend} {profile.provenance.date}"
     if topology is None:
         per_node = Topology.preset("cpu-gloo").ranks_per_node
         topology = Topology.preset("cpu-gloo", num_nodes=max(1, -(-world_size // per_node)))
@@ -85,7 +87,9 @@ def graph_directions(gm: fx.GraphModule) -> dict[str, str]:
     return out
 
 
-def _mesh_dim(group_name: str, role: Optional[str], source: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+def _mesh_dim(
+    group_name: str, role: Optional[str], source: Optional[str]
+) -> tuple[Optional[str], Optional[str]]:
     """(mesh dim name, where it came from) of a process group, where this process can tell."""
     try:
         pg = resolve_process_group(group_name)
@@ -93,7 +97,7 @@ def _mesh_dim(group_name: str, role: Optional[str], source: Optional[str]) -> tu
     except Exception:  # noqa: BLE001 - a group this process cannot resolve has no description
         desc = None
     if isinstance(desc, str) and desc.startswith("mesh_") and desc not in ("mesh_default",):
-        return desc[len("mesh_"):], "process group description"
+        return desc[len("mesh_") :], "process group description"
     if source == "mesh" and role:
         # setup(mesh=) / the DTensor mesh named the dim whose role this is (tp -> tp, dp_shard -> fsdp)
         return role, "DeviceMesh dim name"
@@ -111,8 +115,14 @@ def group_facts(ir: CollectiveIR) -> dict[str, dict[str, Any]]:
         role = roles.get(g.name)
         role = getattr(role, "value", role)
         dim, how = _mesh_dim(g.name, role, sources.get(g.name))
-        out[g.name] = {"size": g.size, "ranks": list(g.ranks) if g.ranks is not None else None,
-                       "role": role, "role_source": sources.get(g.name), "mesh_dim": dim, "mesh_dim_source": how}
+        out[g.name] = {
+            "size": g.size,
+            "ranks": list(g.ranks) if g.ranks is not None else None,
+            "role": role,
+            "role_source": sources.get(g.name),
+            "mesh_dim": dim,
+            "mesh_dim_source": how,
+        }
     return out
 
 
@@ -137,8 +147,11 @@ def collective_layers(ir: CollectiveIR) -> dict[str, str]:
 
 def _summary(trace: dict[str, Any]) -> dict[str, float]:
     o = trace.get("otherData", {})
-    return {k: float(o[k]) for k in ("makespan_us", "compute_us", "comm_us", "exposed_comm_us", "hidden_comm_us")
-            if isinstance(o.get(k), (int, float))}
+    return {
+        k: float(o[k])
+        for k in ("makespan_us", "compute_us", "comm_us", "exposed_comm_us", "hidden_comm_us")
+        if isinstance(o.get(k), (int, float))
+    }
 
 
 class ReportFacts(Instrumentation):
@@ -182,8 +195,13 @@ class ReportFacts(Instrumentation):
             return
         self.dir, self.gm, self.topology = Path(report.dump_dir), gm, report.topology
         try:
-            self.facts.update(format="commfuse-report-facts", version=1, graph_kind=self.kind,
-                              groups=group_facts(ctx.ir), layers=collective_layers(ctx.ir))
+            self.facts.update(
+                format="commfuse-report-facts",
+                version=1,
+                graph_kind=self.kind,
+                groups=group_facts(ctx.ir),
+                layers=collective_layers(ctx.ir),
+            )
             if self.kind == "joint":
                 self.facts["directions"] = graph_directions(gm)
         except Exception as e:  # noqa: BLE001
@@ -192,8 +210,12 @@ class ReportFacts(Instrumentation):
             self._simulate("input", gm, ctx)
 
     def before_pass(self, p: Any, record: Any) -> None:
-        if self.gm is not None and self.kind in RUNTIME_KINDS and p.name in EXECUTOR_LOWERINGS \
-                and "commfuse" not in self.traces:
+        if (
+            self.gm is not None
+            and self.kind in RUNTIME_KINDS
+            and p.name in EXECUTOR_LOWERINGS
+            and "commfuse" not in self.traces
+        ):
             self._simulate("commfuse", self.gm, None)
 
     def after_pass(self, p: Any, record: Any, gm: fx.GraphModule, ctx: Any) -> None:

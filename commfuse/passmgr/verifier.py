@@ -38,8 +38,9 @@ class VerifierReport:
         return not self.problems
 
 
-def verify_graph(gm: fx.GraphModule, *, ir: CollectiveIR | None = None, deep: bool = False,
-                 check_meta: bool = True) -> VerifierReport:
+def verify_graph(
+    gm: fx.GraphModule, *, ir: CollectiveIR | None = None, deep: bool = False, check_meta: bool = True
+) -> VerifierReport:
     """`check_meta=False` for graphs straight from PyTorch (the input graph): their metadata is
     PyTorch's business; after a pass, missing metadata means the pass forgot to propagate it."""
     report = VerifierReport()
@@ -74,8 +75,10 @@ def _check_waits(c, problems: list[str]) -> None:
     if c.synchronous:  # completes inside the op (e.g. commfuse::m2ms_autograd): must not be waited
         waits = [u for u in c.start.users if u.op == "call_function" and is_wait(u.target)]
         if waits:
-            problems.append(f"{c.name}: synchronous {c.kind.value} op is waited by {waits[0].name} "
-                            f"(it has no work to wait for)")
+            problems.append(
+                f"{c.name}: synchronous {c.kind.value} op is waited by {waits[0].name} "
+                f"(it has no work to wait for)"
+            )
         return
     outputs = [g for g in c.start.users] if c.coalesced else [c.start]
     order = {n: i for i, n in enumerate(c.start.graph.nodes)} if c.inplace else {}
@@ -92,7 +95,9 @@ def _check_waits(c, problems: list[str]) -> None:
             # reads of that buffer as uses of the collective node. Only reads before the wait race.
             others = [u for u in others if order[u] < order[waits[0]]]
         if not waits:
-            problems.append(f"{c.name}: {c.kind.value} result {out.name} is never waited (missing wait_tensor)")
+            problems.append(
+                f"{c.name}: {c.kind.value} result {out.name} is never waited (missing wait_tensor)"
+            )
         elif len(waits) > 1:
             problems.append(f"{c.name}: {c.kind.value} result {out.name} is waited {len(waits)} times")
         if others:
@@ -118,7 +123,9 @@ def _check_collective_meta(c, problems: list[str]) -> None:
     elif c.kind is CollectiveKind.REDUCE_SCATTER and n and ins:
         expected = (ins[0] // n, *ins[1:]) if isinstance(ins[0], int) else None
     if expected is not None and tuple(expected) != tuple(out):
-        problems.append(f"{c.name}: {c.kind.value} over {n if n else '?'} ranks maps {list(ins)} to {list(out)}, expected {list(expected)}")
+        problems.append(
+            f"{c.name}: {c.kind.value} over {n if n else '?'} ranks maps {list(ins)} to {list(out)}, expected {list(expected)}"
+        )
 
 
 def _check_waits_meta(gm: fx.GraphModule, problems: list[str]) -> None:
@@ -126,7 +133,9 @@ def _check_waits_meta(gm: fx.GraphModule, problems: list[str]) -> None:
         if n.op == "call_function" and is_wait(n.target):
             a, b = tensor_meta(n.args[0]), tensor_meta(n)
             if a is not None and b is not None and (a.shape != b.shape or a.dtype != b.dtype):
-                problems.append(f"{n.name}: wait changes metadata {tuple(a.shape)}/{a.dtype} -> {tuple(b.shape)}/{b.dtype}")
+                problems.append(
+                    f"{n.name}: wait changes metadata {tuple(a.shape)}/{a.dtype} -> {tuple(b.shape)}/{b.dtype}"
+                )
 
 
 def _check_meta_present(gm: fx.GraphModule, problems: list[str]) -> None:
@@ -135,9 +144,15 @@ def _check_meta_present(gm: fx.GraphModule, problems: list[str]) -> None:
         return  # graph traced without metadata: nothing to hold passes to
     for n in gm.graph.nodes:
         # ATen/c10d ops only: higher-order ops and Python operators legitimately lack it.
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and "val" not in n.meta \
-                and n.target._schema.returns:  # ops returning nothing (e.g. _assert_async) have no value
-            problems.append(f"{n.name}: no 'val' metadata (a pass created it without fake-tensor propagation)")
+        if (
+            n.op == "call_function"
+            and isinstance(n.target, torch._ops.OpOverload)
+            and "val" not in n.meta
+            and n.target._schema.returns
+        ):  # ops returning nothing (e.g. _assert_async) have no value
+            problems.append(
+                f"{n.name}: no 'val' metadata (a pass created it without fake-tensor propagation)"
+            )
 
 
 def _check_fake_propagation(gm: fx.GraphModule, problems: list[str]) -> None:

@@ -18,15 +18,43 @@ Design and how a ``torch.distributed.pipelining`` user adopts it: docs/pipeline.
 
 from __future__ import annotations
 
-from commfuse.pipeline.collectives import (all_gather, all_reduce, all_to_all, copy_to_group, reduce_from_group,
-                                           reduce_scatter)
+from commfuse.pipeline.collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    copy_to_group,
+    reduce_from_group,
+    reduce_scatter,
+)
 from commfuse.pipeline.layout import PipelineLayout, StageGroup, plan_layout, setup_pipeline
 from commfuse.pipeline.partition import PartitionedProgram, PartitionError, StagePart, partition, write_dumps
 from commfuse.pipeline.runner import PipelineRunner
 from commfuse.pipeline.schedule import SCHEDULES, Action, check_schedule, stage_actions
 from commfuse.pipeline.trace import InputSpec, PipelineProgram, trace_forward, trace_joint
 
-__all__ = ["Action", "InputSpec", "PartitionError", "PartitionedProgram", "PipelineLayout", "PipelineProgram",
-           "PipelineRunner", "SCHEDULES", "StageGroup", "StagePart", "all_gather", "all_reduce", "all_to_all",
-           "check_schedule", "copy_to_group", "partition", "plan_layout", "reduce_from_group", "reduce_scatter",
-           "setup_pipeline", "stage_actions", "trace_forward", "trace_joint", "write_dumps"]
+__all__ = [
+    "Action",
+    "InputSpec",
+    "PartitionError",
+    "PartitionedProgram",
+    "PipelineLayout",
+    "PipelineProgram",
+    "PipelineRunner",
+    "SCHEDULES",
+    "StageGroup",
+    "StagePart",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "check_schedule",
+    "copy_to_group",
+    "partition",
+    "plan_layout",
+    "reduce_from_group",
+    "reduce_scatter",
+    "setup_pipeline",
+    "stage_actions",
+    "trace_forward",
+    "trace_joint",
+    "write_dumps",
+]

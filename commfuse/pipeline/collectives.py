@@ -131,8 +131,12 @@ def _lower(functional_op):
 JOINT_DECOMPOSITIONS = {
     COPY_TO_GROUP: _decomp_copy,
     REDUCE_FROM_GROUP: _decomp_reduce,
-    c10d_functional_autograd.all_gather_into_tensor.default: _lower(c10d_functional.all_gather_into_tensor.default),
-    c10d_functional_autograd.reduce_scatter_tensor.default: _lower(c10d_functional.reduce_scatter_tensor.default),
+    c10d_functional_autograd.all_gather_into_tensor.default: _lower(
+        c10d_functional.all_gather_into_tensor.default
+    ),
+    c10d_functional_autograd.reduce_scatter_tensor.default: _lower(
+        c10d_functional.reduce_scatter_tensor.default
+    ),
     c10d_functional_autograd.all_to_all_single.default: _lower(c10d_functional.all_to_all_single.default),
 }
 
@@ -140,7 +144,9 @@ JOINT_DECOMPOSITIONS = {
 # ---------------------------------------------------------------- helpers
 def _check(group: Optional[StageGroup], what: str) -> None:
     if group is not None and not isinstance(group, StageGroup):
-        raise TypeError(f"{what}: group must be a commfuse.pipeline.StageGroup or None, got {type(group).__name__}")
+        raise TypeError(
+            f"{what}: group must be a commfuse.pipeline.StageGroup or None, got {type(group).__name__}"
+        )
 
 
 def all_gather(x: Tensor, dim: int, group: Optional[StageGroup]) -> Tensor:
@@ -164,8 +170,10 @@ def reduce_scatter(x: Tensor, dim: int, group: Optional[StageGroup]) -> Tensor:
     n = group.size
     dim = dim % x.dim()
     if x.shape[dim] % n:
-        raise ValueError(f"reduce_scatter: size {x.shape[dim]} of dim {dim} is not divisible by the "
-                         f"group size {n} of {group.name}")
+        raise ValueError(
+            f"reduce_scatter: size {x.shape[dim]} of dim {dim} is not divisible by the "
+            f"group size {n} of {group.name}"
+        )
     if dim != 0:
         x = torch.cat(torch.split(x, x.shape[dim] // n, dim), dim=0)
     return _wait(c10d_functional_autograd.reduce_scatter_tensor(x.contiguous(), "sum", n, group.name))
@@ -178,8 +186,10 @@ def all_to_all(x: Tensor, group: Optional[StageGroup]) -> Tensor:
     if group is None or group.size == 1:
         return x
     if x.shape[0] % group.size:
-        raise ValueError(f"all_to_all: dim 0 of size {x.shape[0]} is not divisible by the group size "
-                         f"{group.size} of {group.name}")
+        raise ValueError(
+            f"all_to_all: dim 0 of size {x.shape[0]} is not divisible by the group size "
+            f"{group.size} of {group.name}"
+        )
     splits = [x.shape[0] // group.size] * group.size
     return _wait(c10d_functional_autograd.all_to_all_single(x.contiguous(), splits, splits, group.name))
 
@@ -202,5 +212,14 @@ def reduce_from_group(x: Tensor, group: Optional[StageGroup]) -> Tensor:
 
 all_reduce = reduce_from_group
 
-__all__ = ["COPY_TO_GROUP", "JOINT_DECOMPOSITIONS", "REDUCE_FROM_GROUP", "all_gather", "all_reduce", "all_to_all",
-           "copy_to_group", "reduce_from_group", "reduce_scatter"]
+__all__ = [
+    "COPY_TO_GROUP",
+    "JOINT_DECOMPOSITIONS",
+    "REDUCE_FROM_GROUP",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "copy_to_group",
+    "reduce_from_group",
+    "reduce_scatter",
+]

@@ -53,7 +53,9 @@ class StageGroup:
         try:
             return self.ranks.index(global_rank)
         except ValueError:
-            raise ValueError(f"rank {global_rank} is not a member of {self.name} (ranks {list(self.ranks)})") from None
+            raise ValueError(
+                f"rank {global_rank} is not a member of {self.name} (ranks {list(self.ranks)})"
+            ) from None
 
     def group_ranks(self, global_ranks: Sequence[int]) -> list[int]:
         return [self.group_rank(r) for r in global_ranks]
@@ -92,8 +94,10 @@ class PipelineLayout:
         """``(src, dst)`` of boundary ``b`` in group ranks of its boundary group: position ``p``
         of stage ``b`` (``src[p]``) sends to position ``p`` of stage ``b+1`` (``dst[p]``)."""
         if not 0 <= b < self.num_stages - 1:
-            raise ValueError(f"boundary {b} does not exist: a pipeline of {self.num_stages} stages has "
-                             f"boundaries 0..{self.num_stages - 2}")
+            raise ValueError(
+                f"boundary {b} does not exist: a pipeline of {self.num_stages} stages has "
+                f"boundaries 0..{self.num_stages - 2}"
+            )
         g = self.boundaries[b]
         return g.group_ranks(self.stage_ranks[b]), g.group_ranks(self.stage_ranks[b + 1])
 
@@ -127,8 +131,10 @@ def boundary_alias(b: int) -> str:
 def validate_stage_ranks(stage_ranks: Any, world_size: Optional[int]) -> tuple[Ranks, ...]:
     """``stage_ranks`` as sorted tuples, or a ValueError naming what is wrong."""
     if not isinstance(stage_ranks, (list, tuple)) or not stage_ranks:
-        raise ValueError(f"stage_ranks: expected a non-empty list of rank lists, e.g. [[0, 1], [2, 3]]; "
-                         f"got {stage_ranks!r}")
+        raise ValueError(
+            f"stage_ranks: expected a non-empty list of rank lists, e.g. [[0, 1], [2, 3]]; "
+            f"got {stage_ranks!r}"
+        )
     out: list[Ranks] = []
     for s, ranks in enumerate(stage_ranks):
         if not isinstance(ranks, (list, tuple)) or not ranks:
@@ -145,7 +151,9 @@ def validate_stage_ranks(stage_ranks: Any, world_size: Optional[int]) -> tuple[R
     for s, ranks in enumerate(out):
         for r in ranks:
             if r in seen:
-                raise ValueError(f"stage_ranks: rank {r} is in stage {seen[r]} and stage {s}; stages must be disjoint")
+                raise ValueError(
+                    f"stage_ranks: rank {r} is in stage {seen[r]} and stage {s}; stages must be disjoint"
+                )
             seen[r] = s
     if world_size is not None:
         bad = [r for r in seen if not 0 <= r < world_size]
@@ -153,8 +161,10 @@ def validate_stage_ranks(stage_ranks: Any, world_size: Optional[int]) -> tuple[R
             raise ValueError(f"stage_ranks: ranks {sorted(bad)} are outside the world of {world_size} ranks")
         if len(seen) != world_size:
             missing = sorted(set(range(world_size)) - set(seen))
-            raise ValueError(f"stage_ranks: ranks {missing} are in no stage; the stages must cover the world "
-                             f"of {world_size} ranks (one pipeline per job)")
+            raise ValueError(
+                f"stage_ranks: ranks {missing} are in no stage; the stages must cover the world "
+                f"of {world_size} ranks (one pipeline per job)"
+            )
     return tuple(out)
 
 
@@ -163,7 +173,8 @@ def plan_layout(stage_ranks: Any, rank: int, world_size: Optional[int] = None) -
     sr = validate_stage_ranks(stage_ranks, world_size)
     stages = tuple(StageGroup(stage_alias(s), len(r), r) for s, r in enumerate(sr))
     boundaries = tuple(
-        StageGroup(boundary_alias(b), 2 * len(sr[b]), tuple(sorted(sr[b] + sr[b + 1]))) for b in range(len(sr) - 1)
+        StageGroup(boundary_alias(b), 2 * len(sr[b]), tuple(sorted(sr[b] + sr[b + 1])))
+        for b in range(len(sr) - 1)
     )
     me = next((s for s, r in enumerate(sr) if rank in r), None)
     if me is None:
@@ -188,5 +199,14 @@ def setup_pipeline(stage_ranks: Sequence[Sequence[int]]) -> PipelineLayout:
     return layout
 
 
-__all__ = ["BOUNDARY_PREFIX", "PipelineLayout", "STAGE_PREFIX", "StageGroup", "boundary_alias", "plan_layout",
-           "setup_pipeline", "stage_alias", "validate_stage_ranks"]
+__all__ = [
+    "BOUNDARY_PREFIX",
+    "PipelineLayout",
+    "STAGE_PREFIX",
+    "StageGroup",
+    "boundary_alias",
+    "plan_layout",
+    "setup_pipeline",
+    "stage_alias",
+    "validate_stage_ranks",
+]

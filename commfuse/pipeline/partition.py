@@ -44,7 +44,14 @@ import torch.fx as fx
 from commfuse.core.errors import CommfuseError
 from commfuse.core.torch_private import c10d_functional
 from commfuse.ir.kinds import collective_spec, is_wait
-from commfuse.ops import M2MS, M2MS_AUTOGRAD, STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, parse_m2ms, parse_stage_transfer
+from commfuse.ops import (
+    M2MS,
+    M2MS_AUTOGRAD,
+    STAGE_TRANSFER,
+    STAGE_TRANSFER_AUTOGRAD,
+    parse_m2ms,
+    parse_stage_transfer,
+)
 from commfuse.pipeline.layout import PipelineLayout
 from commfuse.pipeline.trace import InputSpec, PipelineProgram
 
@@ -120,21 +127,27 @@ def transfer_stages(node: fx.Node, layout: PipelineLayout) -> tuple[int, int]:
         a = parse_m2ms(node)
     b = layout.boundary_index(a.group_name)
     if b is None:
-        raise PartitionError(f"transfer node {node.name} ({node.target}) runs on group {a.group_name!r}, which is "
-                             f"not a boundary group of the pipeline ({[g.name for g in layout.boundaries]})")
+        raise PartitionError(
+            f"transfer node {node.name} ({node.target}) runs on group {a.group_name!r}, which is "
+            f"not a boundary group of the pipeline ({[g.name for g in layout.boundaries]})"
+        )
     g = layout.boundaries[b]
 
     def stage_of(ranks, what):
         stages = {layout.stage_of(g.ranks[r]) for r in ranks}
         if len(stages) != 1:
-            raise PartitionError(f"transfer node {node.name}: its {what} ranks {list(ranks)} (group ranks of "
-                                 f"{g.name}) span stages {sorted(stages)}; a transfer goes from one stage to another")
+            raise PartitionError(
+                f"transfer node {node.name}: its {what} ranks {list(ranks)} (group ranks of "
+                f"{g.name}) span stages {sorted(stages)}; a transfer goes from one stage to another"
+            )
         return stages.pop()
 
     src, dst = stage_of(a.src, "src"), stage_of(a.dst, "dst")
     if src == dst:
-        raise PartitionError(f"transfer node {node.name}: src and dst are both in stage {src}; a transfer must "
-                             "cross a stage boundary")
+        raise PartitionError(
+            f"transfer node {node.name}: src and dst are both in stage {src}; a transfer must "
+            "cross a stage boundary"
+        )
     return src, dst
 
 
@@ -143,13 +156,16 @@ def _is_random(node: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
 
 
-def analyze(joint: fx.GraphModule, specs: list[InputSpec], layout: PipelineLayout
-            ) -> tuple[dict[str, Optional[int]], dict[str, str], list[Transfer], fx.Node]:
+def analyze(
+    joint: fx.GraphModule, specs: list[InputSpec], layout: PipelineLayout
+) -> tuple[dict[str, Optional[int]], dict[str, str], list[Transfer], fx.Node]:
     """Stage and phase of every node, the transfers, and the loss node (module docstring)."""
     nodes = list(joint.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if len(placeholders) != len(specs):
-        raise PartitionError(f"joint graph has {len(placeholders)} inputs, the program describes {len(specs)}")
+        raise PartitionError(
+            f"joint graph has {len(placeholders)} inputs, the program describes {len(specs)}"
+        )
     out = next(n for n in nodes if n.op == "output")
     outs = out.args[0]
     loss = outs[0] if isinstance(outs, (tuple, list)) else outs
@@ -177,8 +193,10 @@ def analyze(joint: fx.GraphModule, specs: list[InputSpec], layout: PipelineLayou
             x = n.args[0] if n.args else n.kwargs.get("x")
             xs = stage.get(x) if isinstance(x, fx.Node) else None
             if xs is not None and xs != src:
-                raise PartitionError(f"transfer node {node_desc(n)} sends from stage {src}, but its input "
-                                     f"{node_desc(x)} is a value of stage {xs}")
+                raise PartitionError(
+                    f"transfer node {node_desc(n)} sends from stage {src}, but its input "
+                    f"{node_desc(x)} is a value of stage {xs}"
+                )
             stage[n] = dst
             transfer_of[n] = (src, dst)
             continue
@@ -192,15 +210,21 @@ def analyze(joint: fx.GraphModule, specs: list[InputSpec], layout: PipelineLayou
             if s is not None:
                 by_stage.setdefault(s, []).append(a)
         if len(by_stage) > 1:
-            detail = "; ".join(f"stage {s}: {', '.join(a.name for a in v)}" for s, v in sorted(by_stage.items()))
-            raise PartitionError(f"node {node_desc(n)} ({ph}) reads values of stages {sorted(by_stage)} ({detail}); "
-                                 "only a stage_transfer/m2ms may carry a value from one stage to another")
+            detail = "; ".join(
+                f"stage {s}: {', '.join(a.name for a in v)}" for s, v in sorted(by_stage.items())
+            )
+            raise PartitionError(
+                f"node {node_desc(n)} ({ph}) reads values of stages {sorted(by_stage)} ({detail}); "
+                "only a stage_transfer/m2ms may carry a value from one stage to another"
+            )
         s = next(iter(by_stage), None)
         if s is None and (collective_spec(n.target) is not None or is_wait(n.target)):
             raise PartitionError(f"node {node_desc(n)} is a collective on constants only: no stage owns it")
         if s is None and _is_random(n):
-            raise PartitionError(f"node {node_desc(n)} is a random op on constants only: copying it into every "
-                                 "stage that reads it would draw different numbers")
+            raise PartitionError(
+                f"node {node_desc(n)} is a random op on constants only: copying it into every "
+                "stage that reads it would draw different numbers"
+            )
         stage[n] = s
     for n, (src, dst) in transfer_of.items():
         if n.target in TRANSFER_OPS:
@@ -221,14 +245,24 @@ def node_desc(n: fx.Node) -> str:
 
 # ------------------------------------------------------------------ building parts
 class _PartBuilder:
-    def __init__(self, joint: fx.GraphModule, stage: int, phase: str, specs: list[InputSpec],
-                 stage_of: dict[str, Optional[int]], phase_of: dict[str, str], transfers: dict[str, Transfer]):
+    def __init__(
+        self,
+        joint: fx.GraphModule,
+        stage: int,
+        phase: str,
+        specs: list[InputSpec],
+        stage_of: dict[str, Optional[int]],
+        phase_of: dict[str, str],
+        transfers: dict[str, Transfer],
+    ):
         self.joint, self.stage, self.phase = joint, stage, phase
         self.specs, self.stage_of, self.phase_of, self.transfers = specs, stage_of, phase_of, transfers
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
         self.inputs: list[PartInput] = []
-        self.placeholders = {n: i for i, n in enumerate(n for n in joint.graph.nodes if n.op == "placeholder")}
+        self.placeholders = {
+            n: i for i, n in enumerate(n for n in joint.graph.nodes if n.op == "placeholder")
+        }
         self.saved: list[str] = []  # forward node names this (backward) part reads
         self.pending: list[fx.Node] = []  # joint transfer nodes sent from here (their results, un-waited)
         self.run_transfers: list[str] = []
@@ -252,9 +286,11 @@ class _PartBuilder:
             self.saved.append(a.name)
             r = self.env[a] = self._placeholder(f"saved_{a.name}", a, PartInput("saved", a.name))
             return r
-        raise PartitionError(f"node {node_desc(user)} of stage {self.stage_of.get(user.name)} ({self.phase}) reads "
-                             f"{node_desc(a)} of stage {s} ({ph}); only a stage_transfer/m2ms may carry a value "
-                             "across stages, and only forward values reach the backward")
+        raise PartitionError(
+            f"node {node_desc(user)} of stage {self.stage_of.get(user.name)} ({self.phase}) reads "
+            f"{node_desc(a)} of stage {s} ({ph}); only a stage_transfer/m2ms may carry a value "
+            "across stages, and only forward values reach the backward"
+        )
 
     def copy(self, n: fx.Node, transfer_input: Optional[fx.Node] = None) -> fx.Node:
         def arg(a):
@@ -278,8 +314,9 @@ class _PartBuilder:
         if n.target in (M2MS, M2MS_AUTOGRAD):
             a = parse_m2ms(n)
             shape[a.dim] = 0  # the receiving stage is not a source (disjoint stages)
-        z = self.graph.call_function(torch.ops.aten.zeros.default, (shape,),
-                                     {"dtype": val.dtype, "device": val.device})
+        z = self.graph.call_function(
+            torch.ops.aten.zeros.default, (shape,), {"dtype": val.dtype, "device": val.device}
+        )
         z.meta["val"] = val.new_empty(shape)
         return z
 
@@ -329,13 +366,17 @@ def partition(program: PipelineProgram) -> PartitionedProgram:
     stage_of, phase_of, transfers, loss = analyze(joint, specs, layout)
     last = layout.num_stages - 1
     if stage_of.get(loss.name) != last:
-        raise PartitionError(f"the loss {node_desc(loss)} is a value of stage {stage_of.get(loss.name)}, not of the "
-                             f"last stage {last}")
+        raise PartitionError(
+            f"the loss {node_desc(loss)} is a value of stage {stage_of.get(loss.name)}, not of the "
+            f"last stage {last}"
+        )
     tmap = {t.node: t for t in transfers}
     out = next(n for n in joint.graph.nodes if n.op == "output")
     grads = list(out.args[0][1:])
     if len(grads) != len(program.grad_names):
-        raise PartitionError(f"joint graph returns {len(grads)} gradients, the program names {len(program.grad_names)}")
+        raise PartitionError(
+            f"joint graph returns {len(grads)} gradients, the program names {len(program.grad_names)}"
+        )
     spec_stage = {s.name: s.stage for s in specs}
     grad_outputs: dict[int, list[tuple[PartOutput, fx.Node]]] = {s: [] for s in range(layout.num_stages)}
     for name, g in zip(program.grad_names, grads, strict=True):
@@ -344,7 +385,9 @@ def partition(program: PipelineProgram) -> PartitionedProgram:
             raise PartitionError(f"gradient of {name} is not a graph value ({g!r})")
         got = stage_of.get(g.name) if g.op != "placeholder" else spec_stage.get(g.name)
         if got is not None and got != want:
-            raise PartitionError(f"gradient of {name} (stage {want}) is computed by {node_desc(g)} of stage {got}")
+            raise PartitionError(
+                f"gradient of {name} (stage {want}) is computed by {node_desc(g)} of stage {got}"
+            )
         grad_outputs[want].append((PartOutput("grad", name), g))
 
     parts: dict[tuple[int, str], StagePart] = {}
@@ -366,8 +409,9 @@ def partition(program: PipelineProgram) -> PartitionedProgram:
     return PartitionedProgram(layout, parts, stage_of, phase_of, transfers)
 
 
-def write_dumps(dump_dir: Union[str, os.PathLike], program: PipelineProgram,
-                parted: Optional[PartitionedProgram] = None) -> list[Path]:
+def write_dumps(
+    dump_dir: Union[str, os.PathLike], program: PipelineProgram, parted: Optional[PartitionedProgram] = None
+) -> list[Path]:
     """Readable code of the forward graph, the joint graph and every part (``*.py.txt``)."""
     d = Path(dump_dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -376,9 +420,11 @@ def write_dumps(dump_dir: Union[str, os.PathLike], program: PipelineProgram,
         files["joint.py.txt"] = program.joint.code
     if parted is not None:
         for part in parted.parts.values():
-            head = [f"# {part.name}: inputs {[f'{i.kind}:{i.key}' for i in part.inputs]}",
-                    f"# outputs {[f'{o.kind}:{o.key}' for o in part.outputs]}",
-                    f"# transfers {part.transfers}"]
+            head = [
+                f"# {part.name}: inputs {[f'{i.kind}:{i.key}' for i in part.inputs]}",
+                f"# outputs {[f'{o.kind}:{o.key}' for o in part.outputs]}",
+                f"# transfers {part.transfers}",
+            ]
             files[f"{part.name}.py.txt"] = "\n".join(head) + "\n" + part.gm.code
     written = []
     for name, text in files.items():
@@ -393,5 +439,18 @@ def wait_pending(t: torch.Tensor) -> torch.Tensor:
     return c10d_functional.wait_tensor(t)
 
 
-__all__ = ["BW", "FW", "PartInput", "PartOutput", "PartitionError", "PartitionedProgram", "StagePart", "Transfer",
-           "analyze", "partition", "transfer_stages", "wait_pending", "write_dumps"]
+__all__ = [
+    "BW",
+    "FW",
+    "PartInput",
+    "PartOutput",
+    "PartitionError",
+    "PartitionedProgram",
+    "StagePart",
+    "Transfer",
+    "analyze",
+    "partition",
+    "transfer_stages",
+    "wait_pending",
+    "write_dumps",
+]

@@ -51,10 +51,27 @@ import torch.nn as nn
 
 from commfuse.core.dump_layout import rank_dump_dir, update_dump_index
 from commfuse.pipeline.layout import PipelineLayout
-from commfuse.pipeline.partition import BW, FW, PartitionedProgram, StagePart, partition, wait_pending, write_dumps
+from commfuse.pipeline.partition import (
+    BW,
+    FW,
+    PartitionedProgram,
+    StagePart,
+    partition,
+    wait_pending,
+    write_dumps,
+)
 from commfuse.pipeline.schedule import SCHEDULES, Action, check_schedule, stage_actions
-from commfuse.pipeline.trace import (BUFFER, GRAD_SEED, PARAM, TARGET, PipelineProgram, X, collect_inputs,
-                                     trace_forward, trace_joint)
+from commfuse.pipeline.trace import (
+    BUFFER,
+    GRAD_SEED,
+    PARAM,
+    TARGET,
+    PipelineProgram,
+    X,
+    collect_inputs,
+    trace_forward,
+    trace_joint,
+)
 
 ForwardPass = Callable[[PipelineProgram], None]
 
@@ -62,13 +79,22 @@ ForwardPass = Callable[[PipelineProgram], None]
 class PipelineRunner:
     """See the module docstring."""
 
-    def __init__(self, layout: PipelineLayout, stages: Sequence[nn.Module],
-                 loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], microbatches: int,
-                 schedule: str = "1f1b", *, reduction: str = "mean",
-                 dump_dir: Optional[Union[str, os.PathLike]] = None,
-                 forward_passes: Sequence[ForwardPass] = ()) -> None:
+    def __init__(
+        self,
+        layout: PipelineLayout,
+        stages: Sequence[nn.Module],
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        microbatches: int,
+        schedule: str = "1f1b",
+        *,
+        reduction: str = "mean",
+        dump_dir: Optional[Union[str, os.PathLike]] = None,
+        forward_passes: Sequence[ForwardPass] = (),
+    ) -> None:
         if not isinstance(layout, PipelineLayout):
-            raise TypeError(f"layout: expected the PipelineLayout setup_pipeline returns, got {type(layout).__name__}")
+            raise TypeError(
+                f"layout: expected the PipelineLayout setup_pipeline returns, got {type(layout).__name__}"
+            )
         stages = list(stages)
         if len(stages) != layout.num_stages:
             raise ValueError(f"stages: the layout has {layout.num_stages} stages, got {len(stages)} modules")
@@ -81,8 +107,9 @@ class PipelineRunner:
             raise ValueError(f"reduction: expected 'mean' or 'sum', got {reduction!r}")
         self.actions: list[Action] = stage_actions(schedule, layout.num_stages, layout.stage, microbatches)
         # the same check on every rank, from arguments every rank shares
-        check_schedule([stage_actions(schedule, layout.num_stages, s, microbatches)
-                        for s in range(layout.num_stages)])
+        check_schedule(
+            [stage_actions(schedule, layout.num_stages, s, microbatches) for s in range(layout.num_stages)]
+        )
         self.layout, self.stages, self.loss_fn = layout, stages, loss_fn
         self.microbatches, self.schedule, self.reduction = microbatches, schedule, reduction
         self.dump_dir = dump_dir
@@ -94,11 +121,15 @@ class PipelineRunner:
     # ------------------------------------------------------------------ build
     def _split(self, t: Any, what: str) -> list[torch.Tensor]:
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{what}: expected a tensor on every rank (same shape everywhere; its values are "
-                             f"only read where used), got {type(t).__name__}")
+            raise ValueError(
+                f"{what}: expected a tensor on every rank (same shape everywhere; its values are "
+                f"only read where used), got {type(t).__name__}"
+            )
         if t.dim() == 0 or t.shape[0] % self.microbatches:
-            raise ValueError(f"{what}: dim 0 (size {tuple(t.shape)[:1]}) must split into {self.microbatches} "
-                             "equal micro-batches")
+            raise ValueError(
+                f"{what}: dim 0 (size {tuple(t.shape)[:1]}) must split into {self.microbatches} "
+                "equal micro-batches"
+            )
         return list(t.tensor_split(self.microbatches))
 
     def build(self, x_mb: torch.Tensor, target_mb: torch.Tensor) -> PartitionedProgram:
@@ -134,8 +165,10 @@ class PipelineRunner:
         raise AssertionError(spec.kind)
 
     def _run(self, part: StagePart, i: int, xs, ts, seed, saved: dict[int, dict[str, torch.Tensor]]) -> list:
-        args = [self._tensor(inp.key, i, xs, ts, seed) if inp.kind == "input" else saved[i][inp.key]
-                for inp in part.inputs]
+        args = [
+            self._tensor(inp.key, i, xs, ts, seed) if inp.kind == "input" else saved[i][inp.key]
+            for inp in part.inputs
+        ]
         with torch.no_grad():
             outs = part.gm(*args)
         return list(outs)
@@ -149,7 +182,11 @@ class PipelineRunner:
         s, m = self.layout.stage, self.microbatches
         fw, bw = self.parted.part(s, FW), self.parted.part(s, BW)
         loss_dtype = self.program.joint.graph.find_nodes(op="placeholder")[-1].meta["val"].dtype
-        seed = torch.ones((), dtype=loss_dtype) / m if self.reduction == "mean" else torch.ones((), dtype=loss_dtype)
+        seed = (
+            torch.ones((), dtype=loss_dtype) / m
+            if self.reduction == "mean"
+            else torch.ones((), dtype=loss_dtype)
+        )
         saved: dict[int, dict[str, torch.Tensor]] = {}
         pending: list[torch.Tensor] = []
         losses: dict[int, torch.Tensor] = {}

@@ -104,8 +104,10 @@ def check_schedule(orders: list[list[Action]]) -> list[list[str]]:
             if 0 <= peer < num:
                 q = sent[(peer, s)]
                 if q[0] != a.microbatch:
-                    raise ValueError(f"stage {s} runs {a} but the next message from stage {peer} is for "
-                                     f"micro-batch {q[0]}: point-to-point matching would mix micro-batches")
+                    raise ValueError(
+                        f"stage {s} runs {a} but the next message from stage {peer} is for "
+                        f"micro-batch {q[0]}: point-to-point matching would mix micro-batches"
+                    )
                 q.pop(0)
             to = s + 1 if a.phase == "F" else s - 1
             if 0 <= to < num:

@@ -114,16 +114,22 @@ def _transfer(h: Any, layout: PipelineLayout, b: int) -> Any:
 
     def one(t):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"stage {b} returned a {type(t).__name__}; stage outputs must be tensors "
-                            "(or tuples/lists of tensors)")
+            raise TypeError(
+                f"stage {b} returned a {type(t).__name__}; stage outputs must be tensors "
+                "(or tuples/lists of tensors)"
+            )
         return STAGE_TRANSFER_AUTOGRAD(t, src, dst, g.size, g.name)
 
     # one transfer per tensor of a tuple/list output; the next stage gets them as arguments
     return tuple(one(t) for t in h) if isinstance(h, (tuple, list)) else one(h)
 
 
-def forward_function(layout: PipelineLayout, stages: Sequence[nn.Module], specs: list[InputSpec],
-                     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+def forward_function(
+    layout: PipelineLayout,
+    stages: Sequence[nn.Module],
+    specs: list[InputSpec],
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+) -> Callable[..., torch.Tensor]:
     """The whole model for one micro-batch as a function of the flat inputs ``specs``."""
     from torch.func import functional_call
 
@@ -147,16 +153,21 @@ def forward_function(layout: PipelineLayout, stages: Sequence[nn.Module], specs:
             h = functional_call(mod, per_stage[s], args)
         loss = loss_fn(h, target)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar tensor, got "
-                             f"{getattr(loss, 'shape', type(loss).__name__)}")
+            raise ValueError(
+                f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss).__name__)}"
+            )
         return loss
 
     return whole_model
 
 
-def trace_forward(layout: PipelineLayout, stages: Sequence[nn.Module],
-                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor], x: torch.Tensor,
-                  target: torch.Tensor) -> PipelineProgram:
+def trace_forward(
+    layout: PipelineLayout,
+    stages: Sequence[nn.Module],
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    target: torch.Tensor,
+) -> PipelineProgram:
     """The forward graph of one micro-batch (``x``, ``target``: micro-batch shaped examples)."""
     if len(stages) != layout.num_stages:
         raise ValueError(f"stages: the layout has {layout.num_stages} stages, got {len(stages)} modules")
@@ -173,7 +184,9 @@ def trace_joint(program: PipelineProgram, example_inputs: Sequence[torch.Tensor]
     specs = program.inputs
     fwd = program.forward
     if len(example_inputs) != len(specs):
-        raise ValueError(f"example_inputs: expected {len(specs)} tensors (program.inputs), got {len(example_inputs)}")
+        raise ValueError(
+            f"example_inputs: expected {len(specs)} tensors (program.inputs), got {len(example_inputs)}"
+        )
     diff_idx = [i for i, s in enumerate(specs) if s.kind == PARAM and s.requires_grad]
     last = program.layout.num_stages - 1
     used: list[int] = []
@@ -182,7 +195,9 @@ def trace_joint(program: PipelineProgram, example_inputs: Sequence[torch.Tensor]
         *inputs, seed = flat
         with torch.enable_grad():
             loss = fwd(*inputs)
-            grads = torch.autograd.grad(loss, [inputs[i] for i in diff_idx], grad_outputs=seed, allow_unused=True)
+            grads = torch.autograd.grad(
+                loss, [inputs[i] for i in diff_idx], grad_outputs=seed, allow_unused=True
+            )
         used[:] = [i for i, g in zip(diff_idx, grads, strict=True) if g is not None]
         return (loss, *[g for g in grads if g is not None])
 
@@ -209,5 +224,17 @@ def _loss_dtype(gm: fx.GraphModule) -> torch.dtype:
     return v.dtype if isinstance(v, torch.Tensor) else torch.float32
 
 
-__all__ = ["BUFFER", "GRAD_SEED", "InputSpec", "PARAM", "PipelineProgram", "TARGET", "X", "collect_inputs",
-           "forward_function", "joint_decompositions", "trace_forward", "trace_joint"]
+__all__ = [
+    "BUFFER",
+    "GRAD_SEED",
+    "InputSpec",
+    "PARAM",
+    "PipelineProgram",
+    "TARGET",
+    "X",
+    "collect_inputs",
+    "forward_function",
+    "joint_decompositions",
+    "trace_forward",
+    "trace_joint",
+]

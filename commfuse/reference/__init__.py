@@ -10,17 +10,47 @@ communicate inside their kernel), :mod:`commfuse.ops.moe_layer.semantics` (``com
 :mod:`.groups` (group names -> ranks). docs/reliability.md describes how the pass fuzzer uses it.
 """
 
-from commfuse.reference.errors import (CollectiveMismatchError, DeadlockError, GroupResolutionError,
-                                       InFlightMutationError, ReferenceSemanticsError, UnknownCollectiveError)
+from commfuse.reference.errors import (
+    CollectiveMismatchError,
+    DeadlockError,
+    GroupResolutionError,
+    InFlightMutationError,
+    ReferenceSemanticsError,
+    UnknownCollectiveError,
+)
 from commfuse.reference.groups import GroupSpec, GroupTable, groups_from_process_groups
 from commfuse.reference.interpreter import ReferenceInterpreter, run_reference
-from commfuse.reference.semantics import (P2PPlan, RankCall, SyncOpSpec, reduce_tensors, register_semantics,
-                                          register_sync_op, registered_kinds, unregister_semantics, unregister_sync_op)
+from commfuse.reference.semantics import (
+    P2PPlan,
+    RankCall,
+    SyncOpSpec,
+    reduce_tensors,
+    register_semantics,
+    register_sync_op,
+    registered_kinds,
+    unregister_semantics,
+    unregister_sync_op,
+)
 
 __all__ = [
-    "CollectiveMismatchError", "DeadlockError", "GroupResolutionError", "GroupSpec", "GroupTable",
-    "InFlightMutationError", "P2PPlan",
-    "RankCall", "ReferenceInterpreter", "ReferenceSemanticsError", "SyncOpSpec", "UnknownCollectiveError",
-    "groups_from_process_groups", "reduce_tensors", "register_semantics", "register_sync_op", "registered_kinds",
-    "run_reference", "unregister_semantics", "unregister_sync_op",
+    "CollectiveMismatchError",
+    "DeadlockError",
+    "GroupResolutionError",
+    "GroupSpec",
+    "GroupTable",
+    "InFlightMutationError",
+    "P2PPlan",
+    "RankCall",
+    "ReferenceInterpreter",
+    "ReferenceSemanticsError",
+    "SyncOpSpec",
+    "UnknownCollectiveError",
+    "groups_from_process_groups",
+    "reduce_tensors",
+    "register_semantics",
+    "register_sync_op",
+    "registered_kinds",
+    "run_reference",
+    "unregister_semantics",
+    "unregister_sync_op",
 ]

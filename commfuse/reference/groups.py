@@ -41,7 +41,9 @@ class GroupTable:
     def _normalise(self, name: str, spec: GroupSpec) -> list[tuple[int, ...]]:
         if isinstance(spec, str):
             if spec != "world":
-                raise GroupResolutionError(f"group {name!r}: unknown group spec {spec!r} (use 'world' or rank lists)")
+                raise GroupResolutionError(
+                    f"group {name!r}: unknown group spec {spec!r} (use 'world' or rank lists)"
+                )
             return [self.world]
         spec = list(spec)
         if spec and all(isinstance(b, (list, tuple)) for b in spec):
@@ -50,14 +52,17 @@ class GroupTable:
             blocks = [tuple(int(r) for r in spec)]
         else:
             raise GroupResolutionError(
-                f"group {name!r}: expected a list of ranks or a list of rank lists, got {spec!r}")
+                f"group {name!r}: expected a list of ranks or a list of rank lists, got {spec!r}"
+            )
         seen: set[int] = set()
         for b in blocks:
             if not b:
                 raise GroupResolutionError(f"group {name!r}: empty rank list")
             for r in b:
                 if not 0 <= r < self.world_size:
-                    raise GroupResolutionError(f"group {name!r}: rank {r} is outside the world of {self.world_size}")
+                    raise GroupResolutionError(
+                        f"group {name!r}: rank {r} is outside the world of {self.world_size}"
+                    )
                 if r in seen:
                     raise GroupResolutionError(f"group {name!r}: rank {r} appears in two blocks of {spec!r}")
                 seen.add(r)

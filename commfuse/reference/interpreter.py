@@ -50,15 +50,31 @@ import torch
 import torch.fx as fx
 
 from commfuse.ir.kinds import CollectiveOpSpec, collective_spec, is_wait
-from commfuse.reference.errors import (CollectiveMismatchError, DeadlockError, InFlightMutationError,
-                                       ReferenceSemanticsError, UnknownCollectiveError)
+from commfuse.reference.errors import (
+    CollectiveMismatchError,
+    DeadlockError,
+    InFlightMutationError,
+    ReferenceSemanticsError,
+    UnknownCollectiveError,
+)
 from commfuse.reference.groups import GroupSpec, GroupTable
-from commfuse.reference.semantics import P2PPlan, RankCall, Semantics, SyncOpSpec, _op_name, semantics_for, sync_op_spec
+from commfuse.reference.semantics import (
+    P2PPlan,
+    RankCall,
+    Semantics,
+    SyncOpSpec,
+    _op_name,
+    semantics_for,
+    sync_op_spec,
+)
 
 aten = torch.ops.aten
 
 _UNINITIALISED = {
-    aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.empty_strided.default,
     aten.new_empty_strided.default,
 }
 # Namespaces whose ops communicate: an op from here that is not in the collective table
@@ -153,7 +169,9 @@ def _compile(gm: fx.GraphModule) -> list[_Instr]:
         else:
             spec = collective_spec(t)
             if spec is not None:
-                prog.append(_Instr(_COLLECTIVE, n, t, args, kwargs, dyn, spec=spec, sem=semantics_for(t, spec)))
+                prog.append(
+                    _Instr(_COLLECTIVE, n, t, args, kwargs, dyn, spec=spec, sem=semantics_for(t, spec))
+                )
                 continue
             ns = getattr(t, "namespace", None)
             if ns in _COMM_NAMESPACES:
@@ -208,8 +226,10 @@ class ReferenceInterpreter:
         else:
             graphs = list(graphs)
             if len(graphs) != world_size:
-                raise ValueError(f"got {len(graphs)} graphs for a world of {world_size} ranks "
-                                 f"(give one graph, or one per rank)")
+                raise ValueError(
+                    f"got {len(graphs)} graphs for a world of {world_size} ranks "
+                    f"(give one graph, or one per rank)"
+                )
             cache: dict[int, list[_Instr]] = {}
             for g in graphs:
                 if id(g) not in cache:
@@ -230,7 +250,9 @@ class ReferenceInterpreter:
             vals = list(inputs[r])
             phs = [i for i, ins in enumerate(prog) if ins.kind == _PLACEHOLDER]
             if len(vals) != len(phs):
-                raise ValueError(f"rank {r}: the graph has {len(phs)} placeholders but {len(vals)} inputs were given")
+                raise ValueError(
+                    f"rank {r}: the graph has {len(phs)} placeholders but {len(vals)} inputs were given"
+                )
             for i, v in zip(phs, vals, strict=True):
                 env[i] = v.clone() if clone_inputs and isinstance(v, torch.Tensor) else v
             ranks.append(_Rank(r, prog, env))
@@ -248,8 +270,11 @@ class ReferenceInterpreter:
             raise DeadlockError(self._describe_stuck(stuck))
         left = {k: len(q) for k, q in self._mail.items() if q}
         if left:
-            lines = [f"rank {src} sent {cnt} message(s) to rank {dst} (group {name!r}, tag {tag}) that were never "
-                     f"received" for (name, _blk, src, dst, tag), cnt in sorted(left.items())]
+            lines = [
+                f"rank {src} sent {cnt} message(s) to rank {dst} (group {name!r}, tag {tag}) that were never "
+                f"received"
+                for (name, _blk, src, dst, tag), cnt in sorted(left.items())
+            ]
             raise DeadlockError("unmatched sends (the sender's wait would hang):\n  " + "\n  ".join(lines))
         return [st.outputs for st in ranks]
 
@@ -314,12 +339,23 @@ class ReferenceInterpreter:
         try:
             parsed = ins.spec.parse(tuple(a), dict(kw))
         except (IndexError, KeyError) as e:
-            raise CollectiveMismatchError(f"rank {st.rank} node {ins.node.name}: cannot read the arguments of "
-                                          f"{_op_name(ins.target)}: {e!r}") from e
+            raise CollectiveMismatchError(
+                f"rank {st.rank} node {ins.node.name}: cannot read the arguments of "
+                f"{_op_name(ins.target)}: {e!r}"
+            ) from e
         block = self.groups.resolve(parsed.group_name, st.rank)
-        return RankCall(rank=st.rank, group_rank=block.index(st.rank), group=block, group_name=parsed.group_name,
-                        args=parsed, raw_args=tuple(a), raw_kwargs=dict(kw), spec=ins.spec, node=ins.node,
-                        target=ins.target)
+        return RankCall(
+            rank=st.rank,
+            group_rank=block.index(st.rank),
+            group=block,
+            group_name=parsed.group_name,
+            args=parsed,
+            raw_args=tuple(a),
+            raw_kwargs=dict(kw),
+            spec=ins.spec,
+            node=ins.node,
+            target=ins.target,
+        )
 
     def _collective(self, st: _Rank, ins: _Instr) -> bool:
         call = self._call(st, ins)
@@ -361,16 +397,18 @@ class ReferenceInterpreter:
         targets = {c.target for c in calls}
         if len(targets) > 1:
             ops = "; ".join(c.where() for c in calls)
-            raise CollectiveMismatchError(f"ranks of group {call.group_name!r} {list(call.group)} issue different "
-                                          f"collectives: {ops}")
+            raise CollectiveMismatchError(
+                f"ranks of group {call.group_name!r} {list(call.group)} issue different collectives: {ops}"
+            )
         return members
 
     @staticmethod
     def _apply(fn, name: str, calls: list[RankCall]) -> list[Any]:
         results = fn(calls)
         if len(results) != len(calls):
-            raise ReferenceSemanticsError(f"semantics {name} returned {len(results)} results for "
-                                          f"{len(calls)} ranks")
+            raise ReferenceSemanticsError(
+                f"semantics {name} returned {len(results)} results for {len(calls)} ranks"
+            )
         return results
 
     def _deliver(self, st: _Rank, mst: _Rank, res: Any) -> None:
@@ -388,12 +426,24 @@ class ReferenceInterpreter:
         try:
             parsed = ins.sync.parse(tuple(a), dict(kw))
         except (IndexError, KeyError) as e:
-            raise CollectiveMismatchError(f"rank {st.rank} node {ins.node.name}: cannot read the arguments of "
-                                          f"{_op_name(ins.target)}: {e!r}") from e
+            raise CollectiveMismatchError(
+                f"rank {st.rank} node {ins.node.name}: cannot read the arguments of "
+                f"{_op_name(ins.target)}: {e!r}"
+            ) from e
         name = parsed.group_name
         block = (st.rank,) if name in ins.sync.local_names else self.groups.resolve(name, st.rank)
-        call = RankCall(rank=st.rank, group_rank=block.index(st.rank), group=block, group_name=name, args=parsed,
-                        raw_args=tuple(a), raw_kwargs=dict(kw), spec=None, node=ins.node, target=ins.target)
+        call = RankCall(
+            rank=st.rank,
+            group_rank=block.index(st.rank),
+            group=block,
+            group_name=name,
+            args=parsed,
+            raw_args=tuple(a),
+            raw_kwargs=dict(kw),
+            spec=None,
+            node=ins.node,
+            target=ins.target,
+        )
         if name in ins.sync.local_names:
             (res,) = self._apply(ins.sync.fn, ins.sync.name, [call])
             self._deliver(st, st, res)
@@ -408,8 +458,10 @@ class ReferenceInterpreter:
 
     def _peer(self, call: RankCall, peer: int) -> int:
         if not 0 <= peer < len(call.group):
-            raise CollectiveMismatchError(f"{call.where()}: peer {peer} is not a group rank of group "
-                                          f"{call.group_name!r} {list(call.group)} (peers are group ranks)")
+            raise CollectiveMismatchError(
+                f"{call.where()}: peer {peer} is not a group rank of group "
+                f"{call.group_name!r} {list(call.group)} (peers are group ranks)"
+            )
         return call.group[peer]
 
     def _post_sends(self, st: _Rank, call: RankCall, plan: P2PPlan) -> None:
@@ -434,7 +486,8 @@ class ReferenceInterpreter:
             if msg.shape != buf.shape or msg.dtype != buf.dtype:
                 raise CollectiveMismatchError(
                     f"{call.where()} receives {tuple(buf.shape)}/{buf.dtype} from rank {key[2]} (tag {key[4]}) "
-                    f"but it sent {tuple(msg.shape)}/{msg.dtype}")
+                    f"but it sent {tuple(msg.shape)}/{msg.dtype}"
+                )
             buf.copy_(msg)
             got.append(buf)
         res = plan.finish(got)
@@ -454,7 +507,8 @@ class ReferenceInterpreter:
             if not _same_bits(t, snap):
                 raise InFlightMutationError(
                     f"rank {st.rank}: a tensor read by {node.name} ({_op_name(node.target)}) was modified before "
-                    f"its wait {wait.name}: the collective may still be reading it (data race)")
+                    f"its wait {wait.name}: the collective may still be reading it (data race)"
+                )
 
     def _describe_stuck(self, stuck: list[_Rank]) -> str:
         lines = []

@@ -377,15 +377,12 @@ def _loss_value(loss: torch.Tensor) -> torch.Tensor:
     return loss.detach().to("cpu").clone()
 
 
-def _make_inputs(
-    input_factory: Callable[..., Any], step: int
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _make_inputs(input_factory: Callable[..., Any], step: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Call the factory (with ``step`` if it takes a positional argument)."""
     try:
         params = inspect.signature(input_factory).parameters.values()
         takes_step = any(
-            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-            for p in params
+            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params
         )
     except (TypeError, ValueError):  # builtins without a signature
         takes_step = True

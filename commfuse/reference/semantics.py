@@ -131,9 +131,15 @@ class SyncOpSpec:
 _SYNC_OPS: dict[Any, SyncOpSpec] = {}
 
 
-def register_sync_op(op: Any, parse: Callable[[tuple, dict], CollectiveArgs], fn: GroupSemantics, *,
-                     local_names: frozenset | set = frozenset({""}), replicated: tuple[int, ...] = (),
-                     replace: bool = False) -> None:
+def register_sync_op(
+    op: Any,
+    parse: Callable[[tuple, dict], CollectiveArgs],
+    fn: GroupSemantics,
+    *,
+    local_names: frozenset | set = frozenset({""}),
+    replicated: tuple[int, ...] = (),
+    replace: bool = False,
+) -> None:
     """Register the reference semantics of a group-synchronous op (see :class:`SyncOpSpec`).
 
     The interpreter then runs ``op`` like a collective: every member of the group named by
@@ -142,8 +148,9 @@ def register_sync_op(op: Any, parse: Callable[[tuple, dict], CollectiveArgs], fn
     arguments. This registration wins over a collective-table entry for the same op."""
     if op in _SYNC_OPS and not replace:
         raise ValueError(f"reference semantics for {_op_name(op)} are already registered; pass replace=True")
-    _SYNC_OPS[op] = SyncOpSpec(parse, fn, frozenset(local_names), getattr(fn, "__name__", repr(fn)),
-                               tuple(replicated))
+    _SYNC_OPS[op] = SyncOpSpec(
+        parse, fn, frozenset(local_names), getattr(fn, "__name__", repr(fn)), tuple(replicated)
+    )
 
 
 def unregister_sync_op(op: Any) -> None:
@@ -163,8 +170,10 @@ def register_semantics(kind_or_op: Any, fn: Callable, *, p2p: bool = False, repl
     """
     table: dict = _BY_KIND if isinstance(kind_or_op, CollectiveKind) else _BY_OP
     if kind_or_op in table and not replace:
-        raise ValueError(f"reference semantics for {_op_name(kind_or_op)} are already registered "
-                         f"({table[kind_or_op].name}); pass replace=True to override")
+        raise ValueError(
+            f"reference semantics for {_op_name(kind_or_op)} are already registered "
+            f"({table[kind_or_op].name}); pass replace=True to override"
+        )
     table[kind_or_op] = Semantics(fn, p2p=p2p, name=getattr(fn, "__name__", repr(fn)))
 
 
@@ -280,8 +289,10 @@ def reduce_tensors(tensors: list[torch.Tensor], op: str) -> torch.Tensor:
         for t in rest:
             acc = f(acc, t)
     else:
-        raise UnknownCollectiveError(f"reduce op {op!r} has no reference semantics "
-                                     f"(known: sum, avg, product, max, min, band, bor, bxor)")
+        raise UnknownCollectiveError(
+            f"reduce op {op!r} has no reference semantics "
+            f"(known: sum, avg, product, max, min, band, bor, bxor)"
+        )
     return acc
 
 
@@ -341,7 +352,9 @@ def reduce_scatter(calls: list[RankCall]) -> list[Any]:
         _check_meta(calls, tensors)
         t0 = tensors[0]
         if t0.dim() == 0 or t0.shape[0] % n:
-            raise _mismatch(calls, f"dim 0 of input shape {tuple(t0.shape)} is not divisible by the group size {n}")
+            raise _mismatch(
+                calls, f"dim 0 of input shape {tuple(t0.shape)} is not divisible by the group size {n}"
+            )
         red = reduce_tensors(tensors, op)
         out.append([c.clone() for c in red.chunk(n, dim=0)])
     return _pack(calls, out)
@@ -364,15 +377,20 @@ def all_to_all(calls: list[RankCall]) -> list[Any]:
         if len(isz) != n or len(osz) != n:
             raise _mismatch(calls, f"{c.where()} gives {len(isz)}/{len(osz)} split sizes for a group of {n}")
         if sum(isz) != t.shape[0]:
-            raise _mismatch(calls, f"{c.where()}: input split sizes {isz} do not sum to dim 0 of {tuple(t.shape)}")
+            raise _mismatch(
+                calls, f"{c.where()}: input split sizes {isz} do not sum to dim 0 of {tuple(t.shape)}"
+            )
         in_splits.append(isz)
         out_splits.append(osz)
     for g in range(n):
         for j in range(n):
             if in_splits[j][g] != out_splits[g][j]:
-                raise _mismatch(calls, f"rank {calls[j].rank} sends {in_splits[j][g]} rows to rank {calls[g].rank}, "
-                                       f"which expects {out_splits[g][j]} (input splits {in_splits}, output splits "
-                                       f"{out_splits})")
+                raise _mismatch(
+                    calls,
+                    f"rank {calls[j].rank} sends {in_splits[j][g]} rows to rank {calls[g].rank}, "
+                    f"which expects {out_splits[g][j]} (input splits {in_splits}, output splits "
+                    f"{out_splits})",
+                )
     pieces = [list(t.split(s, dim=0)) for t, s in zip(ins, in_splits, strict=True)]
     return [torch.cat([pieces[j][g] for j in range(n)], dim=0) for g in range(n)]
 
@@ -442,12 +460,16 @@ def batch_p2p(call: RankCall) -> P2PPlan:
         elif op == "irecv":
             plan.recvs.append((int(peer), int(tag), t))
         else:
-            raise UnknownCollectiveError(f"{call.where()}: batch_p2p_ops op {op!r} (expected 'isend' or 'irecv')")
+            raise UnknownCollectiveError(
+                f"{call.where()}: batch_p2p_ops op {op!r} (expected 'isend' or 'irecv')"
+            )
         kinds.append(op)
 
     def finish(got: list[torch.Tensor]) -> list[torch.Tensor]:
         it = iter(got)
-        return [next(it) if op == "irecv" else _empty_like_sent(t) for op, t in zip(kinds, tensors, strict=True)]
+        return [
+            next(it) if op == "irecv" else _empty_like_sent(t) for op, t in zip(kinds, tensors, strict=True)
+        ]
 
     plan.finish = finish
     return plan
@@ -472,4 +494,3 @@ def _register_builtin() -> None:
 
 
 _register_builtin()
-

@@ -9,9 +9,35 @@ the runtime's measured collectives against the plan, and one static HTML page.
 
 from commfuse.reports.timeline import predict_timelines, simulate_trace, write_predicted_trace
 from commfuse.reports.validate import ValidationReport, validate, validate_dirs, validate_run
-from commfuse.reports.volume import (CollectiveVolume, FormulaCheck, GraphVolume, PassReasons, Totals, VolumeReport,
-                                     volume_from_dump_dir, volume_from_graph, volume_from_reports, volume_report)
+from commfuse.reports.volume import (
+    CollectiveVolume,
+    FormulaCheck,
+    GraphVolume,
+    PassReasons,
+    Totals,
+    VolumeReport,
+    volume_from_dump_dir,
+    volume_from_graph,
+    volume_from_reports,
+    volume_report,
+)
 
-__all__ = ["ValidationReport", "predict_timelines", "simulate_trace", "validate", "validate_dirs", "validate_run",
-           "write_predicted_trace", "CollectiveVolume", "FormulaCheck", "GraphVolume", "PassReasons", "Totals", "VolumeReport",
-           "volume_from_dump_dir", "volume_from_graph", "volume_from_reports", "volume_report"]
+__all__ = [
+    "ValidationReport",
+    "predict_timelines",
+    "simulate_trace",
+    "validate",
+    "validate_dirs",
+    "validate_run",
+    "write_predicted_trace",
+    "CollectiveVolume",
+    "FormulaCheck",
+    "GraphVolume",
+    "PassReasons",
+    "Totals",
+    "VolumeReport",
+    "volume_from_dump_dir",
+    "volume_from_graph",
+    "volume_from_reports",
+    "volume_report",
+]

@@ -24,6 +24,7 @@ from commfuse.reports.html import write_html
 from commfuse.reports.validate import validate_dirs
 from commfuse.reports.volume import volume_from_dump_dir
 
+
 def _directory(text: str) -> Path:
     """An input directory that must exist: a usage error naming it, not "holds no dumps"."""
     p = Path(text)
@@ -40,11 +41,18 @@ _RANK_HELP = "which rank<r>/ sub-directory of the dump dir to read (default: ran
 def add_report_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("dump_dir", type=_directory, help="Config(dump_dir=...) / COMMFUSE_DUMP_DIR of the run")
     ap.add_argument("-o", "--output", type=Path, help="HTML file to write (default: DUMP_DIR/report.html)")
-    ap.add_argument("--record", type=_directory, help="recorder directory (rank<r>.json): measured timelines and "
-                                                 "the measured-vs-predicted section (default: none)")
+    ap.add_argument(
+        "--record",
+        type=_directory,
+        help="recorder directory (rank<r>.json): measured timelines and "
+        "the measured-vs-predicted section (default: none)",
+    )
     ap.add_argument("--rank", type=int, help=_RANK_HELP)
-    ap.add_argument("--profile", type=Path,
-                    help="cost profile (commfuse calibrate) for predicted times (default: uncalibrated model)")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        help="cost profile (commfuse calibrate) for predicted times (default: uncalibrated model)",
+    )
     ap.add_argument("--title", help="page title (default: 'commfuse report: DUMP_DIR')")
 
 
@@ -55,8 +63,14 @@ def _profile(path: Path | None) -> CostProfile | None:
 
 
 def report_run(args: argparse.Namespace) -> int:
-    path = write_html(args.dump_dir, args.output, rank=args.rank, record_dir=args.record,
-                      profile=_profile(args.profile), title=args.title)
+    path = write_html(
+        args.dump_dir,
+        args.output,
+        rank=args.rank,
+        record_dir=args.record,
+        profile=_profile(args.profile),
+        title=args.title,
+    )
     print(path)
     return 0
 
@@ -79,7 +93,9 @@ def volume_run(args: argparse.Namespace) -> int:
 def add_validate_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("record_dir", type=_directory, help="recorder directory with rank<r>.json")
     ap.add_argument("dump_dir", type=_directory, help="dump dir with the lowering plans (rank<r>/ or shared)")
-    ap.add_argument("--profile", type=Path, help="cost profile for predicted times (default: uncalibrated model)")
+    ap.add_argument(
+        "--profile", type=Path, help="cost profile for predicted times (default: uncalibrated model)"
+    )
     ap.add_argument("--json", type=Path, help="also write the result as JSON here (default: not written)")
     ap.add_argument("--rows", type=int, default=40, help="collectives to list")
 
@@ -93,10 +109,19 @@ def validate_run(args: argparse.Namespace) -> int:
     if rep.ok:
         return 0
     sys.stdout.flush()  # the reason comes after the table it refers to
-    print(f"commfuse validate: exit status 1: {len(rep.mismatches)} mismatch(es) between the recorded calls "
-          "and the plans (listed above)", file=sys.stderr)
+    print(
+        f"commfuse validate: exit status 1: {len(rep.mismatches)} mismatch(es) between the recorded calls "
+        "and the plans (listed above)",
+        file=sys.stderr,
+    )
     return 1
 
 
-__all__ = ["add_report_arguments", "add_validate_arguments", "add_volume_arguments", "report_run",
-           "validate_run", "volume_run"]
+__all__ = [
+    "add_report_arguments",
+    "add_validate_arguments",
+    "add_volume_arguments",
+    "report_run",
+    "validate_run",
+    "volume_run",
+]

@@ -48,18 +48,44 @@ import jinja2
 from commfuse._version import __version__
 from commfuse.core.jsonfile import read_json_object, read_model_file
 from commfuse.passmgr.report import AnalysisReport, PipelineReport
-from commfuse.reports.timeline import (EXECUTOR_LOWERINGS, PREDICTED_INPUT_TRACE, PREDICTED_TRACE, REPORT_FACTS,
-                                       RUNTIME_KINDS)
+from commfuse.reports.timeline import (
+    EXECUTOR_LOWERINGS,
+    PREDICTED_INPUT_TRACE,
+    PREDICTED_TRACE,
+    REPORT_FACTS,
+    RUNTIME_KINDS,
+)
 from commfuse.reports.validate import ValidationReport, validate_dirs
-from commfuse.reports.volume import (CollectiveVolume, Totals, VolumeReport, _DIR_RE, _stage_files, collectives_of,
-                                     graph_dirs, group_totals, rank_dirs, resolve_rank_dir, volume_from_dump_dir)
+from commfuse.reports.volume import (
+    CollectiveVolume,
+    Totals,
+    VolumeReport,
+    _DIR_RE,
+    _stage_files,
+    collectives_of,
+    graph_dirs,
+    group_totals,
+    rank_dirs,
+    resolve_rank_dir,
+    volume_from_dump_dir,
+)
 
-KIND_COLORS = {"all_reduce": "#e6550d", "all_gather": "#3182bd", "reduce_scatter": "#31a354",
-               "all_to_all": "#756bb1", "broadcast": "#8c6d31", "reduce": "#d6616b"}
+KIND_COLORS = {
+    "all_reduce": "#e6550d",
+    "all_gather": "#3182bd",
+    "reduce_scatter": "#31a354",
+    "all_to_all": "#756bb1",
+    "broadcast": "#8c6d31",
+    "reduce": "#d6616b",
+}
 COMPUTE_COLOR, EXPOSED_COLOR = "#9e9e9e", "#de2d26"
 
-_ENV = jinja2.Environment(loader=jinja2.PackageLoader("commfuse.reports", "templates"),
-                          autoescape=True, trim_blocks=True, lstrip_blocks=True)
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("commfuse.reports", "templates"),
+    autoescape=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -104,8 +130,13 @@ def fmt_int(x: Optional[int]) -> str:
 
 
 _ENV.filters.update(bytes=fmt_bytes, us=fmt_us, int=fmt_int)
-_ENV.globals.update(change=fmt_change, change_class=change_class, kind_colors=KIND_COLORS,
-                    compute_color=COMPUTE_COLOR, exposed_color=EXPOSED_COLOR)
+_ENV.globals.update(
+    change=fmt_change,
+    change_class=change_class,
+    kind_colors=KIND_COLORS,
+    compute_color=COMPUTE_COLOR,
+    exposed_color=EXPOSED_COLOR,
+)
 
 
 # ----------------------------------------------------------------------------- reading the dumps
@@ -135,21 +166,31 @@ def _read_graph(d: Path) -> GraphDump:
     facts: dict[str, Any] = {}
     if (d / REPORT_FACTS).exists():
         facts = read_json_object(d / REPORT_FACTS, "report facts")
-    rep = read_model_file(PipelineReport, d / "pipeline.json", "pipeline report") if (d / "pipeline.json").exists() \
+    rep = (
+        read_model_file(PipelineReport, d / "pipeline.json", "pipeline report")
+        if (d / "pipeline.json").exists()
         else None
+    )
     stages = _stage_files(d)
     g = GraphDump(d.name, m["kind"], m["index"], d, facts, rep, stages)
     read = {p: read_model_file(AnalysisReport, p, "analysis dump") for p in stages}
     if stages and stages[0].name.endswith("_input.json"):
         g.input = read[stages[0]]
-    g.as_run = rep.analysis if rep is not None and rep.analysis is not None else (read[stages[-1]] if stages else None)
+    g.as_run = (
+        rep.analysis
+        if rep is not None and rep.analysis is not None
+        else (read[stages[-1]] if stages else None)
+    )
     g.result = g.as_run
     for i, p in enumerate(stages):
         label = p.stem.split("_", 1)[1] if "_" in p.stem else p.stem
-        if label.startswith("after_") and label[len("after_"):] in EXECUTOR_LOWERINGS:
+        if label.startswith("after_") and label[len("after_") :] in EXECUTOR_LOWERINGS:
             g.result = read[stages[i - 1]] if i > 0 else None
-            g.lowered_by = [q.stem.split("_after_", 1)[1] for q in stages[i:] if "_after_" in q.stem
-                            and q.stem.split("_after_", 1)[1] in EXECUTOR_LOWERINGS]
+            g.lowered_by = [
+                q.stem.split("_after_", 1)[1]
+                for q in stages[i:]
+                if "_after_" in q.stem and q.stem.split("_after_", 1)[1] in EXECUTOR_LOWERINGS
+            ]
             break
     return g
 
@@ -173,8 +214,10 @@ class GroupNames:
             return f"process group {name!r}"
         ranks = i.get("ranks")
         where = f"; mesh dim from the {i['mesh_dim_source']}" if i.get("mesh_dim") else ""
-        return (f"process group {name!r}, size {i.get('size')}, ranks {ranks if ranks is not None else '?'}, "
-                f"role {i.get('role') or 'inferred per collective'}{where}")
+        return (
+            f"process group {name!r}, size {i.get('size')}, ranks {ranks if ranks is not None else '?'}, "
+            f"role {i.get('role') or 'inferred per collective'}{where}"
+        )
 
 
 @dataclass
@@ -213,10 +256,18 @@ class RunGraph:
     predicted_as_run: Optional[dict[str, float]]
 
 
-def _rows(a: Optional[AnalysisReport], g: GraphDump, side: str, direction: str,
-          directions: Optional[dict[str, str]] = None) -> Optional[list[CollectiveVolume]]:
-    return None if a is None else collectives_of(a, graph=g.name, side=side, direction=direction,
-                                                 directions=directions)
+def _rows(
+    a: Optional[AnalysisReport],
+    g: GraphDump,
+    side: str,
+    direction: str,
+    directions: Optional[dict[str, str]] = None,
+) -> Optional[list[CollectiveVolume]]:
+    return (
+        None
+        if a is None
+        else collectives_of(a, graph=g.name, side=side, direction=direction, directions=directions)
+    )
 
 
 def _run_graphs(graphs: Sequence[GraphDump], notes: list[str]) -> list[RunGraph]:
@@ -230,23 +281,41 @@ def _run_graphs(graphs: Sequence[GraphDump], notes: list[str]) -> list[RunGraph]
         if joint is not None and joint.input is not None:
             dirs = joint.facts.get("directions")
             if dirs is not None:
-                rows = collectives_of(joint.input, graph=g.name, side="before", direction="joint", directions=dirs)
-                before_rows, source = [c for c in rows if c.direction == g.kind], \
-                    f"the joint graph as traced ({joint.name}), its {g.kind} part"
+                rows = collectives_of(
+                    joint.input, graph=g.name, side="before", direction="joint", directions=dirs
+                )
+                before_rows, source = (
+                    [c for c in rows if c.direction == g.kind],
+                    f"the joint graph as traced ({joint.name}), its {g.kind} part",
+                )
         pred = g.predicted
-        out.append(RunGraph(g, g.name if several else g.kind, Side(before_rows),
-                            Side(_rows(g.result, g, "after", g.kind)), Side(_rows(g.as_run, g, "as run", g.kind)),
-                            source, pred.get("input"), pred.get("commfuse", pred.get("as_run")), pred.get("as_run")))
+        out.append(
+            RunGraph(
+                g,
+                g.name if several else g.kind,
+                Side(before_rows),
+                Side(_rows(g.result, g, "after", g.kind)),
+                Side(_rows(g.as_run, g, "as run", g.kind)),
+                source,
+                pred.get("input"),
+                pred.get("commfuse", pred.get("as_run")),
+                pred.get("as_run"),
+            )
+        )
     for j in joints.values():
         if j.input is not None and "directions" not in j.facts:
-            notes.append(f"{j.name}: the dumps do not split the joint graph into forward and backward (written "
-                         "before report_facts.json existed): 'before' is each graph as the scheduling passes "
-                         "received it")
+            notes.append(
+                f"{j.name}: the dumps do not split the joint graph into forward and backward (written "
+                "before report_facts.json existed): 'before' is each graph as the scheduling passes "
+                "received it"
+            )
         changed = [p.name for p in (j.report.passes if j.report else []) if p.changed]
         if changed:
-            notes.append(f"{j.name}: {', '.join(changed)} rewrote the joint graph before it was partitioned: "
-                         "'before' bytes are the joint graph as traced; 'before' times are the partitioned "
-                         "graphs, which already hold those rewrites")
+            notes.append(
+                f"{j.name}: {', '.join(changed)} rewrote the joint graph before it was partitioned: "
+                "'before' bytes are the joint graph as traced; 'before' times are the partitioned "
+                "graphs, which already hold those rewrites"
+            )
     return out
 
 
@@ -264,20 +333,57 @@ def _summary_rows(runs: Sequence[RunGraph]) -> list[dict[str, Any]]:
     rows = []
     for r in runs:
         tb, ta = r.before.total, r.after.total
-        rows.append({"label": r.label, "total": False, "cells": [
-            {"id": f"time-{r.label}", "fmt": "us", "b": pred(r, "before", "makespan_us"),
-             "a": pred(r, "after", "makespan_us")},
-            {"id": f"exposed-{r.label}", "fmt": "us", "b": pred(r, "before", "exposed_comm_us"),
-             "a": pred(r, "after", "exposed_comm_us")},
-            {"id": f"wire-{r.label}", "fmt": "bytes", "b": tb.wire_bytes if tb else None,
-             "a": ta.wire_bytes if ta else None},
-            {"id": f"count-{r.label}", "fmt": "int", "b": tb.count if tb else None, "a": ta.count if ta else None,
-             "title": f"before: {r.before.kinds()}; after: {r.after.kinds()}"}]})
+        rows.append(
+            {
+                "label": r.label,
+                "total": False,
+                "cells": [
+                    {
+                        "id": f"time-{r.label}",
+                        "fmt": "us",
+                        "b": pred(r, "before", "makespan_us"),
+                        "a": pred(r, "after", "makespan_us"),
+                    },
+                    {
+                        "id": f"exposed-{r.label}",
+                        "fmt": "us",
+                        "b": pred(r, "before", "exposed_comm_us"),
+                        "a": pred(r, "after", "exposed_comm_us"),
+                    },
+                    {
+                        "id": f"wire-{r.label}",
+                        "fmt": "bytes",
+                        "b": tb.wire_bytes if tb else None,
+                        "a": ta.wire_bytes if ta else None,
+                    },
+                    {
+                        "id": f"count-{r.label}",
+                        "fmt": "int",
+                        "b": tb.count if tb else None,
+                        "a": ta.count if ta else None,
+                        "title": f"before: {r.before.kinds()}; after: {r.after.kinds()}",
+                    },
+                ],
+            }
+        )
     if len(rows) > 1:
-        rows.append({"label": "step (" + " + ".join(r.label for r in runs) + ")", "total": True, "cells": [
-            {"id": f"{what}-step", "fmt": c["fmt"], "b": _total([row["cells"][i]["b"] for row in rows]),
-             "a": _total([row["cells"][i]["a"] for row in rows])}
-            for i, (what, c) in enumerate(zip(("time", "exposed", "wire", "count"), rows[0]["cells"], strict=True))]})
+        rows.append(
+            {
+                "label": "step (" + " + ".join(r.label for r in runs) + ")",
+                "total": True,
+                "cells": [
+                    {
+                        "id": f"{what}-step",
+                        "fmt": c["fmt"],
+                        "b": _total([row["cells"][i]["b"] for row in rows]),
+                        "a": _total([row["cells"][i]["a"] for row in rows]),
+                    }
+                    for i, (what, c) in enumerate(
+                        zip(("time", "exposed", "wire", "count"), rows[0]["cells"], strict=True)
+                    )
+                ],
+            }
+        )
     return rows
 
 
@@ -287,11 +393,18 @@ def _lowerings(runs: Sequence[RunGraph]) -> list[dict[str, Any]]:
         if not r.dump.lowered_by:
             continue
         a, z = r.after.total, r.as_run.total
-        out.append({"graph": r.label, "passes": ", ".join(r.dump.lowered_by), "before": r.after.kinds(),
-                    "after": r.as_run.kinds(), "wire_before": a.wire_bytes if a else None,
-                    "wire_after": z.wire_bytes if z else None,
-                    "time_before": (r.predicted_after or {}).get("makespan_us"),
-                    "time_after": (r.predicted_as_run or {}).get("makespan_us")})
+        out.append(
+            {
+                "graph": r.label,
+                "passes": ", ".join(r.dump.lowered_by),
+                "before": r.after.kinds(),
+                "after": r.as_run.kinds(),
+                "wire_before": a.wire_bytes if a else None,
+                "wire_after": z.wire_bytes if z else None,
+                "time_before": (r.predicted_after or {}).get("makespan_us"),
+                "time_after": (r.predicted_as_run or {}).get("makespan_us"),
+            }
+        )
     return out
 
 
@@ -302,7 +415,11 @@ def _trace_events(trace: dict[str, Any]) -> tuple[dict[tuple[Any, Any], str], li
     for ev in trace.get("traceEvents", []):
         if ev.get("ph") == "M" and ev.get("name") == "thread_name":
             names[(ev.get("pid"), ev.get("tid"))] = str(ev.get("args", {}).get("name", ev.get("tid")))
-        elif ev.get("ph") == "X" and isinstance(ev.get("ts"), (int, float)) and isinstance(ev.get("dur"), (int, float)):
+        elif (
+            ev.get("ph") == "X"
+            and isinstance(ev.get("ts"), (int, float))
+            and isinstance(ev.get("dur"), (int, float))
+        ):
             events.append(ev)
     return names, events
 
@@ -348,8 +465,14 @@ def _compressor(events: Sequence[dict[str, Any]]):
     return to_plot, max(span, 1e-9), gaps, busy
 
 
-def timeline_svg(trace: dict[str, Any], *, title: str, width: int = 1200, kind: str = "",
-                 names_of: Optional[GroupNames] = None) -> str:
+def timeline_svg(
+    trace: dict[str, Any],
+    *,
+    title: str,
+    width: int = 1200,
+    kind: str = "",
+    names_of: Optional[GroupNames] = None,
+) -> str:
     """A Chrome trace (simulator or recorder) as an inline SVG: one lane per track, one bar per
     event (neighbours of one colour closer than half a pixel drawn as one bar), idle gaps cut
     short (marked with a dashed line and their length)."""
@@ -375,51 +498,93 @@ def timeline_svg(trace: dict[str, Any], *, title: str, width: int = 1200, kind: 
             prev["n"] += 1
             prev["dur"] += ev["dur"]
             continue
-        bar = {"x": x, "y": top + i * lane_h + 1, "w": w, "color": color, "n": 1, "dur": ev["dur"],
-               "name": str(ev.get("name", "")), "cat": str(ev.get("cat", "")), "at": ev["ts"] - t0}
+        bar = {
+            "x": x,
+            "y": top + i * lane_h + 1,
+            "w": w,
+            "color": color,
+            "n": 1,
+            "dur": ev["dur"],
+            "name": str(ev.get("name", "")),
+            "cat": str(ev.get("cat", "")),
+            "at": ev["ts"] - t0,
+        }
         bars.append(bar)
         last[i] = bar
     lane_rows = []
     for (pid, tid), i in lane_of.items():
         name = names.get((pid, tid), f"track {tid}")
         if names_of is not None and name.startswith("comm:"):  # the simulator's stream of a process group
-            name = "comm: " + names_of.label(name[len("comm:"):])
+            name = "comm: " + names_of.label(name[len("comm:") :])
         lane_rows.append({"y": top + i * lane_h, "label": (f"{name} [{pid}]" if several_pids else name)[:28]})
     bottom = top + lane_h * len(lanes)
     return _ENV.get_template("timeline.svg.j2").render(
-        title=title, empty=False, kind=kind, width=width, height=bottom + 24, label_w=label_w, plot_w=plot_w,
-        lane_h=lane_h, top=top, bottom=bottom, lanes=lane_rows, bars=bars,
-        gaps=[{"x": label_w + gx / span * plot_w, "gap": gap} for gx, gap in gaps], busy=busy,
-        extent=max(ev["ts"] + ev["dur"] for ev in events) - t0)
+        title=title,
+        empty=False,
+        kind=kind,
+        width=width,
+        height=bottom + 24,
+        label_w=label_w,
+        plot_w=plot_w,
+        lane_h=lane_h,
+        top=top,
+        bottom=bottom,
+        lanes=lane_rows,
+        bars=bars,
+        gaps=[{"x": label_w + gx / span * plot_w, "gap": gap} for gx, gap in gaps],
+        busy=busy,
+        extent=max(ev["ts"] + ev["dur"] for ev in events) - t0,
+    )
 
 
 def _predicted_timelines(graphs: Sequence[GraphDump], names: GroupNames) -> list[dict[str, Any]]:
     out = []
     for g in graphs:
-        for fname, what in ((PREDICTED_INPUT_TRACE, "before commfuse (as the scheduling passes received it)"),
-                            (PREDICTED_TRACE, "as run")):
+        for fname, what in (
+            (PREDICTED_INPUT_TRACE, "before commfuse (as the scheduling passes received it)"),
+            (PREDICTED_TRACE, "as run"),
+        ):
             p = g.path / fname
             if p.exists():
                 trace = read_json_object(p, "predicted trace", "traceEvents")
                 model = trace.get("otherData", {}).get("cost_model", "")
-                out.append({"graph": g.name, "what": what, "model": model, "as_run": fname == PREDICTED_TRACE,
-                            "svg": timeline_svg(trace, title=f"{g.name} predicted, {what}", kind="predicted",
-                                                    names_of=names)})
+                out.append(
+                    {
+                        "graph": g.name,
+                        "what": what,
+                        "model": model,
+                        "as_run": fname == PREDICTED_TRACE,
+                        "svg": timeline_svg(
+                            trace, title=f"{g.name} predicted, {what}", kind="predicted", names_of=names
+                        ),
+                    }
+                )
     return out
 
 
 # ----------------------------------------------------------------------------- tables
-def _volume_tables(before: list[CollectiveVolume], after: list[CollectiveVolume],
-                   names: GroupNames) -> list[dict[str, Any]]:
+def _volume_tables(
+    before: list[CollectiveVolume], after: list[CollectiveVolume], names: GroupNames
+) -> list[dict[str, Any]]:
     tables = []
-    for by, title in (("kind", "per kind"), ("role", "per parallel role"), ("group", "per process group"),
-                      ("direction", "per direction")):
+    for by, title in (
+        ("kind", "per kind"),
+        ("role", "per parallel role"),
+        ("group", "per process group"),
+        ("direction", "per direction"),
+    ):
         tb, ta = group_totals(before, by), group_totals(after, by)
         rows = []
         for k in sorted(set(tb) | set(ta)):
             b, a = tb.get(k, Totals()), ta.get(k, Totals())
-            rows.append({"key": names.label(k) if by == "group" else k,
-                         "title": names.title(k) if by == "group" else "", "b": b, "a": a})
+            rows.append(
+                {
+                    "key": names.label(k) if by == "group" else k,
+                    "title": names.title(k) if by == "group" else "",
+                    "b": b,
+                    "a": a,
+                }
+            )
         tables.append({"by": by, "title": title, "rows": rows})
     return tables
 
@@ -429,7 +594,9 @@ def _collective_blocks(graphs: Sequence[GraphDump], names: GroupNames) -> list[d
     out = []
     for g in graphs:
         layers = g.facts.get("layers", {})
-        sides = [("before", g.input), ("after", g.as_run)] if g.input is not g.as_run else [("after", g.as_run)]
+        sides = (
+            [("before", g.input), ("after", g.as_run)] if g.input is not g.as_run else [("after", g.as_run)]
+        )
         by_layer: dict[str, list[dict[str, Any]]] = {}
         order: list[str] = []
         for side, a in sides:
@@ -441,18 +608,31 @@ def _collective_blocks(graphs: Sequence[GraphDump], names: GroupNames) -> list[d
                     by_layer[layer] = []
                     order.append(layer)
                 f = c.formula
-                by_layer[layer].append({
-                    "c": c, "group": names.label(c.group), "group_title": names.title(c.group),
-                    "formula": f"{f.name}: {f.expression}, {f.values}" if f else "-",
-                    "formula_wire": "-" if f is None else f"{fmt_int(f.wire_bytes)} "
-                                                          f"({'=' if f.wire_diff == 0 else fmt_int(f.wire_diff)})",
-                    "mismatch": f is not None and f.wire_diff not in (0, None)})
+                by_layer[layer].append(
+                    {
+                        "c": c,
+                        "group": names.label(c.group),
+                        "group_title": names.title(c.group),
+                        "formula": f"{f.name}: {f.expression}, {f.values}" if f else "-",
+                        "formula_wire": "-"
+                        if f is None
+                        else f"{fmt_int(f.wire_bytes)} ({'=' if f.wire_diff == 0 else fmt_int(f.wire_diff)})",
+                        "mismatch": f is not None and f.wire_diff not in (0, None),
+                    }
+                )
         blocks = []
         for layer in sorted(order, key=_layer_key):
             rows = by_layer[layer]
             t = {s: Side([r["c"] for r in rows if r["c"].side == s]).total for s in ("before", "after")}
-            blocks.append({"layer": layer, "rows": rows, "before": t["before"], "after": t["after"],
-                           "mismatches": sum(r["mismatch"] for r in rows)})
+            blocks.append(
+                {
+                    "layer": layer,
+                    "rows": rows,
+                    "before": t["before"],
+                    "after": t["after"],
+                    "mismatches": sum(r["mismatch"] for r in rows),
+                }
+            )
         if blocks:
             out.append({"graph": g.name, "blocks": blocks, "count": sum(len(b["rows"]) for b in blocks)})
     return out
@@ -474,12 +654,26 @@ def _passes(vol: VolumeReport) -> list[dict[str, Any]]:
             continue
         rows = []
         for p in ps:
-            rows.append({"p": p, "counts": ", ".join(f"{k}={v}" for k, v in sorted(p.counts.items()) if v),
-                         "state": "error (graph restored)" if p.error else ("changed" if p.changed else "unchanged"),
-                         "executor": p.name in EXECUTOR_LOWERINGS,
-                         "decisions": json.dumps(p.decisions, indent=1, default=str) if p.decisions else ""})
-        out.append({"graph": g.name, "rows": rows, "notes": g.notes,
-                    "changed": sum(1 for p in ps if p.changed), "refusals": sum(len(p.refusals) for p in ps)})
+            rows.append(
+                {
+                    "p": p,
+                    "counts": ", ".join(f"{k}={v}" for k, v in sorted(p.counts.items()) if v),
+                    "state": "error (graph restored)"
+                    if p.error
+                    else ("changed" if p.changed else "unchanged"),
+                    "executor": p.name in EXECUTOR_LOWERINGS,
+                    "decisions": json.dumps(p.decisions, indent=1, default=str) if p.decisions else "",
+                }
+            )
+        out.append(
+            {
+                "graph": g.name,
+                "rows": rows,
+                "notes": g.notes,
+                "changed": sum(1 for p in ps if p.changed),
+                "refusals": sum(len(p.refusals) for p in ps),
+            }
+        )
     return out
 
 
@@ -492,7 +686,11 @@ def _pictures(graphs: Sequence[GraphDump]) -> list[dict[str, Any]]:
         shown = [("before", pics[0])] + ([("after", pics[-1])] if pics[-1] != pics[0] else [])
         figs = []
         for side, p in shown:
-            fig = {"caption": f"{g.name} {side}: {p.stem}", "id": f"pic-{g.name}-{side}", "svg": p.suffix == ".svg"}
+            fig = {
+                "caption": f"{g.name} {side}: {p.stem}",
+                "id": f"pic-{g.name}-{side}",
+                "svg": p.suffix == ".svg",
+            }
             if fig["svg"]:
                 fig["src"] = "data:image/svg+xml;base64," + base64.b64encode(p.read_bytes()).decode("ascii")
             else:
@@ -508,18 +706,37 @@ def _validation(val: ValidationReport) -> dict[str, Any]:
     rows = []
     for c in val.checks:
         err = c.time_error
-        rows.append([c.rank, c.graph, c.index, c.name, c.kind, c.runs, fmt_int(c.predicted_sent),
-                     fmt_int(c.measured_sent), fmt_int(c.predicted_received), fmt_int(c.measured_received),
-                     fmt_int(c.predicted_logged), fmt_int(c.measured_logged),
-                     "?" if c.measured_us is None else f"{c.measured_us:,.0f}",
-                     "?" if c.predicted_us is None else f"{c.predicted_us:,.0f}",
-                     "?" if err is None else f"{100 * err:+.0f}%"])
+        rows.append(
+            [
+                c.rank,
+                c.graph,
+                c.index,
+                c.name,
+                c.kind,
+                c.runs,
+                fmt_int(c.predicted_sent),
+                fmt_int(c.measured_sent),
+                fmt_int(c.predicted_received),
+                fmt_int(c.measured_received),
+                fmt_int(c.predicted_logged),
+                fmt_int(c.measured_logged),
+                "?" if c.measured_us is None else f"{c.measured_us:,.0f}",
+                "?" if c.predicted_us is None else f"{c.predicted_us:,.0f}",
+                "?" if err is None else f"{100 * err:+.0f}%",
+            ]
+        )
     return {"v": val, "s": val.summary(), "rows": rows}
 
 
 # ----------------------------------------------------------------------------- page
-def render_html(dump_dir: str | Path, *, rank: Optional[int] = None, record_dir: str | Path | None = None,
-                profile: Any = None, title: Optional[str] = None) -> str:
+def render_html(
+    dump_dir: str | Path,
+    *,
+    rank: Optional[int] = None,
+    record_dir: str | Path | None = None,
+    profile: Any = None,
+    title: Optional[str] = None,
+) -> str:
     """The report page for one rank's dumps (``rank``: which ``rank<r>/`` when the dir has several)."""
 
     d = resolve_rank_dir(dump_dir, rank)
@@ -532,37 +749,73 @@ def render_html(dump_dir: str | Path, *, rank: Optional[int] = None, record_dir:
     rec = Path(record_dir) if record_dir is not None else None
     val = validate_dirs(rec, dump_dir, profile=profile) if rec is not None else None
     models = sorted({g.facts["cost_model"] for g in graphs if g.facts.get("cost_model")})
-    errors = [f"{g.name} ({stage}): {e}" for g in graphs for stage, e in g.facts.get("prediction_errors", {}).items()]
+    errors = [
+        f"{g.name} ({stage}): {e}"
+        for g in graphs
+        for stage, e in g.facts.get("prediction_errors", {}).items()
+    ]
     if any(r.predicted_after is None for r in runs):
-        notes.append("no prediction for some graphs: " + ("; ".join(errors) if errors else
-                     "dumps written before report_facts.json existed (recompile with dump_dir set)"))
+        notes.append(
+            "no prediction for some graphs: "
+            + (
+                "; ".join(errors)
+                if errors
+                else "dumps written before report_facts.json existed (recompile with dump_dir set)"
+            )
+        )
     before = [c for r in runs if r.before.rows for c in r.before.rows]
     after = [c for r in runs if r.after.rows for c in r.after.rows]
     timelines = _predicted_timelines(graphs, names)
     measured = []
     for p in sorted(rec.glob("rank*.json")) if rec is not None else []:
         trace = read_json_object(p, "recorder trace", "traceEvents")
-        measured.append({"name": p.stem, "svg": timeline_svg(trace, title=f"{p.stem} measured", kind="measured",
-                                                                    names_of=names)})
+        measured.append(
+            {
+                "name": p.stem,
+                "svg": timeline_svg(trace, title=f"{p.stem} measured", kind="measured", names_of=names),
+            }
+        )
     checked = [c for c in vol.collectives() if c.formula is not None]
     # the volume report's note that the dumps hold no joint split is moot where report_facts.json gave one
     split = all("directions" in g.facts for g in graphs if g.kind == "joint")
     notes += [n for n in vol.notes if not (split and n.startswith("before = joint graph"))]
-    sections = [("summary", "What commfuse did"), ("volume", "Communication volume"), ("collectives", "Collectives"),
-                ("passes", "Pass decisions"), ("graphs", "Graphs"), ("timelines", "Timelines")]
+    sections = [
+        ("summary", "What commfuse did"),
+        ("volume", "Communication volume"),
+        ("collectives", "Collectives"),
+        ("passes", "Pass decisions"),
+        ("graphs", "Graphs"),
+        ("timelines", "Timelines"),
+    ]
     if val is not None:
         sections.append(("validation", "Measured vs predicted"))
     return _ENV.get_template("report.html.j2").render(
-        heading=title or f"commfuse report: {d}", version=__version__,
-        now=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), source=vol.source,
-        ranks=ranks, rank=0 if rank is None else rank, record=str(rec) if rec else None, sections=sections,
-        runs=runs, summary=_summary_rows(runs), lowerings=_lowerings(runs), models=models, notes=notes,
-        timelines=timelines, measured=measured, formulas_checked=len(checked),
+        heading=title or f"commfuse report: {d}",
+        version=__version__,
+        now=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        source=vol.source,
+        ranks=ranks,
+        rank=0 if rank is None else rank,
+        record=str(rec) if rec else None,
+        sections=sections,
+        runs=runs,
+        summary=_summary_rows(runs),
+        lowerings=_lowerings(runs),
+        models=models,
+        notes=notes,
+        timelines=timelines,
+        measured=measured,
+        formulas_checked=len(checked),
         formulas_bad=len(vol.formula_mismatches()),
-        validation=_validation(val) if val is not None else None, volume=_volume_tables(before, after, names),
-        collectives=_collective_blocks(graphs, names), passes=_passes(vol), pictures=_pictures(graphs),
-        legend=[("compute", COMPUTE_COLOR), ("blocked in a wait (exposed)", EXPOSED_COLOR)] + list(KIND_COLORS.items()),
-        executor_lowerings=EXECUTOR_LOWERINGS)
+        validation=_validation(val) if val is not None else None,
+        volume=_volume_tables(before, after, names),
+        collectives=_collective_blocks(graphs, names),
+        passes=_passes(vol),
+        pictures=_pictures(graphs),
+        legend=[("compute", COMPUTE_COLOR), ("blocked in a wait (exposed)", EXPOSED_COLOR)]
+        + list(KIND_COLORS.items()),
+        executor_lowerings=EXECUTOR_LOWERINGS,
+    )
 
 
 def write_html(dump_dir: str | Path, out: str | Path | None = None, **kw: Any) -> Path:

@@ -27,12 +27,21 @@ from typing import Any, Iterator, Optional
 import torch.fx as fx
 
 from commfuse.costmodel.simulator import Simulator
-from commfuse.passmgr.report_facts import (EXECUTOR_LOWERINGS, PREDICTED_INPUT_TRACE, PREDICTED_TRACE, PRICING,
-                                           REPORT_FACTS, RUNTIME_KINDS, cost_model, world_size_of)
+from commfuse.passmgr.report_facts import (
+    EXECUTOR_LOWERINGS,
+    PREDICTED_INPUT_TRACE,
+    PREDICTED_TRACE,
+    PRICING,
+    REPORT_FACTS,
+    RUNTIME_KINDS,
+    cost_model,
+    world_size_of,
+)
 
 
-def simulate_trace(gm: fx.GraphModule, *, profile: Any = None, topology: Any = None,
-                   backend: Optional[str] = None) -> dict[str, Any]:
+def simulate_trace(
+    gm: fx.GraphModule, *, profile: Any = None, topology: Any = None, backend: Optional[str] = None
+) -> dict[str, Any]:
 
     model, describe = cost_model(profile, topology, backend, world_size_of(gm))
     trace = Simulator(gm, model).simulate().to_chrome_trace()
@@ -50,8 +59,11 @@ def write_predicted_trace(gm: fx.GraphModule, dump_dir: str | Path, **kw: Any) -
         path.write_text(json.dumps(trace))
         return path
     except Exception as e:  # noqa: BLE001 - a prediction that cannot be made costs only the picture
-        warnings.warn(f"commfuse: no predicted timeline for {dump_dir} ({type(e).__name__}: {e})",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"commfuse: no predicted timeline for {dump_dir} ({type(e).__name__}: {e})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
 
 
@@ -67,6 +79,14 @@ def predict_timelines(**kw: Any) -> Iterator[None]:
         PRICING.remove(kw)
 
 
-
-__all__ = ["EXECUTOR_LOWERINGS", "PREDICTED_INPUT_TRACE", "PREDICTED_TRACE", "REPORT_FACTS", "RUNTIME_KINDS",
-           "cost_model", "predict_timelines", "simulate_trace", "write_predicted_trace"]
+__all__ = [
+    "EXECUTOR_LOWERINGS",
+    "PREDICTED_INPUT_TRACE",
+    "PREDICTED_TRACE",
+    "REPORT_FACTS",
+    "RUNTIME_KINDS",
+    "cost_model",
+    "predict_timelines",
+    "simulate_trace",
+    "write_predicted_trace",
+]

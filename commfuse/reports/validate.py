@@ -92,10 +92,21 @@ def records_from_recorder(rec: Any) -> list[RecordedCollective]:
     out = []
     for c in rec.collectives:
         end = c.end_ns
-        out.append(RecordedCollective(c.index, c.name, c.graph, c.kind, c.group, c.issue_group, c.logged_bytes,
-                                      c.sent_bytes, c.received_bytes,
-                                      None if end is None else (end - c.issued_ns) / 1e3,
-                                      "work" if c.done_ns is not None else "wait"))
+        out.append(
+            RecordedCollective(
+                c.index,
+                c.name,
+                c.graph,
+                c.kind,
+                c.group,
+                c.issue_group,
+                c.logged_bytes,
+                c.sent_bytes,
+                c.received_bytes,
+                None if end is None else (end - c.issued_ns) / 1e3,
+                "work" if c.done_ns is not None else "wait",
+            )
+        )
     return out
 
 
@@ -107,12 +118,25 @@ def records_from_trace(trace: dict[str, Any]) -> list[RecordedCollective]:
             continue
         a = ev.get("args", {})
         try:
-            out.append(RecordedCollective(int(a["index"]), str(a["name"]), str(a["graph"]), str(a["kind"]),
-                                          str(a["group"]), str(a["issue_group"]), a.get("logged_bytes"),
-                                          int(a["sent_bytes"]), int(a["received_bytes"]),
-                                          float(ev["dur"]) if "dur" in ev else None, str(a.get("end_from", "work"))))
+            out.append(
+                RecordedCollective(
+                    int(a["index"]),
+                    str(a["name"]),
+                    str(a["graph"]),
+                    str(a["kind"]),
+                    str(a["group"]),
+                    str(a["issue_group"]),
+                    a.get("logged_bytes"),
+                    int(a["sent_bytes"]),
+                    int(a["received_bytes"]),
+                    float(ev["dur"]) if "dur" in ev else None,
+                    str(a.get("end_from", "work")),
+                )
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"recorder trace: event {ev.get('name')!r} lacks the recorder's fields ({e})") from e
+            raise ValueError(
+                f"recorder trace: event {ev.get('name')!r} lacks the recorder's fields ({e})"
+            ) from e
     return out
 
 
@@ -122,7 +146,9 @@ def plans_from_backend(be: Any) -> list[PlannedGraph]:
     if not hasattr(be, "plans") and hasattr(be, "backend"):
         be = be.backend
     if not hasattr(be, "plans"):
-        raise TypeError(f"plans_from_backend: expected a commfuse backend or TrainStep, got {type(be).__name__}")
+        raise TypeError(
+            f"plans_from_backend: expected a commfuse backend or TrainStep, got {type(be).__name__}"
+        )
     reports = [r for r in be.reports if r.graph in ("forward", "backward", "inference", "graph")]
     used: set[int] = set()
     out = []
@@ -239,22 +265,33 @@ class ValidationReport:
 
     def table(self, *, max_rows: int = 40) -> str:
         s = self.summary()
-        lines = [f"measured vs predicted: {s['ranks']} rank(s), {s['planned_collectives']} planned collectives, "
-                 f"{s['recorded_calls']} recorded calls, {s['mismatches']} mismatch(es)"]
-        lines.append(f"time: cost model {self.cost_model}; measured {s['measured_us']:.0f} us vs predicted "
-                     f"{s['predicted_us']:.0f} us in total" + (
-                         f", median |error| {100 * s['median_abs_time_error']:.0f}%"
-                         if s["median_abs_time_error"] is not None else ""))
+        lines = [
+            f"measured vs predicted: {s['ranks']} rank(s), {s['planned_collectives']} planned collectives, "
+            f"{s['recorded_calls']} recorded calls, {s['mismatches']} mismatch(es)"
+        ]
+        lines.append(
+            f"time: cost model {self.cost_model}; measured {s['measured_us']:.0f} us vs predicted "
+            f"{s['predicted_us']:.0f} us in total"
+            + (
+                f", median |error| {100 * s['median_abs_time_error']:.0f}%"
+                if s["median_abs_time_error"] is not None
+                else ""
+            )
+        )
         for m in self.mismatches[:max_rows]:
             lines.append("MISMATCH " + m.describe())
         if len(self.mismatches) > max_rows:
             lines.append(f"... {len(self.mismatches) - max_rows} more mismatches")
-        lines.append(f"{'rank':>4} {'graph':<14}{'#':>4} {'kind':<15}{'node':<30}{'runs':>5}{'sent B':>10}"
-                     f"{'recv B':>10}{'logged B':>10}{'meas us':>10}{'pred us':>10}")
+        lines.append(
+            f"{'rank':>4} {'graph':<14}{'#':>4} {'kind':<15}{'node':<30}{'runs':>5}{'sent B':>10}"
+            f"{'recv B':>10}{'logged B':>10}{'meas us':>10}{'pred us':>10}"
+        )
         for c in self.checks[:max_rows]:
-            lines.append(f"{c.rank:>4} {c.graph[:13]:<14}{c.index:>4} {c.kind[:14]:<15}{c.name[:29]:<30}{c.runs:>5}"
-                         f"{_f(c.measured_sent):>10}{_f(c.measured_received):>10}{_f(c.measured_logged):>10}"
-                         f"{_fus(c.measured_us):>10}{_fus(c.predicted_us):>10}")
+            lines.append(
+                f"{c.rank:>4} {c.graph[:13]:<14}{c.index:>4} {c.kind[:14]:<15}{c.name[:29]:<30}{c.runs:>5}"
+                f"{_f(c.measured_sent):>10}{_f(c.measured_received):>10}{_f(c.measured_logged):>10}"
+                f"{_fus(c.measured_us):>10}{_fus(c.predicted_us):>10}"
+            )
         if len(self.checks) > max_rows:
             lines.append(f"... {len(self.checks) - max_rows} more collectives")
         lines.extend(f"note: {n}" for n in self.notes)
@@ -301,8 +338,9 @@ def _message_size(kind: str, sent: Optional[int], received: Optional[int]) -> Op
 
 
 class _TimeModel:
-    def __init__(self, profile: Any = None, topology: Any = None, backend: Optional[str] = None,
-                 world_size: int = 2) -> None:
+    def __init__(
+        self, profile: Any = None, topology: Any = None, backend: Optional[str] = None, world_size: int = 2
+    ) -> None:
 
         self.model, self.describe = cost_model(profile, topology, backend, world_size)
 
@@ -348,8 +386,12 @@ def _label_kind(label: str) -> str:
     return label.split("#", 1)[0]
 
 
-def validate_rank(rank: int, records: Sequence[RecordedCollective], plans: Sequence[PlannedGraph],
-                  time_model: Optional[_TimeModel] = None) -> tuple[list[CollectiveCheck], list[Mismatch], dict]:
+def validate_rank(
+    rank: int,
+    records: Sequence[RecordedCollective],
+    plans: Sequence[PlannedGraph],
+    time_model: Optional[_TimeModel] = None,
+) -> tuple[list[CollectiveCheck], list[Mismatch], dict]:
     """Checks and mismatches for one rank; the third value maps plan name -> runs (cross-rank check)."""
     by_label: dict[str, list[RecordedCollective]] = defaultdict(list)
     for r in records:
@@ -365,8 +407,17 @@ def validate_rank(rank: int, records: Sequence[RecordedCollective], plans: Seque
         chosen = (free or cands or [None])[0]
         if chosen is None:
             r0 = recs[0]
-            mismatches.append(Mismatch(rank, label, "unplanned", r0.index, r0.name,
-                                       expected="a lowering plan whose collectives match", got=f"{len(recs)} calls"))
+            mismatches.append(
+                Mismatch(
+                    rank,
+                    label,
+                    "unplanned",
+                    r0.index,
+                    r0.name,
+                    expected="a lowering plan whose collectives match",
+                    got=f"{len(recs)} calls",
+                )
+            )
             continue
         claimed.setdefault(chosen.name, label)
         runs = _split_runs(recs)
@@ -375,8 +426,15 @@ def validate_rank(rank: int, records: Sequence[RecordedCollective], plans: Seque
     return checks, mismatches, dict(runs_of)
 
 
-def _check_runs(rank: int, pg: PlannedGraph, label: str, runs: list[list[RecordedCollective]],
-                checks: list[CollectiveCheck], mismatches: list[Mismatch], tm: Optional[_TimeModel]) -> None:
+def _check_runs(
+    rank: int,
+    pg: PlannedGraph,
+    label: str,
+    runs: list[list[RecordedCollective]],
+    checks: list[CollectiveCheck],
+    mismatches: list[Mismatch],
+    tm: Optional[_TimeModel],
+) -> None:
     pcs = pg.plan.get("collectives", [])
     gname = pg.name
     analysis = {c.node: c for c in pg.analysis.collectives} if pg.analysis is not None else {}
@@ -386,16 +444,39 @@ def _check_runs(rank: int, pg: PlannedGraph, label: str, runs: list[list[Recorde
         for i in range(len(pcs)):
             if i not in got:
                 p = pcs[i]
-                mismatches.append(Mismatch(rank, gname, "missing", i, p["start"], expected=p["kind"],
-                                           got="not recorded", run=ri))
+                mismatches.append(
+                    Mismatch(
+                        rank, gname, "missing", i, p["start"], expected=p["kind"], got="not recorded", run=ri
+                    )
+                )
         extra = [i for i in got if not 0 <= i < len(pcs)]
         if extra:
-            mismatches.append(Mismatch(rank, gname, "extra", extra[0], "", expected=f"indices < {len(pcs)}",
-                                       got=f"indices {extra}", run=ri))
+            mismatches.append(
+                Mismatch(
+                    rank,
+                    gname,
+                    "extra",
+                    extra[0],
+                    "",
+                    expected=f"indices < {len(pcs)}",
+                    got=f"indices {extra}",
+                    run=ri,
+                )
+            )
         if got != sorted(got):
             first = next(a for a, b in zip(got, sorted(got), strict=True) if a != b)
-            mismatches.append(Mismatch(rank, gname, "order", first, pcs[first]["start"] if first < len(pcs) else "",
-                                       expected="the plan's issue order", got=f"indices {got}", run=ri))
+            mismatches.append(
+                Mismatch(
+                    rank,
+                    gname,
+                    "order",
+                    first,
+                    pcs[first]["start"] if first < len(pcs) else "",
+                    expected="the plan's issue order",
+                    got=f"indices {got}",
+                    run=ri,
+                )
+            )
         for r in run:
             seen[r.index].append(r)
     for i, p in enumerate(pcs):
@@ -409,38 +490,70 @@ def _check_runs(rank: int, pg: PlannedGraph, label: str, runs: list[list[Recorde
         recv = recs[0].received_bytes if recs else None
         measured_logged = None
         for r in recs:
-            for what, exp, val in (("name", p["start"], r.name), ("kind", p["kind"], r.kind),
-                                   ("group", p["group"], r.group), ("issue_group", p["issue_group"], r.issue_group),
-                                   ("logged_bytes (recorded)", p["logged_bytes"], r.logged_bytes)):
+            for what, exp, val in (
+                ("name", p["start"], r.name),
+                ("kind", p["kind"], r.kind),
+                ("group", p["group"], r.group),
+                ("issue_group", p["issue_group"], r.issue_group),
+                ("logged_bytes (recorded)", p["logged_bytes"], r.logged_bytes),
+            ):
                 if exp != val:
                     mismatches.append(Mismatch(rank, gname, what, i, p["start"], expected=exp, got=val))
             # Exact bytes, every call: against the analysis when it is known, else against the
             # first run (a rank must hand c10d the same buffers every run).
             exp_recv = pred_recv if pred_recv is not None else recv
             if r.received_bytes != exp_recv:
-                mismatches.append(Mismatch(rank, gname, "received_bytes", i, p["start"], exp_recv, r.received_bytes))
+                mismatches.append(
+                    Mismatch(rank, gname, "received_bytes", i, p["start"], exp_recv, r.received_bytes)
+                )
             if r.sent_bytes:  # 0: issued through the graph's own op; the sent side is not measured
                 exp_sent = pred_sent if pred_sent is not None else sent
                 if r.sent_bytes != exp_sent:
-                    mismatches.append(Mismatch(rank, gname, "sent_bytes", i, p["start"], exp_sent, r.sent_bytes))
+                    mismatches.append(
+                        Mismatch(rank, gname, "sent_bytes", i, p["start"], exp_sent, r.sent_bytes)
+                    )
                 got_logged = _measured_logged(p["kind"], r.sent_bytes, r.received_bytes)
                 if p["logged_bytes"] is not None and got_logged != p["logged_bytes"]:
-                    mismatches.append(Mismatch(rank, gname, "logged_bytes", i, p["start"], p["logged_bytes"],
-                                               got_logged))
+                    mismatches.append(
+                        Mismatch(rank, gname, "logged_bytes", i, p["start"], p["logged_bytes"], got_logged)
+                    )
                 measured_logged = got_logged if measured_logged is None else measured_logged
         # The first run also waits for the other ranks to finish compiling: leave it out when
         # later runs exist.
-        durations = [r.duration_us for r in (recs[1:] if len(recs) > 1 else recs) if r.duration_us is not None]
+        durations = [
+            r.duration_us for r in (recs[1:] if len(recs) > 1 else recs) if r.duration_us is not None
+        ]
         size = _message_size(p["kind"], pred_sent, pred_recv)
-        checks.append(CollectiveCheck(
-            rank, gname, i, p["start"], p["kind"], p["group"], n, len(recs), p["logged_bytes"], pred_sent, pred_recv,
-            measured_logged, sent or None, recv, tm.time_us(p["kind"], size, n) if tm is not None else None,
-            statistics.median(durations) if durations else None))
+        checks.append(
+            CollectiveCheck(
+                rank,
+                gname,
+                i,
+                p["start"],
+                p["kind"],
+                p["group"],
+                n,
+                len(recs),
+                p["logged_bytes"],
+                pred_sent,
+                pred_recv,
+                measured_logged,
+                sent or None,
+                recv,
+                tm.time_us(p["kind"], size, n) if tm is not None else None,
+                statistics.median(durations) if durations else None,
+            )
+        )
 
 
-def validate(records_by_rank: dict[int, Sequence[RecordedCollective]],
-             plans_by_rank: dict[int, Sequence[PlannedGraph]], *, profile: Any = None, topology: Any = None,
-             backend: Optional[str] = None) -> ValidationReport:
+def validate(
+    records_by_rank: dict[int, Sequence[RecordedCollective]],
+    plans_by_rank: dict[int, Sequence[PlannedGraph]],
+    *,
+    profile: Any = None,
+    topology: Any = None,
+    backend: Optional[str] = None,
+) -> ValidationReport:
     """Match every rank's records to its plans (see the module docstring)."""
     ranks = sorted(records_by_rank)
     if not ranks:
@@ -459,18 +572,33 @@ def validate(records_by_rank: dict[int, Sequence[RecordedCollective]],
     for r in ranks[1:]:
         for name in sorted(set(ref) | set(runs[r])):
             if ref.get(name, 0) != runs[r].get(name, 0):
-                rep.mismatches.append(Mismatch(r, name, "runs", expected=f"{ref.get(name, 0)} (rank {ranks[0]})",
-                                               got=runs[r].get(name, 0)))
-    embedded = {(p.name, len(p.analysis.embedded)) for ps in plans_by_rank.values() for p in ps
-                if p.analysis is not None and p.analysis.embedded}
+                rep.mismatches.append(
+                    Mismatch(
+                        r,
+                        name,
+                        "runs",
+                        expected=f"{ref.get(name, 0)} (rank {ranks[0]})",
+                        got=runs[r].get(name, 0),
+                    )
+                )
+    embedded = {
+        (p.name, len(p.analysis.embedded))
+        for ps in plans_by_rank.values()
+        for p in ps
+        if p.analysis is not None and p.analysis.embedded
+    }
     if embedded:
-        rep.notes.append("collectives issued inside ops (e.g. the MoE layer's token exchange: "
-                         + ", ".join(f"{n}: {k}" for n, k in sorted(embedded))
-                         + " per graph) are recorded under the graph \"kernel\" and not validated against a plan")
+        rep.notes.append(
+            "collectives issued inside ops (e.g. the MoE layer's token exchange: "
+            + ", ".join(f"{n}: {k}" for n, k in sorted(embedded))
+            + ' per graph) are recorded under the graph "kernel" and not validated against a plan'
+        )
     unsent = sum(1 for c in rep.checks if c.runs and c.measured_sent is None)
     if unsent:
-        rep.notes.append(f"{unsent} collective(s) ran through the graph's own op (no native issuer): "
-                         "their received bytes are checked, their sent bytes are not measured")
+        rep.notes.append(
+            f"{unsent} collective(s) ran through the graph's own op (no native issuer): "
+            "their received bytes are checked, their sent bytes are not measured"
+        )
     return rep
 
 
@@ -492,8 +620,10 @@ def load_records(record_dir: str | Path) -> dict[int, list[RecordedCollective]]:
             except ValueError as e:  # an event without the recorder's fields: say which file
                 raise InputFileError(p, str(e)) from e
     if not out:
-        raise ValueError(f"record dir {str(d)!r} holds no rank<r>.json recorder traces "
-                         "(record with commfuse.record(dir) or COMMFUSE_RECORD_DIR)")
+        raise ValueError(
+            f"record dir {str(d)!r} holds no rank<r>.json recorder traces "
+            "(record with commfuse.record(dir) or COMMFUSE_RECORD_DIR)"
+        )
     return out
 
 
@@ -508,8 +638,10 @@ def load_plans(dump_dir: str | Path, ranks: Iterable[int]) -> dict[int, list[Pla
             raise ValueError(f"dump dir {str(dump_dir)!r}: no rank{r} sub-directory")
         plans = plans_from_dump_dir(d)
         if not plans:
-            raise ValueError(f"dump dir {str(d)!r} holds no lowering_plan.json (compile with "
-                             "Config(dump_dir=...) and the default lowering='commfuse')")
+            raise ValueError(
+                f"dump dir {str(d)!r} holds no lowering_plan.json (compile with "
+                "Config(dump_dir=...) and the default lowering='commfuse')"
+            )
         out[r] = plans
     return out
 

@@ -107,9 +107,14 @@ class Totals:
 
     def add(self, c: CollectiveVolume) -> None:
         self.count += 1
-        self.logged_bytes = None if self.logged_bytes is None or c.logged_bytes is None \
+        self.logged_bytes = (
+            None
+            if self.logged_bytes is None or c.logged_bytes is None
             else self.logged_bytes + c.logged_bytes
-        self.wire_bytes = None if self.wire_bytes is None or c.wire_bytes is None else self.wire_bytes + c.wire_bytes
+        )
+        self.wire_bytes = (
+            None if self.wire_bytes is None or c.wire_bytes is None else self.wire_bytes + c.wire_bytes
+        )
 
 
 @dataclass
@@ -180,8 +185,12 @@ class VolumeReport:
         return [c for g in self.graphs for side in (g.before, g.after) if side for c in side]
 
     def formula_mismatches(self) -> list[CollectiveVolume]:
-        return [c for c in self.collectives() if c.formula is not None and
-                (c.formula.wire_diff not in (0, None) or c.formula.logged_diff not in (0, None))]
+        return [
+            c
+            for c in self.collectives()
+            if c.formula is not None
+            and (c.formula.wire_diff not in (0, None) or c.formula.logged_diff not in (0, None))
+        ]
 
     def reasons(self) -> list[PassReasons]:
         return [p for g in self.graphs for p in g.passes]
@@ -190,9 +199,11 @@ class VolumeReport:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for side in ("before", "after"):
-            d[f"program_{side}"] = {by: ({k: asdict(t) for k, t in tots.items()} if tots is not None else None)
-                                    for by in ("kind", "group", "role", "direction")
-                                    for tots in [self.totals(side, by)]}
+            d[f"program_{side}"] = {
+                by: ({k: asdict(t) for k, t in tots.items()} if tots is not None else None)
+                for by in ("kind", "group", "role", "direction")
+                for tots in [self.totals(side, by)]
+            }
         return d
 
     def to_json(self) -> str:
@@ -214,16 +225,22 @@ class VolumeReport:
         lines.append(f"analytic formulas: {len(checked)} collectives checked, {len(bad)} differ")
         for c in bad[:20]:
             f = c.formula
-            lines.append(f"  {c.graph} {c.side} {c.kind} {c.node}: IR wire {c.wire_bytes} vs {f.name} "
-                         f"{f.wire_bytes} ({f.values}); logged {c.logged_bytes} vs {f.logged_bytes}")
+            lines.append(
+                f"  {c.graph} {c.side} {c.kind} {c.node}: IR wire {c.wire_bytes} vs {f.name} "
+                f"{f.wire_bytes} ({f.values}); logged {c.logged_bytes} vs {f.logged_bytes}"
+            )
         if collectives:
             lines.append("")
-            lines.append(f"{'graph':<14}{'side':<7}{'dir':<9}{'kind':<16}{'node':<28}{'group':<8}{'role':<8}"
-                         f"{'logged':>10}{'wire':>10}  formula")
+            lines.append(
+                f"{'graph':<14}{'side':<7}{'dir':<9}{'kind':<16}{'node':<28}{'group':<8}{'role':<8}"
+                f"{'logged':>10}{'wire':>10}  formula"
+            )
             for c in self.collectives():
                 f = "-" if c.formula is None else f"{c.formula.wire_bytes} ({c.formula.name})"
-                lines.append(f"{c.graph:<14}{c.side:<7}{c.direction:<9}{c.kind:<16}{(c.embedded or c.node)[:27]:<28}"
-                             f"{c.group[:7]:<8}{c.role:<8}{_fmt(c.logged_bytes):>10}{_fmt(c.wire_bytes):>10}  {f}")
+                lines.append(
+                    f"{c.graph:<14}{c.side:<7}{c.direction:<9}{c.kind:<16}{(c.embedded or c.node)[:27]:<28}"
+                    f"{c.group[:7]:<8}{c.role:<8}{_fmt(c.logged_bytes):>10}{_fmt(c.wire_bytes):>10}  {f}"
+                )
         lines.append("")
         lines.append("pass decisions (why not fused / not partitioned):")
         for p in self.reasons():
@@ -261,7 +278,9 @@ def _delta(a: Optional[int], b: Optional[int]) -> str:
     return f"{b - a:+d} ({100.0 * (b - a) / a:+.1f}%)"
 
 
-def _compare_table(by: str, before: Optional[dict[str, Totals]], after: Optional[dict[str, Totals]]) -> list[str]:
+def _compare_table(
+    by: str, before: Optional[dict[str, Totals]], after: Optional[dict[str, Totals]]
+) -> list[str]:
     keys = sorted(set(before or {}) | set(after or {}))
     lines = [f"{by:<22}{'count':>13}{'logged B/rank':>22}{'wire B/rank':>22}{'wire change':>22}"]
     for k in keys:
@@ -356,7 +375,11 @@ def formula_for(c: CollectiveReport) -> Optional[FormulaCheck]:
     if kind == "all_reduce" and c.role in ("dp", "fsdp"):
         P = B * S * H
         name, expr = "thesis DP all_reduce", "2(N-1)/N·P·e"
-        wire, logged, vals = V.dp_all_reduce_wire(P, n, elt=e), V.dp_all_reduce_logged(P, n, elt=e), f"P={P} N={n} e={e}"
+        wire, logged, vals = (
+            V.dp_all_reduce_wire(P, n, elt=e),
+            V.dp_all_reduce_logged(P, n, elt=e),
+            f"P={P} N={n} e={e}",
+        )
     elif kind == "all_reduce":
         name, expr = "Chimera Table 1, TP all_reduce", "2(N-1)/N·B·S·H·e"
         wire, logged = V.tp_all_reduce_wire(B, S, H, n, e), V.tp_all_reduce_logged(B, S, H, n, e)
@@ -381,8 +404,15 @@ def formula_for(c: CollectiveReport) -> Optional[FormulaCheck]:
     if wire_i is None or logged_i is None:
         return None
     iw, il = _int(c.wire_bytes), _int(c.logged_bytes)
-    return FormulaCheck(name, expr, vals, wire_i, logged_i,
-                        None if iw is None else iw - wire_i, None if il is None else il - logged_i)
+    return FormulaCheck(
+        name,
+        expr,
+        vals,
+        wire_i,
+        logged_i,
+        None if iw is None else iw - wire_i,
+        None if il is None else il - logged_i,
+    )
 
 
 def _embedded_formula(kind: str, group_size: int, logged: int, wire: int) -> Optional[FormulaCheck]:
@@ -393,8 +423,15 @@ def _embedded_formula(kind: str, group_size: int, logged: int, wire: int) -> Opt
     w = _exact_int(V.ep_all_to_all_wire(1, 1, logged, group_size, 1))
     if w is None:
         return None
-    return FormulaCheck("Chimera Table 1, EP all_to_all", "(N-1)/N·B·S·H·k·e (k, e in the buffer)",
-                        f"buffer={logged} B N={group_size}", w, logged, wire - w, 0)
+    return FormulaCheck(
+        "Chimera Table 1, EP all_to_all",
+        "(N-1)/N·B·S·H·k·e (k, e in the buffer)",
+        f"buffer={logged} B N={group_size}",
+        w,
+        logged,
+        wire - w,
+        0,
+    )
 
 
 def _exact_int(x: Any) -> Optional[int]:
@@ -412,31 +449,70 @@ def _exact_int(x: Any) -> Optional[int]:
 
 
 # ----------------------------------------------------------------------------- building
-def collectives_of(analysis: AnalysisReport, *, graph: str, side: str, direction: str,
-                   directions: Optional[dict[str, str]] = None) -> list[CollectiveVolume]:
+def collectives_of(
+    analysis: AnalysisReport,
+    *,
+    graph: str,
+    side: str,
+    direction: str,
+    directions: Optional[dict[str, str]] = None,
+) -> list[CollectiveVolume]:
     """Rows for every collective (and op-internal transfer) of one analysis report.
 
     ``directions``: node name -> forward/backward, when the graph is at hand."""
     rows: list[CollectiveVolume] = []
     for c in analysis.collectives:
         d = (directions or {}).get(c.node, direction)
-        rows.append(CollectiveVolume(graph, side, d, c.node, c.kind, c.group, c.group_size, c.role, c.dtype,
-                                     _int(c.logged_bytes), _int(c.wire_bytes), formula=formula_for(c)))
+        rows.append(
+            CollectiveVolume(
+                graph,
+                side,
+                d,
+                c.node,
+                c.kind,
+                c.group,
+                c.group_size,
+                c.role,
+                c.dtype,
+                _int(c.logged_bytes),
+                _int(c.wire_bytes),
+                formula=formula_for(c),
+            )
+        )
     for e in analysis.embedded:
         d = direction
         if direction in ("joint", "graph") and directions is not None:
             d = "backward" if e.backward else "forward"
-        rows.append(CollectiveVolume(graph, side, d, e.node, e.kind, e.group, e.group_size, "ep", None,
-                                     e.logged_bytes, e.wire_bytes, embedded=f"{e.op} {e.what}", estimated=e.estimated,
-                                     formula=_embedded_formula(e.kind, e.group_size, e.logged_bytes, e.wire_bytes)))
+        rows.append(
+            CollectiveVolume(
+                graph,
+                side,
+                d,
+                e.node,
+                e.kind,
+                e.group,
+                e.group_size,
+                "ep",
+                None,
+                e.logged_bytes,
+                e.wire_bytes,
+                embedded=f"{e.op} {e.what}",
+                estimated=e.estimated,
+                formula=_embedded_formula(e.kind, e.group_size, e.logged_bytes, e.wire_bytes),
+            )
+        )
     return rows
 
 
 def _passes_of(graph: str, rep: Optional[PipelineReport]) -> tuple[list[PassReasons], list[str]]:
     if rep is None:
         return [], []
-    passes = [PassReasons(graph, p.name, p.stage, p.changed, dict(p.counts), list(p.refusals), list(p.decisions),
-                          p.error) for p in rep.passes]
+    passes = [
+        PassReasons(
+            graph, p.name, p.stage, p.changed, dict(p.counts), list(p.refusals), list(p.decisions), p.error
+        )
+        for p in rep.passes
+    ]
     notes = list(rep.notes) + [f"input problem: {x}" for x in rep.input_problems]
     if rep.skipped_reason:
         notes.append(f"skipped: {rep.skipped_reason}")
@@ -467,20 +543,32 @@ def volume_from_graph(gm, config=None, *, graph_kind: str = "graph", optimize: b
     direction = graph_kind if graph_kind in ("forward", "backward", "inference") else "graph"
     before_gm = copy_graph_module(gm)
     dirs = graph_directions(before_gm) if _has_tangents(before_gm) and direction == "graph" else None
-    before = collectives_of(analyze(before_gm, cfg, graph=graph_kind), graph=graph_kind, side="before",
-                            direction=direction, directions=dirs)
+    before = collectives_of(
+        analyze(before_gm, cfg, graph=graph_kind),
+        graph=graph_kind,
+        side="before",
+        direction=direction,
+        directions=dirs,
+    )
     after, passes, notes = None, [], []
     if optimize:
         after_gm = copy_graph_module(gm)
         # The stages the backend runs on such a graph (joint: JOINT; partitioned: SCHEDULE).
-        stages = {"joint": {Stage.JOINT}, "forward": {Stage.SCHEDULE},
-                  "backward": {Stage.SCHEDULE}}.get(graph_kind, {Stage.JOINT, Stage.SCHEDULE})
+        stages = {"joint": {Stage.JOINT}, "forward": {Stage.SCHEDULE}, "backward": {Stage.SCHEDULE}}.get(
+            graph_kind, {Stage.JOINT, Stage.SCHEDULE}
+        )
         rep = pipeline_for(cfg.model_copy(update={"dump_dir": None})).run(
-            after_gm, graph_kind=graph_kind, stages=stages)
+            after_gm, graph_kind=graph_kind, stages=stages
+        )
         passes, notes = _passes_of(graph_kind, rep)
         dirs_after = graph_directions(after_gm) if dirs is not None else None
-        after = collectives_of(analyze(after_gm, cfg, graph=graph_kind), graph=graph_kind, side="after",
-                               direction=direction, directions=dirs_after)
+        after = collectives_of(
+            analyze(after_gm, cfg, graph=graph_kind),
+            graph=graph_kind,
+            side="after",
+            direction=direction,
+            directions=dirs_after,
+        )
     kind = "graph" if graph_kind in ("joint", "graph") else graph_kind
     g = GraphVolume(graph_kind, kind, before, after, passes, notes)
     return VolumeReport(source=f"graph ({graph_kind}, {len(gm.graph.nodes)} nodes)", graphs=[g])
@@ -535,11 +623,22 @@ def _graph_from_dir(d: Path) -> GraphVolume:
         rep = read_model_file(PipelineReport, d / "pipeline.json", "pipeline report")
     stages = _stage_files(d)
     before_a = _read_analysis(stages[0]) if stages and stages[0].name.endswith("_input.json") else None
-    after_a = rep.analysis if rep is not None and rep.analysis is not None else (
-        _read_analysis(stages[-1]) if stages else None)
-    direction = kind if kind in ("forward", "backward", "inference") else ("joint" if kind == "joint" else "graph")
-    before = None if before_a is None else collectives_of(before_a, graph=d.name, side="before", direction=direction)
-    after = None if after_a is None else collectives_of(after_a, graph=d.name, side="after", direction=direction)
+    after_a = (
+        rep.analysis
+        if rep is not None and rep.analysis is not None
+        else (_read_analysis(stages[-1]) if stages else None)
+    )
+    direction = (
+        kind if kind in ("forward", "backward", "inference") else ("joint" if kind == "joint" else "graph")
+    )
+    before = (
+        None
+        if before_a is None
+        else collectives_of(before_a, graph=d.name, side="before", direction=direction)
+    )
+    after = (
+        None if after_a is None else collectives_of(after_a, graph=d.name, side="after", direction=direction)
+    )
     passes, notes = _passes_of(d.name, rep)
     return GraphVolume(d.name, kind, before, after, passes, notes, dump_dir=str(d))
 
@@ -549,16 +648,25 @@ def volume_from_dump_dir(dump_dir: str | Path, *, rank: Optional[int] = None) ->
     d = resolve_rank_dir(dump_dir, rank)
     dirs = graph_dirs(d)
     if not dirs:
-        raise ValueError(f"dump dir {str(dump_dir)!r} holds no graph dumps (<kind>_<index>/ directories); "
-                         "set Config(dump_dir=...) or COMMFUSE_DUMP_DIR when compiling")
+        raise ValueError(
+            f"dump dir {str(dump_dir)!r} holds no graph dumps (<kind>_<index>/ directories); "
+            "set Config(dump_dir=...) or COMMFUSE_DUMP_DIR when compiling"
+        )
     rep = VolumeReport(source=f"dump dir {d}", graphs=[_graph_from_dir(p) for p in dirs])
     if any(g.kind == "joint" for g in rep.graphs):
-        rep.notes.append("before = joint graph as traced (its forward/backward split is not in the dumps: "
-                         "direction 'joint'); after = forward + backward graphs as lowered")
-    rewritten = [f"{g.name}: {p.name}" for g in rep.graphs if g.kind == "dynamo" for p in g.passes if p.changed]
+        rep.notes.append(
+            "before = joint graph as traced (its forward/backward split is not in the dumps: "
+            "direction 'joint'); after = forward + backward graphs as lowered"
+        )
+    rewritten = [
+        f"{g.name}: {p.name}" for g in rep.graphs if g.kind == "dynamo" for p in g.passes if p.changed
+    ]
     if rewritten:
-        rep.notes.append("the program was rewritten before AOTAutograd traced it (" + ", ".join(rewritten)
-                         + "): 'before' is the traced graph after that rewrite, not the program as written")
+        rep.notes.append(
+            "the program was rewritten before AOTAutograd traced it ("
+            + ", ".join(rewritten)
+            + "): 'before' is the traced graph after that rewrite, not the program as written"
+        )
     return rep
 
 
@@ -576,16 +684,25 @@ def volume_from_reports(reports: Sequence[PipelineReport], *, source: str = "com
         name = Path(rep.dump_dir).name if rep.dump_dir else f"{rep.graph}_{counters[rep.graph]:03d}"
         counters[rep.graph] += 1
         kind = rep.graph
-        direction = kind if kind in ("forward", "backward", "inference") else ("joint" if kind == "joint" else "graph")
+        direction = (
+            kind
+            if kind in ("forward", "backward", "inference")
+            else ("joint" if kind == "joint" else "graph")
+        )
         before = None
         if rep.dump_dir:
             stages = _stage_files(Path(rep.dump_dir))
             if stages and stages[0].name.endswith("_input.json"):
-                before = collectives_of(_read_analysis(stages[0]), graph=name, side="before", direction=direction)
+                before = collectives_of(
+                    _read_analysis(stages[0]), graph=name, side="before", direction=direction
+                )
         if before is None and kind in _BEFORE_KINDS:
             missing = True
-        after = None if rep.analysis is None else collectives_of(rep.analysis, graph=name, side="after",
-                                                                 direction=direction)
+        after = (
+            None
+            if rep.analysis is None
+            else collectives_of(rep.analysis, graph=name, side="after", direction=direction)
+        )
         passes, notes = _passes_of(name, rep)
         graphs.append(GraphVolume(name, kind, before, after, passes, notes, dump_dir=rep.dump_dir))
     out = VolumeReport(source=source, graphs=graphs)
@@ -606,5 +723,7 @@ def volume_report(obj: Any, config=None, **kw: Any) -> VolumeReport:
         return volume_from_reports(obj.reports, source=type(obj).__name__)
     if isinstance(obj, (list, tuple)):
         return volume_from_reports(list(obj))
-    raise TypeError(f"volume_report: expected a GraphModule, a backend/TrainStep, reports or a dump dir, "
-                    f"got {type(obj).__name__}")
+    raise TypeError(
+        f"volume_report: expected a GraphModule, a backend/TrainStep, reports or a dump dir, "
+        f"got {type(obj).__name__}"
+    )

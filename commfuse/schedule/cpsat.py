@@ -79,9 +79,17 @@ def solver_missing() -> Optional[str]:
     return None
 
 
-def refine_windows(p: ScheduleProblem, sim: Simulator, order: list[int], result: SimResult, *, max_nodes: int,
-                   det_time_s: float, acceptable: Callable[[list[int], SimResult], bool],
-                   memory_limit: Optional[float] = None) -> tuple[list[int], SimResult, dict]:
+def refine_windows(
+    p: ScheduleProblem,
+    sim: Simulator,
+    order: list[int],
+    result: SimResult,
+    *,
+    max_nodes: int,
+    det_time_s: float,
+    acceptable: Callable[[list[int], SimResult], bool],
+    memory_limit: Optional[float] = None,
+) -> tuple[list[int], SimResult, dict]:
     """Re-solve up to MAX_WINDOWS windows of ``order``; returns (order, its result, report).
 
     ``memory_limit``: bytes the simulated peak may reach; None models no memory."""
@@ -180,8 +188,9 @@ class WindowMemory:
     buffers: list[Buffer]
 
 
-def window_memory(p: ScheduleProblem, order: list[int], lo: int, hi: int, live: Liveness, limit: float
-                  ) -> WindowMemory:
+def window_memory(
+    p: ScheduleProblem, order: list[int], lo: int, hi: int, live: Liveness, limit: float
+) -> WindowMemory:
     """Split the bytes a window sees into live-throughout (a constant) and per-buffer intervals."""
     through = 0
     for k in range(lo):  # allocated before the window, freed after it (or never)
@@ -207,8 +216,13 @@ def _worst_wait(p: ScheduleProblem, order: list[int], r: SimResult, tried: set[i
     best = None
     for pos, (code, s, e) in enumerate(zip(r.node_codes, r.node_starts, r.node_ends, strict=True)):
         i = order[pos]
-        if code == NODE_WAIT and e > s and i not in tried and p.segment[i] >= 0 \
-                and p.segment[i] not in p.barrier_segments:
+        if (
+            code == NODE_WAIT
+            and e > s
+            and i not in tried
+            and p.segment[i] >= 0
+            and p.segment[i] not in p.barrier_segments
+        ):
             if best is None or e - s > best[0]:
                 best = (e - s, pos)
     return None if best is None else best[1]
@@ -228,8 +242,16 @@ def _window(p: ScheduleProblem, order: list[int], pos: int, max_nodes: int) -> t
     return lo, hi
 
 
-def solve_window(p: ScheduleProblem, order: list[int], lo: int, hi: int, full: SimResult, det_time_s: float,
-                 *, memory: Optional[WindowMemory] = None) -> dict:
+def solve_window(
+    p: ScheduleProblem,
+    order: list[int],
+    lo: int,
+    hi: int,
+    full: SimResult,
+    det_time_s: float,
+    *,
+    memory: Optional[WindowMemory] = None,
+) -> dict:
     """CP-SAT on order[lo:hi] given the simulated state before ``lo`` (see the module docstring)."""
     from ortools.sat.python import cp_model
 
@@ -328,16 +350,25 @@ def solve_window(p: ScheduleProblem, order: list[int], lo: int, hi: int, full: S
         status = solver.solve(m)
     except Exception as e:  # a solver failure costs the window, never the pass (same on every rank)
         return {"status": f"SOLVER_ERROR {type(e).__name__}: {e}", "deterministic_time_s": 0.0, "order": None}
-    out = {"status": solver.status_name(status), "deterministic_time_s": float(solver.deterministic_time),
-           "order": None}
+    out = {
+        "status": solver.status_name(status),
+        "deterministic_time_s": float(solver.deterministic_time),
+        "order": None,
+    }
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         times = {i: solver.value(start[i]) for i in win}
         out["order"] = _extract(p, win, times)
     return out
 
 
-def _coarsen(p: ScheduleProblem, win: list[int], t0: int, dur: dict[int, int], stream_free: dict[int, int],
-             known_end: dict[int, int]) -> tuple[int, dict[int, int]]:
+def _coarsen(
+    p: ScheduleProblem,
+    win: list[int],
+    t0: int,
+    dur: dict[int, int],
+    stream_free: dict[int, int],
+    known_end: dict[int, int],
+) -> tuple[int, dict[int, int]]:
     """Window times in ticks of at most MEMORY_TICKS per window, counted from its start (in place for
     the stream states; returns the new start and durations).
 
@@ -358,8 +389,18 @@ def _coarsen(p: ScheduleProblem, win: list[int], t0: int, dur: dict[int, int], s
     return 0, out
 
 
-def _hint_current(m, p: ScheduleProblem, win: list[int], t0: int, dur: dict[int, int], stream_free: dict[int, int],
-                  known_end: dict[int, int], start: dict, comm_start: dict, comm_end: dict) -> None:
+def _hint_current(
+    m,
+    p: ScheduleProblem,
+    win: list[int],
+    t0: int,
+    dur: dict[int, int],
+    stream_free: dict[int, int],
+    known_end: dict[int, int],
+    start: dict,
+    comm_start: dict,
+    comm_end: dict,
+) -> None:
     """Solution hint: the window's times in its current order, as the simulator runs it."""
     t = t0
     free = dict(stream_free)
@@ -379,8 +420,9 @@ def _hint_current(m, p: ScheduleProblem, win: list[int], t0: int, dur: dict[int,
             t += dur[i]
 
 
-def _add_memory(m, p: ScheduleProblem, win: list[int], start: dict, end: dict, memory: WindowMemory,
-                t0: int, horizon: int) -> None:
+def _add_memory(
+    m, p: ScheduleProblem, win: list[int], start: dict, end: dict, memory: WindowMemory, t0: int, horizon: int
+) -> None:
     """The cumulative memory constraint on the doubled clock (see the module docstring)."""
     low, high = 2 * t0 - 2, 2 * horizon + 2  # before every event of the window / after all of them
     inwin = set(win)

@@ -49,7 +49,15 @@ from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import CollectiveKind
 from commfuse.schedule.list_scheduler import ScheduleProblem, keyed_topological_order
 
-W_AG, ACT_AG, G_ACT, ACT_RS, G_W, G_W_RS, OTHERS = "W_AG", "act_AG", "G_act", "act_RS", "G_w", "G_w_RS", "others"
+W_AG, ACT_AG, G_ACT, ACT_RS, G_W, G_W_RS, OTHERS = (
+    "W_AG",
+    "act_AG",
+    "G_act",
+    "act_RS",
+    "G_w",
+    "G_w_RS",
+    "others",
+)
 PARTS = (W_AG, ACT_AG, G_ACT, ACT_RS, G_W, G_W_RS, OTHERS)
 # Eq. 1's terms in the order each priority runs them.
 # The gathered gradient (act_AG) goes first in both: all of the layer's compute reads it.
@@ -81,13 +89,18 @@ class LayerCosts:
 
     @property
     def t1(self) -> float:
-        return (self.w_ag + max(self.g_act, self.act_ag) + max(self.g_w, self.act_rs)
-                + max(self.g_w_rs, self.others))
+        return (
+            self.w_ag
+            + max(self.g_act, self.act_ag)
+            + max(self.g_w, self.act_rs)
+            + max(self.g_w_rs, self.others)
+        )
 
     @property
     def t2(self) -> float:
-        return (self.act_ag + max(self.g_w, self.w_ag) + max(self.g_act, self.g_w_rs)
-                + self.act_rs + self.others)
+        return (
+            self.act_ag + max(self.g_w, self.w_ag) + max(self.g_act, self.g_w_rs) + self.act_rs + self.others
+        )
 
     @property
     def choice(self) -> str:
@@ -113,8 +126,14 @@ class BackwardLayer:
         if self.refused:
             d["kept_input_order"] = self.refused
             return d
-        d.update({"T1_us": round(c.t1, 3), "T2_us": round(c.t2, 3), "choice": c.choice,
-                  "terms_us": {p: round(getattr(c, p.lower()), 3) for p in PARTS}})
+        d.update(
+            {
+                "T1_us": round(c.t1, 3),
+                "T2_us": round(c.t2, 3),
+                "choice": c.choice,
+                "terms_us": {p: round(getattr(c, p.lower()), 3) for p in PARTS},
+            }
+        )
         return d
 
 
@@ -185,12 +204,17 @@ def _classify(p: ScheduleProblem, lay: BackwardLayer, layer_of: dict[int, str], 
         elif c.kind in _REDUCE and (weight or act):
             lay.part[i] = G_W_RS if weight else ACT_RS
         else:
-            lay.refused = f"{c.kind.value} of role {c.role.value} ({p.nodes[i].name}) is not one of Eq. 1's parts"
+            lay.refused = (
+                f"{c.kind.value} of role {c.role.value} ({p.nodes[i].name}) is not one of Eq. 1's parts"
+            )
             return
     # G_act: ancestors (inside the layer) of values another layer reads and of what the TP/SP
     # reductions send on.
-    act_roots = [i for i in lay.nodes if any(layer_of.get(u, lay.name) != lay.name for u in p.succs[i]
-                                             if p.nodes[u].op != "output")]
+    act_roots = [
+        i
+        for i in lay.nodes
+        if any(layer_of.get(u, lay.name) != lay.name for u in p.succs[i] if p.nodes[u].op != "output")
+    ]
     act_roots += [q for i, part in lay.part.items() if part == ACT_RS for q in p.preds[i]]
     g_act = _ancestors_within(p, act_roots, mine)
     # G_w: other compute reaching a weight-gradient reduction or a graph output.
@@ -230,7 +254,8 @@ def preferred_order(p: ScheduleProblem, layers: list[BackwardLayer]) -> Optional
     follows in the input."""
     tail = set(p.tail)
     key: list[tuple[int, int, int, int]] = [
-        (len(p.segments) if i in tail else p.segment[i], -1, 0, i) for i in range(p.size)]
+        (len(p.segments) if i in tail else p.segment[i], -1, 0, i) for i in range(p.size)
+    ]
     decided = False
     for lay in layers:
         choice = lay.choice

@@ -71,7 +71,11 @@ class Priority:
         knobs = f"feed={int(self.feed_next_collective)},avoid_stalls={int(self.avoid_stalls)}"
         if not self.memory_aware:
             return knobs
-        return "memory-repaired" if self.feed_next_collective and self.avoid_stalls else f"memory-repaired({knobs})"
+        return (
+            "memory-repaired"
+            if self.feed_next_collective and self.avoid_stalls
+            else f"memory-repaired({knobs})"
+        )
 
 
 @dataclass
@@ -134,8 +138,11 @@ def _is_barrier(n: fx.Node, inplace: set[fx.Node]) -> bool:
 def _draws_random(n: fx.Node) -> bool:
     """Whether ``n`` consumes the global RNG (its order among such ops fixes the values drawn)."""
     t = n.target
-    if n.op != "call_function" or not isinstance(t, torch._ops.OpOverload) \
-            or torch.Tag.nondeterministic_seeded not in t.tags:
+    if (
+        n.op != "call_function"
+        or not isinstance(t, torch._ops.OpOverload)
+        or torch.Tag.nondeterministic_seeded not in t.tags
+    ):
         return False
     # attention with dropout_p == 0 carries the tag but draws nothing
     for i, a in enumerate(t._schema.arguments):
@@ -145,9 +152,14 @@ def _draws_random(n: fx.Node) -> bool:
     return True
 
 
-def build_problem(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, *,
-                  chain: Optional[Sequence[int]] = None, baseline: Optional[Sequence[int]] = None
-                  ) -> ScheduleProblem:
+def build_problem(
+    gm: fx.GraphModule,
+    sim: Simulator,
+    ir: CollectiveIR,
+    *,
+    chain: Optional[Sequence[int]] = None,
+    baseline: Optional[Sequence[int]] = None,
+) -> ScheduleProblem:
     """``chain``: the collectives' issue order as node indices (default: the input order; empty:
     no chain edges, for building a preferred order). ``baseline``: a topological order the
     compute picker prefers (default: the input order)."""
@@ -167,8 +179,11 @@ def build_problem(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, *,
     rand = [i for i, n in enumerate(nodes) if _draws_random(n)]
     for a, b in zip(rand, rand[1:], strict=False):  # random ops keep their order: the same numbers drawn
         preds[b].append(a)
-    wait_of = {i: idx[infos[i].start] for i in range(len(nodes))
-               if code[i] == NODE_WAIT and infos[i].start is not None}
+    wait_of = {
+        i: idx[infos[i].start]
+        for i in range(len(nodes))
+        if code[i] == NODE_WAIT and infos[i].start is not None
+    }
     succs: list[list[int]] = [[] for _ in nodes]
     for i, ps in enumerate(preds):
         for p in ps:
@@ -214,9 +229,27 @@ def build_problem(gm: fx.GraphModule, sim: Simulator, ir: CollectiveIR, *,
         key = [0] * len(nodes)
         for pos, i in enumerate(baseline):
             key[i] = pos
-    return ScheduleProblem(nodes, preds, succs, code, [i.time_us for i in infos], [i.stream for i in infos],
-                           wait_of, segment, segments, barrier_segments, head, tail, colls, coll_bytes, alloc,
-                           owner, touches, n_streams=len(sim.streams), key=key)
+    return ScheduleProblem(
+        nodes,
+        preds,
+        succs,
+        code,
+        [i.time_us for i in infos],
+        [i.stream for i in infos],
+        wait_of,
+        segment,
+        segments,
+        barrier_segments,
+        head,
+        tail,
+        colls,
+        coll_bytes,
+        alloc,
+        owner,
+        touches,
+        n_streams=len(sim.streams),
+        key=key,
+    )
 
 
 def keyed_topological_order(p: ScheduleProblem, key: Sequence[tuple]) -> list[int]:
@@ -244,8 +277,13 @@ class ListResult:
     forced: int = 0  # issues that went over a limit because nothing else could run
 
 
-def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes: Optional[int],
-                  memory_limit: Optional[float]) -> ListResult:
+def list_schedule(
+    p: ScheduleProblem,
+    priority: Priority,
+    *,
+    max_inflight_bytes: Optional[int],
+    memory_limit: Optional[float],
+) -> ListResult:
     """Greedy list schedule of ``p`` (see the module docstring); returns node indices in order."""
     n = p.size
     scheduled = [False] * n
@@ -413,8 +451,11 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
             if scheduled[x] or k in seen:
                 continue
             seen.append(k)
-            r = 2 if priority.memory_aware and over_memory(x, now, ahead) else int(
-                priority.avoid_stalls and wait_stall(x) > 0)
+            r = (
+                2
+                if priority.memory_aware and over_memory(x, now, ahead)
+                else int(priority.avoid_stalls and wait_stall(x) > 0)
+            )
             if r < rank:
                 found, rank = x, r
             if r == 0:
@@ -502,8 +543,10 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
                     place(i)
         left = [i for i in seg if not scheduled[i]]
         if left:
-            raise RuntimeError(f"schedule_overlap: list scheduler left {[p.nodes[i].name for i in left][:5]} "
-                               "unscheduled (a dependency cycle the graph order does not have)")
+            raise RuntimeError(
+                f"schedule_overlap: list scheduler left {[p.nodes[i].name for i in left][:5]} "
+                "unscheduled (a dependency cycle the graph order does not have)"
+            )
     for i in p.tail:
         for q in p.preds[i]:
             if not scheduled[q]:
@@ -515,8 +558,14 @@ def list_schedule(p: ScheduleProblem, priority: Priority, *, max_inflight_bytes:
     return res
 
 
-def _blocked(p: ScheduleProblem, c: int, inflight: Sequence[int], live: float,
-             max_inflight_bytes: Optional[int], memory_limit: Optional[float]) -> Optional[str]:
+def _blocked(
+    p: ScheduleProblem,
+    c: int,
+    inflight: Sequence[int],
+    live: float,
+    max_inflight_bytes: Optional[int],
+    memory_limit: Optional[float],
+) -> Optional[str]:
     s = p.stream[c]
     b = p.coll_bytes.get(c, 0)
     # a collective larger than the limit alone still goes when its stream is empty

@@ -132,7 +132,9 @@ def microbatch_graph(p: ScheduleProblem) -> Optional[MicrobatchGraph]:
     return MicrobatchGraph(mb_order, layers, mb, layer)
 
 
-def grouping_costs(p: ScheduleProblem, ir: CollectiveIR, g: MicrobatchGraph, memory: Optional[float]) -> GroupingCosts:
+def grouping_costs(
+    p: ScheduleProblem, ir: CollectiveIR, g: MicrobatchGraph, memory: Optional[float]
+) -> GroupingCosts:
     idx = {n: i for i, n in enumerate(p.nodes)}
     n_layers, n_mb = len(g.layers), len(g.mb_order)
     ag = rs = 0.0
@@ -142,7 +144,10 @@ def grouping_costs(p: ScheduleProblem, ir: CollectiveIR, g: MicrobatchGraph, mem
             continue
         if c.kind is CollectiveKind.ALL_GATHER and c.start not in ir.backward_nodes:
             ag += p.time[i]
-        elif c.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE) and c.start in ir.backward_nodes:
+        elif (
+            c.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE)
+            and c.start in ir.backward_nodes
+        ):
             rs += p.time[i]
     compute = sum(p.time[i] for i in g.mb if p.code[i] == NODE_COMPUTE)
     backward = bool(ir.backward_nodes)
@@ -154,8 +159,15 @@ def grouping_costs(p: ScheduleProblem, ir: CollectiveIR, g: MicrobatchGraph, mem
             if idx.get(a) in g.mb:
                 # the bytes of its storage as the estimator sized it (what every rank shares)
                 saved += p.alloc[p.owner[idx[a]]]
-    return GroupingCosts(c_ag=ag / n_layers, c_rs=rs / (n_layers * n_mb), c_fw=0.0 if backward else per,
-                     c_bw=per if backward else 0.0, m=saved / n_mb, memory=memory, microbatches=n_mb)
+    return GroupingCosts(
+        c_ag=ag / n_layers,
+        c_rs=rs / (n_layers * n_mb),
+        c_fw=0.0 if backward else per,
+        c_bw=per if backward else 0.0,
+        m=saved / n_mb,
+        memory=memory,
+        microbatches=n_mb,
+    )
 
 
 def grouped_order(p: ScheduleProblem, g: MicrobatchGraph, group: int) -> list[int]:

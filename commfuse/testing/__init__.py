@@ -5,10 +5,22 @@ See docs/testing.md. The rank pool (:mod:`commfuse.tools.rank_pool`) and the tol
 the library imports this package.
 """
 
-from commfuse.reference.numerics import assert_bitwise_equal_tree, assert_close_tree, tolerances, train_step_outputs
+from commfuse.reference.numerics import (
+    assert_bitwise_equal_tree,
+    assert_close_tree,
+    tolerances,
+    train_step_outputs,
+)
 from commfuse.testing.fake_pg import fake_mesh, fake_process_group
-from commfuse.tools.rank_pool import (RankFailure, RankPool, RankPoolError, RankTimeout, RemoteError, get_pool,
-                                      shutdown_all)
+from commfuse.tools.rank_pool import (
+    RankFailure,
+    RankPool,
+    RankPoolError,
+    RankTimeout,
+    RemoteError,
+    get_pool,
+    shutdown_all,
+)
 
 __all__ = [
     "RankFailure",

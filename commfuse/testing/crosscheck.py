@@ -89,6 +89,7 @@ def _inputs(case: str, rank: int, seed: int) -> list[torch.Tensor]:
 def _ar(op: str, role: str) -> Callable:
     def fn(ctx, rank, x):
         return W(c10d.all_reduce.default(x, op, _name(ctx[role])))
+
     fn.__name__ = f"all_reduce_{op}_{role}"
     return fn
 
@@ -218,8 +219,12 @@ def p2p_subgroup(ctx, rank, x):
 def batch_p2p(ctx, rank, x, y):
     n = WORLD_SIZE
     outs = c10d.batch_p2p_ops.default(
-        ["isend", "irecv", "isend", "irecv"], [(rank + 1) % n, (rank - 1) % n, (rank + 2) % n, (rank + 2) % n],
-        [0, 0, 1, 1], [x, torch.empty_like(x), y, torch.empty_like(y)], _name(ctx["world"]))
+        ["isend", "irecv", "isend", "irecv"],
+        [(rank + 1) % n, (rank - 1) % n, (rank + 2) % n, (rank + 2) % n],
+        [0, 0, 1, 1],
+        [x, torch.empty_like(x), y, torch.empty_like(y)],
+        _name(ctx["world"]),
+    )
     outs = [W(o) for o in outs]
     return outs[1] * 1, outs[3] * 1
 
@@ -249,30 +254,32 @@ for _op in ("sum", "avg", "max", "min", "product"):
     for _role in ("world", "strided"):
         _f = _ar(_op, _role)
         CASES[_f.__name__] = Case(_f, [(4, 3)], exact=_op in ("max", "min"), near_one=_op == "product")
-CASES.update({
-    "all_reduce_inplace": Case(all_reduce_inplace, [(4, 3)], exact=True),  # 2 summands: exact
-    "all_reduce_coalesced": Case(all_reduce_coalesced, [(4, 3), (2, 5)], exact=False),
-    "all_reduce_coalesced_inplace": Case(all_reduce_coalesced_inplace, [(4, 3), (2, 5)], exact=True),
-    "all_gather_dim0": Case(all_gather_dim0, [(2, 3)], exact=True),
-    "all_gather_dim1": Case(all_gather_dim1, [(2, 3, 2)], exact=True),
-    "all_gather_out": Case(all_gather_out, [(2, 3)], exact=True),
-    "reduce_scatter_out": Case(reduce_scatter_out, [(4, 3)], exact=False),
-    "all_gather_coalesced": Case(all_gather_coalesced, [(2, 3), (1, 4)], exact=True),
-    "reduce_scatter_sum": Case(reduce_scatter_sum, [(4, 3)], exact=True),
-    "reduce_scatter_avg_dim1": Case(reduce_scatter_avg_dim1, [(2, 8, 3)], exact=False),
-    "reduce_scatter_coalesced": Case(reduce_scatter_coalesced, [(4, 3), (8, 2)], exact=False),
-    "all_to_all_equal": Case(all_to_all_equal, [(8, 3)], exact=True),
-    "all_to_all_uneven": Case(all_to_all_uneven, _a2a_shapes, exact=True, per_rank=True),
-    "all_to_all_subgroup": Case(all_to_all_subgroup, [(6, 2)], exact=True),
-    "broadcast": Case(broadcast, [(3, 3)], exact=True),
-    "broadcast_inplace": Case(broadcast_inplace, [(3, 3)], exact=True),
-    "reduce_to_root_world": Case(reduce_to_root_world, [(3, 3)], exact=False),
-    "reduces_of_distinct_roots": Case(reduces_of_distinct_roots, [(4, 3)], exact=True),  # max: order-free
-    "p2p_ring": Case(p2p_ring, [(2, 3)], exact=True, per_rank=True),
-    "p2p_subgroup": Case(p2p_subgroup, [(2, 3)], exact=True, per_rank=True),
-    "batch_p2p": Case(batch_p2p, [(2, 3), (3,)], exact=True, per_rank=True),
-    "mixed_program": Case(mixed_program, [(2, 4, 8), (8, 8)], exact=False),
-})
+CASES.update(
+    {
+        "all_reduce_inplace": Case(all_reduce_inplace, [(4, 3)], exact=True),  # 2 summands: exact
+        "all_reduce_coalesced": Case(all_reduce_coalesced, [(4, 3), (2, 5)], exact=False),
+        "all_reduce_coalesced_inplace": Case(all_reduce_coalesced_inplace, [(4, 3), (2, 5)], exact=True),
+        "all_gather_dim0": Case(all_gather_dim0, [(2, 3)], exact=True),
+        "all_gather_dim1": Case(all_gather_dim1, [(2, 3, 2)], exact=True),
+        "all_gather_out": Case(all_gather_out, [(2, 3)], exact=True),
+        "reduce_scatter_out": Case(reduce_scatter_out, [(4, 3)], exact=False),
+        "all_gather_coalesced": Case(all_gather_coalesced, [(2, 3), (1, 4)], exact=True),
+        "reduce_scatter_sum": Case(reduce_scatter_sum, [(4, 3)], exact=True),
+        "reduce_scatter_avg_dim1": Case(reduce_scatter_avg_dim1, [(2, 8, 3)], exact=False),
+        "reduce_scatter_coalesced": Case(reduce_scatter_coalesced, [(4, 3), (8, 2)], exact=False),
+        "all_to_all_equal": Case(all_to_all_equal, [(8, 3)], exact=True),
+        "all_to_all_uneven": Case(all_to_all_uneven, _a2a_shapes, exact=True, per_rank=True),
+        "all_to_all_subgroup": Case(all_to_all_subgroup, [(6, 2)], exact=True),
+        "broadcast": Case(broadcast, [(3, 3)], exact=True),
+        "broadcast_inplace": Case(broadcast_inplace, [(3, 3)], exact=True),
+        "reduce_to_root_world": Case(reduce_to_root_world, [(3, 3)], exact=False),
+        "reduces_of_distinct_roots": Case(reduces_of_distinct_roots, [(4, 3)], exact=True),  # max: order-free
+        "p2p_ring": Case(p2p_ring, [(2, 3)], exact=True, per_rank=True),
+        "p2p_subgroup": Case(p2p_subgroup, [(2, 3)], exact=True, per_rank=True),
+        "batch_p2p": Case(batch_p2p, [(2, 3), (3,)], exact=True, per_rank=True),
+        "mixed_program": Case(mixed_program, [(2, 4, 8), (8, 8)], exact=False),
+    }
+)
 
 
 # --------------------------------------------------------------------------- MoE layer
@@ -304,30 +311,53 @@ def _moe_shapes(role: str, local: int, tokens, backward: bool = False, joint: bo
     return shapes
 
 
-def _moe_case(role: str, top_k: int, cf: float, tg: int, local: int, tokens, *, mode: str = "forward",
-              scale: float = 1.0, chunks: int = 1) -> Case:
+def _moe_case(
+    role: str,
+    top_k: int,
+    cf: float,
+    tg: int,
+    local: int,
+    tokens,
+    *,
+    mode: str = "forward",
+    scale: float = 1.0,
+    chunks: int = 1,
+) -> Case:
 
     if mode == "forward":
+
         def fn(ctx, rank, x, rw, w1, w3, w2):
             return list(MOE_LAYER(x, rw, w1, w3, w2, top_k, cf, tg, _moe_group(ctx, role), chunks))
     elif mode == "backward":
+
         def fn(ctx, rank, go, gps, gz, x, rw, w1, w3, w2):
-            return list(MOE_LAYER_BACKWARD(go, gps, gz, x, rw, w1, w3, w2, top_k, cf, tg, _moe_group(ctx, role),
-                                           scale, chunks))
+            return list(
+                MOE_LAYER_BACKWARD(
+                    go, gps, gz, x, rw, w1, w3, w2, top_k, cf, tg, _moe_group(ctx, role), scale, chunks
+                )
+            )
     else:  # joint: autograd through the op (its registered backward)
+
         def fn(ctx, rank, x, rw, w1, w3, w2, up):
             params = [t.detach().requires_grad_() for t in (x, rw, w1, w3, w2)]
             out, ps, t1, z = moe_layer(*params, top_k, cf, tg, _moe_group(ctx, role), chunks)
             loss = (out * up).sum() + 0.1 * (ps * ps).sum() + 0.01 * z
             return [out, ps, t1, z, *torch.autograd.grad(loss, params)]
+
     n = len(_moe_shapes(role, local, tokens, mode == "backward", mode == "joint")(0))
     rw = 4 if mode == "backward" else 1
     # unit-variance activations; weights ~ 1/sqrt(fan-in)
     scales = [1.0] * n
-    for i, f in ((rw, MOE_H ** -0.5), (rw + 1, MOE_H ** -0.5), (rw + 2, MOE_H ** -0.5), (rw + 3, MOE_F ** -0.5)):
+    for i, f in ((rw, MOE_H**-0.5), (rw + 1, MOE_H**-0.5), (rw + 2, MOE_H**-0.5), (rw + 3, MOE_F**-0.5)):
         scales[i] = f
-    return Case(fn, _moe_shapes(role, local, tokens, mode == "backward", mode == "joint"), exact=False,
-                per_rank=callable(tokens), replicated=(rw,), scale=tuple(scales))
+    return Case(
+        fn,
+        _moe_shapes(role, local, tokens, mode == "backward", mode == "joint"),
+        exact=False,
+        per_rank=callable(tokens),
+        replicated=(rw,),
+        scale=tuple(scales),
+    )
 
 
 MOE_CASES: dict[str, Case] = {
@@ -338,15 +368,17 @@ MOE_CASES: dict[str, Case] = {
     "moe_fwd_capacity_top2_no_group": _moe_case("none", 2, 1.0, 2, 4, 8),
     "moe_bwd_dropless_top2_world": _moe_case("world", 2, 0.0, 1, 2, 8, mode="backward"),
     "moe_bwd_capacity_top1_strided": _moe_case("strided", 1, 1.0, 2, 1, 8, mode="backward", scale=0.5),
-    "moe_bwd_dropless_top1_blocked_uneven": _moe_case("blocked", 1, 0.0, 1, 2, lambda r: 2 + r, mode="backward",
-                                                      scale=2.0),
+    "moe_bwd_dropless_top1_blocked_uneven": _moe_case(
+        "blocked", 1, 0.0, 1, 2, lambda r: 2 + r, mode="backward", scale=2.0
+    ),
     "moe_joint_capacity_top2_world": _moe_case("world", 2, 1.0, 4, 1, 8, mode="joint"),
     "moe_joint_dropless_top1_strided": _moe_case("strided", 1, 0.0, 1, 2, 6, mode="joint"),
     # the exchange cut into token chunks, pipelined (async all_to_alls); a rank with fewer tokens
     # than chunks exchanges empty chunks
     "moe_fwd_dropless_top2_world_3_chunks": _moe_case("world", 2, 0.0, 1, 2, 8, chunks=3),
-    "moe_bwd_dropless_top1_blocked_uneven_3_chunks": _moe_case("blocked", 1, 0.0, 1, 2, lambda r: 2 + r,
-                                                               mode="backward", scale=2.0, chunks=3),
+    "moe_bwd_dropless_top1_blocked_uneven_3_chunks": _moe_case(
+        "blocked", 1, 0.0, 1, 2, lambda r: 2 + r, mode="backward", scale=2.0, chunks=3
+    ),
     "moe_joint_dropless_top2_strided_2_chunks": _moe_case("strided", 2, 0.0, 1, 2, 6, mode="joint", chunks=2),
 }
 
@@ -443,18 +475,27 @@ def _strided_rank(r: int) -> int:
 
 
 BOUNDARY_CASES: dict[str, Case] = {
-    "m2ms_overlap_dim1": Case(m2ms_overlap_dim1, _m2ms_shapes(M2MS_OVERLAP, 1, (2, 5)), exact=True, per_rank=True),
-    "m2ms_disjoint_dim0": Case(m2ms_disjoint_dim0, _m2ms_shapes(M2MS_DISJOINT, 0, (3,)), exact=True, per_rank=True),
-    "m2ms_equal_negdim": Case(m2ms_equal_negdim, _m2ms_shapes(M2MS_EQUAL, -1, (2, 3)), exact=True, per_rank=True),
-    "m2ms_subgroup": Case(m2ms_subgroup, _m2ms_shapes(M2MS_SUB, 0, (4,), _strided_rank), exact=True,
-                          per_rank=True),
-    "m2ms_joint": Case(m2ms_joint, lambda r: [*_m2ms_shapes(M2MS_OVERLAP, 1, (2, 5))(r)] * 2, exact=False,
-                       per_rank=True),
+    "m2ms_overlap_dim1": Case(
+        m2ms_overlap_dim1, _m2ms_shapes(M2MS_OVERLAP, 1, (2, 5)), exact=True, per_rank=True
+    ),
+    "m2ms_disjoint_dim0": Case(
+        m2ms_disjoint_dim0, _m2ms_shapes(M2MS_DISJOINT, 0, (3,)), exact=True, per_rank=True
+    ),
+    "m2ms_equal_negdim": Case(
+        m2ms_equal_negdim, _m2ms_shapes(M2MS_EQUAL, -1, (2, 3)), exact=True, per_rank=True
+    ),
+    "m2ms_subgroup": Case(
+        m2ms_subgroup, _m2ms_shapes(M2MS_SUB, 0, (4,), _strided_rank), exact=True, per_rank=True
+    ),
+    "m2ms_joint": Case(
+        m2ms_joint, lambda r: [*_m2ms_shapes(M2MS_OVERLAP, 1, (2, 5))(r)] * 2, exact=False, per_rank=True
+    ),
     "stage_transfer_chain": Case(stage_transfer_chain, [(2, 3)], exact=True),
     "stage_transfer_subgroup": Case(stage_transfer_subgroup, [(3,)], exact=True),
     "stage_transfer_joint": Case(stage_transfer_joint, [(2, 3)], exact=True),
-    "boundary_mixed": Case(boundary_mixed, lambda r: [(_row_len(M2MS_DISJOINT, r), 4), (4, 4)], exact=False,
-                           per_rank=True),
+    "boundary_mixed": Case(
+        boundary_mixed, lambda r: [(_row_len(M2MS_DISJOINT, r), 4), (4, 4)], exact=False, per_rank=True
+    ),
 }
 
 

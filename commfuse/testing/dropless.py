@@ -23,8 +23,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 
-def trace_static(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], requires_grad: Sequence[int] = ()
-                 ) -> fx.GraphModule:
+def trace_static(
+    fn: Callable[..., Any], inputs: Sequence[torch.Tensor], requires_grad: Sequence[int] = ()
+) -> fx.GraphModule:
     """``make_fx(fn)`` on fake copies of ``inputs`` with static shapes in a fresh shape
     environment (``requires_grad``: the positions of inputs that need gradients)."""
     mode = FakeTensorMode(shape_env=ShapeEnv())
@@ -51,8 +52,9 @@ def dropless_block(ranks: int, local_experts: int, dim: int, *, group=None) -> C
         perm = torch.arange(rows - 1, -1, -1)
         offs = torch.cumsum(recv.sum(0), 0).to(torch.int32)
         r = routed[perm].bfloat16()
-        h = F.silu(torch._grouped_mm(r, w1.bfloat16().transpose(-2, -1), offs=offs)) * \
-            torch._grouped_mm(r, w3.bfloat16().transpose(-2, -1), offs=offs)
+        h = F.silu(torch._grouped_mm(r, w1.bfloat16().transpose(-2, -1), offs=offs)) * torch._grouped_mm(
+            r, w3.bfloat16().transpose(-2, -1), offs=offs
+        )
         y = torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offs).float()
         back = torch.index_put(y.new_zeros((rows, dim)), (perm,), y)
         return funcol.all_to_all_single_autograd(back, in_splits, out_splits, g)
@@ -69,9 +71,13 @@ def dropless_joint_graph(ranks: int, local_experts: int, tokens: int, dim: int, 
         out = block(x, counts, w1, w3, w2)
         return (out, *torch.autograd.grad(out.sum(), [x, w1, w3, w2]))
 
-    inputs = [torch.randn(tokens, dim), torch.zeros(ranks * local_experts, dtype=torch.int64),
-              torch.randn(local_experts, ffn, dim), torch.randn(local_experts, ffn, dim),
-              torch.randn(local_experts, dim, ffn)]
+    inputs = [
+        torch.randn(tokens, dim),
+        torch.zeros(ranks * local_experts, dtype=torch.int64),
+        torch.randn(local_experts, ffn, dim),
+        torch.randn(local_experts, ffn, dim),
+        torch.randn(local_experts, dim, ffn),
+    ]
     return trace_static(joint, inputs, requires_grad=(0, 2, 3, 4))
 
 

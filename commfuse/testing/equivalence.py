@@ -35,7 +35,9 @@ def replicated_placeholders(gm: fx.GraphModule) -> set[fx.Node]:
     for n in gm.graph.nodes:
         spec = sync_op_spec(n.target) if n.op == "call_function" else None
         if spec is not None:
-            stack += [n.args[i] for i in spec.replicated if i < len(n.args) and isinstance(n.args[i], fx.Node)]
+            stack += [
+                n.args[i] for i in spec.replicated if i < len(n.args) and isinstance(n.args[i], fx.Node)
+            ]
     seen: set[fx.Node] = set()
     out: set[fx.Node] = set()
     while stack:
@@ -45,14 +47,19 @@ def replicated_placeholders(gm: fx.GraphModule) -> set[fx.Node]:
         seen.add(v)
         if v.op == "placeholder":
             out.add(v)
-        elif v.op == "call_function" and collective_spec(v.target) is None and not is_wait(v.target) \
-                and sync_op_spec(v.target) is None:
+        elif (
+            v.op == "call_function"
+            and collective_spec(v.target) is None
+            and not is_wait(v.target)
+            and sync_op_spec(v.target) is None
+        ):
             stack.extend(v.all_input_nodes)
     return out
 
 
-def random_inputs(gm: fx.GraphModule, world_size: int, seed: int = 0, int_high: int = 8, *,
-                  replicated: bool = False) -> list[list[Any]]:
+def random_inputs(
+    gm: fx.GraphModule, world_size: int, seed: int = 0, int_high: int = 8, *, replicated: bool = False
+) -> list[list[Any]]:
     """Per-rank inputs for ``gm``'s placeholders, different on every rank unless
     ``replicated`` (the tensor-parallel contract: every rank holds the same inputs); those the
     program requires equal on every rank (:func:`replicated_placeholders`) are always equal."""
@@ -86,10 +93,18 @@ def random_inputs(gm: fx.GraphModule, world_size: int, seed: int = 0, int_high: 
     return out
 
 
-def check_equivalent(before: fx.GraphModule, after: fx.GraphModule, world_size: int, *,
-                     groups: Mapping[str, GroupSpec] | None = None, seed: int = 0, exact: bool = False,
-                     inputs: Sequence[Sequence[Any]] | None = None, summands: int | None = None,
-                     replicated_inputs: bool = False) -> list[Any]:
+def check_equivalent(
+    before: fx.GraphModule,
+    after: fx.GraphModule,
+    world_size: int,
+    *,
+    groups: Mapping[str, GroupSpec] | None = None,
+    seed: int = 0,
+    exact: bool = False,
+    inputs: Sequence[Sequence[Any]] | None = None,
+    summands: int | None = None,
+    replicated_inputs: bool = False,
+) -> list[Any]:
     """Assert ``after`` computes what ``before`` does on every rank; returns ``after``'s outputs."""
     if inputs is None:
         inputs = random_inputs(before, world_size, seed, replicated=replicated_inputs)

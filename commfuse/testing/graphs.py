@@ -62,9 +62,13 @@ def capture_aot_graphs(
 
         return compiler
 
-    be = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"),
-                      inference_compiler=recorder("inference"), partition_fn=partition,
-                      keep_inference_input_mutations=True)
+    be = aot_autograd(
+        fw_compiler=recorder("forward"),
+        bw_compiler=recorder("backward"),
+        inference_compiler=recorder("inference"),
+        partition_fn=partition,
+        keep_inference_input_mutations=True,
+    )
     torch._dynamo.reset()
     compiled = torch.compile(module, backend=be, fullgraph=True)
     out = compiled(*inputs)

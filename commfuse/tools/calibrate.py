@@ -59,7 +59,7 @@ from commfuse.tools.rank_pool import get_pool
 
 K = CollectiveKind
 COLLECTIVE_KINDS = (K.ALL_REDUCE, K.ALL_GATHER, K.REDUCE_SCATTER, K.ALL_TO_ALL, K.BROADCAST)
-DEFAULT_SIZES = tuple(4 ** i * 1024 for i in range(0, 8))  # 1 KiB .. 16 MiB
+DEFAULT_SIZES = tuple(4**i * 1024 for i in range(0, 8))  # 1 KiB .. 16 MiB
 
 
 @dataclass
@@ -162,27 +162,85 @@ def _compute_cases() -> list[tuple[str, Callable[[], Callable[[], object]]]]:
     aten = torch.ops.aten
     cases: list[tuple[str, Callable[[], Callable[[], object]]]] = []
     # A builder makes the inputs (outside the timed region) and returns the call on them.
-    for m, k, n in [(16, 32, 32), (64, 64, 64), (64, 128, 256), (256, 128, 128), (128, 256, 512),
-                    (256, 512, 512), (512, 512, 512), (512, 1024, 512)]:
-        cases.append(("matmul", lambda m=m, k=k, n=n: partial(aten.mm.default, torch.randn(m, k), torch.randn(k, n))))
+    for m, k, n in [
+        (16, 32, 32),
+        (64, 64, 64),
+        (64, 128, 256),
+        (256, 128, 128),
+        (128, 256, 512),
+        (256, 512, 512),
+        (512, 512, 512),
+        (512, 1024, 512),
+    ]:
+        cases.append(
+            ("matmul", lambda m=m, k=k, n=n: partial(aten.mm.default, torch.randn(m, k), torch.randn(k, n)))
+        )
     for b, m, k, n in [(4, 16, 16, 16), (8, 64, 32, 64), (8, 128, 64, 128)]:
-        cases.append(("matmul", lambda b=b, m=m, k=k, n=n: partial(
-            aten.bmm.default, torch.randn(b, m, k), torch.randn(b, k, n))))
+        cases.append(
+            (
+                "matmul",
+                lambda b=b, m=m, k=k, n=n: partial(
+                    aten.bmm.default, torch.randn(b, m, k), torch.randn(b, k, n)
+                ),
+            )
+        )
     for numel in [256, 4096, 65536, 262144, 1048576]:
-        cases.append(("pointwise", lambda numel=numel: partial(aten.add.Tensor, torch.randn(numel), torch.randn(numel))))
+        cases.append(
+            (
+                "pointwise",
+                lambda numel=numel: partial(aten.add.Tensor, torch.randn(numel), torch.randn(numel)),
+            )
+        )
         cases.append(("pointwise", lambda numel=numel: partial(aten.silu.default, torch.randn(numel))))
-        cases.append(("reduction", lambda numel=numel: partial(
-            aten.sum.dim_IntList, torch.randn(numel // 64, 64), [-1], True)))
-        cases.append(("softmax", lambda numel=numel: partial(
-            aten._softmax.default, torch.randn(numel // 64, 64), -1, False)))
-        cases.append(("norm", lambda numel=numel: partial(
-            aten.native_layer_norm.default, torch.randn(numel // 64, 64), [64], torch.ones(64), torch.zeros(64), 1e-5)))
-        cases.append(("embedding", lambda numel=numel: partial(
-            aten.embedding.default, torch.randn(512, 64), torch.randint(0, 512, (max(1, numel // 64),)))))
+        cases.append(
+            (
+                "reduction",
+                lambda numel=numel: partial(aten.sum.dim_IntList, torch.randn(numel // 64, 64), [-1], True),
+            )
+        )
+        cases.append(
+            (
+                "softmax",
+                lambda numel=numel: partial(aten._softmax.default, torch.randn(numel // 64, 64), -1, False),
+            )
+        )
+        cases.append(
+            (
+                "norm",
+                lambda numel=numel: partial(
+                    aten.native_layer_norm.default,
+                    torch.randn(numel // 64, 64),
+                    [64],
+                    torch.ones(64),
+                    torch.zeros(64),
+                    1e-5,
+                ),
+            )
+        )
+        cases.append(
+            (
+                "embedding",
+                lambda numel=numel: partial(
+                    aten.embedding.default,
+                    torch.randn(512, 64),
+                    torch.randint(0, 512, (max(1, numel // 64),)),
+                ),
+            )
+        )
     for b, h, s, d in [(1, 2, 16, 8), (2, 4, 32, 16), (2, 8, 64, 16), (2, 8, 128, 32)]:
-        cases.append(("attention", lambda b=b, h=h, s=s, d=d: partial(
-            aten._scaled_dot_product_flash_attention_for_cpu.default,
-            torch.randn(b, h, s, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d), 0.0, True)))
+        cases.append(
+            (
+                "attention",
+                lambda b=b, h=h, s=s, d=d: partial(
+                    aten._scaled_dot_product_flash_attention_for_cpu.default,
+                    torch.randn(b, h, s, d),
+                    torch.randn(b, h, s, d),
+                    torch.randn(b, h, s, d),
+                    0.0,
+                    True,
+                ),
+            )
+        )
         cases.append(("attention_bw", lambda b=b, h=h, s=s, d=d: _sdpa_backward_call(b, h, s, d)))
     cases.append(("view", lambda: partial(aten.view.default, torch.randn(64, 64), [4096])))
     return cases
@@ -193,7 +251,9 @@ def _sdpa_backward_call(b: int, h: int, s: int, d: int) -> Callable[[], object]:
     q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, True)
     g = torch.randn_like(out)
-    return lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward.default(g, q, k, v, out, lse, 0.0, True)
+    return lambda: aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        g, q, k, v, out, lse, 0.0, True
+    )
 
 
 FLOP_FAMILIES = ("matmul", "attention", "attention_bw")
@@ -240,7 +300,7 @@ def _synthetic_graph():
 
     def loss(ws, x):
         for i in range(2):
-            w_qkv, w_o, w1, w2, g1, g2 = ws[6 * i:6 * i + 6]
+            w_qkv, w_o, w1, w2, g1, g2 = ws[6 * i : 6 * i + 6]
             h = F.layer_norm(x, [D], g1)
             q, k, v = (h @ w_qkv).split(D, dim=-1)
             q, k, v = (t.view(B, S, H, D // H).transpose(1, 2) for t in (q, k, v))
@@ -251,8 +311,14 @@ def _synthetic_graph():
 
     ws = []
     for _ in range(2):
-        ws += [torch.randn(D, 3 * D) * 0.1, torch.randn(D, D) * 0.1, torch.randn(D, 2 * D) * 0.1,
-               torch.randn(2 * D, D) * 0.1, torch.ones(D), torch.ones(D)]
+        ws += [
+            torch.randn(D, 3 * D) * 0.1,
+            torch.randn(D, D) * 0.1,
+            torch.randn(D, 2 * D) * 0.1,
+            torch.randn(2 * D, D) * 0.1,
+            torch.ones(D),
+            torch.ones(D),
+        ]
     args = (ws, torch.randn(B, S, D))
     return make_fx(torch.func.grad(loss))(*args), args
 
@@ -387,15 +453,17 @@ def _interleaved_graph(kind: CollectiveKind, rows: int, gap: int, count: int, wo
         h = x
         for i in range(count):
             for j in range(gap):
-                a, b = ws[2 * ((i * gap + j) % (len(ws) // 2)):][:2]
+                a, b = ws[2 * ((i * gap + j) % (len(ws) // 2)) :][:2]
                 h = h + F.gelu(F.layer_norm(h, [D]) @ a) @ b
             if with_comm:
                 h = coll(h)
         return h
 
     g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(D, 2 * D, generator=g) / 8 if i % 2 == 0 else torch.randn(2 * D, D, generator=g) / 11
-          for i in range(2 * count * gap)]
+    ws = [
+        torch.randn(D, 2 * D, generator=g) / 8 if i % 2 == 0 else torch.randn(2 * D, D, generator=g) / 11
+        for i in range(2 * count * gap)
+    ]
     args = (torch.randn(rows, D, generator=g), ws)
     return make_fx(body)(*args), args
 
@@ -405,9 +473,13 @@ def _message_bytes(kind: CollectiveKind, rows: int, world: int) -> int:
     return rows * 64 * 4 * (world if kind is K.ALL_GATHER else 1)
 
 
-def measure_in_graph_collectives_job(reps: int, kinds: Sequence[str] = tuple(k.value for k in IN_GRAPH_KINDS),
-                                     rows: Sequence[int] = IN_GRAPH_ROWS, gaps: Sequence[int] = IN_GRAPH_GAPS,
-                                     count: int = IN_GRAPH_COLLECTIVES) -> list[list]:
+def measure_in_graph_collectives_job(
+    reps: int,
+    kinds: Sequence[str] = tuple(k.value for k in IN_GRAPH_KINDS),
+    rows: Sequence[int] = IN_GRAPH_ROWS,
+    gaps: Sequence[int] = IN_GRAPH_GAPS,
+    count: int = IN_GRAPH_COLLECTIVES,
+) -> list[list]:
     """Rank job: ``[[kind, bytes, gap, [us with collectives per rep], [us compute only per rep]], ...]``.
 
     Each repetition runs the graph once after a barrier, as a training step runs its
@@ -457,12 +529,22 @@ def merge_in_graph(per_rank: list[list[list]], count: int = IN_GRAPH_COLLECTIVES
     out = []
     for rows in zip(*per_rank, strict=True):
         kind, size, gap = rows[0][:3]
-        out.append(InGraphSample(kind, size, gap, [max(ts) for ts in zip(*(r[3] for r in rows), strict=True)],
-                                 [max(ts) for ts in zip(*(r[4] for r in rows), strict=True)], count))
+        out.append(
+            InGraphSample(
+                kind,
+                size,
+                gap,
+                [max(ts) for ts in zip(*(r[3] for r in rows), strict=True)],
+                [max(ts) for ts in zip(*(r[4] for r in rows), strict=True)],
+                count,
+            )
+        )
     return out
 
 
-def fit_in_graph_latency(samples: Sequence[InGraphSample], collectives: CollectiveParams, world: int) -> float:
+def fit_in_graph_latency(
+    samples: Sequence[InGraphSample], collectives: CollectiveParams, world: int
+) -> float:
     """``collective_in_graph_us``: median over the configurations of (measured per-collective
     cost in the graph - the back-to-back fit's price at that kind and size), at least 0.
     The one or two cheap ops that bring a collective's output back to the activation's
@@ -536,10 +618,17 @@ def measure_step_runtime_job(reps: int, counts: Sequence[int] = STEP_PARAM_COUNT
                     r = gm(*a)
                     inside[0] += time.perf_counter() - t0  # noqa: B023 - compiled and run within this iteration
                     return r
+
                 return priv.make_boxed_func(run)
 
-            compiled = torch.compile(model, backend=priv.aot_autograd(
-                fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition))
+            compiled = torch.compile(
+                model,
+                backend=priv.aot_autograd(
+                    fw_compiler=compiler,
+                    bw_compiler=compiler,
+                    partition_fn=min_cut_rematerialization_partition,
+                ),
+            )
 
             def step(model=model, compiled=compiled, x=x):  # bound, though only called in this iteration
                 for p in model.parameters():
@@ -599,9 +688,11 @@ def _nnls3(rows: Sequence[tuple[float, float, float, float]]) -> tuple[float, fl
 def _lstsq(A: Sequence[Sequence[float]], y: Sequence[float]) -> Optional[list[float]]:
     """Normal equations, Gaussian elimination (tiny systems); None when singular."""
     m = len(A[0])
-    M = [[sum(A[r][i] * A[r][j] for r in range(len(A))) for j in range(m)] + [sum(A[r][i] * y[r]
-                                                                                for r in range(len(A)))]
-         for i in range(m)]
+    M = [
+        [sum(A[r][i] * A[r][j] for r in range(len(A))) for j in range(m)]
+        + [sum(A[r][i] * y[r] for r in range(len(A)))]
+        for i in range(m)
+    ]
     for c in range(m):
         piv = max(range(c, m), key=lambda r: abs(M[r][c]))
         if abs(M[piv][c]) < 1e-12:
@@ -638,8 +729,16 @@ def fit_collectives(samples: Sequence[Sample], group_size: int) -> CollectivePar
     for kind in sorted({s.key for s in samples}):
         pts = [s for s in samples if s.key == kind]
         a, b = fit_alpha_beta([s.x for s in pts], [s.median for s in pts])
-        fits.append(AlphaBeta(kind=K(kind), group_size=group_size, alpha_us=a, beta_us_per_byte=b,
-                              min_bytes=int(min(s.x for s in pts)), max_bytes=int(max(s.x for s in pts))))
+        fits.append(
+            AlphaBeta(
+                kind=K(kind),
+                group_size=group_size,
+                alpha_us=a,
+                beta_us_per_byte=b,
+                min_bytes=int(min(s.x for s in pts)),
+                max_bytes=int(max(s.x for s in pts)),
+            )
+        )
     return CollectiveParams(fits=fits)
 
 
@@ -655,8 +754,9 @@ def fit_compute(samples: Sequence[Sample]) -> ComputeParams:
         else:  # one size says nothing of a fixed cost: the time scales with the work
             x = pts[0].x
             a, b = 0.0, (statistics.median(s.median for s in pts) / x if x > 0 else 0.0)
-        fits[family] = FamilyFit(a_us=a, b_us_per_unit=b,
-                                 unit="flops" if family in FLOP_FAMILIES else "bytes")
+        fits[family] = FamilyFit(
+            a_us=a, b_us_per_unit=b, unit="flops" if family in FLOP_FAMILIES else "bytes"
+        )
     # Families without a representative op of their own borrow the closest measured one.
     for family, like in (("memory", "pointwise"), ("unknown", "pointwise"), ("conv", "matmul")):
         if like in fits and family not in fits:
@@ -675,9 +775,16 @@ class CalibrationResult:
     step_runtime_rows: list = field(default_factory=list)  # per rank, measure_step_runtime_job's rows
 
 
-def calibrate(world_size: int = 2, *, sizes: Sequence[int] = DEFAULT_SIZES, warmup: int = 3, reps: int = 15,
-              kinds: Sequence[CollectiveKind] = COLLECTIVE_KINDS, timeout: float = 900.0,
-              log: Optional[Callable[[str], None]] = print) -> CalibrationResult:
+def calibrate(
+    world_size: int = 2,
+    *,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    warmup: int = 3,
+    reps: int = 15,
+    kinds: Sequence[CollectiveKind] = COLLECTIVE_KINDS,
+    timeout: float = 900.0,
+    log: Optional[Callable[[str], None]] = print,
+) -> CalibrationResult:
     """Run the sweeps on a pool of ``world_size`` gloo ranks and fit a ``cpu-gloo`` profile."""
 
     pool = get_pool(world_size)
@@ -705,16 +812,33 @@ def calibrate(world_size: int = 2, *, sizes: Sequence[int] = DEFAULT_SIZES, warm
     # and the validation's own sweep are. Measured first in fresh ranks, every later
     # measurement of the same collectives came out 15-20% slower here.
     if log:
-        log(f"calibrate: collectives {[k.value for k in kinds]} x {len(sizes)} sizes on {world_size} gloo ranks")
-    coll = merge_ranks(pool.run(measure_collectives_job, [k.value for k in kinds], list(sizes), warmup, reps,
-                                timeout=timeout))
+        log(
+            f"calibrate: collectives {[k.value for k in kinds]} x {len(sizes)} sizes on {world_size} gloo ranks"
+        )
+    coll = merge_ranks(
+        pool.run(
+            measure_collectives_job, [k.value for k in kinds], list(sizes), warmup, reps, timeout=timeout
+        )
+    )
     collective = fit_collectives(coll, world_size)
-    runtime = RuntimeParams(collective_in_graph_us=fit_in_graph_latency(in_graph, collective, world_size),
-                            step_fixed_us=fixed, param_us=per_param, dtensor_param_us=per_dtensor)
-    profile = CostProfile(topology="cpu-gloo", num_nodes=1, backend="gloo",
-                          collective=collective, compute=compute, contention_kappa=kappa, runtime=runtime,
-                          provenance=Provenance.here(notes=f"{world_size} gloo ranks, 1 thread each, "
-                                                           f"{reps} reps, sizes {min(sizes)}..{max(sizes)} B"))
+    runtime = RuntimeParams(
+        collective_in_graph_us=fit_in_graph_latency(in_graph, collective, world_size),
+        step_fixed_us=fixed,
+        param_us=per_param,
+        dtensor_param_us=per_dtensor,
+    )
+    profile = CostProfile(
+        topology="cpu-gloo",
+        num_nodes=1,
+        backend="gloo",
+        collective=collective,
+        compute=compute,
+        contention_kappa=kappa,
+        runtime=runtime,
+        provenance=Provenance.here(
+            notes=f"{world_size} gloo ranks, 1 thread each, {reps} reps, sizes {min(sizes)}..{max(sizes)} B"
+        ),
+    )
     return CalibrationResult(profile, coll, comp, kappa, in_graph, step_rows)
 
 
@@ -724,8 +848,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks (processes) to measure on")
     p.add_argument("--reps", type=int, default=15, help="timed repetitions per measurement")
     p.add_argument("--warmup", type=int, default=3, help="untimed repetitions before each measurement")
-    p.add_argument("--max-bytes", type=int, default=max(DEFAULT_SIZES),
-                   help="largest collective message measured, in bytes")
+    p.add_argument(
+        "--max-bytes",
+        type=int,
+        default=max(DEFAULT_SIZES),
+        help="largest collective message measured, in bytes",
+    )
 
 
 def run(a: argparse.Namespace) -> int:
@@ -734,17 +862,23 @@ def run(a: argparse.Namespace) -> int:
         raise ConfigError("--world-size and --reps must be at least 2")
     sizes = [s for s in DEFAULT_SIZES if s <= a.max_bytes]
     if not sizes:
-        raise ConfigError(f"--max-bytes {a.max_bytes} is below the smallest size measured ({min(DEFAULT_SIZES)})")
+        raise ConfigError(
+            f"--max-bytes {a.max_bytes} is below the smallest size measured ({min(DEFAULT_SIZES)})"
+        )
     res = calibrate(a.world_size, sizes=sizes, warmup=a.warmup, reps=a.reps)
     res.profile.save(a.out)
     for f in res.profile.collective.fits:
         print(f"  {f.kind.value:<16} alpha {f.alpha_us:8.1f} us  beta {f.beta_us_per_byte * 1e3:8.4f} us/KB")
     for fam, f in sorted(res.profile.compute.fits.items()):
         print(f"  {fam:<16} a {f.a_us:8.2f} us  b {f.b_us_per_unit:.3e} us/{f.unit}")
-    print(f"  view ops {res.profile.compute.view_us:.2f} us; per-op graph overhead "
-          f"{res.profile.compute.overhead_us:.2f} us; contention kappa {res.kappa:.3f}")
+    print(
+        f"  view ops {res.profile.compute.view_us:.2f} us; per-op graph overhead "
+        f"{res.profile.compute.overhead_us:.2f} us; contention kappa {res.kappa:.3f}"
+    )
     rt = res.profile.runtime
-    print(f"  collective in a graph +{rt.collective_in_graph_us:.1f} us; step runtime {rt.step_fixed_us:.0f} us "
-          f"+ {rt.param_us:.1f} us/parameter + {rt.dtensor_param_us:.1f} us/DTensor parameter")
+    print(
+        f"  collective in a graph +{rt.collective_in_graph_us:.1f} us; step runtime {rt.step_fixed_us:.0f} us "
+        f"+ {rt.param_us:.1f} us/parameter + {rt.dtensor_param_us:.1f} us/DTensor parameter"
+    )
     print(f"wrote {a.out}")
     return 0

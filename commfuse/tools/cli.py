@@ -45,8 +45,12 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (not action.option_strings or action.required or action.default in (None, argparse.SUPPRESS)
-                or "default" in text):
+        if (
+            not action.option_strings
+            or action.required
+            or action.default in (None, argparse.SUPPRESS)
+            or "default" in text
+        ):
             return text
         if action.default is False:
             return f"{text} (default: off)"
@@ -71,27 +75,61 @@ class Command:
 
     def epilog(self) -> str:
         one = f"1 {self.status_1}; " if self.status_1 else ""
-        return (f"exit status: 0 success; {one}2 usage error or bad input (the message names the file "
-                f"and what is wrong); {EXIT_PIPE_CLOSED} stdout closed early. See `commfuse --help`.")
+        return (
+            f"exit status: 0 success; {one}2 usage error or bad input (the message names the file "
+            f"and what is wrong); {EXIT_PIPE_CLOSED} stdout closed early. See `commfuse --help`."
+        )
 
 
 COMMANDS: tuple[Command, ...] = (
-    Command("demo", "run the 4-rank CPU demo: a TP+SP Llama block compiled with commfuse vs eager",
-            demo.add_arguments, demo.run, "the compiled loss left eager's tolerance on a rank"),
-    Command("calibrate", "measure collectives and compute here and write a cost profile",
-            calibrate.add_arguments, calibrate.run),
-    Command("report", "static HTML report of a dump dir (graphs, volume, decisions, timelines)",
-            reports_cli.add_report_arguments, reports_cli.report_run, bad_input=(ValueError,)),
-    Command("volume", "communication volume before/after commfuse from a dump dir",
-            reports_cli.add_volume_arguments, reports_cli.volume_run, bad_input=(ValueError,)),
-    Command("validate", "recorded collectives (RECORD_DIR) vs the lowering plans (DUMP_DIR); exit 1 on a mismatch",
-            reports_cli.add_validate_arguments, reports_cli.validate_run,
-            "a recorded call differs from its plan (count or bytes)", (ValueError,)),
-    Command("align", "align NCCL logs with kernel traces, write an enriched Chrome trace",
-            align_cli.add_arguments, align_cli.run,
-            "no launch could be aligned with a kernel (the trace is still written)"),
-    Command("profile-overlap", "measure DHelix overlap factors (Eq. 1) here and write an OEF profile",
-            profile_overlap.add_arguments, profile_overlap.run),
+    Command(
+        "demo",
+        "run the 4-rank CPU demo: a TP+SP Llama block compiled with commfuse vs eager",
+        demo.add_arguments,
+        demo.run,
+        "the compiled loss left eager's tolerance on a rank",
+    ),
+    Command(
+        "calibrate",
+        "measure collectives and compute here and write a cost profile",
+        calibrate.add_arguments,
+        calibrate.run,
+    ),
+    Command(
+        "report",
+        "static HTML report of a dump dir (graphs, volume, decisions, timelines)",
+        reports_cli.add_report_arguments,
+        reports_cli.report_run,
+        bad_input=(ValueError,),
+    ),
+    Command(
+        "volume",
+        "communication volume before/after commfuse from a dump dir",
+        reports_cli.add_volume_arguments,
+        reports_cli.volume_run,
+        bad_input=(ValueError,),
+    ),
+    Command(
+        "validate",
+        "recorded collectives (RECORD_DIR) vs the lowering plans (DUMP_DIR); exit 1 on a mismatch",
+        reports_cli.add_validate_arguments,
+        reports_cli.validate_run,
+        "a recorded call differs from its plan (count or bytes)",
+        (ValueError,),
+    ),
+    Command(
+        "align",
+        "align NCCL logs with kernel traces, write an enriched Chrome trace",
+        align_cli.add_arguments,
+        align_cli.run,
+        "no launch could be aligned with a kernel (the trace is still written)",
+    ),
+    Command(
+        "profile-overlap",
+        "measure DHelix overlap factors (Eq. 1) here and write an OEF profile",
+        profile_overlap.add_arguments,
+        profile_overlap.run,
+    ),
 )
 
 
@@ -100,16 +138,23 @@ _BY_NAME = {c.name: c for c in COMMANDS}
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="commfuse", formatter_class=_TopHelpFormatter,
+        prog="commfuse",
+        formatter_class=_TopHelpFormatter,
         description="The tools of commfuse, a torch.compile backend for distributed training.\n"
-                    "`commfuse COMMAND --help` lists a command's options and their defaults.",
-        epilog=EXIT_STATUS + "\nReference: docs/cli.md.")
-    parser.add_argument("--version", action="version", version=f"commfuse {__version__}",
-                        help="print commfuse's version and exit")
+        "`commfuse COMMAND --help` lists a command's options and their defaults.",
+        epilog=EXIT_STATUS + "\nReference: docs/cli.md.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"commfuse {__version__}",
+        help="print commfuse's version and exit",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", required=True)
     for c in COMMANDS:
-        p = sub.add_parser(c.name, help=c.help, description=c.help, formatter_class=HelpFormatter,
-                           epilog=c.epilog())
+        p = sub.add_parser(
+            c.name, help=c.help, description=c.help, formatter_class=HelpFormatter, epilog=c.epilog()
+        )
         c.add_arguments(p)
         # The name, not the Command: demo hands `args` to spawned rank processes (pickled).
         p.set_defaults(_command=c.name)

@@ -13,7 +13,9 @@ from commfuse.tools.rank_pool import get_pool
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``python -m commfuse profile-overlap -o FILE [--sizes N ...] [--world-size W] [--repeats R]``."""
     p.add_argument("-o", "--output", required=True, help="profile JSON file to write (required)")
-    p.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="float32 elements per operand")
+    p.add_argument(
+        "--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="float32 elements per operand"
+    )
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks (processes) to measure on")
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions per pair and size")
 
@@ -27,8 +29,10 @@ def run(a: argparse.Namespace) -> int:
     table = oef_table(prof)
     print(f"wrote {a.output}: {len(prof.entries)} pairs x sizes on {a.world_size} {prof.backend} ranks")
     for e in prof.entries:
-        print(f"  {e.a:>14} x {e.b:<14} n={e.size:<8} T_a={e.t_a_us:9.1f}us T_b={e.t_b_us:9.1f}us "
-              f"P={e.t_ab_us:9.1f}us OEF={e.oef:+.2f}")
+        print(
+            f"  {e.a:>14} x {e.b:<14} n={e.size:<8} T_a={e.t_a_us:9.1f}us T_b={e.t_b_us:9.1f}us "
+            f"P={e.t_ab_us:9.1f}us OEF={e.oef:+.2f}"
+        )
     print("segment-kind table:", {f"{a}x{b}": v for (a, b), v in table.factors})
     return 0
 

@@ -111,10 +111,7 @@ class RankFailure(RankPoolError):
         super().__init__(self._format(job, world_size))
 
     def _format(self, job: str, world_size: int) -> str:
-        lines = [
-            f"{job}: {len(self.failures)} of {world_size} ranks failed "
-            f"(ranks {list(self.failures)})"
-        ]
+        lines = [f"{job}: {len(self.failures)} of {world_size} ranks failed (ranks {list(self.failures)})"]
         if self.stuck_ranks:
             lines.append(
                 f"ranks {self.stuck_ranks} did not report after the failure "
@@ -261,8 +258,7 @@ def _run_job(job_id: int, parent_path: Sequence[str], payload: bytes) -> tuple[A
             data = pickle.dumps(value)
         except Exception as exc:
             raise TypeError(
-                f"the job's return value ({type(value).__name__}) cannot be pickled "
-                f"back to the parent: {exc}"
+                f"the job's return value ({type(value).__name__}) cannot be pickled back to the parent: {exc}"
             ) from exc
         return ("ok", job_id, data)
     # BaseException: pytest.fail/skip raise BaseException subclasses, and the

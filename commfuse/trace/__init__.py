@@ -16,15 +16,58 @@ See docs/alignment.md.
 
 from __future__ import annotations
 
-from commfuse.trace.align import (AlignConfig, CommMap, GapRule, Launch, LogicalComm, RankAlignment, RunAlignment,
-                                  align_rank, align_run, launches, map_communicators, synchronize_clocks)
-from commfuse.trace.kernel_trace import (KernelRecord, KernelTrace, parse_kernel_name, read_kernel_traces,
-                                         read_nsys_sqlite, read_torch_trace)
-from commfuse.trace.nccl_log import NcclCall, NcclProcessLog, TraceParseWarning, parse_nccl_log, parse_nccl_logs
+from commfuse.trace.align import (
+    AlignConfig,
+    CommMap,
+    GapRule,
+    Launch,
+    LogicalComm,
+    RankAlignment,
+    RunAlignment,
+    align_rank,
+    align_run,
+    launches,
+    map_communicators,
+    synchronize_clocks,
+)
+from commfuse.trace.kernel_trace import (
+    KernelRecord,
+    KernelTrace,
+    parse_kernel_name,
+    read_kernel_traces,
+    read_nsys_sqlite,
+    read_torch_trace,
+)
+from commfuse.trace.nccl_log import (
+    NcclCall,
+    NcclProcessLog,
+    TraceParseWarning,
+    parse_nccl_log,
+    parse_nccl_logs,
+)
 
 __all__ = [
-    "AlignConfig", "CommMap", "GapRule", "KernelRecord", "KernelTrace", "Launch", "LogicalComm", "NcclCall",
-    "NcclProcessLog", "RankAlignment", "RunAlignment", "TraceParseWarning", "align_rank", "align_run", "launches",
-    "map_communicators", "parse_kernel_name", "parse_nccl_log", "parse_nccl_logs", "read_kernel_traces",
-    "read_nsys_sqlite", "read_torch_trace", "synchronize_clocks",
+    "AlignConfig",
+    "CommMap",
+    "GapRule",
+    "KernelRecord",
+    "KernelTrace",
+    "Launch",
+    "LogicalComm",
+    "NcclCall",
+    "NcclProcessLog",
+    "RankAlignment",
+    "RunAlignment",
+    "TraceParseWarning",
+    "align_rank",
+    "align_run",
+    "launches",
+    "map_communicators",
+    "parse_kernel_name",
+    "parse_nccl_log",
+    "parse_nccl_logs",
+    "read_kernel_traces",
+    "read_nsys_sqlite",
+    "read_torch_trace",
+    "synchronize_clocks",
 ]

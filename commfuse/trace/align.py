@@ -44,15 +44,29 @@ import numpy as np
 
 from commfuse.core.errors import ConfigError
 from commfuse.trace import nw
-from commfuse.trace.comms import (SYNC_POINTS, CommMap, LogicalComm, assign_global_ranks, map_communicators,
-                                  synchronize_clocks)
+from commfuse.trace.comms import (
+    SYNC_POINTS,
+    CommMap,
+    LogicalComm,
+    assign_global_ranks,
+    map_communicators,
+    synchronize_clocks,
+)
 from commfuse.trace.kernel_trace import KernelRecord, KernelTrace
 from commfuse.trace.launches import Launch, launches
 from commfuse.trace.nccl_log import NcclProcessLog
 from commfuse.trace.vocab import kernel_dtype_class
 
-THESIS_WEIGHTS: dict[str, float] = {"AllReduce": 1.0, "ReduceScatter": 2.0, "AllGather": 2.0, "Broadcast": 2.0,
-                                    "Reduce": 2.0, "Send": 0.5, "Recv": 0.5, "SendRecv": 0.5}
+THESIS_WEIGHTS: dict[str, float] = {
+    "AllReduce": 1.0,
+    "ReduceScatter": 2.0,
+    "AllGather": 2.0,
+    "Broadcast": 2.0,
+    "Reduce": 2.0,
+    "Send": 0.5,
+    "Recv": 0.5,
+    "SendRecv": 0.5,
+}
 _REDUCTIONS = ("AllReduce", "ReduceScatter", "Reduce")
 GAP_RULES = ("eq42", "constant", "geometric", "table")
 
@@ -123,7 +137,9 @@ class AlignConfig:
         if self.match <= 0:
             raise ConfigError(f"AlignConfig.match must be > 0, got {self.match}")
         if self.mismatch < 0:
-            raise ConfigError(f"AlignConfig.mismatch is a penalty magnitude and must be >= 0, got {self.mismatch}")
+            raise ConfigError(
+                f"AlignConfig.mismatch is a penalty magnitude and must be >= 0, got {self.mismatch}"
+            )
         if self.max_cells < 10_000:
             raise ConfigError(f"AlignConfig.max_cells must be >= 10000, got {self.max_cells}")
         if self.max_gap_run < 1:
@@ -131,7 +147,9 @@ class AlignConfig:
         if any(w <= 0 for w in self.weights.values()) or self.default_weight <= 0:
             raise ConfigError("AlignConfig.weights and default_weight must be > 0")
         if self.causality_tolerance_us < 0 or self.time_weight < 0 or self.time_scale_us <= 0:
-            raise ConfigError("AlignConfig.causality_tolerance_us and time_weight must be >= 0, time_scale_us > 0")
+            raise ConfigError(
+                "AlignConfig.causality_tolerance_us and time_weight must be >= 0, time_scale_us > 0"
+            )
 
     @classmethod
     def thesis(cls, **overrides) -> "AlignConfig":
@@ -145,9 +163,13 @@ class AlignConfig:
 # ------------------------------------------------------------------------------- scoring
 
 
-def pair_scores(lau: Sequence[Launch], kernels: Sequence[KernelRecord], cfg: AlignConfig,
-                offset_us: Optional[float] = None, window_us: Optional[float] = None
-                ) -> tuple[np.ndarray, np.ndarray]:
+def pair_scores(
+    lau: Sequence[Launch],
+    kernels: Sequence[KernelRecord],
+    cfg: AlignConfig,
+    offset_us: Optional[float] = None,
+    window_us: Optional[float] = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """``S[i, j]`` and ``compatible[i, j]`` for launch i vs kernel j (module docstring)."""
     n, m = len(lau), len(kernels)
     if n == 0 or m == 0:
@@ -184,7 +206,9 @@ def pair_scores(lau: Sequence[Launch], kernels: Sequence[KernelRecord], cfg: Ali
     if cfg.use_timing and offset_us is not None:
         tl = np.array([np.nan if a.time_us is None else a.time_us for a in lau])[:, None] + offset_us
         has_launch = np.array([k.launch_ns is not None for k in kernels])[None, :]
-        host = np.array([(k.launch_ns if k.launch_ns is not None else k.start_ns) / 1e3 for k in kernels])[None, :]
+        host = np.array([(k.launch_ns if k.launch_ns is not None else k.start_ns) / 1e3 for k in kernels])[
+            None, :
+        ]
         with np.errstate(invalid="ignore"):
             delta = host - tl  # launch call (or kernel start) after the call line: >= 0 for the true pair
             early = delta < -cfg.causality_tolerance_us
@@ -199,7 +223,9 @@ def pair_scores(lau: Sequence[Launch], kernels: Sequence[KernelRecord], cfg: Ali
         bonus = np.where(known & has_launch, cfg.time_weight * close, 0.0)
     wl = np.array([cfg.weight(a.symbol if a.symbol != "Mixed" else None) for a in lau])[:, None]
     wk = np.array([cfg.weight(k.op) for k in kernels])[None, :]
-    S = np.where(comp, cfg.match * wl * np.where(generic, 0.5, 1.0) * (1.0 + bonus), -cfg.mismatch * (wl + wk) / 2.0)
+    S = np.where(
+        comp, cfg.match * wl * np.where(generic, 0.5, 1.0) * (1.0 + bonus), -cfg.mismatch * (wl + wk) / 2.0
+    )
     return S, comp
 
 
@@ -234,17 +260,27 @@ class RankAlignment:
     def summary(self) -> dict[str, object]:
         paired_l = {i for i, _ in self.pairs}
         paired_k = {j for _, j in self.pairs}
-        return {"rank": self.rank, "launches": len(self.launches), "kernels": len(self.kernels),
-                "matched": sum(self.matched), "mismatched": len(self.pairs) - sum(self.matched),
-                "unmatched_launches": len(self.launches) - len(paired_l),
-                "unmatched_kernels": len(self.kernels) - len(paired_k), "score": round(self.score, 3),
-                "log_kernel_offset_us": None if self.offset_us is None else round(self.offset_us, 3),
-                "offset_from": self.offset_from}
+        return {
+            "rank": self.rank,
+            "launches": len(self.launches),
+            "kernels": len(self.kernels),
+            "matched": sum(self.matched),
+            "mismatched": len(self.pairs) - sum(self.matched),
+            "unmatched_launches": len(self.launches) - len(paired_l),
+            "unmatched_kernels": len(self.kernels) - len(paired_k),
+            "score": round(self.score, 3),
+            "log_kernel_offset_us": None if self.offset_us is None else round(self.offset_us, 3),
+            "offset_from": self.offset_from,
+        }
 
 
-def align_sequences(lau: Sequence[Launch], kernels: Sequence[KernelRecord], cfg: AlignConfig,
-                    offset_us: Optional[float] = None, window_us: Optional[float] = None
-                    ) -> tuple[list[tuple[int, int]], list[bool], float]:
+def align_sequences(
+    lau: Sequence[Launch],
+    kernels: Sequence[KernelRecord],
+    cfg: AlignConfig,
+    offset_us: Optional[float] = None,
+    window_us: Optional[float] = None,
+) -> tuple[list[tuple[int, int]], list[bool], float]:
     """Pairs (launch, kernel), whether each is a match, and the score.
 
     Up to ``cfg.max_cells`` DP cells the alignment is exact. Beyond (a long run: the
@@ -256,8 +292,14 @@ def align_sequences(lau: Sequence[Launch], kernels: Sequence[KernelRecord], cfg:
     n, m = len(lau), len(kernels)
     if n * m <= cfg.max_cells:
         S, comp = pair_scores(lau, kernels, cfg, offset_us, window_us)
-        res = nw.align(S, comp, cfg.gap.penalty, max_gap_run=cfg.max_gap_run, bonus=cfg.sequence_bonus,
-                       free_end_gaps=cfg.free_end_gaps)
+        res = nw.align(
+            S,
+            comp,
+            cfg.gap.penalty,
+            max_gap_run=cfg.max_gap_run,
+            bonus=cfg.sequence_bonus,
+            free_end_gaps=cfg.free_end_gaps,
+        )
         return res.pairs, [bool(comp[i, j]) for i, j in res.pairs], res.score
     block = max(50, int(math.sqrt(cfg.max_cells) / 1.5))
     overlap = max(10, block // 8)
@@ -273,9 +315,15 @@ def align_sequences(lau: Sequence[Launch], kernels: Sequence[KernelRecord], cfg:
         S, comp = pair_scores(sub_l, sub_k, cfg, offset_us, window_us)
         # A window starts right after the previous window's last pair (its leading gaps are real)
         # and ends arbitrarily (its trailing gaps are the next window's business).
-        res = nw.align(S, comp, cfg.gap.penalty, max_gap_run=cfg.max_gap_run, bonus=cfg.sequence_bonus,
-                       free_leading=cfg.free_end_gaps if a == 0 else False,
-                       free_trailing=cfg.free_end_gaps if b == n and kb == m else True)
+        res = nw.align(
+            S,
+            comp,
+            cfg.gap.penalty,
+            max_gap_run=cfg.max_gap_run,
+            bonus=cfg.sequence_bonus,
+            free_leading=cfg.free_end_gaps if a == 0 else False,
+            free_trailing=cfg.free_end_gaps if b == n and kb == m else True,
+        )
         keep_upto = b if b == n else b - overlap
         last_k = None
         for i, j in res.pairs:
@@ -291,8 +339,9 @@ def align_sequences(lau: Sequence[Launch], kernels: Sequence[KernelRecord], cfg:
     return pairs, matched, score
 
 
-def estimate_log_offset(lau: Sequence[Launch], kernels: Sequence[KernelRecord], cfg: AlignConfig,
-                        *, absolute: bool = False) -> tuple[Optional[float], str, Optional[float]]:
+def estimate_log_offset(
+    lau: Sequence[Launch], kernels: Sequence[KernelRecord], cfg: AlignConfig, *, absolute: bool = False
+) -> tuple[Optional[float], str, Optional[float]]:
     """Offset (us) from the log clock to the kernel trace's clock, how it was found, and the
     launch window (us; see ``AlignConfig.launch_window_us``).
 
@@ -332,7 +381,7 @@ def estimate_log_offset(lau: Sequence[Launch], kernels: Sequence[KernelRecord], 
             width = max(40.0, 2.0 * cfg.causality_tolerance_us)
             hi = np.searchsorted(d, d + width, side="right")
             best = int(np.argmax(hi - np.arange(len(d))))
-            window = d[best:hi[best]]
+            window = d[best : hi[best]]
             med = float(np.median(window))
             mad = float(np.median(np.abs(window - med))) * 1.4826
             return med, "launch", min(2000.0, max(20.0, 6.0 * mad))
@@ -341,8 +390,9 @@ def estimate_log_offset(lau: Sequence[Launch], kernels: Sequence[KernelRecord], 
     return None, "none", None
 
 
-def align_rank(log: NcclProcessLog, trace: KernelTrace, cfg: Optional[AlignConfig] = None, *,
-               rank: Optional[int] = None) -> RankAlignment:
+def align_rank(
+    log: NcclProcessLog, trace: KernelTrace, cfg: Optional[AlignConfig] = None, *, rank: Optional[int] = None
+) -> RankAlignment:
     """Align one process's calls with its GPU's kernels (module docstring)."""
     cfg = cfg or AlignConfig()
     lau = launches(log.calls, dedup=cfg.dedup)
@@ -357,16 +407,27 @@ def align_rank(log: NcclProcessLog, trace: KernelTrace, cfg: Optional[AlignConfi
     if cfg.use_timing:
         offset, how, window = estimate_log_offset(lau, kernels, cfg, absolute=trace.absolute)
     pairs, matched, score = align_sequences(lau, kernels, cfg, offset, window)
-    return RankAlignment(rank if rank is not None else trace.rank, lau, kernels, pairs, matched, score, offset,
-                         log=log, trace=trace, offset_from=how,
-                         launch_window_us=cfg.launch_window_us if cfg.launch_window_us is not None else window)
+    return RankAlignment(
+        rank if rank is not None else trace.rank,
+        lau,
+        kernels,
+        pairs,
+        matched,
+        score,
+        offset,
+        log=log,
+        trace=trace,
+        offset_from=how,
+        launch_window_us=cfg.launch_window_us if cfg.launch_window_us is not None else window,
+    )
 
 
 # ------------------------------------------------------------------------------- ranks
 
 
-def pair_logs_with_traces(logs: Sequence[NcclProcessLog], traces: Sequence[KernelTrace]
-                          ) -> tuple[list[tuple[int, NcclProcessLog, KernelTrace]], list[str]]:
+def pair_logs_with_traces(
+    logs: Sequence[NcclProcessLog], traces: Sequence[KernelTrace]
+) -> tuple[list[tuple[int, NcclProcessLog, KernelTrace]], list[str]]:
     """Which kernel trace belongs to which process: by rank (torch.profiler's distributedInfo),
     else by pid (nsys), else -- one of each -- by elimination. Returns (rank, log, trace) and notes."""
     ranks = assign_global_ranks(logs)
@@ -412,8 +473,13 @@ class RunAlignment:
     config: AlignConfig
 
 
-def align_run(logs: Sequence[NcclProcessLog], traces: Sequence[KernelTrace], cfg: Optional[AlignConfig] = None, *,
-              sync_point: str = "end") -> RunAlignment:
+def align_run(
+    logs: Sequence[NcclProcessLog],
+    traces: Sequence[KernelTrace],
+    cfg: Optional[AlignConfig] = None,
+    *,
+    sync_point: str = "end",
+) -> RunAlignment:
     """Pair processes with traces, align each, map communicators, synchronise clocks."""
     cfg = cfg or AlignConfig()
     pairs, notes = pair_logs_with_traces(logs, traces)
@@ -424,8 +490,24 @@ def align_run(logs: Sequence[NcclProcessLog], traces: Sequence[KernelTrace], cfg
 
 
 __all__ = [
-    "AlignConfig", "CommMap", "GAP_RULES", "GapRule", "Launch", "LogicalComm", "RankAlignment", "RunAlignment",
-    "SYNC_POINTS", "THESIS_WEIGHTS", "align_rank", "align_run", "align_sequences", "assign_global_ranks",
-    "estimate_log_offset", "launches", "map_communicators", "pair_logs_with_traces", "pair_scores",
+    "AlignConfig",
+    "CommMap",
+    "GAP_RULES",
+    "GapRule",
+    "Launch",
+    "LogicalComm",
+    "RankAlignment",
+    "RunAlignment",
+    "SYNC_POINTS",
+    "THESIS_WEIGHTS",
+    "align_rank",
+    "align_run",
+    "align_sequences",
+    "assign_global_ranks",
+    "estimate_log_offset",
+    "launches",
+    "map_communicators",
+    "pair_logs_with_traces",
+    "pair_scores",
     "synchronize_clocks",
 ]

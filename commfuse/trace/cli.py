@@ -26,20 +26,41 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("logdir", help="NCCL_DEBUG=INFO log file or directory")
     ap.add_argument("tracedir", help="torch.profiler JSON / nsys SQLite file or directory")
     ap.add_argument("-o", "--out", required=True, help="enriched Chrome trace to write (required)")
-    ap.add_argument("--topology", default=None,
-                    help="peak bandwidth source: a commfuse topology preset (dgx-h100, dgx-h100x2, ...) or JSON "
-                         "file; default: the NCCL log's own topology block")
-    ap.add_argument("--thesis", action="store_true",
-                    help="the thesis's scoring only (op names, Eq. 4.1-4.3, Eq. 4.2 gaps; no attributes/timing)")
-    ap.add_argument("--gap-rule", choices=("eq42", "constant", "geometric"), default="eq42",
-                    help="gap penalty: eq42 (thesis Eq. 4.2, growing with the gap run), constant, or geometric")
-    ap.add_argument("--sequence-bonus", type=float, default=0.0,
-                    help="score added for each match that follows a match (the thesis tests use 1)")
-    ap.add_argument("--sync-point", choices=SYNC_POINTS, default="end",
-                    help="kernel point the cross-rank clock sync lines up (ends coincide across ranks; "
-                         "starts differ by arrival)")
-    ap.add_argument("--summary-json", default=None,
-                    help="also write the per-rank summary as JSON here (default: not written)")
+    ap.add_argument(
+        "--topology",
+        default=None,
+        help="peak bandwidth source: a commfuse topology preset (dgx-h100, dgx-h100x2, ...) or JSON "
+        "file; default: the NCCL log's own topology block",
+    )
+    ap.add_argument(
+        "--thesis",
+        action="store_true",
+        help="the thesis's scoring only (op names, Eq. 4.1-4.3, Eq. 4.2 gaps; no attributes/timing)",
+    )
+    ap.add_argument(
+        "--gap-rule",
+        choices=("eq42", "constant", "geometric"),
+        default="eq42",
+        help="gap penalty: eq42 (thesis Eq. 4.2, growing with the gap run), constant, or geometric",
+    )
+    ap.add_argument(
+        "--sequence-bonus",
+        type=float,
+        default=0.0,
+        help="score added for each match that follows a match (the thesis tests use 1)",
+    )
+    ap.add_argument(
+        "--sync-point",
+        choices=SYNC_POINTS,
+        default="end",
+        help="kernel point the cross-rank clock sync lines up (ends coincide across ranks; "
+        "starts differ by arrival)",
+    )
+    ap.add_argument(
+        "--summary-json",
+        default=None,
+        help="also write the per-rank summary as JSON here (default: not written)",
+    )
 
 
 def _nothing_aligned(result: RunAlignment) -> str:
@@ -52,8 +73,10 @@ def _nothing_aligned(result: RunAlignment) -> str:
         return f"the logs paired with traces hold no collective launches ({len(result.ranks)} rank(s))"
     if not n_k:
         return f"the traces paired with logs hold no NCCL kernels ({len(result.ranks)} rank(s))"
-    return (f"no launch was aligned with a kernel on any of {len(result.ranks)} rank(s) ({n_l} launches, "
-            f"{n_k} kernels); are the logs and traces from the same run?")
+    return (
+        f"no launch was aligned with a kernel on any of {len(result.ranks)} rank(s) ({n_l} launches, "
+        f"{n_k} kernels); are the logs and traces from the same run?"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,10 +96,12 @@ def run(args: argparse.Namespace) -> int:
     path = write_enriched(args.out, result, topology)
     for ra in result.ranks:
         s = ra.summary()
-        print(f"rank {s['rank']}: {s['launches']} launches, {s['kernels']} kernels -> {s['matched']} matched, "
-              f"{s['mismatched']} mismatched, {s['unmatched_launches']} launches and {s['unmatched_kernels']} "
-              f"kernels unaligned (log->kernel clock: {s['offset_from']}, "
-              f"clock offset {result.offsets_ns.get(ra.rank, 0.0) / 1e3:+.3f} us)")
+        print(
+            f"rank {s['rank']}: {s['launches']} launches, {s['kernels']} kernels -> {s['matched']} matched, "
+            f"{s['mismatched']} mismatched, {s['unmatched_launches']} launches and {s['unmatched_kernels']} "
+            f"kernels unaligned (log->kernel clock: {s['offset_from']}, "
+            f"clock offset {result.offsets_ns.get(ra.rank, 0.0) / 1e3:+.3f} us)"
+        )
     for note in result.notes:
         print(f"note: {note}")
     for lc in result.comm_map.comms:
@@ -85,8 +110,15 @@ def run(args: argparse.Namespace) -> int:
     if args.summary_json:
         try:
             with open(args.summary_json, "w") as f:
-                json.dump({"ranks": [ra.summary() for ra in result.ranks], "notes": result.notes,
-                           "clock_offsets_us": {str(r): v / 1e3 for r, v in result.offsets_ns.items()}}, f, indent=1)
+                json.dump(
+                    {
+                        "ranks": [ra.summary() for ra in result.ranks],
+                        "notes": result.notes,
+                        "clock_offsets_us": {str(r): v / 1e3 for r, v in result.offsets_ns.items()},
+                    },
+                    f,
+                    indent=1,
+                )
         except OSError as e:
             raise ConfigError(f"summary JSON: cannot write {args.summary_json!r}: {e}") from e
     if any(ra.pairs for ra in result.ranks):

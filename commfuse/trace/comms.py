@@ -92,11 +92,14 @@ class CommMap:
 
 def _signature(lau: Sequence[Launch]) -> tuple:
     # collectives: op, count, datatype (identical on every member); p2p differs per peer: op only
-    return tuple((a.symbol,) if a.symbol == "SendRecv" else (a.symbol, a.first.count, a.first.datatype) for a in lau)
+    return tuple(
+        (a.symbol,) if a.symbol == "SendRecv" else (a.symbol, a.first.count, a.first.datatype) for a in lau
+    )
 
 
-def map_communicators(logs: Sequence[NcclProcessLog], *, min_similarity: float = 0.8,
-                      dedup: bool = True) -> CommMap:
+def map_communicators(
+    logs: Sequence[NcclProcessLog], *, min_similarity: float = 0.8, dedup: bool = True
+) -> CommMap:
     """Group communicator pointers of all processes into logical communicators (module docstring)."""
     rank_of = assign_global_ranks(logs)
     entries = []  # (rank, host, pid, comm, nranks, comm_id, signature)
@@ -109,8 +112,17 @@ def map_communicators(logs: Sequence[NcclProcessLog], *, min_similarity: float =
             init = lg.inits.get(comm)
             calls = per_comm.get(comm, [])
             nranks = init.nranks if init else next((c.nranks for c in calls if c.nranks), None)
-            entries.append((rank_of[lg.key], lg.host, lg.pid, comm, nranks, init.comm_id if init else None,
-                            _signature(launches(calls, dedup=dedup))))
+            entries.append(
+                (
+                    rank_of[lg.key],
+                    lg.host,
+                    lg.pid,
+                    comm,
+                    nranks,
+                    init.comm_id if init else None,
+                    _signature(launches(calls, dedup=dedup)),
+                )
+            )
     entries.sort(key=lambda e: (e[0], e[3]))
     notes: list[str] = []
     groups: list[LogicalComm] = []
@@ -121,8 +133,11 @@ def map_communicators(logs: Sequence[NcclProcessLog], *, min_similarity: float =
         if e[5]:
             by_id[e[5]].append(idx)
     for cid, idxs in by_id.items():
-        groups.append(LogicalComm("", entries[idxs[0]][4], {entries[i][0]: entries[i][1:4] for i in idxs}, cid,
-                                  "commId"))
+        groups.append(
+            LogicalComm(
+                "", entries[idxs[0]][4], {entries[i][0]: entries[i][1:4] for i in idxs}, cid, "commId"
+            )
+        )
         done.update(idxs)
     # 2. identical signatures (and nranks), split into groups of nranks in rank order
     by_sig: dict[tuple, list[int]] = defaultdict(list)
@@ -132,18 +147,23 @@ def map_communicators(logs: Sequence[NcclProcessLog], *, min_similarity: float =
     for (nranks, _sig), idxs in by_sig.items():
         size = nranks or len(idxs)
         if len(idxs) > size:
-            notes.append(f"{len(idxs)} communicators share one op sequence but have nranks={size}: "
-                         "grouped in rank order (ambiguous without commId)")
+            notes.append(
+                f"{len(idxs)} communicators share one op sequence but have nranks={size}: "
+                "grouped in rank order (ambiguous without commId)"
+            )
         for s in range(0, len(idxs), size):
-            chunk = idxs[s:s + size]
+            chunk = idxs[s : s + size]
             if len(chunk) < 2 and size > 1:
                 continue  # alone with its sequence: let the similarity step place it
-            groups.append(LogicalComm("", nranks, {entries[i][0]: entries[i][1:4] for i in chunk}, None,
-                                      "signature"))
+            groups.append(
+                LogicalComm("", nranks, {entries[i][0]: entries[i][1:4] for i in chunk}, None, "signature")
+            )
             done.update(chunk)
     # 3. leftovers: most similar group with room
-    sigs = {id(g): [entries[i][6] for i in range(len(entries)) if entries[i][1:4] in g.members.values()]
-            for g in groups}
+    sigs = {
+        id(g): [entries[i][6] for i in range(len(entries)) if entries[i][1:4] in g.members.values()]
+        for g in groups
+    }
     for idx, e in enumerate(entries):
         if idx in done:
             continue
@@ -179,8 +199,13 @@ def _time(k: KernelRecord, point: str) -> float:
     return (k.start_ns + k.end_ns) / 2.0
 
 
-def synchronize_clocks(alignments: Sequence["RankAlignment"], comm_map: CommMap, *, sync_point: str = "end",
-                       reference_rank: Optional[int] = None) -> dict[int, float]:
+def synchronize_clocks(
+    alignments: Sequence["RankAlignment"],
+    comm_map: CommMap,
+    *,
+    sync_point: str = "end",
+    reference_rank: Optional[int] = None,
+) -> dict[int, float]:
     """Per-rank offsets (ns) to add to that rank's kernel times (module docstring)."""
     if sync_point not in SYNC_POINTS:
         raise ConfigError(f"sync_point must be one of {SYNC_POINTS}, got {sync_point!r}")
@@ -254,5 +279,11 @@ def synchronize_clocks(alignments: Sequence["RankAlignment"], comm_map: CommMap,
     return off
 
 
-__all__ = ["CommMap", "LogicalComm", "SYNC_POINTS", "assign_global_ranks", "map_communicators",
-           "synchronize_clocks"]
+__all__ = [
+    "CommMap",
+    "LogicalComm",
+    "SYNC_POINTS",
+    "assign_global_ranks",
+    "map_communicators",
+    "synchronize_clocks",
+]

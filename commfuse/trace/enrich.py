@@ -63,9 +63,13 @@ def message_bytes(lau: Launch, nranks: Optional[int]) -> Optional[int]:
     return b
 
 
-def peak_busbw_GBps(lc: Optional[LogicalComm], nranks: Optional[int], topology: Optional[Topology],
-                    ra: RankAlignment, host_topology: Optional[dict[str, NcclTopology]] = None
-                    ) -> tuple[Optional[float], str]:
+def peak_busbw_GBps(
+    lc: Optional[LogicalComm],
+    nranks: Optional[int],
+    topology: Optional[Topology],
+    ra: RankAlignment,
+    host_topology: Optional[dict[str, NcclTopology]] = None,
+) -> tuple[Optional[float], str]:
     """(peak bus bandwidth, where it came from) for the group a launch ran on."""
     n = nranks or (len(lc.members) if lc else None)
     if topology is not None and n:
@@ -73,8 +77,10 @@ def peak_busbw_GBps(lc: Optional[LogicalComm], nranks: Optional[int], topology: 
         p = Placement.of(topology, n, ranks)
         if not p.spans:
             return topology.intra_node_bandwidth_GBps, f"topology {topology.name}: intra-node"
-        return (min(topology.intra_node_bandwidth_GBps, p.a_min * topology.inter_node_bandwidth_GBps),
-                f"topology {topology.name}: ring across {p.m} nodes")
+        return (
+            min(topology.intra_node_bandwidth_GBps, p.a_min * topology.inter_node_bandwidth_GBps),
+            f"topology {topology.name}: ring across {p.m} nodes",
+        )
     topo = ra.log.topology if ra.log is not None else None
     if topo is None and ra.log is not None and host_topology:
         topo = host_topology.get(ra.log.host)  # another process of the same host printed the block
@@ -87,8 +93,12 @@ def peak_busbw_GBps(lc: Optional[LogicalComm], nranks: Optional[int], topology: 
 
 
 def _kernel_args(k: KernelRecord) -> dict[str, Any]:
-    a: dict[str, Any] = {"kernel": k.name, "stream": k.stream, "correlation": k.correlation,
-                         "duration_us": round(k.duration_ns / 1e3, 3)}
+    a: dict[str, Any] = {
+        "kernel": k.name,
+        "stream": k.stream,
+        "correlation": k.correlation,
+        "duration_us": round(k.duration_ns / 1e3, 3),
+    }
     if k.grid:
         a["grid"] = list(k.grid)
     if k.block:
@@ -96,20 +106,36 @@ def _kernel_args(k: KernelRecord) -> dict[str, Any]:
     return a
 
 
-def launch_args(lau: Launch, k: KernelRecord, lc: Optional[LogicalComm], topology: Optional[Topology],
-                ra: RankAlignment, host_topology: Optional[dict[str, NcclTopology]] = None) -> dict[str, Any]:
+def launch_args(
+    lau: Launch,
+    k: KernelRecord,
+    lc: Optional[LogicalComm],
+    topology: Optional[Topology],
+    ra: RankAlignment,
+    host_topology: Optional[dict[str, NcclTopology]] = None,
+) -> dict[str, Any]:
     c = lau.first
     nranks = lau.nranks or (lc.nranks if lc else None)
     size = message_bytes(lau, nranks)
-    args: dict[str, Any] = {"op": lau.symbol, "opCount": f"{lau.op_count:x}", "comm": lau.comm,
-                            "communicator": lc.name if lc else None, "comm_ranks": list(lc.ranks) if lc else None,
-                            "nranks": nranks, "calls": len(lau.calls), "count": c.count,
-                            "datatype": c.dtype, "reduce_op": c.reduce_op if lau.symbol in
-                            ("AllReduce", "ReduceScatter", "Reduce") else None,
-                            "root_or_peer": c.root if lau.symbol in ("Broadcast", "Reduce", "SendRecv") else None,
-                            "message_bytes": size, "algorithm": lau.algo, "protocol": lau.proto,
-                            "channels": list(c.channels) if c.channels else None,
-                            "log": f"{c.source}:{c.line}", "kernel_matches_call": None}
+    args: dict[str, Any] = {
+        "op": lau.symbol,
+        "opCount": f"{lau.op_count:x}",
+        "comm": lau.comm,
+        "communicator": lc.name if lc else None,
+        "comm_ranks": list(lc.ranks) if lc else None,
+        "nranks": nranks,
+        "calls": len(lau.calls),
+        "count": c.count,
+        "datatype": c.dtype,
+        "reduce_op": c.reduce_op if lau.symbol in ("AllReduce", "ReduceScatter", "Reduce") else None,
+        "root_or_peer": c.root if lau.symbol in ("Broadcast", "Reduce", "SendRecv") else None,
+        "message_bytes": size,
+        "algorithm": lau.algo,
+        "protocol": lau.proto,
+        "channels": list(c.channels) if c.channels else None,
+        "log": f"{c.source}:{c.line}",
+        "kernel_matches_call": None,
+    }
     kind = collective_kind(lau.symbol) if lau.symbol != "Mixed" else None
     dur_us = k.duration_ns / 1e3
     if size and kind is not None and nranks and dur_us > 0:
@@ -117,16 +143,25 @@ def launch_args(lau: Launch, k: KernelRecord, lc: Optional[LogicalComm], topolog
         factor = bus_factor(kind, nranks)
         busbw = algbw * factor
         peak, source = peak_busbw_GBps(lc, nranks, topology, ra, host_topology)
-        args.update({"algbw_GBps": round(algbw, 4), "bus_factor": round(factor, 4), "busbw_GBps": round(busbw, 4),
-                     "peak_busbw_GBps": peak, "peak_from": source,
-                     "efficiency_pct": round(100.0 * busbw / peak, 3) if peak else None})
+        args.update(
+            {
+                "algbw_GBps": round(algbw, 4),
+                "bus_factor": round(factor, 4),
+                "busbw_GBps": round(busbw, 4),
+                "peak_busbw_GBps": peak,
+                "peak_from": source,
+                "efficiency_pct": round(100.0 * busbw / peak, 3) if peak else None,
+            }
+        )
     return args
 
 
 def enriched_trace(run: RunAlignment, topology: Optional[Topology] = None) -> dict[str, Any]:
     """The enriched Chrome trace of an aligned run (module docstring)."""
     index: dict[tuple[str, int, str], LogicalComm] = run.comm_map.index()
-    host_topology = {ra.log.host: ra.log.topology for ra in run.ranks if ra.log is not None and ra.log.topology}
+    host_topology = {
+        ra.log.host: ra.log.topology for ra in run.ranks if ra.log is not None and ra.log.topology
+    }
     # NCCL prints the tuning line on a communicator's rank 0 only, but every rank runs the same
     # algorithm/protocol/channels for a launch: share the decision by (communicator, opCount).
     tuning: dict[tuple[str, int, int], tuple[Any, Any, Any]] = {}
@@ -136,22 +171,38 @@ def enriched_trace(run: RunAlignment, topology: Optional[Topology] = None) -> di
             c = next((x for x in lau.calls if x.algo), None)
             if lc is not None and c is not None:
                 tuning[(lc.name, lau.epoch, lau.op_count)] = (c.algo, c.proto, c.channels)
-    t0 = min((k.start_ns + run.offsets_ns.get(ra.rank, 0.0) for ra in run.ranks if ra.rank is not None
-              for k in ra.kernels), default=0.0)
+    t0 = min(
+        (
+            k.start_ns + run.offsets_ns.get(ra.rank, 0.0)
+            for ra in run.ranks
+            if ra.rank is not None
+            for k in ra.kernels
+        ),
+        default=0.0,
+    )
     ev: list[dict[str, Any]] = []
     for ra in run.ranks:
         pid = ra.rank if ra.rank is not None else -1
         off = run.offsets_ns.get(ra.rank, 0.0) if ra.rank is not None else 0.0
         us = lambda ns, off=off: (ns + off - t0) / 1e3  # noqa: E731
         where = f"{ra.log.host}:{ra.log.pid}" if ra.log else "?"
-        ev.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {ra.rank} ({where})"}})
+        ev.append(
+            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {ra.rank} ({where})"}}
+        )
         threads: dict[str, int] = {}
 
         def tid(name: str, threads: dict[str, int] = threads, pid: int = pid) -> int:  # bound: this rank's
             if name not in threads:
                 threads[name] = len(threads)
-                ev.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": threads[name],
-                           "args": {"name": name}})
+                ev.append(
+                    {
+                        "name": "thread_name",
+                        "ph": "M",
+                        "pid": pid,
+                        "tid": threads[name],
+                        "args": {"name": name},
+                    }
+                )
             return threads[name]
 
         kernel_of = dict(ra.pairs)
@@ -170,24 +221,60 @@ def enriched_trace(run: RunAlignment, topology: Optional[Topology] = None) -> di
                     args["channels"] = list(shared[2]) if shared[2] else None
                     args["tuning_from"] = "the communicator's rank 0"
                 args["clock_offset_us"] = round(off / 1e3, 3)
-                ev.append({"name": lau.symbol, "cat": "nccl", "ph": "X", "pid": pid, "tid": tid(label),
-                           "ts": us(k.start_ns), "dur": k.duration_ns / 1e3, "args": args})
+                ev.append(
+                    {
+                        "name": lau.symbol,
+                        "cat": "nccl",
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": tid(label),
+                        "ts": us(k.start_ns),
+                        "dur": k.duration_ns / 1e3,
+                        "args": args,
+                    }
+                )
             elif lau.time_us is not None and ra.offset_us is not None:
-                ev.append({"name": f"{lau.symbol} (no kernel)", "cat": "nccl,log-only", "ph": "i", "s": "t",
-                           "pid": pid, "tid": tid("log only"), "ts": us((lau.time_us + ra.offset_us) * 1e3),
-                           "args": {"opCount": f"{lau.op_count:x}", "comm": lau.comm, "count": lau.first.count,
-                                    "log": f"{lau.first.source}:{lau.first.line}"}})
+                ev.append(
+                    {
+                        "name": f"{lau.symbol} (no kernel)",
+                        "cat": "nccl,log-only",
+                        "ph": "i",
+                        "s": "t",
+                        "pid": pid,
+                        "tid": tid("log only"),
+                        "ts": us((lau.time_us + ra.offset_us) * 1e3),
+                        "args": {
+                            "opCount": f"{lau.op_count:x}",
+                            "comm": lau.comm,
+                            "count": lau.first.count,
+                            "log": f"{lau.first.source}:{lau.first.line}",
+                        },
+                    }
+                )
         for j, k in enumerate(ra.kernels):
             if j in paired_k:
                 continue
-            ev.append({"name": f"{k.op or 'nccl'} (unaligned)", "cat": "nccl,unaligned", "ph": "X", "pid": pid,
-                       "tid": tid("unaligned kernels"), "ts": us(k.start_ns), "dur": k.duration_ns / 1e3,
-                       "args": _kernel_args(k)})
-    meta = {"ranks": [ra.summary() for ra in run.ranks],
-            "communicators": [{"name": lc.name, "nranks": lc.nranks, "ranks": list(lc.ranks), "by": lc.by,
-                               "commId": lc.comm_id} for lc in run.comm_map.comms],
-            "clock_offsets_us": {str(r): round(v / 1e3, 3) for r, v in run.offsets_ns.items()},
-            "notes": run.notes}
+            ev.append(
+                {
+                    "name": f"{k.op or 'nccl'} (unaligned)",
+                    "cat": "nccl,unaligned",
+                    "ph": "X",
+                    "pid": pid,
+                    "tid": tid("unaligned kernels"),
+                    "ts": us(k.start_ns),
+                    "dur": k.duration_ns / 1e3,
+                    "args": _kernel_args(k),
+                }
+            )
+    meta = {
+        "ranks": [ra.summary() for ra in run.ranks],
+        "communicators": [
+            {"name": lc.name, "nranks": lc.nranks, "ranks": list(lc.ranks), "by": lc.by, "commId": lc.comm_id}
+            for lc in run.comm_map.comms
+        ],
+        "clock_offsets_us": {str(r): round(v / 1e3, 3) for r, v in run.offsets_ns.items()},
+        "notes": run.notes,
+    }
     return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": {"commfuse_alignment": meta}}
 
 
@@ -212,4 +299,11 @@ def write_enriched(path: Union[str, Path], run: RunAlignment, topology: Optional
     return p
 
 
-__all__ = ["enriched_trace", "launch_args", "load_topology", "message_bytes", "peak_busbw_GBps", "write_enriched"]
+__all__ = [
+    "enriched_trace",
+    "launch_args",
+    "load_topology",
+    "message_bytes",
+    "peak_busbw_GBps",
+    "write_enriched",
+]

@@ -55,8 +55,10 @@ from commfuse.trace.nccl_log import TraceParseWarning
 from commfuse.trace.vocab import canonical_op, dtype_token, normalize_algo, normalize_proto
 
 _NEW = re.compile(r"^nccl(?:Dev)?Kernel_(?P<op>[A-Za-z]+)(?P<rest>(?:_[A-Za-z0-9]+)*)")
-_OLD = re.compile(r"^nccl(?P<op>AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|SendRecv|Send|Recv)"
-                  r"(?P<algo>Ring|Tree|CollNet)?(?P<proto>LL128|LL|Simple)?Kernel(?:_(?P<redop>[a-z]+)_(?P<ty>\w+))?")
+_OLD = re.compile(
+    r"^nccl(?P<op>AllReduce|AllGather|ReduceScatter|Broadcast|Reduce|SendRecv|Send|Recv)"
+    r"(?P<algo>Ring|Tree|CollNet)?(?P<proto>LL128|LL|Simple)?Kernel(?:_(?P<redop>[a-z]+)_(?P<ty>\w+))?"
+)
 _ALGO_TOKENS = ("COLLNET_DIRECT", "COLLNET_CHAIN", "NVLS_TREE", "NVLS", "RING", "TREE", "PAT")
 _REDOP_TOKENS = {"Sum", "Prod", "MinMax", "Max", "Min", "PreMulSum", "SumPostDiv", "Avg"}
 
@@ -100,9 +102,12 @@ def parse_kernel_name(name: str) -> Optional[KernelName]:
         return KernelName(op, dtype, algo, proto)
     m = _OLD.match(base)
     if m is not None:
-        return KernelName(canonical_op(m.group("op")), dtype_token(m.group("ty")) if m.group("ty") else None,
-                          normalize_algo(m.group("algo")) if m.group("algo") else None,
-                          normalize_proto(m.group("proto")) if m.group("proto") else None)
+        return KernelName(
+            canonical_op(m.group("op")),
+            dtype_token(m.group("ty")) if m.group("ty") else None,
+            normalize_algo(m.group("algo")) if m.group("algo") else None,
+            normalize_proto(m.group("proto")) if m.group("proto") else None,
+        )
     return None
 
 
@@ -167,8 +172,18 @@ def _triple(x: Any) -> Optional[tuple[int, int, int]]:
 
 
 _LAUNCH = re.compile(r"(?:cuda|cu)LaunchKernel|cudaLaunchCooperativeKernel")
-_META_KEYS = ("Collective name", "In msg nelems", "Out msg nelems", "Group size", "dtype", "Process Group Name",
-              "Process Group Description", "Process Group Ranks", "Rank", "Seq")
+_META_KEYS = (
+    "Collective name",
+    "In msg nelems",
+    "Out msg nelems",
+    "Group size",
+    "dtype",
+    "Process Group Name",
+    "Process Group Description",
+    "Process Group Ranks",
+    "Rank",
+    "Seq",
+)
 
 
 def read_torch_trace(path: Union[str, Path]) -> list[KernelTrace]:
@@ -194,8 +209,11 @@ def read_torch_trace(path: Union[str, Path]) -> list[KernelTrace]:
     launch_at: dict[int, int] = {}  # correlation -> host time of the launch call
     for ev in events:
         # older PyTorch spells the categories "Runtime" / "Kernel"
-        if isinstance(ev, dict) and str(ev.get("cat", "")).lower() in ("cuda_runtime", "cuda_driver", "runtime") \
-                and _LAUNCH.search(str(ev.get("name", ""))):
+        if (
+            isinstance(ev, dict)
+            and str(ev.get("cat", "")).lower() in ("cuda_runtime", "cuda_driver", "runtime")
+            and _LAUNCH.search(str(ev.get("name", "")))
+        ):
             args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
             ts, corr = _num(ev.get("ts")), args.get("correlation")
             if ts is not None and isinstance(corr, (int, float)):
@@ -219,26 +237,38 @@ def read_torch_trace(path: Union[str, Path]) -> list[KernelTrace]:
         dev = int(dev) if isinstance(dev, (int, float)) else 0
         meta = {k: args[k] for k in _META_KEYS if k in args}
         start = base + int(round(ts * 1000))
-        rec = KernelRecord(name=name, op=kn.op, start_ns=start, end_ns=start + int(round(dur * 1000)),
-                           dtype=kn.dtype or dtype_token(meta.get("dtype") if isinstance(meta.get("dtype"), str)
-                                                         else None),
-                           algo=kn.algo, proto=kn.proto,
-                           stream=int(args["stream"]) if isinstance(args.get("stream"), (int, float)) else None,
-                           device=dev, correlation=int(args["correlation"])
-                           if isinstance(args.get("correlation"), (int, float)) else None,
-                           grid=_triple(args.get("grid")), block=_triple(args.get("block")), meta=meta)
+        rec = KernelRecord(
+            name=name,
+            op=kn.op,
+            start_ns=start,
+            end_ns=start + int(round(dur * 1000)),
+            dtype=kn.dtype or dtype_token(meta.get("dtype") if isinstance(meta.get("dtype"), str) else None),
+            algo=kn.algo,
+            proto=kn.proto,
+            stream=int(args["stream"]) if isinstance(args.get("stream"), (int, float)) else None,
+            device=dev,
+            correlation=int(args["correlation"])
+            if isinstance(args.get("correlation"), (int, float))
+            else None,
+            grid=_triple(args.get("grid")),
+            block=_triple(args.get("block")),
+            meta=meta,
+        )
         if kn.op is None and isinstance(meta.get("Collective name"), str):
             rec.op = canonical_op(meta["Collective name"])
         if rec.correlation is not None:
             rec.launch_ns = launch_at.get(rec.correlation)
         by_dev.setdefault(dev, []).append(rec)
     if skipped:
-        warnings.warn(TraceParseWarning(f"kernel trace {p}: skipped {skipped} malformed event(s)"), stacklevel=2)
+        warnings.warn(
+            TraceParseWarning(f"kernel trace {p}: skipped {skipped} malformed event(s)"), stacklevel=2
+        )
     out = []
     for dev, ks in sorted(by_dev.items()):
         ks.sort(key=lambda k: (k.start_ns, k.end_ns))
-        out.append(KernelTrace(str(p), ks, rank=rank, device=dev, absolute=absolute, skipped=skipped,
-                               format="torch"))
+        out.append(
+            KernelTrace(str(p), ks, rank=rank, device=dev, absolute=absolute, skipped=skipped, format="torch")
+        )
     if not out:
         out.append(KernelTrace(str(p), [], rank=rank, absolute=absolute, skipped=skipped, format="torch"))
     return out
@@ -256,26 +286,48 @@ def read_nsys_sqlite(path: Union[str, Path]) -> list[KernelTrace]:
     try:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         if "CUPTI_ACTIVITY_KIND_KERNEL" not in tables or "StringIds" not in tables:
-            raise ConfigError(f"kernel trace: {str(p)!r} has no CUPTI_ACTIVITY_KIND_KERNEL/StringIds tables "
-                              "(export with `nsys export --type sqlite` of a run traced with `-t cuda`)")
+            raise ConfigError(
+                f"kernel trace: {str(p)!r} has no CUPTI_ACTIVITY_KIND_KERNEL/StringIds tables "
+                "(export with `nsys export --type sqlite` of a run traced with `-t cuda`)"
+            )
         cols = {r[1] for r in con.execute("PRAGMA table_info(CUPTI_ACTIVITY_KIND_KERNEL)")}
         name_col = "demangledName" if "demangledName" in cols else "shortName"
-        want = ["start", "end", "deviceId", "streamId", "correlationId", "globalPid", "gridX", "gridY", "gridZ",
-                "blockX", "blockY", "blockZ"]
+        want = [
+            "start",
+            "end",
+            "deviceId",
+            "streamId",
+            "correlationId",
+            "globalPid",
+            "gridX",
+            "gridY",
+            "gridZ",
+            "blockX",
+            "blockY",
+            "blockZ",
+        ]
         sel = ", ".join(f"k.{c}" if c in cols else "NULL" for c in want)
-        rows = con.execute(f"SELECT {sel}, s.value FROM CUPTI_ACTIVITY_KIND_KERNEL AS k "  # noqa: S608 - fixed names
-                           f"JOIN StringIds AS s ON k.{name_col} = s.id WHERE s.value LIKE '%nccl%' "
-                           "ORDER BY k.start").fetchall()
+        rows = con.execute(
+            f"SELECT {sel}, s.value FROM CUPTI_ACTIVITY_KIND_KERNEL AS k "  # noqa: S608 - fixed names
+            f"JOIN StringIds AS s ON k.{name_col} = s.id WHERE s.value LIKE '%nccl%' "
+            "ORDER BY k.start"
+        ).fetchall()
         launches: dict[tuple[int, int], int] = {}  # (pid, correlation) -> launch call start
         for api in ("CUPTI_ACTIVITY_KIND_RUNTIME", "CUPTI_ACTIVITY_KIND_DRIVER"):
             acols = {r[1] for r in con.execute(f"PRAGMA table_info({api})")} if api in tables else set()
             if not {"start", "correlationId", "globalTid", "nameId"} <= acols:
                 continue
             for start_, corr_, gtid, name_ in con.execute(  # noqa: S608 - fixed table names
-                    f"SELECT a.start, a.correlationId, a.globalTid, s.value FROM {api} AS a "
-                    "JOIN StringIds AS s ON a.nameId = s.id"):
-                if isinstance(name_, str) and _LAUNCH.search(name_) and isinstance(gtid, int) \
-                        and isinstance(corr_, int) and isinstance(start_, int):
+                f"SELECT a.start, a.correlationId, a.globalTid, s.value FROM {api} AS a "
+                "JOIN StringIds AS s ON a.nameId = s.id"
+            ):
+                if (
+                    isinstance(name_, str)
+                    and _LAUNCH.search(name_)
+                    and isinstance(gtid, int)
+                    and isinstance(corr_, int)
+                    and isinstance(start_, int)
+                ):
                     launches[(gtid // 0x1000000 % 0x1000000, corr_)] = start_
         origin = 0
         if "TARGET_INFO_SESSION_START_TIME" in tables:
@@ -298,25 +350,43 @@ def read_nsys_sqlite(path: Union[str, Path]) -> list[KernelTrace]:
             skipped += 1
             continue
         pid = int(gpid) // 0x1000000 % 0x1000000 if isinstance(gpid, int) else None
-        rec = KernelRecord(name=name, op=kn.op, start_ns=origin + start, end_ns=origin + end, dtype=kn.dtype,
-                           algo=kn.algo, proto=kn.proto, stream=stream, device=dev, pid=pid, correlation=corr,
-                           grid=(gx, gy, gz) if isinstance(gx, int) else None,
-                           block=(bx, by, bz) if isinstance(bx, int) else None)
+        rec = KernelRecord(
+            name=name,
+            op=kn.op,
+            start_ns=origin + start,
+            end_ns=origin + end,
+            dtype=kn.dtype,
+            algo=kn.algo,
+            proto=kn.proto,
+            stream=stream,
+            device=dev,
+            pid=pid,
+            correlation=corr,
+            grid=(gx, gy, gz) if isinstance(gx, int) else None,
+            block=(bx, by, bz) if isinstance(bx, int) else None,
+        )
         if pid is not None and isinstance(corr, int) and (pid, corr) in launches:
             rec.launch_ns = origin + launches[(pid, corr)]
         groups.setdefault((pid, dev), []).append(rec)
     if skipped:
-        warnings.warn(TraceParseWarning(f"kernel trace {p}: skipped {skipped} malformed kernel row(s)"), stacklevel=2)
-    return [KernelTrace(str(p), ks, pid=pid, device=dev, absolute=origin > 0, skipped=skipped, format="nsys")
-            for (pid, dev), ks in sorted(groups.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] or 0))]
+        warnings.warn(
+            TraceParseWarning(f"kernel trace {p}: skipped {skipped} malformed kernel row(s)"), stacklevel=2
+        )
+    return [
+        KernelTrace(str(p), ks, pid=pid, device=dev, absolute=origin > 0, skipped=skipped, format="nsys")
+        for (pid, dev), ks in sorted(groups.items(), key=lambda kv: (kv[0][0] or 0, kv[0][1] or 0))
+    ]
 
 
 def read_kernel_traces(path: Union[str, Path]) -> list[KernelTrace]:
     """A file or a directory of ``*.json``, ``*.json.gz``, ``*.sqlite`` traces."""
     p = Path(path)
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and (f.name.endswith((".json", ".json.gz"))
-                                                                      or f.suffix in (".sqlite", ".db")))
+        files = sorted(
+            f
+            for f in p.rglob("*")
+            if f.is_file() and (f.name.endswith((".json", ".json.gz")) or f.suffix in (".sqlite", ".db"))
+        )
     elif p.is_file():
         files = [p]
     else:
@@ -327,5 +397,12 @@ def read_kernel_traces(path: Union[str, Path]) -> list[KernelTrace]:
     return out
 
 
-__all__ = ["KernelName", "KernelRecord", "KernelTrace", "parse_kernel_name", "read_kernel_traces",
-           "read_nsys_sqlite", "read_torch_trace"]
+__all__ = [
+    "KernelName",
+    "KernelRecord",
+    "KernelTrace",
+    "parse_kernel_name",
+    "read_kernel_traces",
+    "read_nsys_sqlite",
+    "read_torch_trace",
+]

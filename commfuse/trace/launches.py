@@ -106,8 +106,15 @@ def launches(calls: Sequence[NcclCall], *, dedup: bool = True) -> list[Launch]:
 
 
 def _same_call(a: NcclCall, b: NcclCall) -> bool:
-    return (a.op, a.count, a.datatype, a.redop, a.root, a.sendbuff, a.recvbuff) == \
-        (b.op, b.count, b.datatype, b.redop, b.root, b.sendbuff, b.recvbuff)
+    return (a.op, a.count, a.datatype, a.redop, a.root, a.sendbuff, a.recvbuff) == (
+        b.op,
+        b.count,
+        b.datatype,
+        b.redop,
+        b.root,
+        b.sendbuff,
+        b.recvbuff,
+    )
 
 
 __all__ = ["Launch", "launches"]

@@ -58,24 +58,28 @@ class TraceParseWarning(UserWarning):
 _PREFIX = re.compile(
     r"(?:(?P<epoch>\d{9,11}\.\d+)\s+|\[(?P<date>\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?)\]\s*)?"
     r"(?P<host>[^\s:\[\]()]+):(?P<pid>\d+):(?P<tid>\d+)\s+\[(?P<dev>\d+)\]\s+NCCL\s+(?P<level>INFO|WARN|TRACE)\s?"
-    r"(?P<msg>.*)$")
+    r"(?P<msg>.*)$"
+)
 
 _CALL_HINT = re.compile(r"^\s*[A-Za-z]+:\s+opCount\b")
 _CALL = re.compile(
     r"^\s*(?P<op>[A-Za-z]+):\s+opCount\s+(?P<opc>[0-9a-fA-F]+)\s+sendbuff\s+(?P<sb>\S+)\s+recvbuff\s+(?P<rb>\S+)"
     r"\s+count\s+(?P<count>\d+)\s+datatype\s+(?P<dt>\d+)\s+op\s+(?P<redop>\d+)\s+root\s+(?P<root>-?\d+)"
-    r"\s+comm\s+(?P<comm>0x[0-9a-fA-F]+|\(nil\))(?:\s+\[nranks=(?P<nranks>\d+)\])?\s+stream\s+(?P<stream>\S+)")
+    r"\s+comm\s+(?P<comm>0x[0-9a-fA-F]+|\(nil\))(?:\s+\[nranks=(?P<nranks>\d+)\])?\s+stream\s+(?P<stream>\S+)"
+)
 
 _ALGO_HINT = re.compile(r"Bytes\s+->\s+Algo\b")
 _ALGO = re.compile(
     r"^\s*(?:(?P<op>[A-Za-z]+):\s*)?(?P<bytes>\d+)\s+Bytes\s+->\s+Algo\s+(?P<algo>\w+)\s+proto\s+(?P<proto>\w+)"
     r"(?:\s+channel\{Lo\.\.Hi\}=\{(?P<lo>\d+)\.\.(?P<hi>\d+)\})?(?:\s+time\s+(?P<time>[-\d.]+))?"
-    r"(?:\s+comm\s+(?P<comm>0x[0-9a-fA-F]+))?(?:\s+cgaClusterSize\s+\d+)?\s*$")
+    r"(?:\s+comm\s+(?P<comm>0x[0-9a-fA-F]+))?(?:\s+cgaClusterSize\s+\d+)?\s*$"
+)
 
 _INIT_HINT = re.compile(r"\bcomm\s+0x[0-9a-fA-F]+\s+rank\s+\S+\s+nranks\b")
 _INIT = re.compile(
     r"^\s*(?:(?P<fn>ncclComm\w+)\s+)?comm\s+(?P<comm>0x[0-9a-fA-F]+)\s+rank\s+(?P<rank>\d+)\s+nranks\s+(?P<nranks>\d+)"
-    r"(?P<rest>.*)$")
+    r"(?P<rest>.*)$"
+)
 _INIT_DEV = re.compile(r"\bcudaDev\s+(\d+)")
 _INIT_BUS = re.compile(r"\bbusId\s+([0-9a-fA-F]+)")
 _INIT_COMMID = re.compile(r"\bcommId\s+(0x[0-9a-fA-F]+)")
@@ -86,10 +90,13 @@ _RING = re.compile(r"^\s*Channel\s+(\d+)/(\d+)\s*:\s+((?:-?\d+\s*)+)$")
 
 _TOPO_HEAD = re.compile(r"^\s*=== System : maxBw\s+(?P<max>[\d.]+)\s+totalBw\s+(?P<total>[\d.]+)\s+===\s*$")
 _TOPO_END = re.compile(r"^\s*={10,}\s*$")
-_TOPO_ROOT = re.compile(r"^(?P<ind>\s*)(?P<node>[A-Z]+/[0-9a-fA-F]+(?:-[0-9a-fA-F]+)?)(?:\s+\((?P<info>[^)]*)\))?\s*$")
+_TOPO_ROOT = re.compile(
+    r"^(?P<ind>\s*)(?P<node>[A-Z]+/[0-9a-fA-F]+(?:-[0-9a-fA-F]+)?)(?:\s+\((?P<info>[^)]*)\))?\s*$"
+)
 _TOPO_CHILD = re.compile(
     r"^(?P<ind>\s*)\+\s+(?P<link>[A-Z]+)\[(?P<bw>[\d.]+)\]\s+-\s+(?P<node>[A-Z]+/[0-9a-fA-F]+(?:-[0-9a-fA-F]+)?)"
-    r"(?:\s+\((?P<info>[^)]*)\))?\s*$")
+    r"(?:\s+\((?P<info>[^)]*)\))?\s*$"
+)
 _VERSION = re.compile(r"NCCL version\s+(\S+)")
 
 MAX_REPORTED_SKIPS = 5
@@ -177,16 +184,22 @@ class NcclTopology:
     links: list[TopoLink] = field(default_factory=list)
 
     def _gpu_links(self, kind: str) -> list[float]:
-        return [lk.bandwidth_GBps for lk in self.links if lk.kind == kind
-                and (lk.src in self.gpus or lk.dst in self.gpus)]
+        return [
+            lk.bandwidth_GBps
+            for lk in self.links
+            if lk.kind == kind and (lk.src in self.gpus or lk.dst in self.gpus)
+        ]
 
     @property
     def intra_node_GBps(self) -> Optional[float]:
         """Bottleneck GPU link inside the node (thesis Eq. 4.12): the slowest NVLink if every
         GPU has one, else the slowest PCIe link of a GPU."""
         nvl = self._gpu_links("NVL")
-        with_nvl = {lk.src if lk.src in self.gpus else lk.dst for lk in self.links
-                    if lk.kind == "NVL" and (lk.src in self.gpus or lk.dst in self.gpus)}
+        with_nvl = {
+            lk.src if lk.src in self.gpus else lk.dst
+            for lk in self.links
+            if lk.kind == "NVL" and (lk.src in self.gpus or lk.dst in self.gpus)
+        }
         if nvl and with_nvl >= set(self.gpus):
             return min(nvl)
         pci = self._gpu_links("PCI")
@@ -271,8 +284,9 @@ def _read_lines(source: Union[str, Path]) -> tuple[str, list[str], bool]:
     return str(path), text.splitlines(), bool(text) and not text.endswith(("\n", "\r"))
 
 
-def parse_nccl_log(source: Union[str, Path, Iterable[str]], *, name: Optional[str] = None,
-                   warn: bool = True) -> list[NcclProcessLog]:
+def parse_nccl_log(
+    source: Union[str, Path, Iterable[str]], *, name: Optional[str] = None, warn: bool = True
+) -> list[NcclProcessLog]:
     """Parse one log (a path, or an iterable of lines); one `NcclProcessLog` per process in it."""
     if isinstance(source, (str, Path)):
         src, lines, cut = _read_lines(source)
@@ -295,8 +309,11 @@ def parse_nccl_log(source: Union[str, Path, Iterable[str]], *, name: Optional[st
                 continue
         if m is None:
             if "opCount" in text or _ALGO_HINT.search(text) or _INIT_HINT.search(text):
-                skipped.append(SkippedLine(src, no, "truncated line" if truncated else "no host:pid:tid [dev] prefix",
-                                           text[:160]))
+                skipped.append(
+                    SkippedLine(
+                        src, no, "truncated line" if truncated else "no host:pid:tid [dev] prefix", text[:160]
+                    )
+                )
             continue
         key = (m.group("host"), int(m.group("pid")))
         st = states.get(key)
@@ -316,8 +333,12 @@ def parse_nccl_log(source: Union[str, Path, Iterable[str]], *, name: Optional[st
         logs[0].skipped = sorted(logs[0].skipped + orphans, key=lambda s: s.line)
     if skipped and warn:
         first = "; ".join(f"line {s.line}: {s.reason}" for s in skipped[:MAX_REPORTED_SKIPS])
-        warnings.warn(TraceParseWarning(f"NCCL log {src}: skipped {len(skipped)} malformed or truncated line(s) "
-                                        f"({first})"), stacklevel=2)
+        warnings.warn(
+            TraceParseWarning(
+                f"NCCL log {src}: skipped {len(skipped)} malformed or truncated line(s) ({first})"
+            ),
+            stacklevel=2,
+        )
     if not logs and skipped:
         # only malformed lines: keep them visible through an empty process record
         lg = NcclProcessLog("?", -1, src, skipped=skipped)
@@ -353,11 +374,26 @@ def _parse_message(st: _State, m: re.Match, no: int, src: str) -> Optional[str]:
             return "malformed call line"
         op = canonical_op(c.group("op")) or c.group("op")
         try:
-            call = NcclCall(op=op, op_count=int(c.group("opc"), 16), count=int(c.group("count")),
-                            datatype=int(c.group("dt")), redop=int(c.group("redop")), root=int(c.group("root")),
-                            comm=c.group("comm"), nranks=int(c.group("nranks")) if c.group("nranks") else None,
-                            stream=c.group("stream"), sendbuff=c.group("sb"), recvbuff=c.group("rb"), host=host,
-                            pid=pid, tid=tid, device=dev, time_us=_epoch_us(m), line=no, source=src)
+            call = NcclCall(
+                op=op,
+                op_count=int(c.group("opc"), 16),
+                count=int(c.group("count")),
+                datatype=int(c.group("dt")),
+                redop=int(c.group("redop")),
+                root=int(c.group("root")),
+                comm=c.group("comm"),
+                nranks=int(c.group("nranks")) if c.group("nranks") else None,
+                stream=c.group("stream"),
+                sendbuff=c.group("sb"),
+                recvbuff=c.group("rb"),
+                host=host,
+                pid=pid,
+                tid=tid,
+                device=dev,
+                time_us=_epoch_us(m),
+                line=no,
+                source=src,
+            )
         except ValueError:
             return "malformed number in call line"
         if call.datatype not in NCCL_DATATYPES:
@@ -371,9 +407,15 @@ def _parse_message(st: _State, m: re.Match, no: int, src: str) -> Optional[str]:
         algo, proto = normalize_algo(a.group("algo")), normalize_proto(a.group("proto"))
         if algo is None or proto is None:
             return "unknown algorithm/protocol in tuning line"
-        _attach_tuning(log, canonical_op(a.group("op")) if a.group("op") else None, int(a.group("bytes")),
-                       a.group("comm"), algo, proto,
-                       (int(a.group("lo")), int(a.group("hi"))) if a.group("lo") is not None else None)
+        _attach_tuning(
+            log,
+            canonical_op(a.group("op")) if a.group("op") else None,
+            int(a.group("bytes")),
+            a.group("comm"),
+            algo,
+            proto,
+            (int(a.group("lo")), int(a.group("hi"))) if a.group("lo") is not None else None,
+        )
         return None
     if _INIT_HINT.search(msg):
         i = _INIT.match(msg)
@@ -442,8 +484,15 @@ def _parse_topology_line(st: _State, msg: str) -> Optional[str]:
     return "malformed topology line"
 
 
-def _attach_tuning(log: NcclProcessLog, op: Optional[str], nbytes: int, comm: Optional[str], algo: str,
-                   proto: str, channels: Optional[tuple[int, int]]) -> None:
+def _attach_tuning(
+    log: NcclProcessLog,
+    op: Optional[str],
+    nbytes: int,
+    comm: Optional[str],
+    algo: str,
+    proto: str,
+    channels: Optional[tuple[int, int]],
+) -> None:
     # NCCL prints tuning lines while it schedules a group's tasks, after their call lines
     # (sorted by size inside a group): attach to the latest matching call still without one.
     for call in reversed(log.calls[-256:]):
@@ -495,6 +544,14 @@ def find_log_files(directory: Union[str, Path]) -> list[Path]:
 
 
 __all__ = [
-    "CommInit", "NcclCall", "NcclProcessLog", "NcclTopology", "SkippedLine", "TopoLink", "TraceParseWarning",
-    "find_log_files", "parse_nccl_log", "parse_nccl_logs",
+    "CommInit",
+    "NcclCall",
+    "NcclProcessLog",
+    "NcclTopology",
+    "SkippedLine",
+    "TopoLink",
+    "TraceParseWarning",
+    "find_log_files",
+    "parse_nccl_log",
+    "parse_nccl_logs",
 ]

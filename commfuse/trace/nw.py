@@ -49,9 +49,17 @@ def gap_costs(penalty: Callable[[int], float], R: int, upto: int) -> np.ndarray:
     return np.concatenate([[0.0], np.cumsum(g)])
 
 
-def align(S: np.ndarray, compatible: np.ndarray, penalty: Callable[[int], float], *, max_gap_run: int = 32,
-          bonus: float = 0.0, free_end_gaps: bool = False, free_leading: Optional[bool] = None,
-          free_trailing: Optional[bool] = None) -> NWResult:
+def align(
+    S: np.ndarray,
+    compatible: np.ndarray,
+    penalty: Callable[[int], float],
+    *,
+    max_gap_run: int = 32,
+    bonus: float = 0.0,
+    free_end_gaps: bool = False,
+    free_leading: Optional[bool] = None,
+    free_trailing: Optional[bool] = None,
+) -> NWResult:
     """Maximum-score global alignment of ``S.shape[0]`` rows with ``S.shape[1]`` columns."""
     n, m = S.shape
     lead = free_end_gaps if free_leading is None else free_leading
@@ -135,11 +143,11 @@ def align(S: np.ndarray, compatible: np.ndarray, penalty: Callable[[int], float]
             W = Qi + cols * gR
             cm = np.maximum.accumulate(W)
             pos = np.maximum.accumulate(np.where(W >= cm, cols, -1))
-            j = cols[R + 1:]
+            j = cols[R + 1 :]
             jp = pos[j - R - 1]
             cand = cm[j - R - 1] - j * gR - G[R] + R * gR
             cand = np.where(jp >= 0, cand, NEG)
-            sel = cand > besth[R + 1:]
+            sel = cand > besth[R + 1 :]
             idx = np.nonzero(sel)[0] + R + 1
             besth[idx] = cand[sel]
             hl[idx] = idx - jp[sel]
@@ -183,8 +191,13 @@ def align(S: np.ndarray, compatible: np.ndarray, penalty: Callable[[int], float]
         if i == 0 and j == 0:
             break
     cols.reverse()
-    return NWResult([(c[1], c[2]) for c in cols if c[0] == "pair"], [c[1] for c in cols if c[0] == "log_gap"],
-                    [c[1] for c in cols if c[0] == "kernel_gap"], score, cols)
+    return NWResult(
+        [(c[1], c[2]) for c in cols if c[0] == "pair"],
+        [c[1] for c in cols if c[0] == "log_gap"],
+        [c[1] for c in cols if c[0] == "kernel_gap"],
+        score,
+        cols,
+    )
 
 
 __all__ = ["NWResult", "align", "gap_costs"]

@@ -33,8 +33,16 @@ from typing import Any, Optional, Union
 from commfuse.trace.align import AlignConfig, RunAlignment, align_run
 from commfuse.trace.kernel_trace import read_kernel_traces
 from commfuse.trace.nccl_log import parse_nccl_logs
-from commfuse.trace.synth import (LogItem, SynthCall, SynthKernel, SynthLaunch, SynthRun, render_log,
-                                  render_torch_trace, write_nsys_sqlite)
+from commfuse.trace.synth import (
+    LogItem,
+    SynthCall,
+    SynthKernel,
+    SynthLaunch,
+    SynthRun,
+    render_log,
+    render_torch_trace,
+    write_nsys_sqlite,
+)
 
 THESIS_F1 = {"1:1": 0.988, "kernel_drop_20": 0.912, "log_drop_20": 0.868, "both_drop_20": 0.805}
 
@@ -45,7 +53,9 @@ class Scenario:
     kernel_drop: float = 0.0  # fraction of launches whose kernel is missing
     log_drop: float = 0.0  # fraction of launches whose call lines are missing
     duplicate_ranks: tuple[int, ...] = ()  # these ranks log every call line twice
-    unlogged_p2p_kernels: float = 0.0  # extra SendRecv kernels, fraction of the p2p launches (>= 1 if any p2p)
+    unlogged_p2p_kernels: float = (
+        0.0  # extra SendRecv kernels, fraction of the p2p launches (>= 1 if any p2p)
+    )
     startup_calls: int = 0  # AllReduce calls logged before the kernel trace starts
 
 
@@ -84,14 +94,35 @@ def perturb(run: SynthRun, scenario: Scenario, seed: int = 0) -> tuple[SynthRun,
             pre = []
             for s in range(scenario.startup_calls):
                 buf = f"0x7f{rng.getrandbits(40):010x}"
-                k = SynthKernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 0, 0,
-                                0, -1, (1, 1, 1), (512, 1, 1))
-                pre.append(SynthLaunch(next_uid, rk.rank, g0, s, "all_reduce", [SynthCall("AllReduce", 1, sendbuff=buf,
-                                                                                          recvbuff=buf)],
-                                       t0 - 900_000.0 + 20_000.0 * s, "RING", "LL", (0, 0), k))
+                k = SynthKernel(
+                    "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                    0,
+                    0,
+                    0,
+                    -1,
+                    (1, 1, 1),
+                    (512, 1, 1),
+                )
+                pre.append(
+                    SynthLaunch(
+                        next_uid,
+                        rk.rank,
+                        g0,
+                        s,
+                        "all_reduce",
+                        [SynthCall("AllReduce", 1, sendbuff=buf, recvbuff=buf)],
+                        t0 - 900_000.0 + 20_000.0 * s,
+                        "RING",
+                        "LL",
+                        (0, 0),
+                        k,
+                    )
+                )
                 next_uid += 1
             rk.launches = pre + rk.launches
-        startup = {lau.uid for lau in rk.launches[:scenario.startup_calls]} if scenario.startup_calls else set()
+        startup = (
+            {lau.uid for lau in rk.launches[: scenario.startup_calls]} if scenario.startup_calls else set()
+        )
         items: list[LogItem] = []
         kernels: list[SynthKernel] = []
         kernel_uid: dict[int, Optional[int]] = {}
@@ -110,15 +141,27 @@ def perturb(run: SynthRun, scenario: Scenario, seed: int = 0) -> tuple[SynthRun,
             if logged and traced:
                 truth.add(lau.uid)
         if scenario.unlogged_p2p_kernels > 0:
-            p2p = [lau for lau in rk.launches if lau.calls[0].op in ("Send", "Recv") and lau.uid not in startup]
+            p2p = [
+                lau for lau in rk.launches if lau.calls[0].op in ("Send", "Recv") and lau.uid not in startup
+            ]
             extra = max(1, round(scenario.unlogged_p2p_kernels * len(p2p))) if p2p else 0
             for e in range(extra):
                 at = rng.choice(p2p).kernel
                 s = at.end_ns + 2_000 + rng.randrange(3_000)
                 corr = 900_000 + 100 * rk.rank + e
-                kernels.append(SynthKernel("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", s, s + 4_000,
-                                           at.stream, corr, (2, 1, 1), (512, 1, 1),
-                                           {"Collective name": "send", "dtype": "Float"}, s - 9_000))
+                kernels.append(
+                    SynthKernel(
+                        "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
+                        s,
+                        s + 4_000,
+                        at.stream,
+                        corr,
+                        (2, 1, 1),
+                        (512, 1, 1),
+                        {"Collective name": "send", "dtype": "Float"},
+                        s - 9_000,
+                    )
+                )
                 kernel_uid[corr] = None
             kernels.sort(key=lambda k: k.start_ns)
         views.append(RankView(rk.rank, items, kernels, kernel_uid, truth))
@@ -163,7 +206,11 @@ def evaluate(run: SynthRun, views: list[RankView], result: RunAlignment) -> tupl
             for li, kj in ra.pairs:
                 lau = ra.launches[li]
                 lu = uid_of_launch.get((group_of_ptr.get(lau.comm, -1), lau.op_count))
-                ku = v.kernel_uid.get(ra.kernels[kj].correlation) if ra.kernels[kj].correlation is not None else None
+                ku = (
+                    v.kernel_uid.get(ra.kernels[kj].correlation)
+                    if ra.kernels[kj].correlation is not None
+                    else None
+                )
                 pred.add((lu, ku))
         truth = {(u, u) for u in v.truth}
         c.tp = len(pred & truth)
@@ -185,15 +232,24 @@ class ScenarioResult:
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"model": self.model, "scenario": self.scenario, "trace_format": self.trace_format,
-                "precision": round(self.counts.precision, 4), "recall": round(self.counts.recall, 4),
-                "f1": round(self.counts.f1, 4), "tp": self.counts.tp, "fp": self.counts.fp, "fn": self.counts.fn,
-                "clock_error_us": None if self.clock_error_us is None else round(self.clock_error_us, 3),
-                "notes": self.notes}
+        return {
+            "model": self.model,
+            "scenario": self.scenario,
+            "trace_format": self.trace_format,
+            "precision": round(self.counts.precision, 4),
+            "recall": round(self.counts.recall, 4),
+            "f1": round(self.counts.f1, 4),
+            "tp": self.counts.tp,
+            "fp": self.counts.fp,
+            "fn": self.counts.fn,
+            "clock_error_us": None if self.clock_error_us is None else round(self.clock_error_us, 3),
+            "notes": self.notes,
+        }
 
 
-def write_view(run: SynthRun, views: list[RankView], out: Union[str, Path], trace_format: str = "nsys"
-               ) -> tuple[Path, Path]:
+def write_view(
+    run: SynthRun, views: list[RankView], out: Union[str, Path], trace_format: str = "nsys"
+) -> tuple[Path, Path]:
     """Write ``logs/rank<r>.log`` and ``traces/rank<r>.{sqlite,json}`` under ``out``."""
     if trace_format not in ("nsys", "torch", "torch-nometa"):
         raise ValueError(f"trace_format must be 'nsys', 'torch' or 'torch-nometa', got {trace_format!r}")
@@ -211,24 +267,44 @@ def write_view(run: SynthRun, views: list[RankView], out: Union[str, Path], trac
     return logs, traces
 
 
-def run_scenario(run: SynthRun, scenario: Union[str, Scenario], cfg: Optional[AlignConfig] = None, *,
-                 trace_format: str = "nsys", seed: int = 0, workdir: Optional[Union[str, Path]] = None,
-                 sync_point: str = "end") -> ScenarioResult:
+def run_scenario(
+    run: SynthRun,
+    scenario: Union[str, Scenario],
+    cfg: Optional[AlignConfig] = None,
+    *,
+    trace_format: str = "nsys",
+    seed: int = 0,
+    workdir: Optional[Union[str, Path]] = None,
+    sync_point: str = "end",
+) -> ScenarioResult:
     """Perturb, write in the real formats, parse, align and score one scenario (module docstring)."""
     sc = SCENARIOS[scenario] if isinstance(scenario, str) else scenario
     prun, views = perturb(run, sc, seed)
     with tempfile.TemporaryDirectory(prefix="commfuse-align-") as tmp:
         base = Path(workdir) if workdir is not None else Path(tmp)
-        logs_dir, traces_dir = write_view(prun, views, base / f"{run.model}-{sc.name}-{trace_format}", trace_format)
+        logs_dir, traces_dir = write_view(
+            prun, views, base / f"{run.model}-{sc.name}-{trace_format}", trace_format
+        )
         logs = parse_nccl_logs(sorted(logs_dir.glob("*.log")))
         traces = read_kernel_traces(traces_dir)
         result = align_run(logs, traces, cfg, sync_point=sync_point)
     total, per_rank = evaluate(prun, views, result)
     truth = prun.true_offsets_ns()
     errs = [abs(result.offsets_ns[r] - truth[r]) / 1e3 for r in result.offsets_ns if r in truth]
-    return ScenarioResult(run.model, sc.name, trace_format, total, per_rank, max(errs) if errs else None,
-                          list(result.notes))
+    return ScenarioResult(
+        run.model, sc.name, trace_format, total, per_rank, max(errs) if errs else None, list(result.notes)
+    )
 
 
-__all__ = ["Counts", "RankView", "SCENARIOS", "Scenario", "ScenarioResult", "THESIS_F1", "evaluate", "perturb",
-           "run_scenario", "write_view"]
+__all__ = [
+    "Counts",
+    "RankView",
+    "SCENARIOS",
+    "Scenario",
+    "ScenarioResult",
+    "THESIS_F1",
+    "evaluate",
+    "perturb",
+    "run_scenario",
+    "write_view",
+]

@@ -61,15 +61,39 @@ FIXTURE_DIR = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "alig
 SEQUENCES = FIXTURE_DIR / "sequences.json"
 
 # A 4-GPU H100 NVSwitch node as commfuse's cost model sees it (DGX-H100 numbers, 4 ranks).
-H100_NODE4 = Topology(name="h100-nvswitch-4", num_nodes=1, ranks_per_node=4, intra_node_bandwidth_GBps=370.0,
-                      inter_node_bandwidth_GBps=45.0, intra_node_latency_us=2.0, inter_node_latency_us=6.0,
-                      collective_launch_us=5.0, device="H100", peak_tflops_fp32=67.0, peak_tflops_bf16=990.0,
-                      memory_bandwidth_GBps=3350.0, num_sms=132, nccl_channels=16)
+H100_NODE4 = Topology(
+    name="h100-nvswitch-4",
+    num_nodes=1,
+    ranks_per_node=4,
+    intra_node_bandwidth_GBps=370.0,
+    inter_node_bandwidth_GBps=45.0,
+    intra_node_latency_us=2.0,
+    inter_node_latency_us=6.0,
+    collective_launch_us=5.0,
+    device="H100",
+    peak_tflops_fp32=67.0,
+    peak_tflops_bf16=990.0,
+    memory_bandwidth_GBps=3350.0,
+    num_sms=132,
+    nccl_channels=16,
+)
 
-_KIND_OP = {"all_reduce": "AllReduce", "all_gather": "AllGather", "reduce_scatter": "ReduceScatter",
-            "broadcast": "Broadcast", "all_to_all": "SendRecv", "send": "SendRecv", "recv": "SendRecv"}
-_TORCH_COLL_NAME = {"AllReduce": "allreduce", "AllGather": "all_gather_into_tensor",
-                    "ReduceScatter": "reduce_scatter_tensor", "Broadcast": "broadcast", "SendRecv": "all_to_all"}
+_KIND_OP = {
+    "all_reduce": "AllReduce",
+    "all_gather": "AllGather",
+    "reduce_scatter": "ReduceScatter",
+    "broadcast": "Broadcast",
+    "all_to_all": "SendRecv",
+    "send": "SendRecv",
+    "recv": "SendRecv",
+}
+_TORCH_COLL_NAME = {
+    "AllReduce": "allreduce",
+    "AllGather": "all_gather_into_tensor",
+    "ReduceScatter": "reduce_scatter_tensor",
+    "Broadcast": "broadcast",
+    "SendRecv": "all_to_all",
+}
 
 
 @dataclass(frozen=True)
@@ -204,7 +228,9 @@ def _size_for_model(op: str, logged: int, sent: int, n: int) -> int:
     return logged
 
 
-def synthesize(model: str, doc: Optional[dict[str, Any]] = None, cfg: Optional[SynthConfig] = None) -> SynthRun:
+def synthesize(
+    model: str, doc: Optional[dict[str, Any]] = None, cfg: Optional[SynthConfig] = None
+) -> SynthRun:
     """One `SynthRun` for ``model`` (a key of sequences.json's ``models``)."""
     doc = doc if doc is not None else load_sequences()
     cfg = cfg or SynthConfig()
@@ -219,10 +245,19 @@ def synthesize(model: str, doc: Optional[dict[str, Any]] = None, cfg: Optional[S
     ranks: list[SynthRank] = []
     for r in range(world):
         pid = 41000 + 131 * r
-        ranks.append(SynthRank(
-            r, cfg.host, pid, pid + 612, r % cfg.topology.ranks_per_node, f"{0x18000 + 0x11000 * r:x}",
-            {g: _ptr(rng) for g in range(len(groups))}, {g: _ptr(rng) for g in range(len(groups))},
-            {g: 13 + 4 * g for g in range(len(groups))}))
+        ranks.append(
+            SynthRank(
+                r,
+                cfg.host,
+                pid,
+                pid + 612,
+                r % cfg.topology.ranks_per_node,
+                f"{0x18000 + 0x11000 * r:x}",
+                {g: _ptr(rng) for g in range(len(groups))},
+                {g: _ptr(rng) for g in range(len(groups))},
+                {g: 13 + 4 * g for g in range(len(groups))},
+            )
+        )
     seqs = rec["ranks"]
     nops = len(seqs[0])
     if any(len(s) != nops for s in seqs):
@@ -250,13 +285,17 @@ def synthesize(model: str, doc: Optional[dict[str, Any]] = None, cfg: Optional[S
         for r in members:
             o = seqs[r][k]
             if (o[0], o[1]) != (kind, gidx):
-                raise ConfigError(f"synthesize: model {model!r} op {k}: ranks disagree ({seqs[0][k][:2]} vs {o[:2]})")
+                raise ConfigError(
+                    f"synthesize: model {model!r} op {k}: ranks disagree ({seqs[0][k][:2]} vs {o[:2]})"
+                )
             ready = base_us + 2000.0 + cfg.timeline_scale * o[5] / 1e3  # the GPU's compute timeline
             step0 = cfg.timeline_scale * seqs[r][(k // per_step) * per_step][5] / 1e3 + base_us + 2000.0
             host = step0 + cfg.host_ahead * (ready - step0)
             # one host thread: an op is called after the previous op's launch call returned
             host = max(host, host_free[r])
-            launch_call[r] = host + 0.4 * (ncalls - 1) + cfg.enqueue_us * math.exp(rng.gauss(0.0, cfg.latency_sigma))
+            launch_call[r] = (
+                host + 0.4 * (ncalls - 1) + cfg.enqueue_us * math.exp(rng.gauss(0.0, cfg.latency_sigma))
+            )
             host_free[r] = launch_call[r] + 1.0
             lat = cfg.launch_latency_us * math.exp(rng.gauss(0.0, cfg.latency_sigma))
             starts[r] = max(launch_call[r] + lat, ready, stream_free[r][gidx])
@@ -286,24 +325,53 @@ def synthesize(model: str, doc: Optional[dict[str, Any]] = None, cfg: Optional[S
                 calls = [SynthCall(op, cnt, sendbuff=buf, recvbuff=buf if op == "AllReduce" else _ptr(rng))]
                 grid = (chans[1] - chans[0] + 1, 1, 1)
             corr[r] += 7
-            meta = {"Collective name": _TORCH_COLL_NAME[op], "dtype": "Float", "Group size": n,
-                    "Process Group Name": str(gidx), "Process Group Description": "default_pg" if n == world
-                    else f"group{gidx}", "Process Group Ranks": str(members), "Rank": gr}
+            meta = {
+                "Collective name": _TORCH_COLL_NAME[op],
+                "dtype": "Float",
+                "Group size": n,
+                "Process Group Name": str(gidx),
+                "Process Group Description": "default_pg" if n == world else f"group{gidx}",
+                "Process Group Ranks": str(members),
+                "Rank": gr,
+            }
             if op == "SendRecv":
                 total = sum(c.count for c in calls if c.op == "Send")
                 meta.update({"In msg nelems": total, "Out msg nelems": total})
             else:
                 c0 = calls[0].count
-                meta.update({"In msg nelems": c0 * (n if op == "ReduceScatter" else 1),
-                             "Out msg nelems": c0 * (n if op == "AllGather" else 1)})
+                meta.update(
+                    {
+                        "In msg nelems": c0 * (n if op == "ReduceScatter" else 1),
+                        "Out msg nelems": c0 * (n if op == "AllGather" else 1),
+                    }
+                )
             shift = off_us[r]
-            kern = SynthKernel(_kernel_name(op, algo), int(round((starts[r] + shift) * 1e3)),
-                               int(round((my_end + shift) * 1e3)), rk.stream_ids[gidx], corr[r], grid,
-                               (640 if proto == "SIMPLE" else 512, 1, 1), meta,
-                               int(round((launch_call[r] + shift) * 1e3)))
-            rk.launches.append(SynthLaunch(uid, r, gidx, op_count[r][gidx], kind, calls, enq[r] + shift,
-                                           algo if op != "SendRecv" else None, proto if op != "SendRecv" else None,
-                                           chans if op != "SendRecv" else None, kern))
+            kern = SynthKernel(
+                _kernel_name(op, algo),
+                int(round((starts[r] + shift) * 1e3)),
+                int(round((my_end + shift) * 1e3)),
+                rk.stream_ids[gidx],
+                corr[r],
+                grid,
+                (640 if proto == "SIMPLE" else 512, 1, 1),
+                meta,
+                int(round((launch_call[r] + shift) * 1e3)),
+            )
+            rk.launches.append(
+                SynthLaunch(
+                    uid,
+                    r,
+                    gidx,
+                    op_count[r][gidx],
+                    kind,
+                    calls,
+                    enq[r] + shift,
+                    algo if op != "SendRecv" else None,
+                    proto if op != "SendRecv" else None,
+                    chans if op != "SendRecv" else None,
+                    kern,
+                )
+            )
             op_count[r][gidx] += 1
             uid += 1
     return SynthRun(model, world, groups, comm_ids, ranks, cfg, steps)
@@ -355,33 +423,46 @@ def render_log(run: SynthRun, rank: int, items: list[LogItem], *, extra_lines: t
     cfg = run.config
     rk = run.ranks[rank]
     by_uid = {lau.uid: lau for lau in rk.launches}
-    t0 = (min((lau.t_log_us for lau in rk.launches), default=cfg.base_epoch_s * 1e6) - 1500.0)
+    t0 = min((lau.t_log_us for lau in rk.launches), default=cfg.base_epoch_s * 1e6) - 1500.0
     init_tid = rk.pid
-    lines = [f"{rk.host}:{rk.pid}:{rk.pid} [{rk.device}] NCCL INFO Bootstrap : Using eth0:10.0.0.{rank + 10}<0>",
-             f"{rk.host}:{rk.pid}:{rk.pid} [{rk.device}] NCCL INFO cudaDriverVersion 12040",
-             f"NCCL version {cfg.nccl_version}"]
+    lines = [
+        f"{rk.host}:{rk.pid}:{rk.pid} [{rk.device}] NCCL INFO Bootstrap : Using eth0:10.0.0.{rank + 10}<0>",
+        f"{rk.host}:{rk.pid}:{rk.pid} [{rk.device}] NCCL INFO cudaDriverVersion 12040",
+        f"NCCL version {cfg.nccl_version}",
+    ]
     for g, members in enumerate(run.groups):
         if rank not in members:
             continue
         gr, n = members.index(rank), len(members)
         p = _prefix(rk, t0, cfg, init_tid)
-        lines.append(f"{p}ncclCommInitRank comm {rk.comm_ptrs[g]} rank {gr} nranks {n} cudaDev {rk.device} "
-                     f"nvmlDev {rk.device} busId {rk.bus_id} commId {run.comm_ids[g]} - Init START")
+        lines.append(
+            f"{p}ncclCommInitRank comm {rk.comm_ptrs[g]} rank {gr} nranks {n} cudaDev {rk.device} "
+            f"nvmlDev {rk.device} busId {rk.bus_id} commId {run.comm_ids[g]} - Init START"
+        )
         if g == 0:
             lines.extend(p + t for t in _TOPO_BLOCK)
-        lines.append(f"{p}comm {rk.comm_ptrs[g]} rank {gr} nRanks {n} nNodes 1 localRanks {n} localRank {gr} "
-                     "MNNVL 0")
+        lines.append(
+            f"{p}comm {rk.comm_ptrs[g]} rank {gr} nRanks {n} nNodes 1 localRanks {n} localRank {gr} MNNVL 0"
+        )
         for ch in range(4):
             order = "".join(f"{(gr0 + ch) % n:4d}" for gr0 in range(n))
             lines.append(f"{p}Channel {ch:02d}/24 : {order}")
-        lines.append(f"{p}Trees [0] {(gr + 1) % n}/-1/-1->{gr}->{(gr - 1) % n} [1] {(gr + 1) % n}/-1/-1->{gr}->-1")
-        lines.append(f"{p}24 coll channels, 24 collnet channels, 0 nvls channels, 32 p2p channels, "
-                     "32 p2p channels per peer")
-        lines.append(f"{p}ncclCommInitRank comm {rk.comm_ptrs[g]} rank {gr} nranks {n} cudaDev {rk.device} "
-                     f"nvmlDev {rk.device} busId {rk.bus_id} commId {run.comm_ids[g]} - Init COMPLETE")
-        lines.append(f"{p}Init timings - ncclCommInitRank: rank {gr} nranks {n} total 0.66 (kernels 0.42, "
-                     "alloc 0.02, bootstrap 0.07, allgathers 0.03, topo 0.06, graphs 0.01, connections 0.04, "
-                     "rest 0.01)")
+        lines.append(
+            f"{p}Trees [0] {(gr + 1) % n}/-1/-1->{gr}->{(gr - 1) % n} [1] {(gr + 1) % n}/-1/-1->{gr}->-1"
+        )
+        lines.append(
+            f"{p}24 coll channels, 24 collnet channels, 0 nvls channels, 32 p2p channels, "
+            "32 p2p channels per peer"
+        )
+        lines.append(
+            f"{p}ncclCommInitRank comm {rk.comm_ptrs[g]} rank {gr} nranks {n} cudaDev {rk.device} "
+            f"nvmlDev {rk.device} busId {rk.bus_id} commId {run.comm_ids[g]} - Init COMPLETE"
+        )
+        lines.append(
+            f"{p}Init timings - ncclCommInitRank: rank {gr} nranks {n} total 0.66 (kernels 0.42, "
+            "alloc 0.02, bootstrap 0.07, allgathers 0.03, topo 0.06, graphs 0.01, connections 0.04, "
+            "rest 0.01)"
+        )
     lines.extend(extra_lines)
     pending_tuning: list[str] = []
     last_uid = None
@@ -394,13 +475,17 @@ def render_log(run: SynthRun, rank: int, items: list[LogItem], *, extra_lines: t
         members = run.groups[lau.group]
         t = lau.t_log_us + 0.4 * it.call
         p = _prefix(rk, t, cfg)
-        lines.append(f"{p}{c.op}: opCount {lau.op_count:x} sendbuff {c.sendbuff} recvbuff {c.recvbuff} count "
-                     f"{c.count} datatype {c.datatype} op {c.redop} root {c.root} comm {rk.comm_ptrs[lau.group]} "
-                     f"[nranks={len(members)}] stream {rk.stream_ptrs[lau.group]}")
+        lines.append(
+            f"{p}{c.op}: opCount {lau.op_count:x} sendbuff {c.sendbuff} recvbuff {c.recvbuff} count "
+            f"{c.count} datatype {c.datatype} op {c.redop} root {c.root} comm {rk.comm_ptrs[lau.group]} "
+            f"[nranks={len(members)}] stream {rk.stream_ptrs[lau.group]}"
+        )
         if members.index(rank) == 0 and lau.algo is not None and it.call == len(lau.calls) - 1:
             lo, hi = lau.channels or (0, 0)
-            pending_tuning.append(f"{_prefix(rk, t + 1.1, cfg)}{c.op}: {c.count * 4} Bytes -> Algo {lau.algo} proto "
-                                  f"{lau.proto} channel{{Lo..Hi}}={{{lo}..{hi}}}")
+            pending_tuning.append(
+                f"{_prefix(rk, t + 1.1, cfg)}{c.op}: {c.count * 4} Bytes -> Algo {lau.algo} proto "
+                f"{lau.proto} channel{{Lo..Hi}}={{{lo}..{hi}}}"
+            )
         last_uid = it.uid
     lines.extend(pending_tuning)
     return "\n".join(lines) + "\n"
@@ -409,60 +494,140 @@ def render_log(run: SynthRun, rank: int, items: list[LogItem], *, extra_lines: t
 def _compute_kernels(kernels: list[SynthKernel], rng: random.Random) -> list[tuple[str, int, int]]:
     """A few non-NCCL kernels between the collectives (the readers must ignore them)."""
     out = []
-    names = ("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off"
-             "_kernel__5x_cublas", "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add"
-             "<float>, std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>)")
+    names = (
+        "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32_warpgroupsize1x1x1_execute_segment_k_off"
+        "_kernel__5x_cublas",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add"
+        "<float>, std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>)",
+    )
     for k in kernels[::3]:
         s = k.start_ns - 20_000 - rng.randrange(5_000)
         out.append((names[rng.randrange(2)], s, s + 8_000 + rng.randrange(4_000)))
     return out
 
 
-def render_torch_trace(run: SynthRun, rank: int, kernels: list[SynthKernel], *, metadata: bool = True
-                       ) -> dict[str, Any]:
+def render_torch_trace(
+    run: SynthRun, rank: int, kernels: list[SynthKernel], *, metadata: bool = True
+) -> dict[str, Any]:
     """A torch.profiler (Kineto) Chrome trace of ``rank`` with these NCCL kernels."""
     rng = random.Random(f"{run.config.seed}:{run.model}:torch:{rank}")
-    allk = [(k.name, k.start_ns, k.end_ns, k) for k in kernels] + \
-        [(n, s, e, None) for n, s, e in _compute_kernels(kernels, rng)]
-    base = (min((x[1] for x in allk), default=int(run.config.base_epoch_s * 1e9)) // 1_000_000_000) * 1_000_000_000
+    allk = [(k.name, k.start_ns, k.end_ns, k) for k in kernels] + [
+        (n, s, e, None) for n, s, e in _compute_kernels(kernels, rng)
+    ]
+    base = (
+        min((x[1] for x in allk), default=int(run.config.base_epoch_s * 1e9)) // 1_000_000_000
+    ) * 1_000_000_000
     rk = run.ranks[rank]
-    ev: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": rk.device, "tid": 0,
-                                 "args": {"name": "python3"}}]
+    ev: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": rk.device, "tid": 0, "args": {"name": "python3"}}
+    ]
     for name, s, e, k in sorted(allk, key=lambda x: x[1]):
-        args: dict[str, Any] = {"External id": rng.randrange(1, 1 << 20), "device": run.ranks[rank].device,
-                                "context": 1}
+        args: dict[str, Any] = {
+            "External id": rng.randrange(1, 1 << 20),
+            "device": run.ranks[rank].device,
+            "context": 1,
+        }
         if k is not None:
-            args.update({"stream": k.stream, "correlation": k.correlation, "registers per thread": 96,
-                         "shared memory": 7104, "blocks per SM": round(k.grid[0] / 132, 6), "warps per SM": 0.0,
-                         "grid": list(k.grid), "block": list(k.block), "est. achieved occupancy %": 0})
+            args.update(
+                {
+                    "stream": k.stream,
+                    "correlation": k.correlation,
+                    "registers per thread": 96,
+                    "shared memory": 7104,
+                    "blocks per SM": round(k.grid[0] / 132, 6),
+                    "warps per SM": 0.0,
+                    "grid": list(k.grid),
+                    "block": list(k.block),
+                    "est. achieved occupancy %": 0,
+                }
+            )
             if metadata:
                 args.update(k.meta)
         else:
-            args.update({"stream": 7, "correlation": rng.randrange(1 << 21, 1 << 22), "grid": [132, 1, 1],
-                         "block": [256, 1, 1]})
-        ev.append({"ph": "X", "cat": "kernel", "name": name, "pid": rk.device,
-                   "tid": args["stream"], "ts": (s - base) / 1e3, "dur": (e - s) / 1e3, "args": args})
+            args.update(
+                {
+                    "stream": 7,
+                    "correlation": rng.randrange(1 << 21, 1 << 22),
+                    "grid": [132, 1, 1],
+                    "block": [256, 1, 1],
+                }
+            )
+        ev.append(
+            {
+                "ph": "X",
+                "cat": "kernel",
+                "name": name,
+                "pid": rk.device,
+                "tid": args["stream"],
+                "ts": (s - base) / 1e3,
+                "dur": (e - s) / 1e3,
+                "args": args,
+            }
+        )
         launch = k.launch_ns if k is not None and k.launch_ns is not None else s - 15_000
-        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernelExC" if k is not None
-                   else "cudaLaunchKernel", "pid": rk.pid, "tid": rk.pid, "ts": (launch - base) / 1e3, "dur": 4.2,
-                   "args": {"External id": args["External id"], "cbid": 430 if k is not None else 211,
-                            "correlation": args["correlation"]}})
-    return {"schemaVersion": 1, "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3", "numSms": 132}],
-            "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": run.world,
-                                "nccl_version": run.config.nccl_version.split("+")[0]},
-            "cupti_version": 24, "cuda_runtime_version": 12040, "displayTimeUnit": "ms",
-            "baseTimeNanoseconds": base, "traceEvents": ev}
+        ev.append(
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaLaunchKernelExC" if k is not None else "cudaLaunchKernel",
+                "pid": rk.pid,
+                "tid": rk.pid,
+                "ts": (launch - base) / 1e3,
+                "dur": 4.2,
+                "args": {
+                    "External id": args["External id"],
+                    "cbid": 430 if k is not None else 211,
+                    "correlation": args["correlation"],
+                },
+            }
+        )
+    return {
+        "schemaVersion": 1,
+        "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3", "numSms": 132}],
+        "distributedInfo": {
+            "backend": "nccl",
+            "rank": rank,
+            "world_size": run.world,
+            "nccl_version": run.config.nccl_version.split("+")[0],
+        },
+        "cupti_version": 24,
+        "cuda_runtime_version": 12040,
+        "displayTimeUnit": "ms",
+        "baseTimeNanoseconds": base,
+        "traceEvents": ev,
+    }
 
 
 _NSYS_KERNEL_COLUMNS = (
-    "start INTEGER NOT NULL", "end INTEGER NOT NULL", "deviceId INTEGER NOT NULL", "contextId INTEGER NOT NULL",
-    "greenContextId INTEGER", "streamId INTEGER NOT NULL", "correlationId INTEGER", "globalPid INTEGER",
-    "demangledName INTEGER NOT NULL", "shortName INTEGER NOT NULL", "mangledName INTEGER", "launchType INTEGER",
-    "cacheConfig INTEGER", "registersPerThread INTEGER NOT NULL", "gridX INTEGER NOT NULL", "gridY INTEGER NOT NULL",
-    "gridZ INTEGER NOT NULL", "blockX INTEGER NOT NULL", "blockY INTEGER NOT NULL", "blockZ INTEGER NOT NULL",
-    "staticSharedMemory INTEGER NOT NULL", "dynamicSharedMemory INTEGER NOT NULL",
-    "localMemoryPerThread INTEGER NOT NULL", "localMemoryTotal INTEGER NOT NULL", "gridId INTEGER NOT NULL",
-    "sharedMemoryExecuted INTEGER", "graphNodeId INTEGER", "sharedMemoryLimitConfig INTEGER")
+    "start INTEGER NOT NULL",
+    "end INTEGER NOT NULL",
+    "deviceId INTEGER NOT NULL",
+    "contextId INTEGER NOT NULL",
+    "greenContextId INTEGER",
+    "streamId INTEGER NOT NULL",
+    "correlationId INTEGER",
+    "globalPid INTEGER",
+    "demangledName INTEGER NOT NULL",
+    "shortName INTEGER NOT NULL",
+    "mangledName INTEGER",
+    "launchType INTEGER",
+    "cacheConfig INTEGER",
+    "registersPerThread INTEGER NOT NULL",
+    "gridX INTEGER NOT NULL",
+    "gridY INTEGER NOT NULL",
+    "gridZ INTEGER NOT NULL",
+    "blockX INTEGER NOT NULL",
+    "blockY INTEGER NOT NULL",
+    "blockZ INTEGER NOT NULL",
+    "staticSharedMemory INTEGER NOT NULL",
+    "dynamicSharedMemory INTEGER NOT NULL",
+    "localMemoryPerThread INTEGER NOT NULL",
+    "localMemoryTotal INTEGER NOT NULL",
+    "gridId INTEGER NOT NULL",
+    "sharedMemoryExecuted INTEGER",
+    "graphNodeId INTEGER",
+    "sharedMemoryLimitConfig INTEGER",
+)
 
 
 def write_nsys_sqlite(path: Union[str, Path], run: SynthRun, rank: int, kernels: list[SynthKernel]) -> Path:
@@ -472,20 +637,27 @@ def write_nsys_sqlite(path: Union[str, Path], run: SynthRun, rank: int, kernels:
         p.unlink()
     rng = random.Random(f"{run.config.seed}:{run.model}:nsys:{rank}")
     rk = run.ranks[rank]
-    allk = [(k.name, k.start_ns, k.end_ns, k) for k in kernels] + \
-        [(n, s, e, None) for n, s, e in _compute_kernels(kernels, rng)]
+    allk = [(k.name, k.start_ns, k.end_ns, k) for k in kernels] + [
+        (n, s, e, None) for n, s, e in _compute_kernels(kernels, rng)
+    ]
     origin = min((x[1] for x in allk), default=int(run.config.base_epoch_s * 1e9)) - 3_000_000
     gpid = (rk.pid << 24) | (1 << 56)
     con = sqlite3.connect(p)
     try:
         con.execute("CREATE TABLE StringIds (id INTEGER NOT NULL PRIMARY KEY, value TEXT NOT NULL)")
         con.execute(f"CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL ({', '.join(_NSYS_KERNEL_COLUMNS)})")
-        con.execute("CREATE TABLE TARGET_INFO_SESSION_START_TIME (utcEpochNs INTEGER, utcTime TEXT, localTime TEXT)")
-        con.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INTEGER NOT NULL, end INTEGER NOT NULL, "
-                    "eventClass INTEGER NOT NULL, globalTid INTEGER, correlationId INTEGER, nameId INTEGER NOT NULL, "
-                    "returnValue INTEGER NOT NULL, callchainId INTEGER)")
-        con.execute("INSERT INTO TARGET_INFO_SESSION_START_TIME VALUES (?, ?, ?)",
-                    (origin, "2025-12-18T18:07:56.000Z", "2025-12-18T19:07:56.000+01:00"))
+        con.execute(
+            "CREATE TABLE TARGET_INFO_SESSION_START_TIME (utcEpochNs INTEGER, utcTime TEXT, localTime TEXT)"
+        )
+        con.execute(
+            "CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INTEGER NOT NULL, end INTEGER NOT NULL, "
+            "eventClass INTEGER NOT NULL, globalTid INTEGER, correlationId INTEGER, nameId INTEGER NOT NULL, "
+            "returnValue INTEGER NOT NULL, callchainId INTEGER)"
+        )
+        con.execute(
+            "INSERT INTO TARGET_INFO_SESSION_START_TIME VALUES (?, ?, ?)",
+            (origin, "2025-12-18T18:07:56.000Z", "2025-12-18T19:07:56.000+01:00"),
+        )
         ids: dict[str, int] = {}
 
         def sid(s: str) -> int:
@@ -499,21 +671,69 @@ def write_nsys_sqlite(path: Union[str, Path], run: SynthRun, rank: int, kernels:
             grid = k.grid if k else (132, 1, 1)
             block = k.block if k else (256, 1, 1)
             corr = k.correlation if k else rng.randrange(1 << 21, 1 << 22)
-            con.execute(f"INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES ({', '.join('?' * 28)})",
-                        (s - origin, e - origin, rk.device, 1, None, k.stream if k else 7,
-                         corr, gpid, sid(name), sid(short), None, 0,
-                         0, 96, *grid, *block, 7104 if k else 0, 82240 if k else 0, 0, 0, rng.randrange(1 << 20),
-                         None, None, None))
+            con.execute(
+                f"INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES ({', '.join('?' * 28)})",
+                (
+                    s - origin,
+                    e - origin,
+                    rk.device,
+                    1,
+                    None,
+                    k.stream if k else 7,
+                    corr,
+                    gpid,
+                    sid(name),
+                    sid(short),
+                    None,
+                    0,
+                    0,
+                    96,
+                    *grid,
+                    *block,
+                    7104 if k else 0,
+                    82240 if k else 0,
+                    0,
+                    0,
+                    rng.randrange(1 << 20),
+                    None,
+                    None,
+                    None,
+                ),
+            )
             launch = k.launch_ns if k is not None and k.launch_ns is not None else s - 15_000
-            con.execute("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        (launch - origin, launch - origin + 4_200, 1, gpid | rk.pid, corr,
-                         sid("cudaLaunchKernelExC_v11060" if k is not None else "cudaLaunchKernel_v7000"), 0, None))
+            con.execute(
+                "INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    launch - origin,
+                    launch - origin + 4_200,
+                    1,
+                    gpid | rk.pid,
+                    corr,
+                    sid("cudaLaunchKernelExC_v11060" if k is not None else "cudaLaunchKernel_v7000"),
+                    0,
+                    None,
+                ),
+            )
         con.commit()
     finally:
         con.close()
     return p
 
 
-__all__ = ["FIXTURE_DIR", "H100_NODE4", "LogItem", "SEQUENCES", "SynthCall", "SynthConfig", "SynthKernel",
-           "SynthLaunch", "SynthRank", "SynthRun", "load_sequences", "render_log", "render_torch_trace",
-           "synthesize", "write_nsys_sqlite"]
+__all__ = [
+    "FIXTURE_DIR",
+    "H100_NODE4",
+    "LogItem",
+    "SEQUENCES",
+    "SynthCall",
+    "SynthConfig",
+    "SynthKernel",
+    "SynthLaunch",
+    "SynthRank",
+    "SynthRun",
+    "load_sequences",
+    "render_log",
+    "render_torch_trace",
+    "synthesize",
+    "write_nsys_sqlite",
+]

@@ -116,8 +116,15 @@ def _is_plain_add(n: Any) -> bool:
     """An add of two tensors outside every micro-batch (autograd's accumulation across micro-batches is
     untagged): only those form the sum, so no add of a micro-batch's own computation is re-associated
     or moved."""
-    return (isinstance(n, fx.Node) and n.op == "call_function" and n.target is _ADD and not n.kwargs
-            and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args) and microbatch_of(n) is None)
+    return (
+        isinstance(n, fx.Node)
+        and n.op == "call_function"
+        and n.target is _ADD
+        and not n.kwargs
+        and len(n.args) == 2
+        and all(isinstance(a, fx.Node) for a in n.args)
+        and microbatch_of(n) is None
+    )
 
 
 _MULS = (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar)
@@ -125,9 +132,15 @@ _MULS = (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar)
 
 def _scale_of(n: fx.Node) -> Optional[float]:
     """``s`` if ``n`` is ``x * s`` for a Python number ``s`` (else None)."""
-    if n.op == "call_function" and n.target in _MULS and not n.kwargs and len(n.args) == 2 \
-            and isinstance(n.args[0], fx.Node) and isinstance(n.args[1], (int, float)) \
-            and not isinstance(n.args[1], bool):
+    if (
+        n.op == "call_function"
+        and n.target in _MULS
+        and not n.kwargs
+        and len(n.args) == 2
+        and isinstance(n.args[0], fx.Node)
+        and isinstance(n.args[1], (int, float))
+        and not isinstance(n.args[1], bool)
+    ):
         return float(n.args[1])
     return None
 
@@ -185,8 +198,14 @@ def _candidate_reason(c: Collective) -> Optional[str]:
 
 def _key(c: Collective) -> tuple:
     val = c.input_value
-    return (c.kind.value, c.group.name, c.reduce_op, str(c.dtype), tuple(getattr(val, "shape", ())),
-            tuple(repr(a) for a in c.start.args[1:]))
+    return (
+        c.kind.value,
+        c.group.name,
+        c.reduce_op,
+        str(c.dtype),
+        tuple(getattr(val, "shape", ())),
+        tuple(repr(a) for a in c.start.args[1:]),
+    )
 
 
 def _describe(key: tuple) -> str:
@@ -195,8 +214,9 @@ def _describe(key: tuple) -> str:
 
 
 # ----------------------------------------------------------------- memory
-def _live_profile(gm: fx.GraphModule, est: AnalyticCostModel
-                  ) -> tuple[np.ndarray, np.ndarray, dict[fx.Node, int]]:
+def _live_profile(
+    gm: fx.GraphModule, est: AnalyticCostModel
+) -> tuple[np.ndarray, np.ndarray, dict[fx.Node, int]]:
     """Live bytes at each node of the graph's order (the simulator's accounting: allocated when run,
     freed after the last use, views / waits alias their source, outputs stay live), and the bytes
     freed right after each node. Bytes as ``est`` sizes them: only what every rank shares (the
@@ -210,7 +230,7 @@ def _live_profile(gm: fx.GraphModule, est: AnalyticCostModel
     for o, i in last.items():
         if i < never and o in pos:
             frees[i + 1] += alloc[pos[o]]
-    live = np.cumsum(np.array(alloc, dtype=float)) - np.cumsum(frees[:len(nodes)])
+    live = np.cumsum(np.array(alloc, dtype=float)) - np.cumsum(frees[: len(nodes)])
     return live, frees[1:], pos
 
 
@@ -220,8 +240,9 @@ def _accumulator_bytes(c: Collective, est: AnalyticCostModel) -> tuple[int, int]
     return est.value_bytes(c.inputs[0]), est.value_bytes(c.waits[0])
 
 
-def _memory_delta(m: "_Match", live: np.ndarray, freed_after: np.ndarray, pos: dict[fx.Node, int],
-                  est: AnalyticCostModel) -> np.ndarray:
+def _memory_delta(
+    m: "_Match", live: np.ndarray, freed_after: np.ndarray, pos: dict[fx.Node, int], est: AnalyticCostModel
+) -> np.ndarray:
     """How the rewrite changes the live bytes at each position of the input order. The first
     input stays live as the accumulator past its own collective, to the last input: ``full -
     result`` (the running sharded sum it replaces) on that interval. At each later input the
@@ -231,7 +252,7 @@ def _memory_delta(m: "_Match", live: np.ndarray, freed_after: np.ndarray, pos: d
     full, result = _accumulator_bytes(c0, est)
     delta = np.zeros_like(live)
     lo, hi = pos[c0.start] + 1, pos[m.members[-1].inputs[0]]
-    delta[lo:hi + 1] += full - result
+    delta[lo : hi + 1] += full - result
     for c in m.members[1:]:
         p = pos[c.inputs[0]]
         # the add's moment: what is live after the input's operands are freed, plus the new sum
@@ -266,15 +287,21 @@ class AccumulateGradientSync(GraphPass):
             term_users = list(term.users)
             in_sum = any(_is_plain_add(u) for u in term_users)
             if why is None and in_sum and len(term_users) != 1:
-                why = ("its waited result has other users than the sum ("
-                       + ", ".join(u.name for u in term_users) + ")")
+                why = (
+                    "its waited result has other users than the sum ("
+                    + ", ".join(u.name for u in term_users)
+                    + ")"
+                )
             if why is None and in_sum:
                 by_term[term] = _Term(c, scale)
             elif in_sum:
                 refusals.append(f"{c.name}: {why}")
         if not by_term:
-            return PassResult(changed=False, counts={"sums_rewritten": 0},
-                              refusals=refusals or ["no sum of waited reduce_scatter / all_reduce results"])
+            return PassResult(
+                changed=False,
+                counts={"sums_rewritten": 0},
+                refusals=refusals or ["no sum of waited reduce_scatter / all_reduce results"],
+            )
 
         matches = self._matches(by_term, refusals)
         if not matches:
@@ -302,28 +329,42 @@ class AccumulateGradientSync(GraphPass):
             after_us = float(one.time_us) + adds_us
             d = {
                 "collectives": [c.name for c in m.members],
-                "kind": c0.kind.value, "reduce_op": c0.reduce_op, "group": c0.group.name,
+                "kind": c0.kind.value,
+                "reduce_op": c0.reduce_op,
+                "group": c0.group.name,
                 "microbatches": [microbatch_of(c.inputs[0]) for c in m.members],
-                "input_shape": list(_key(c0)[4]), "dtype": str(c0.dtype),
+                "input_shape": list(_key(c0)[4]),
+                "dtype": str(c0.dtype),
                 "logged_bytes_before": sum(_static_int(c.logged_bytes) for c in m.members),
                 "logged_bytes_after": _static_int(c0.logged_bytes),
                 "wire_bytes_before": sum(int(est.collective(c).wire_bytes) for c in m.members),
                 "wire_bytes_after": int(one.wire_bytes),
                 "extra_live_bytes": extra,
-                "peak_bytes_before": int(peak), "peak_bytes_after": int(peak_after), "peak_limit_bytes": int(limit),
-                "time_before_us": round(before_us, 3), "time_after_us": round(after_us, 3),
+                "peak_bytes_before": int(peak),
+                "peak_bytes_after": int(peak_after),
+                "peak_limit_bytes": int(limit),
+                "time_before_us": round(before_us, 3),
+                "time_after_us": round(after_us, 3),
                 "cost_model": est_name,
             }
             reason = None
             if peak_after > limit and peak_after > float((profile + added).max()):
-                reason = (f"memory budget: the unsharded accumulator (+{extra} B from the first micro-batch's "
-                          f"gradient to the last) raises the peak to {int(peak_after)} B, above the limit "
-                          f"{int(limit)} B (schedule_memory_budget={cfg.schedule_memory_budget} x {int(peak)} B"
-                          + (f", headroom {cfg.schedule_memory_headroom_bytes} B" if cfg.schedule_memory_headroom_bytes
-                             else "") + ")")
+                reason = (
+                    f"memory budget: the unsharded accumulator (+{extra} B from the first micro-batch's "
+                    f"gradient to the last) raises the peak to {int(peak_after)} B, above the limit "
+                    f"{int(limit)} B (schedule_memory_budget={cfg.schedule_memory_budget} x {int(peak)} B"
+                    + (
+                        f", headroom {cfg.schedule_memory_headroom_bytes} B"
+                        if cfg.schedule_memory_headroom_bytes
+                        else ""
+                    )
+                    + ")"
+                )
             elif after_us >= before_us:
-                reason = (f"not faster: {n_terms} collectives {before_us:.1f} us vs one + {n_terms - 1} local adds "
-                          f"{after_us:.1f} us ({est_name})")
+                reason = (
+                    f"not faster: {n_terms} collectives {before_us:.1f} us vs one + {n_terms - 1} local adds "
+                    f"{after_us:.1f} us ({est_name})"
+                )
             d["kept"] = reason is None
             if reason is None:
                 added = trial
@@ -339,9 +380,12 @@ class AccumulateGradientSync(GraphPass):
         counts = {
             "sums_rewritten": len(kept),
             "collectives_removed": sum(len(m.members) - 1 for m in kept),
-            "logged_bytes_saved": sum(m.decision["logged_bytes_before"] - m.decision["logged_bytes_after"]
-                                      for m in kept),
-            "refused_over_budget": sum(1 for m in matches if m.decision.get("reason", "").startswith("memory")),
+            "logged_bytes_saved": sum(
+                m.decision["logged_bytes_before"] - m.decision["logged_bytes_after"] for m in kept
+            ),
+            "refused_over_budget": sum(
+                1 for m in matches if m.decision.get("reason", "").startswith("memory")
+            ),
         }
         return PassResult(changed=bool(kept), counts=counts, refusals=refusals, decisions=decisions)
 
@@ -355,8 +399,13 @@ class AccumulateGradientSync(GraphPass):
         matches: list[_Match] = []
         for s in sums.values():
             out_val = s.root.meta.get("val")
-            if not all(isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].shape == out_val.shape
-                       and a.meta["val"].dtype == out_val.dtype for a in s.adds + s.leaves if isinstance(a, fx.Node)):
+            if not all(
+                isinstance(a.meta.get("val"), torch.Tensor)
+                and a.meta["val"].shape == out_val.shape
+                and a.meta["val"].dtype == out_val.dtype
+                for a in s.adds + s.leaves
+                if isinstance(a, fx.Node)
+            ):
                 refusals.append(f"sum {s.root.name}: its adds broadcast or promote types")
                 continue
             groups: dict[tuple, list[fx.Node]] = {}
@@ -365,7 +414,9 @@ class AccumulateGradientSync(GraphPass):
                 if t is None:
                     continue
                 if s.leaves.count(leaf) > 1:  # a term added twice (x + x) stays as it is
-                    refusals.append(f"{t.collective.name}: its result is a term of sum {s.root.name} more than once")
+                    refusals.append(
+                        f"{t.collective.name}: its result is a term of sum {s.root.name} more than once"
+                    )
                     continue
                 groups.setdefault(_key(t.collective), []).append(leaf)
             order = {n: i for i, n in enumerate(s.root.graph.nodes)}
@@ -373,21 +424,34 @@ class AccumulateGradientSync(GraphPass):
                 members = [by_term[t].collective for t in terms]
                 names = ", ".join(c.name for c in members)
                 if len(members) < 2:
-                    refusals.append(f"{names} (sum {s.root.name}): no other term of the same kind, group, reduce "
-                                    f"op, shape and dtype ({_describe(key)})")
+                    refusals.append(
+                        f"{names} (sum {s.root.name}): no other term of the same kind, group, reduce "
+                        f"op, shape and dtype ({_describe(key)})"
+                    )
                     continue
                 tags = [microbatch_of(c.inputs[0]) for c in members]
                 if any(t is None for t in tags):
-                    refusals.append(f"{names} (sum {s.root.name}): an input without a micro-batch tag; not gradient "
-                                    f"accumulation across micro-batches")
+                    refusals.append(
+                        f"{names} (sum {s.root.name}): an input without a micro-batch tag; not gradient "
+                        f"accumulation across micro-batches"
+                    )
                     continue
                 if len(set(tags)) != len(tags):
-                    refusals.append(f"{names} (sum {s.root.name}): inputs from the same micro-batch ({tags}); "
-                                    f"merging within a micro-batch is bucketing's job")
+                    refusals.append(
+                        f"{names} (sum {s.root.name}): inputs from the same micro-batch ({tags}); "
+                        f"merging within a micro-batch is bucketing's job"
+                    )
                     continue
                 terms.sort(key=lambda t: order[by_term[t].collective.inputs[0]])
-                matches.append(_Match(s, [by_term[t].collective for t in terms], key, terms,
-                                      [by_term[t].scale for t in terms]))
+                matches.append(
+                    _Match(
+                        s,
+                        [by_term[t].collective for t in terms],
+                        key,
+                        terms,
+                        [by_term[t].scale for t in terms],
+                    )
+                )
         return matches
 
     # -- rewrite
@@ -403,8 +467,14 @@ class AccumulateGradientSync(GraphPass):
                     x = splice(gm, _scale, [x], consts=(scale,), before=x.next, meta_from=s.root)
                 acc = x if acc is None else splice(gm, _add, [acc, x], before=x.next, meta_from=s.root)
             c0 = m.members[0]
-            out = splice(gm, _TEMPLATE[c0.kind], [acc], consts=tuple(c0.start.args[1:]), before=acc.next,
-                         meta_from=s.root)
+            out = splice(
+                gm,
+                _TEMPLATE[c0.kind],
+                [acc],
+                consts=tuple(c0.start.args[1:]),
+                before=acc.next,
+                meta_from=s.root,
+            )
             outs.append(out)
             replaced.update(m.terms)
         terms = [leaf for leaf in s.leaves if leaf not in replaced] + outs

@@ -47,8 +47,17 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.fx as fx
 
-from commfuse.analysis.boundary import (LAYOUT_META_KEY, MATCHERS, BoundaryFusionOptions, BoundaryMap, Env, RuleVolume,
-                                        m2ms_traceable_across_stages, ring_bytes, sites)
+from commfuse.analysis.boundary import (
+    LAYOUT_META_KEY,
+    MATCHERS,
+    BoundaryFusionOptions,
+    BoundaryMap,
+    Env,
+    RuleVolume,
+    m2ms_traceable_across_stages,
+    ring_bytes,
+    sites,
+)
 from commfuse.ir.graph_ir import CollectiveIR
 from commfuse.ir.kinds import CollectiveKind
 from commfuse.ir.shapes import nbytes
@@ -59,8 +68,12 @@ from commfuse.passmgr.context import PassContext
 from commfuse.pipeline.collectives import REDUCE_FROM_GROUP
 
 LAYOUT_META = LAYOUT_META_KEY
-_KIND_NAMES = {CollectiveKind.ALL_GATHER: "all_gather", CollectiveKind.REDUCE_SCATTER: "reduce_scatter",
-               CollectiveKind.ALL_TO_ALL: "all_to_all", CollectiveKind.ALL_REDUCE: "all_reduce"}
+_KIND_NAMES = {
+    CollectiveKind.ALL_GATHER: "all_gather",
+    CollectiveKind.REDUCE_SCATTER: "reduce_scatter",
+    CollectiveKind.ALL_TO_ALL: "all_to_all",
+    CollectiveKind.ALL_REDUCE: "all_reduce",
+}
 
 
 @dataclass
@@ -75,9 +88,14 @@ class BoundaryDecision:
     reasons: dict[str, str] = field(default_factory=dict)  # rule -> why not
 
     def to_json(self) -> dict:
-        return {"transfer": self.transfer, "boundary": self.boundary, "applied": self.applied,
-                "description": self.description, "volume": self.volume.to_json() if self.volume else None,
-                "reasons": dict(self.reasons)}
+        return {
+            "transfer": self.transfer,
+            "boundary": self.boundary,
+            "applied": self.applied,
+            "description": self.description,
+            "volume": self.volume.to_json() if self.volume else None,
+            "reasons": dict(self.reasons),
+        }
 
 
 @dataclass
@@ -106,8 +124,14 @@ class BoundaryFusionReport:
         return out + list(self.notes)
 
     def to_json(self) -> dict:
-        return {"changed": self.changed, "counts": self.counts, "decisions": [d.to_json() for d in self.decisions],
-                "notes": list(self.notes), "bytes_before": self.bytes_before, "bytes_after": self.bytes_after}
+        return {
+            "changed": self.changed,
+            "counts": self.counts,
+            "decisions": [d.to_json() for d in self.decisions],
+            "notes": list(self.notes),
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+        }
 
 
 # ------------------------------------------------------------------------------------ bytes
@@ -126,7 +150,11 @@ def measured_bytes(gm: fx.GraphModule, bmap: BoundaryMap) -> dict[int, dict[str,
     for c in CollectiveIR(gm).collectives:
         if c.kind in _KIND_NAMES and c.group.name in bmap.stage_groups:
             n = bmap.stage_size(c.group.name)
-            add(bmap.stage_groups[c.group.name], _KIND_NAMES[c.kind], ring_bytes(_KIND_NAMES[c.kind], n, c.input_bytes))
+            add(
+                bmap.stage_groups[c.group.name],
+                _KIND_NAMES[c.kind],
+                ring_bytes(_KIND_NAMES[c.kind], n, c.input_bytes),
+            )
         elif c.kind in (CollectiveKind.P2P, CollectiveKind.M2MS):
             t = transfers_of(c.start)
             bd = bmap.boundaries.get(c.group.name)
@@ -139,7 +167,11 @@ def measured_bytes(gm: fx.GraphModule, bmap: BoundaryMap) -> dict[int, dict[str,
                     add(side.stage, op, sent)
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is REDUCE_FROM_GROUP and n.args[2] in bmap.stage_groups:
-            add(bmap.stage_groups[n.args[2]], "all_reduce", ring_bytes("all_reduce", int(n.args[1]), nbytes(n.args[0])))
+            add(
+                bmap.stage_groups[n.args[2]],
+                "all_reduce",
+                ring_bytes("all_reduce", int(n.args[1]), nbytes(n.args[0])),
+            )
     return out
 
 
@@ -149,8 +181,13 @@ def _has_boundary_ops(gm: fx.GraphModule) -> bool:
     return any(n.op == "call_function" and n.target in ops for n in gm.graph.nodes)
 
 
-def fuse_boundaries(forward_gm: fx.GraphModule, layout=None, *, options: Optional[BoundaryFusionOptions] = None,
-                    input_names: Optional[Sequence[str]] = None) -> BoundaryFusionReport:
+def fuse_boundaries(
+    forward_gm: fx.GraphModule,
+    layout=None,
+    *,
+    options: Optional[BoundaryFusionOptions] = None,
+    input_names: Optional[Sequence[str]] = None,
+) -> BoundaryFusionReport:
     """Rewrite ``forward_gm`` (a pipeline forward graph) in place; see the module docstring.
 
     ``layout``: the :class:`~commfuse.pipeline.PipelineLayout` (None: read from the graph's
@@ -160,8 +197,9 @@ def fuse_boundaries(forward_gm: fx.GraphModule, layout=None, *, options: Optiona
     if not isinstance(options, BoundaryFusionOptions):
         raise TypeError(f"options: expected BoundaryFusionOptions, got {type(options).__name__}")
     if not _has_boundary_ops(forward_gm):
-        return BoundaryFusionReport(False, notes=["no pipeline boundary op (stage_transfer / m2ms) in the graph: "
-                                                  "nothing to fuse"])
+        return BoundaryFusionReport(
+            False, notes=["no pipeline boundary op (stage_transfer / m2ms) in the graph: nothing to fuse"]
+        )
     if layout is not None:
         bmap, notes = BoundaryMap.from_layout(layout), []
     else:
@@ -184,8 +222,10 @@ def fuse_boundaries(forward_gm: fx.GraphModule, layout=None, *, options: Optiona
                 decision.reasons[rule] = m
                 continue
             if m.volume.bytes_after > m.volume.bytes_before:
-                decision.reasons[rule] = (f"{m.description}: per-rank boundary bytes would grow "
-                                          f"{m.volume.bytes_before} -> {m.volume.bytes_after}")
+                decision.reasons[rule] = (
+                    f"{m.description}: per-rank boundary bytes would grow "
+                    f"{m.volume.bytes_before} -> {m.volume.bytes_after}"
+                )
                 continue
             m.apply()
             forward_gm.graph.lint()
@@ -204,8 +244,9 @@ def boundary_fusion_pass(options: Optional[BoundaryFusionOptions] = None) -> Cal
     reports: list[BoundaryFusionReport] = []
 
     def hook(program) -> None:
-        rep = fuse_boundaries(program.forward, program.layout, options=options,
-                              input_names=[s.name for s in program.inputs])
+        rep = fuse_boundaries(
+            program.forward, program.layout, options=options, input_names=[s.name for s in program.inputs]
+        )
         reports.append(rep)
 
     hook.reports = reports  # type: ignore[attr-defined]
@@ -220,12 +261,14 @@ class BoundaryFusion(GraphPass):
     # commfuse::stage_transfer_autograd between the stage groups of a pipeline layout, every stage traced
     # per position), before the joint graph exists; the fuzzer generates ATen graphs of functional
     # collectives on its own groups, where the pass finds no pipeline boundary and returns unchanged.
-    fuzz = FuzzSpec(not_fuzzed="runs on commfuse.pipeline forward graphs (stage_transfer_autograd between pipeline stage groups, traced per "
+    fuzz = FuzzSpec(
+        not_fuzzed="runs on commfuse.pipeline forward graphs (stage_transfer_autograd between pipeline stage groups, traced per "
         "position), which the fuzzer's ATen programs never contain, so a registration would check nothing. Covered "
         "instead by tests/test_boundary_fusion.py: randomised cases per rule (shapes, gather dims 0-2, views after the "
         "collective, other users of the received shard, residual orders, 1-3 micro-batches, GPipe/1F1B) fused vs "
         "unfused on 4 gloo ranks (test_random_boundary_cases_match_unfused), every workload at 2 and 3 micro-batches "
-        "with both schedules, the byte formulas, and every refusal.")
+        "with both schedules, the byte formulas, and every refusal."
+    )
 
     def run(self, ctx: PassContext) -> PassResult:
         gm = ctx.gm
@@ -237,5 +280,13 @@ class BoundaryFusion(GraphPass):
         return PassResult(rep.changed, counts=rep.counts, refusals=rep.refusals, decisions=decisions)
 
 
-__all__ = ["BoundaryDecision", "BoundaryFusion", "BoundaryFusionOptions", "BoundaryFusionReport", "LAYOUT_META",
-           "boundary_fusion_pass", "fuse_boundaries", "measured_bytes"]
+__all__ = [
+    "BoundaryDecision",
+    "BoundaryFusion",
+    "BoundaryFusionOptions",
+    "BoundaryFusionReport",
+    "LAYOUT_META",
+    "boundary_fusion_pass",
+    "fuse_boundaries",
+    "measured_bytes",
+]

@@ -92,7 +92,9 @@ def _wait_ag(out, n, sizes, shapes):
     # re-stacked row by row is exactly its own all_gather output (rank-major along dim 0).
     # Contiguous, as the member's own output was: code downstream may `view` it.
     rows = _f.wait_tensor(out).view(n, -1)
-    return tuple(p.contiguous().view(s) for p, s in zip(torch.split(rows, list(sizes), dim=1), shapes, strict=True))
+    return tuple(
+        p.contiguous().view(s) for p, s in zip(torch.split(rows, list(sizes), dim=1), shapes, strict=True)
+    )
 
 
 def _issue_rs(*args):
@@ -182,8 +184,12 @@ class BucketCollectives(GraphPass):
         est = gate_model(ctx)[0]
         planner = _Planner(ctx, est)
         buckets, refusals = planner.plan()
-        counts = {"buckets": len(buckets), "collectives_bucketed": sum(len(b.members) for b in buckets),
-                  "collectives_removed": sum(len(b.members) - 1 for b in buckets), "refused": len(refusals)}
+        counts = {
+            "buckets": len(buckets),
+            "collectives_bucketed": sum(len(b.members) for b in buckets),
+            "collectives_removed": sum(len(b.members) - 1 for b in buckets),
+            "refused": len(refusals),
+        }
         if not buckets:
             return PassResult(False, counts, refusals)
 
@@ -198,7 +204,12 @@ class BucketCollectives(GraphPass):
         if verdict is not None:
             restore_graph(ctx.gm.graph, snapshot)
             ctx.gm.recompile()
-            counts = {"buckets": 0, "collectives_bucketed": 0, "collectives_removed": 0, "refused": len(refusals) + 1}
+            counts = {
+                "buckets": 0,
+                "collectives_bucketed": 0,
+                "collectives_removed": 0,
+                "refused": len(refusals) + 1,
+            }
             return PassResult(False, counts, refusals + [f"all buckets undone: {verdict}"])
         decisions.append(planner.summary)
         return PassResult(True, counts, refusals, decisions)
@@ -207,7 +218,11 @@ class BucketCollectives(GraphPass):
 def _graph_refusal(ctx: PassContext) -> Optional[str]:
     """A reason to leave the whole graph alone: ranks might not see the same graph or sizes."""
     why = rank_local_reason(ctx.ir.collectives, ctx.gm)
-    return None if why is None else f"{why}, so cost-based bucketing could decide differently on each; left unchanged"
+    return (
+        None
+        if why is None
+        else f"{why}, so cost-based bucketing could decide differently on each; left unchanged"
+    )
 
 
 def _key(c: Collective) -> tuple:
@@ -267,7 +282,9 @@ class _Planner:
         refusals: list[str] = []
         open_: dict[tuple, _Bucket] = {}
         prev_of_kind: dict[K, Collective] = {}
-        ordered = sorted((c for c in self.ctx.ir.collectives if c.kind in _KINDS), key=lambda c: g.pos[c.start])
+        ordered = sorted(
+            (c for c in self.ctx.ir.collectives if c.kind in _KINDS), key=lambda c: g.pos[c.start]
+        )
         for c in ordered:
             prev = prev_of_kind.get(c.kind)
             prev_of_kind[c.kind] = c
@@ -303,9 +320,20 @@ class _Planner:
         inp = c.inputs[0]
         in_owner = g.owner.get(inp, inp)
         out_owner = g.owner.get(c.start, c.start)
-        return _Member(c, _key(c), start, ready, g.pos[w], min(need, len(g.nodes) - 1),
-                       self.sim.value_bytes(inp), self.sim.value_bytes(c.start),
-                       message_bytes(c), in_owner, g.last.get(in_owner, start), g.last.get(out_owner, start))
+        return _Member(
+            c,
+            _key(c),
+            start,
+            ready,
+            g.pos[w],
+            min(need, len(g.nodes) - 1),
+            self.sim.value_bytes(inp),
+            self.sim.value_bytes(c.start),
+            message_bytes(c),
+            in_owner,
+            g.last.get(in_owner, start),
+            g.last.get(out_owner, start),
+        )
 
     def _new_bucket(self, m: _Member) -> _Bucket:
         b = _Bucket([m])
@@ -331,21 +359,27 @@ class _Planner:
             # placed before node `issue`)
             lo, hi = (issue, x.start) if issue <= x.start else (x.start + 1, issue)
             if g.barriers[hi] - g.barriers[lo] > 0:
-                return (f"an op that mutates memory (or hides collectives) lies between {x.c.name} and the "
-                        "bucket's issue point")
+                return (
+                    f"an op that mutates memory (or hides collectives) lies between {x.c.name} and the "
+                    "bucket's issue point"
+                )
         cand = _Bucket(members, issue, wait, size)
         self._price(cand)
         others = [x for x in self.buckets if x is not b and len(x.members) > 1]
         span = self._makespan(others + [cand])
         if span > self.cur_makespan * (1 + _EPS) + _EPS:
-            return (f"would expose overlapped communication (simulated makespan {self.cur_makespan:.1f} -> "
-                    f"{span:.1f} us)")
+            return (
+                f"would expose overlapped communication (simulated makespan {self.cur_makespan:.1f} -> "
+                f"{span:.1f} us)"
+            )
         cand.delta = self._delta(cand)
         prof = self.cur_profile + cand.delta - (b.delta if b.delta is not None else 0)
         peak = float(prof.max())
         if peak > self.budget_peak * (1 + _EPS) and peak > float(self.cur_profile.max()):
-            return (f"memory budget: simulated peak {self.base_peak / 2**20:.2f} -> {peak / 2**20:.2f} MiB "
-                    f"(at most +{self.cfg.bucket_max_memory_increase:.0%})")
+            return (
+                f"memory budget: simulated peak {self.base_peak / 2**20:.2f} -> {peak / 2**20:.2f} MiB "
+                f"(at most +{self.cfg.bucket_max_memory_increase:.0%})"
+            )
         b.members, b.issue, b.wait, b.size = members, issue, wait, size
         b.dur, b.pre, b.post, b.delta = cand.dur, cand.pre, cand.post, cand.delta
         self.cur_profile = prof
@@ -367,8 +401,10 @@ class _Planner:
                 return f"dependency: its input depends on the result of {waits[n].c.name}"
             stack.extend(n.all_input_nodes)
         first = min(b.members, key=lambda x: x.need)
-        return (f"its input is ready at {self.g.nodes[max(m.ready - 1, 0)].name}, after the result of "
-                f"{first.c.name} is needed at {self.g.nodes[first.need].name}")
+        return (
+            f"its input is ready at {self.g.nodes[max(m.ready - 1, 0)].name}, after the result of "
+            f"{first.c.name} is needed at {self.g.nodes[first.need].name}"
+        )
 
     def _price(self, b: _Bucket) -> None:
         first = b.members[0].c
@@ -381,8 +417,10 @@ class _Planner:
         copy = self.est.compute.estimate_cost
         b.pre = float(copy(OpCost(0, 2 * in_b, "memory", fam, in_b // itemsize)).time_us)
         if first.kind is K.ALL_GATHER:  # re-stacking copies every member's gathered block once
-            b.post = sum(float(copy(OpCost(0, 2 * x.out_bytes, "memory", fam, x.out_bytes // itemsize)).time_us)
-                         for x in b.members)
+            b.post = sum(
+                float(copy(OpCost(0, 2 * x.out_bytes, "memory", fam, x.out_bytes // itemsize)).time_us)
+                for x in b.members
+            )
         else:  # the results are views of the flat buffer
             b.post = 0.0
 
@@ -458,24 +496,37 @@ class _Planner:
 
         ir = _Ctx(gm, self.cfg).ir
         after = self.sim.simulate(_sunk_order(gm, ir), record=False)
-        self.summary = {"simulated_makespan_us": [before.makespan_us, after.makespan_us],
-                        "simulated_exposed_comm_us": [before.exposed_comm_us, after.exposed_comm_us],
-                        "simulated_peak_memory_bytes": [before.peak_memory_bytes, after.peak_memory_bytes],
-                        "planned_makespan_us": [self.base_makespan, self.cur_makespan]}
+        self.summary = {
+            "simulated_makespan_us": [before.makespan_us, after.makespan_us],
+            "simulated_exposed_comm_us": [before.exposed_comm_us, after.exposed_comm_us],
+            "simulated_peak_memory_bytes": [before.peak_memory_bytes, after.peak_memory_bytes],
+            "planned_makespan_us": [self.base_makespan, self.cur_makespan],
+        }
         if after.makespan_us > before.makespan_us * (1 + 1e-6) + 1e-6:
-            return (f"the simulator prices the bucketed graph slower ({before.makespan_us:.1f} -> "
-                    f"{after.makespan_us:.1f} us)")
+            return (
+                f"the simulator prices the bucketed graph slower ({before.makespan_us:.1f} -> "
+                f"{after.makespan_us:.1f} us)"
+            )
         limit = before.peak_memory_bytes * (1 + self.cfg.bucket_max_memory_increase)
         if after.peak_memory_bytes > limit and after.peak_memory_bytes > before.peak_memory_bytes:
-            return (f"simulated peak memory {before.peak_memory_bytes} -> {after.peak_memory_bytes} bytes exceeds "
-                    "the budget")
+            return (
+                f"simulated peak memory {before.peak_memory_bytes} -> {after.peak_memory_bytes} bytes exceeds "
+                "the budget"
+            )
         return None
 
     def describe(self, b: _Bucket) -> dict:
-        return {"bucket": [x.c.name for x in b.members], "kind": b.members[0].c.kind.value,
-                "group": b.members[0].c.group.name, "message_bytes": b.size, "cap_bytes": self.cap(b.members[0].c),
-                "closed_by_cap": b.closed_by_cap, "issue_before": self.g.nodes[b.issue].name,
-                "wait_before": self.g.nodes[b.wait].name, "predicted_us": round(b.dur, 3)}
+        return {
+            "bucket": [x.c.name for x in b.members],
+            "kind": b.members[0].c.kind.value,
+            "group": b.members[0].c.group.name,
+            "message_bytes": b.size,
+            "cap_bytes": self.cap(b.members[0].c),
+            "closed_by_cap": b.closed_by_cap,
+            "issue_before": self.g.nodes[b.issue].name,
+            "wait_before": self.g.nodes[b.wait].name,
+            "predicted_us": round(b.dur, 3),
+        }
 
 
 def _names(b: _Bucket) -> str:
@@ -495,6 +546,7 @@ def latency_bound_cap(est: AnalyticCostModel, kind: CollectiveKind, n: int, rank
     """Smallest message size S (bytes, nccl-tests convention) with
     ``time(S) >= time(1) / LATENCY_SHARE``: from there on the latency (``time(1)``, the
     alpha term) is at most 10% of the collective's time and merging more saves little."""
+
     def time(s: int) -> float:
         return float(est.collectives.time(kind, s, n, ranks=ranks).time_us)
 
@@ -569,7 +621,7 @@ def _build(gm: fx.GraphModule, ir, sim: Simulator) -> _Graph:
         if i < never:
             frees[i + 1] += alloc[pos[o]] if o in pos else 0
     allocs = np.array(alloc, dtype=float)
-    live_before = np.cumsum(allocs) - np.cumsum(frees[:len(nodes)])  # after alloc at i, before its frees
+    live_before = np.cumsum(allocs) - np.cumsum(frees[: len(nodes)])  # after alloc at i, before its frees
     profile = live_before
     events: list[tuple] = []
     coll_events: dict[int, list[int]] = {}

@@ -42,7 +42,6 @@ class Chimera(PassPipeline):
     fuzz = FuzzSpec(generators=("tp", "sp", "moe", "mixed", "moe_layer", "group_pairs"))
     steps = (SplitAllReduce, CollectiveMotion, FuseCollectives)
 
-
     def run(self, ctx: PassContext) -> PassResult:
         start_hash = ctx.ir.order_hash()
         snapshot = snapshot_graph(ctx.gm.graph)
@@ -53,8 +52,10 @@ class Chimera(PassPipeline):
             ctx.gm.recompile()
             ctx.invalidate()
             refusals = self.combine(results).refusals
-            refusals.append("chimera: nothing moved and the collective sequence is unchanged (any split was fused "
-                            "back); graph restored")
+            refusals.append(
+                "chimera: nothing moved and the collective sequence is unchanged (any split was fused "
+                "back); graph restored"
+            )
             return PassResult(False, counts={}, refusals=refusals)
         return self.combine(results)
 

@@ -52,11 +52,20 @@ from commfuse.passmgr.context import PassContext
 
 PARTIAL_BUDGET = 0.25  # partial-sum all_reduces may cost at most this share of the gathers removed
 _VIEWLIKE = {
-    torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.t.default,
-    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
-    torch.ops.aten.expand.default, torch.ops.aten.clone.default, torch.ops.aten.alias.default,
-    torch.ops.aten.detach.default, operator.getitem,
+    torch.ops.aten.view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.t.default,
+    torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims,
+    torch.ops.aten.expand.default,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.detach.default,
+    operator.getitem,
 }
 
 
@@ -91,11 +100,18 @@ def _mutated_roots(gm: fx.GraphModule) -> set[fx.Node]:
     out: set[fx.Node] = set()
     for n in gm.graph.nodes:
         if n.op == "call_function" and rewrite.mutates(n):
-            for a, arg in zip(n.args, n.target._schema.arguments, strict=False):  # args may omit trailing defaults
+            for a, arg in zip(
+                n.args, n.target._schema.arguments, strict=False
+            ):  # args may omit trailing defaults
                 if isinstance(a, fx.Node) and arg.alias_info is not None and arg.alias_info.is_write:
                     while True:
                         out.add(a)
-                        if a.op == "call_function" and a.target in _VIEWLIKE and a.args and isinstance(a.args[0], fx.Node):
+                        if (
+                            a.op == "call_function"
+                            and a.target in _VIEWLIKE
+                            and a.args
+                            and isinstance(a.args[0], fx.Node)
+                        ):
                             a = a.args[0]
                         else:
                             break
@@ -114,16 +130,21 @@ def _seed_refusal(c: Collective, mutated: set[fx.Node]) -> str | None:
     return None
 
 
-def replicated_values(gm: fx.GraphModule, group: str, collectives: list[Collective],
-                      trust_inputs: bool) -> set[fx.Node]:
+def replicated_values(
+    gm: fx.GraphModule, group: str, collectives: list[Collective], trust_inputs: bool
+) -> set[fx.Node]:
     """Values provably identical on every rank of ``group``: outputs of all_reduce /
     all_gather / broadcast on it, constants, deterministic functions of those, and --
     when ``trust_inputs`` (the TP contract, see ``Config.tp_inputs_replicated``) -- the
     graph's inputs."""
 
     full_kinds = (CollectiveKind.ALL_REDUCE, CollectiveKind.ALL_GATHER, CollectiveKind.BROADCAST)
-    rep = {w for c in collectives if c.group.name == group and c.kind in full_kinds and not c.coalesced
-           for w in c.waits}
+    rep = {
+        w
+        for c in collectives
+        if c.group.name == group and c.kind in full_kinds and not c.coalesced
+        for w in c.waits
+    }
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             if trust_inputs:
@@ -162,11 +183,16 @@ def _group_rank(c: Collective, rank: Optional[int]) -> Optional[int]:
     return ranks.index(rank) if rank in ranks else None
 
 
-def plan_regions(gm: fx.GraphModule, collectives: list[Collective], refusals: list[str],
-                 trust_inputs: Callable[[str], bool] = lambda group: False,
-                 only_group: Optional[str] = None, moe_capacity_regroup: bool = False,
-                 rank: Optional[int] = None,
-                 crossing: Optional[Callable[[Collective, str], Optional[str]]] = None) -> list[RegionPlan]:
+def plan_regions(
+    gm: fx.GraphModule,
+    collectives: list[Collective],
+    refusals: list[str],
+    trust_inputs: Callable[[str], bool] = lambda group: False,
+    only_group: Optional[str] = None,
+    moe_capacity_regroup: bool = False,
+    rank: Optional[int] = None,
+    crossing: Optional[Callable[[Collective, str], Optional[str]]] = None,
+) -> list[RegionPlan]:
     """The regions of every gathered group (``only_group``: of that one). ``crossing(seed, group)``:
     None when ``group`` crosses the seed collective's group as the dims of a mesh, else why not
     (for ops that communicate on another group, e.g. the MoE op's expert exchange)."""
@@ -185,10 +211,18 @@ def plan_regions(gm: fx.GraphModule, collectives: list[Collective], refusals: li
     for plan in plans:
         plan.replicated = replicated_values(gm, plan.group, collectives, trust_inputs(plan.group))
         seed = next(iter(plan.seeds.values())).collective
-        env = RuleEnv(plan.group, plan.n, plan.replicated.__contains__, plan.rank, moe_capacity_regroup,
-                      **({} if crossing is None else {"crossing": lambda g, seed=seed: crossing(seed, g)}))
+        env = RuleEnv(
+            plan.group,
+            plan.n,
+            plan.replicated.__contains__,
+            plan.rank,
+            moe_capacity_regroup,
+            **({} if crossing is None else {"crossing": lambda g, seed=seed: crossing(seed, g)}),
+        )
         _grow(gm, plan, env)
-        refusals.extend(f"group {plan.group}: {why}" for node, why in env.refusals.items() if node not in plan.ops)
+        refusals.extend(
+            f"group {plan.group}: {why}" for node, why in env.refusals.items() if node not in plan.ops
+        )
         _prune(plan)
     return plans
 
@@ -270,7 +304,11 @@ class ComponentCost:
     boundaries: int = 0
 
     def acceptable(self) -> bool:
-        return self.removed > 0 and self.added_gather <= self.removed and self.added_reduce <= PARTIAL_BUDGET * self.removed
+        return (
+            self.removed > 0
+            and self.added_gather <= self.removed
+            and self.added_reduce <= PARTIAL_BUDGET * self.removed
+        )
 
 
 def component_cost(plan: RegionPlan, members: list[fx.Node]) -> ComponentCost:
@@ -339,8 +377,9 @@ def apply_region(gm: fx.GraphModule, plan: RegionPlan, members: set[fx.Node]) ->
                 if node.target in _STRIDE_BOUND_VIEWS and not _viewable(gm, node.target, args, kwargs):
                     # the shard (e.g. of a permuted tensor) has strides the full value had not:
                     # view a contiguous copy of it, as reshape would
-                    src = graph.call_function(torch.ops.aten.clone.default, (args[0],),
-                                              {"memory_format": torch.contiguous_format})
+                    src = graph.call_function(
+                        torch.ops.aten.clone.default, (args[0],), {"memory_format": torch.contiguous_format}
+                    )
                     src.meta["val"] = _fake_value(gm, src.target, src.args, src.kwargs)
                     rewrite.inherit_meta(node, src)
                     args = (src, *args[1:])
@@ -359,12 +398,19 @@ def apply_region(gm: fx.GraphModule, plan: RegionPlan, members: set[fx.Node]) ->
             node.replace_all_uses_with(local[node], delete_user_cb=lambda u: u not in inside)
             continue
         if isinstance(lay, Sharded):
-            full = rewrite.splice(gm, rewrite.all_gather, [local[node]], consts=(lay.dim, plan.n, plan.group),
-                                  before=node, meta_from=node)
+            full = rewrite.splice(
+                gm,
+                rewrite.all_gather,
+                [local[node]],
+                consts=(lay.dim, plan.n, plan.group),
+                before=node,
+                meta_from=node,
+            )
             counts["gathers_inserted"] += 1
         else:
-            full = rewrite.splice(gm, rewrite.all_reduce, [local[node]], consts=("sum", plan.group),
-                                  before=node, meta_from=node)
+            full = rewrite.splice(
+                gm, rewrite.all_reduce, [local[node]], consts=("sum", plan.group), before=node, meta_from=node
+            )
             counts["partial_all_reduces"] += 1
         node.replace_all_uses_with(full, delete_user_cb=lambda u: u not in inside)
     seeds = [s for s in plan.seeds.values() if s.full in members]
@@ -384,8 +430,12 @@ def _tp_contract(ctx: PassContext, collectives: list[Collective], group: str) ->
 
     if not ctx.config.tp_inputs_replicated:
         return False
-    return any(c.group.name == group and c.role in (ParallelRole.TP, ParallelRole.SP)
-               and c.role_source.split("+")[0] in ("user", "mesh", "dtensor") for c in collectives)
+    return any(
+        c.group.name == group
+        and c.role in (ParallelRole.TP, ParallelRole.SP)
+        and c.role_source.split("+")[0] in ("user", "mesh", "dtensor")
+        for c in collectives
+    )
 
 
 class CollectiveMotion(GraphPass):
@@ -402,7 +452,9 @@ class CollectiveMotion(GraphPass):
     def run(self, ctx: PassContext) -> PassResult:
         refusals: list[str] = []
         if rewrite.fake_mode_of(ctx.gm) is None:
-            return PassResult(False, refusals=["graph has no fake tensor metadata (meta['val']): nothing moved"])
+            return PassResult(
+                False, refusals=["graph has no fake tensor metadata (meta['val']): nothing moved"]
+            )
         totals: dict[str, int] = {}
         changed = False
         groups = sorted({c.group.name for c in ctx.ir.collectives if c.kind is CollectiveKind.ALL_GATHER})
@@ -419,9 +471,16 @@ class CollectiveMotion(GraphPass):
                 round_refusals: list[str] = []
                 applied = False
                 # plan_regions calls the lambdas before it returns (the plans keep neither)
-                for plan in plan_regions(ctx.gm, colls, round_refusals, lambda g: _tp_contract(ctx, colls, g),  # noqa: B023
-                                         only_group=group, moe_capacity_regroup=ctx.config.moe_capacity_regroup,
-                                         rank=ctx.rank, crossing=lambda c, g: _crossing(ctx, c, g)):
+                for plan in plan_regions(
+                    ctx.gm,
+                    colls,
+                    round_refusals,
+                    lambda g: _tp_contract(ctx, colls, g),  # noqa: B023
+                    only_group=group,
+                    moe_capacity_regroup=ctx.config.moe_capacity_regroup,
+                    rank=ctx.rank,
+                    crossing=lambda c, g: _crossing(ctx, c, g),
+                ):
                     for members in _components(plan).values():
                         if self._apply_component(ctx, plan, members, totals, round_refusals):
                             applied = True
@@ -438,8 +497,13 @@ class CollectiveMotion(GraphPass):
         return PassResult(changed, counts=totals, refusals=refusals)
 
     @staticmethod
-    def _apply_component(ctx: PassContext, plan: RegionPlan, members: list[fx.Node],
-                         totals: dict[str, int], refusals: list[str]) -> bool:
+    def _apply_component(
+        ctx: PassContext,
+        plan: RegionPlan,
+        members: list[fx.Node],
+        totals: dict[str, int],
+        refusals: list[str],
+    ) -> bool:
         seeds = [m for m in members if m in plan.seeds]
         ops = [m for m in members if m in plan.ops]
         names = ",".join(plan.seeds[s].collective.name for s in seeds)
@@ -450,7 +514,8 @@ class CollectiveMotion(GraphPass):
         if not cost.acceptable():
             refusals.append(
                 f"{names}: not moved: region of {len(ops)} ops would gather {cost.added_gather} B and "
-                f"all-reduce {cost.added_reduce} B to save {cost.removed} B")
+                f"all-reduce {cost.added_reduce} B to save {cost.removed} B"
+            )
             return False
         for k, v in apply_region(ctx.gm, plan, set(members)).items():
             totals[k] = totals.get(k, 0) + v

@@ -96,9 +96,16 @@ def unit_size(ctx: PassContext, sim: Simulator) -> tuple[int, dict]:
             # a forward value a backward node reads is an activation kept for backward
             if any(u in bwd for u in n.users):
                 saved += sim.value_bytes(n)  # as the cost policy sizes it: what every rank shares
-    x = GroupingCosts(c_ag=ag / n_layers, c_rs=rs / (n_layers * n_mb), c_fw=fw / (n_layers * n_mb),
-                  c_bw=bw / (n_layers * n_mb), m=saved / n_mb, memory=ctx.config.model_level_memory_bytes,
-                  microbatches=n_mb, concurrent=True)
+    x = GroupingCosts(
+        c_ag=ag / n_layers,
+        c_rs=rs / (n_layers * n_mb),
+        c_fw=fw / (n_layers * n_mb),
+        c_bw=bw / (n_layers * n_mb),
+        m=saved / n_mb,
+        memory=ctx.config.model_level_memory_bytes,
+        microbatches=n_mb,
+        concurrent=True,
+    )
     sol = best_grouping(x)
     return max(1, min(sol.l1, sol.l2)), {"L1": sol.l1, "L2": sol.l2, "T_us": round(sol.t, 3)}
 
@@ -115,17 +122,25 @@ class DHelixInterleave(GraphPass):
 
     def run(self, ctx: PassContext) -> PassResult:
         if not is_fused_graph(ctx.gm):
-            return PassResult(changed=False, refusals=[
-                "not a fused forward+backward train-step graph: nothing to interleave (compile_train_step with "
-                "Config(dhelix=True) and microbatches >= 2 builds one)"])
+            return PassResult(
+                changed=False,
+                refusals=[
+                    "not a fused forward+backward train-step graph: nothing to interleave (compile_train_step with "
+                    "Config(dhelix=True) and microbatches >= 2 builds one)"
+                ],
+            )
         local = [c.name for c in ctx.ir.collectives if c.extra.get("rank_local_sizes")]
         if local:
             # the plan is chosen from simulated costs: with sizes that differ per rank, ranks could
             # choose different orders and pair different collectives on one group
-            return PassResult(changed=False, refusals=[
-                f"all_to_all {', '.join(local[:3])}{' ...' if len(local) > 3 else ''} has split sizes given per "
-                "rank (uneven or data-dependent): its cost, and so the interleaved order, could differ between "
-                "ranks; input order kept"])
+            return PassResult(
+                changed=False,
+                refusals=[
+                    f"all_to_all {', '.join(local[:3])}{' ...' if len(local) > 3 else ''} has split sizes given per "
+                    "rank (uneven or data-dependent): its cost, and so the interleaved order, could differ between "
+                    "ranks; input order kept"
+                ],
+            )
         est, est_name = default_estimator(ctx)
         sim = Simulator(ctx.gm, est, ir=ctx.ir)
         oef, oef_name = oef_table_for(ctx.config.dhelix_oef_profile)
@@ -134,41 +149,71 @@ class DHelixInterleave(GraphPass):
         seq_order = sequential_order(ctx.gm, sim, ctx.ir)
         sequential = sim.simulate(order=seq_order, record=False)
         plan = plan_interleaving(ctx.gm, sim, ctx.ir, est.topology, oef, group=group)
-        decision: dict = {"graph": ctx.graph_kind, "estimator": est_name, "oef": oef_name, "eq2": eq2,
-                          "input": _summary(before), "sequential": _summary(sequential)}
+        decision: dict = {
+            "graph": ctx.graph_kind,
+            "estimator": est_name,
+            "oef": oef_name,
+            "eq2": eq2,
+            "input": _summary(before),
+            "sequential": _summary(sequential),
+        }
         if isinstance(plan, str):
             return PassResult(changed=False, refusals=[plan], decisions=[decision])
         after = sim.simulate(order=plan.order, record=False)
-        decision.update({"plan": plan.summary(), "interleaved": _summary(after),
-                         "activation_peak_bytes": {"sequential": activation_peak(sequential.peak_memory_bytes, ctx),
-                                                   "interleaved": activation_peak(after.peak_memory_bytes, ctx)}})
+        decision.update(
+            {
+                "plan": plan.summary(),
+                "interleaved": _summary(after),
+                "activation_peak_bytes": {
+                    "sequential": activation_peak(sequential.peak_memory_bytes, ctx),
+                    "interleaved": activation_peak(after.peak_memory_bytes, ctx),
+                },
+            }
+        )
         limit = ctx.config.schedule_memory_budget * sequential.peak_memory_bytes
         if after.peak_memory_bytes > limit:
             # The non-interleaved order instead: its backwards run in micro-batch order, the order the
             # fused partition accumulates in, so it never holds more than the input order.
-            use_seq = seq_order != list(ctx.gm.graph.nodes) and sequential.peak_memory_bytes <= before.peak_memory_bytes
+            use_seq = (
+                seq_order != list(ctx.gm.graph.nodes)
+                and sequential.peak_memory_bytes <= before.peak_memory_bytes
+            )
             decision["kept"] = "sequential" if use_seq else "input"
             if use_seq:
                 apply_order(ctx.gm, seq_order)
-            return PassResult(changed=use_seq, decisions=[decision], refusals=[
-                f"interleaved peak memory {after.peak_memory_bytes} B exceeds schedule_memory_budget="
-                f"{ctx.config.schedule_memory_budget} x the non-interleaved step's {sequential.peak_memory_bytes} B: "
-                f"{decision['kept']} order kept"])
+            return PassResult(
+                changed=use_seq,
+                decisions=[decision],
+                refusals=[
+                    f"interleaved peak memory {after.peak_memory_bytes} B exceeds schedule_memory_budget="
+                    f"{ctx.config.schedule_memory_budget} x the non-interleaved step's {sequential.peak_memory_bytes} B: "
+                    f"{decision['kept']} order kept"
+                ],
+            )
         decision["kept"] = "interleaved"
         changed = plan.order != list(ctx.gm.graph.nodes)
         if changed:
             apply_order(ctx.gm, plan.order)
         _annotate(ctx, plan)
-        return PassResult(changed=changed, decisions=[decision],
-                          counts={"units": len(plan.units), "paired_segments": plan.summary()["pairs"],
-                                  "collectives": len(ctx.ir.collectives)})
+        return PassResult(
+            changed=changed,
+            decisions=[decision],
+            counts={
+                "units": len(plan.units),
+                "paired_segments": plan.summary()["pairs"],
+                "collectives": len(ctx.ir.collectives),
+            },
+        )
 
 
 def activation_peak(peak: int, ctx: PassContext) -> int:
     """Peak minus what the step must hold anyway at its end: the gradients it returns."""
     out = ctx.gm.graph.output_node()
-    kept = sum(tensor_bytes(a.meta.get("val")) for a in out.all_input_nodes if a.op != "placeholder"
-               and a.meta.get(PHASE_META_KEY) == "backward")
+    kept = sum(
+        tensor_bytes(a.meta.get("val"))
+        for a in out.all_input_nodes
+        if a.op != "placeholder" and a.meta.get(PHASE_META_KEY) == "backward"
+    )
     return max(0, int(peak) - int(kept))
 
 

@@ -123,11 +123,20 @@ from commfuse.ops.moe_layer.op import CHUNKS_ARG, MOE_LAYER, MOE_LAYER_BACKWARD
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms.group_partition import plan_group_partition
-from commfuse.transforms.workload_partition import (DEFAULT_CHUNKS, FACTS, MAX_UNITS, _Builder, _Emitter, _fmt,
-                                                    cuttable_reason)
+from commfuse.transforms.workload_partition import (
+    DEFAULT_CHUNKS,
+    FACTS,
+    MAX_UNITS,
+    _Builder,
+    _Emitter,
+    _fmt,
+    cuttable_reason,
+)
 
-DROPLESS = ("dropless dispatch with data-dependent split sizes written as graph all_to_alls: recognise the layer "
-            "into commfuse::moe_layer (moe_recognition), whose exchange this pass cuts")
+DROPLESS = (
+    "dropless dispatch with data-dependent split sizes written as graph all_to_alls: recognise the layer "
+    "into commfuse::moe_layer (moe_recognition), whose exchange this pass cuts"
+)
 MOE_OPS = (MOE_LAYER, MOE_LAYER_BACKWARD)
 # Bounds the blocks tried along an all_to_all_single's dim (each is one chain search).
 MAX_BLOCK_CANDIDATES = 16
@@ -158,8 +167,10 @@ class ExchangePlan:
     def describe(self) -> str:
         cut = f"dim {self.dim}" + (f" in {self.blocks} blocks" if self.blocks > 1 else "")
         uneven = f" (uneven, {self.granularity})" if self.units else ""
-        return (f"{self.dispatch} -> {self.combine}: {self.chunks} chunks of sizes {list(self.sizes)}{uneven} along "
-                f"{cut} with a chain of {len(self.chain)} ops ({self.why})")
+        return (
+            f"{self.dispatch} -> {self.combine}: {self.chunks} chunks of sizes {list(self.sizes)}{uneven} along "
+            f"{cut} with a chain of {len(self.chain)} ops ({self.why})"
+        )
 
 
 # ---------------------------------------------------------------------------- matching
@@ -200,22 +211,31 @@ def _cuts(c: Collective, k: int) -> list[Split]:
     outs = chains.static_shape(c.logical_output)
     n, found = c.group.size, []
     for d in range(len(outs)):
-        options = [n * m for m in range(1, outs[d] // n + 1) if (outs[d] // n) % m == 0] if d == c.logical_dim else [1]
+        options = (
+            [n * m for m in range(1, outs[d] // n + 1) if (outs[d] // n) % m == 0]
+            if d == c.logical_dim
+            else [1]
+        )
         options = [b for b in options if exchange_split(c, d, b, k) is not None]
         found += [Split(d, b) for b in options[:MAX_BLOCK_CANDIDATES]]
     return found
 
 
-def _views_to(chain: Chain, target: fx.Node, own: set[fx.Node], backward_nodes: set[fx.Node]
-              ) -> Optional[list[ChainStep]] | str:
+def _views_to(
+    chain: Chain, target: fx.Node, own: set[fx.Node], backward_nodes: set[fx.Node]
+) -> Optional[list[ChainStep]] | str:
     """The chunk steps of the views that lead from a chain value to ``target`` (the combine's
     input): the chain leaves trailing views out (it reassembles their input instead), the
     exchange needs them per chunk. None: ``target`` is not computed by the chain."""
     layouts = {chain.root: chain.out_split, **{s.node: s.out for s in chain.steps}}
     path, node = [], target
     while node not in layouts:
-        if node.op != "call_function" or node.target not in chains.VIEWLIKE or len(node.all_input_nodes) != 1 \
-                or node.all_input_nodes[0] is not node.args[0]:
+        if (
+            node.op != "call_function"
+            or node.target not in chains.VIEWLIKE
+            or len(node.all_input_nodes) != 1
+            or node.all_input_nodes[0] is not node.args[0]
+        ):
             return None
         path.append(node)
         node = node.args[0]
@@ -223,7 +243,10 @@ def _views_to(chain: Chain, target: fx.Node, own: set[fx.Node], backward_nodes: 
         return f"its input {target.name} is also used elsewhere"
     if any(len(v.users) != 1 for v in path[1:]):
         return "a view between the chain and its input is also used elsewhere"
-    if any((v in backward_nodes) != (chain.root in backward_nodes) or chains.static_shape(v) is None for v in path):
+    if any(
+        (v in backward_nodes) != (chain.root in backward_nodes) or chains.static_shape(v) is None
+        for v in path
+    ):
         return "a view before its input is in the other phase or has no static shape"
     split = layouts[node]
     if isinstance(split, Partial):
@@ -242,7 +265,11 @@ def _combine_of(ctx: PassContext, c: Collective, chain: Chain) -> tuple[Chain, C
     """The first later eligible all_to_all on ``c``'s group whose input the chain computes, and
     the chain extended by the views that lead to that input."""
     for c2 in ctx.ir.collectives:
-        if c2.index <= c.index or c2.kind is not CollectiveKind.ALL_TO_ALL or not c2.group.same_members(c.group):
+        if (
+            c2.index <= c.index
+            or c2.kind is not CollectiveKind.ALL_TO_ALL
+            or not c2.group.same_members(c.group)
+        ):
             continue
         steps = _views_to(chain, c2.logical_input, {c2.start, *c2.layout_nodes}, ctx.ir.backward_nodes)
         if steps is None:
@@ -263,16 +290,21 @@ def _combine_of(ctx: PassContext, c: Collective, chain: Chain) -> tuple[Chain, C
 
 def _score(ctx: PassContext, chain: Chain) -> tuple:
     inside = {chain.root, *(s.node for s in chain.steps)}
-    sliced = sum(1 for s in chain.steps for p, a in enumerate(s.node.args)
-                 if isinstance(a, fx.Node) and a not in inside and s.args.get(p) is not None)
+    sliced = sum(
+        1
+        for s in chain.steps
+        for p, a in enumerate(s.node.args)
+        if isinstance(a, fx.Node) and a not in inside and s.args.get(p) is not None
+    )
     return (len(chain.compute_nodes), -sliced, not chain.reduction, -chain.out_split.blocks, -chain.dim)
 
 
 def _best(ctx: PassContext, c: Collective, k: int) -> tuple[Chain, Collective, Split] | str:
     found, reasons = [], []
     for cut in _cuts(c, k):
-        ch = chains.consumer_chain(c, cut.dim, k, ctx.ir.dims, ctx.get(FACTS), ctx.ir.backward_nodes,
-                                   splits=(cut, cut))
+        ch = chains.consumer_chain(
+            c, cut.dim, k, ctx.ir.dims, ctx.get(FACTS), ctx.ir.backward_nodes, splits=(cut, cut)
+        )
         where = f"dim {cut.dim}" + (f" in {cut.blocks} blocks" if cut.blocks > 1 else "")
         if isinstance(ch, str):
             reasons.append(f"{where}: {ch}")
@@ -314,7 +346,9 @@ def _exchange_us(est, c: Collective, k: int, units: int = 1) -> float:
     """Predicted time of a chunk of ``units`` of ``k`` equal units of the exchange ``c`` (launch
     included; the default: one of ``k`` even chunks)."""
     size = concrete(c.input_bytes) or 0
-    t = est.collectives.time(CollectiveKind.ALL_TO_ALL, size * units // k, c.group.size, ranks=c.group.ranks).time_us
+    t = est.collectives.time(
+        CollectiveKind.ALL_TO_ALL, size * units // k, c.group.size, ranks=c.group.ranks
+    ).time_us
     extra = est.runtime.collective_in_graph_us or 0.0
     return t + extra if t > 0 else t
 
@@ -341,8 +375,9 @@ def reassembly_us(est, chain: Chain, parts: Optional[int] = None) -> float:
     return total
 
 
-def two_level_granularity(ctx: PassContext, c: Collective, c2: Collective, chain: Chain
-                          ) -> tuple[Optional[tuple[float, ...]], str]:
+def two_level_granularity(
+    ctx: PassContext, c: Collective, c2: Collective, chain: Chain
+) -> tuple[Optional[tuple[float, ...]], str]:
     """Centauri's Algorithm 1 for the exchange ``c`` -> ``chain`` -> ``c2`` as if run as the
     two-level exchange (``group_partition``'s plan of both all_to_alls: ``cost_inter`` /
     ``cost_intra`` their inter- and intra-node levels' predicted times, the chain's compute,
@@ -357,23 +392,28 @@ def two_level_granularity(ctx: PassContext, c: Collective, c2: Collective, chain
         return None, f"{NO_LEVEL_TIMES} (no two-level exchange: {bad})"
 
     def level_us(inter: bool) -> float:
-        return sum(lv.predicted_us for p in plans for lv in p.levels
-                   if (lv.group == p.inter_group) == inter)
+        return sum(lv.predicted_us for p in plans for lv in p.levels if (lv.group == p.inter_group) == inter)
 
-    costs = GroupCosts(cost_inter=level_us(True), cost_intra=level_us(False),
-                       inter_size=plans[0].nodes, intra_size=plans[0].local)
+    costs = GroupCosts(
+        cost_inter=level_us(True),
+        cost_intra=level_us(False),
+        inter_size=plans[0].nodes,
+        intra_size=plans[0].local,
+    )
     comp = sum(est.compute_time_us(n) for n in chain.compute_nodes)
     comm = est.collective(c).time_us + est.collective(c2).time_us
-    op = operation_level_plan(comp, comm, independent_compute_us(ctx.gm, ctx.ir, c, est), ctx.config.max_chunks,
-                              group=costs)
+    op = operation_level_plan(
+        comp, comm, independent_compute_us(ctx.gm, ctx.ir, c, est), ctx.config.max_chunks, group=costs
+    )
     why = f"Algorithm 1 on the two-level exchange: {op.why}, granularity {', '.join(f'{g:.3g}' for g in op.granularity)}"
     if op.num_chunks < 2 or len(set(op.granularity)) == 1:
         return None, why
     return op.granularity, why
 
 
-def _uneven_cut(ctx: PassContext, c: Collective, granularity: tuple[float, ...]
-                ) -> tuple[tuple[int, ...], tuple[Chain, Collective, Split], str] | str:
+def _uneven_cut(
+    ctx: PassContext, c: Collective, granularity: tuple[float, ...]
+) -> tuple[tuple[int, ...], tuple[Chain, Collective, Split], str] | str:
     """Chunks in the proportions ``granularity``: every block of the exchange cut into ``U``
     equal units (a chain found for ``U`` even chunks) and chunk i taking ``units[i]`` of each,
     so every chunk exchange is again an equal-split all_to_all. The exact proportions first,
@@ -388,8 +428,14 @@ def _uneven_cut(ctx: PassContext, c: Collective, granularity: tuple[float, ...]
     for units in candidates:
         best = _best(ctx, c, sum(units))
         if not isinstance(best, str):
-            note = "" if units == candidates[0] else (f"granularity {_fmt(candidates[0])} rounded to {_fmt(units)} "
-                                                       f"({sum(candidates[0])} units: {first_why})")
+            note = (
+                ""
+                if units == candidates[0]
+                else (
+                    f"granularity {_fmt(candidates[0])} rounded to {_fmt(units)} "
+                    f"({sum(candidates[0])} units: {first_why})"
+                )
+            )
             return units, best, note
         first_why = first_why or best
     return f"granularity {_fmt(candidates[0])}: {first_why}"
@@ -400,13 +446,17 @@ def _uneven_span(ctx: PassContext, c: Collective, units: tuple[int, ...], best) 
     est, total = ctx.cost.model, sum(units)
     chain, c2, _ = best
     comp = sum(est.compute_time_us(n) for n in chain.compute_nodes)
-    return chunk_pipeline_us([_exchange_us(est, c, total, u) for u in units], [comp * u / total for u in units],
-                             [_exchange_us(est, c2, total, u) for u in units], reassembly_us(est, chain, len(units)))
+    return chunk_pipeline_us(
+        [_exchange_us(est, c, total, u) for u in units],
+        [comp * u / total for u in units],
+        [_exchange_us(est, c2, total, u) for u in units],
+        reassembly_us(est, chain, len(units)),
+    )
 
 
-def plan_exchange_partition(ctx: PassContext, c: Collective, chunks: Optional[int] = None,
-                            units: Optional[tuple[int, ...]] = None
-                            ) -> tuple[ExchangePlan, Chain, Collective, Split] | str:
+def plan_exchange_partition(
+    ctx: PassContext, c: Collective, chunks: Optional[int] = None, units: Optional[tuple[int, ...]] = None
+) -> tuple[ExchangePlan, Chain, Collective, Split] | str:
     """The chunked exchange with dispatch ``c``, or why there is none. ``chunks``: the count
     (default: ``Config.workload_chunks``, else the count in 2..Algorithm 1's whose pipeline the
     cost model predicts fastest, refused when none beats the unpartitioned exchange; without a
@@ -446,8 +496,17 @@ def plan_exchange_partition(ctx: PassContext, c: Collective, chunks: Optional[in
         comp = sum(est.compute_time_us(n) for n in chain.compute_nodes)
         whole = pipeline_us(est.collective(c).time_us, comp, est.collective(c2).time_us, 1)
         # each count's own chain: the values it reassembles depend on the cut it found
-        timed = [(pipeline_us(_exchange_us(est, c, kk), comp, _exchange_us(est, c2, kk), kk, reassembly_us(est, b[0])),
-                  kk, kk, b) for kk, b in options]  # ties: fewer chunks
+        timed = [
+            (
+                pipeline_us(
+                    _exchange_us(est, c, kk), comp, _exchange_us(est, c2, kk), kk, reassembly_us(est, b[0])
+                ),
+                kk,
+                kk,
+                b,
+            )
+            for kk, b in options
+        ]  # ties: fewer chunks
         span, _, kk, best = min(timed, key=lambda t: t[:2])
         uneven = _uneven_choice(ctx, c, chain, c2, span, kk, whole)
         if isinstance(uneven, tuple):
@@ -455,8 +514,10 @@ def plan_exchange_partition(ctx: PassContext, c: Collective, chunks: Optional[in
             return (_plan(c, ubest, cut, f"{how}; {unote}"), *ubest)
         tail = f"; {uneven}" if uneven else ""
         if span >= whole:
-            return (f"{how}; every chunk count predicted slower than the whole exchange ({span:.1f} us >= "
-                    f"{whole:.1f} us: per-chunk launch and latency outweigh the overlap){tail}")
+            return (
+                f"{how}; every chunk count predicted slower than the whole exchange ({span:.1f} us >= "
+                f"{whole:.1f} us: per-chunk launch and latency outweigh the overlap){tail}"
+            )
         note = f"{how}; {kk} chunks predicted fastest ({span:.1f} us vs {whole:.1f} us whole){tail}"
     else:
         kk, best = options[0]
@@ -464,13 +525,21 @@ def plan_exchange_partition(ctx: PassContext, c: Collective, chunks: Optional[in
             note = f"{how}: {k} chunks, lowered to {kk} for the shapes"
     chain, c2, _ = best
     length = chains.static_shape(c.logical_output)[chain.dim]
-    plan = ExchangePlan(c.name, c2.name, chain.dim, chain.out_split.blocks, kk, chain.node_names,
-                        (length // kk,) * kk, note)
+    plan = ExchangePlan(
+        c.name, c2.name, chain.dim, chain.out_split.blocks, kk, chain.node_names, (length // kk,) * kk, note
+    )
     return (plan, *best)
 
 
-def _uneven_choice(ctx: PassContext, c: Collective, chain: Chain, c2: Collective, even_us: float, even_k: int,
-                   whole_us: float) -> tuple[tuple[int, ...], tuple, str] | str:
+def _uneven_choice(
+    ctx: PassContext,
+    c: Collective,
+    chain: Chain,
+    c2: Collective,
+    even_us: float,
+    even_k: int,
+    whole_us: float,
+) -> tuple[tuple[int, ...], tuple, str] | str:
     """Algorithm 1's uneven cut when it applies and the pipeline model predicts it no slower
     than the best even cut (``even_k`` chunks, ``even_us``) and faster than the whole exchange:
     (units, the cut, the decision's note); else why not ("" where the group gives Algorithm 1
@@ -485,19 +554,39 @@ def _uneven_choice(ctx: PassContext, c: Collective, chain: Chain, c2: Collective
     span = _uneven_span(ctx, c, units, best)
     what = f"{why}{'; ' + rounding if rounding else ''}"
     if span > even_us or span >= whole_us:
-        slower = (f"{even_k} even chunks' {even_us:.1f} us" if span > even_us
-                  else f"the whole exchange's {whole_us:.1f} us")
+        slower = (
+            f"{even_k} even chunks' {even_us:.1f} us"
+            if span > even_us
+            else f"the whole exchange's {whole_us:.1f} us"
+        )
         return f"{what}; uneven {_fmt(units)} not taken: predicted {span:.1f} us, slower than {slower}"
-    return units, best, (f"{what}; uneven {_fmt(units)} taken: predicted {span:.1f} us, not slower than "
-                         f"{even_k} even chunks ({even_us:.1f} us; {whole_us:.1f} us whole)")
+    return (
+        units,
+        best,
+        (
+            f"{what}; uneven {_fmt(units)} taken: predicted {span:.1f} us, not slower than "
+            f"{even_k} even chunks ({even_us:.1f} us; {whole_us:.1f} us whole)"
+        ),
+    )
 
 
-def _plan(c: Collective, best: tuple[Chain, Collective, Split], units: tuple[int, ...], why: str) -> ExchangePlan:
+def _plan(
+    c: Collective, best: tuple[Chain, Collective, Split], units: tuple[int, ...], why: str
+) -> ExchangePlan:
     """The plan of the uneven cut ``units`` (chunk i: units[i] of sum(units) units of every block)."""
     chain, c2, _ = best
     length = chains.static_shape(c.logical_output)[chain.dim]
-    return ExchangePlan(c.name, c2.name, chain.dim, chain.out_split.blocks, len(units), chain.node_names,
-                        tuple(length // sum(units) * u for u in units), why, tuple(units))
+    return ExchangePlan(
+        c.name,
+        c2.name,
+        chain.dim,
+        chain.out_split.blocks,
+        len(units),
+        chain.node_names,
+        tuple(length // sum(units) * u for u in units),
+        why,
+        tuple(units),
+    )
 
 
 # ---------------------------------------------------------------------------- dropless MoE op
@@ -513,8 +602,10 @@ def plan_token_chunks(ctx: PassContext, node: fx.Node) -> TokenChunkPlan | str:
     off = 3 if node.target is MOE_LAYER_BACKWARD else 0
     capacity_factor, group_name = node.args[off + 6], node.args[off + 8]
     if capacity_factor > 0:
-        return ("capacity routing inside commfuse::moe_layer: token chunks would change which rows are dropped "
-                "(capacity exchanges written as graph all_to_alls are cut by this pass)")
+        return (
+            "capacity routing inside commfuse::moe_layer: token chunks would change which rows are dropped "
+            "(capacity exchanges written as graph all_to_alls are cut by this pass)"
+        )
     cut = comm_volume.chunks_of(node)
     if cut > 1:
         return f"already cut into {cut} token chunks"
@@ -542,10 +633,15 @@ def plan_token_chunks(ctx: PassContext, node: fx.Node) -> TokenChunkPlan | str:
         return f"Algorithm 1: {bound.why}"
     span, k = min(timed)
     if span >= whole:
-        return (f"Algorithm 1: {bound.why}; every chunk count predicted slower than the whole exchange "
-                f"({span:.1f} us >= {whole:.1f} us: per-chunk launch and latency outweigh the overlap)")
-    return TokenChunkPlan(node.name, k, f"Algorithm 1: {bound.why}; {k} chunks predicted fastest "
-                                        f"({span:.1f} us vs {whole:.1f} us whole)")
+        return (
+            f"Algorithm 1: {bound.why}; every chunk count predicted slower than the whole exchange "
+            f"({span:.1f} us >= {whole:.1f} us: per-chunk launch and latency outweigh the overlap)"
+        )
+    return TokenChunkPlan(
+        node.name,
+        k,
+        f"Algorithm 1: {bound.why}; {k} chunks predicted fastest ({span:.1f} us vs {whole:.1f} us whole)",
+    )
 
 
 def _set_chunks(node: fx.Node, k: int) -> None:
@@ -561,8 +657,14 @@ def _set_chunks(node: fx.Node, k: int) -> None:
 
 
 # ---------------------------------------------------------------------------- rewriting
-def _emit(gm: fx.GraphModule, mode: Any, chain: Chain, c2: Collective, split2: Split,
-          units: Optional[tuple[int, ...]] = None) -> list[fx.Node]:
+def _emit(
+    gm: fx.GraphModule,
+    mode: Any,
+    chain: Chain,
+    c2: Collective,
+    split2: Split,
+    units: Optional[tuple[int, ...]] = None,
+) -> list[fx.Node]:
     """``units``: chunk i takes units[i] of the chain's ``chain.chunks`` equal units (None: even)."""
     c = chain.collective
     sizes = tuple(units) if units else (1,) * chain.chunks
@@ -572,20 +674,43 @@ def _emit(gm: fx.GraphModule, mode: Any, chain: Chain, c2: Collective, split2: S
     dispatched = []
     for i in range(k):
         x = head.take_chunk(c.logical_input, chain.in_split, sizes, i, c.start)
-        dispatched.append(rewrite.splice(gm, rewrite.all_to_all_issue, [x], consts=(c.logical_dim, n, group),
-                                         before=c.start, meta_from=c.start))
+        dispatched.append(
+            rewrite.splice(
+                gm,
+                rewrite.all_to_all_issue,
+                [x],
+                consts=(c.logical_dim, n, group),
+                before=c.start,
+                meta_from=c.start,
+            )
+        )
     inside = {chain.root, *(s.node for s in chain.steps)}
     own = {c2.start, *c2.layout_nodes}  # the combine itself: replaced by the chunk combines
     em = _Emitter(gm, mode, sizes, chain.anchor.next)
     envs, combines = [], []
     for i in range(k):
-        env = {chain.root: rewrite.splice(gm, rewrite.all_to_all_receive, [dispatched[i]],
-                                          consts=(c.logical_concat_dim, n), before=em.before, meta_from=c.waits[0])}
+        env = {
+            chain.root: rewrite.splice(
+                gm,
+                rewrite.all_to_all_receive,
+                [dispatched[i]],
+                consts=(c.logical_concat_dim, n),
+                before=em.before,
+                meta_from=c.waits[0],
+            )
+        }
         for step in chain.steps:
             env[step.node] = em.replay(step, env, i)
-        combines.append(rewrite.splice(gm, rewrite.all_to_all_issue, [env[c2.logical_input]],
-                                       consts=(c2.logical_dim, n, c2.group.name), before=em.before,
-                                       meta_from=c2.start))
+        combines.append(
+            rewrite.splice(
+                gm,
+                rewrite.all_to_all_issue,
+                [env[c2.logical_input]],
+                consts=(c2.logical_dim, n, c2.group.name),
+                before=em.before,
+                meta_from=c2.start,
+            )
+        )
         envs.append(env)
     layouts = {chain.root: chain.out_split, **{s.node: s.out for s in chain.steps}}
     # Chain values read outside it (the chain's own outputs; the views appended up to the
@@ -596,16 +721,36 @@ def _emit(gm: fx.GraphModule, mode: Any, chain: Chain, c2: Collective, split2: S
         whole = em.reassemble([env[v] for env in envs], layouts[v], sizes, v)
         v.replace_all_uses_with(whole, delete_user_cb=lambda u: u not in inside and u not in own)
     tail = _Builder(gm, mode, c2.waits[0])
-    parts = [rewrite.splice(gm, rewrite.all_to_all_receive, [s], consts=(c2.logical_concat_dim, n),
-                            before=c2.waits[0], meta_from=c2.waits[0]) for s in combines]
+    parts = [
+        rewrite.splice(
+            gm,
+            rewrite.all_to_all_receive,
+            [s],
+            consts=(c2.logical_concat_dim, n),
+            before=c2.waits[0],
+            meta_from=c2.waits[0],
+        )
+        for s in combines
+    ]
     whole = tail.reassemble(parts, split2, sizes, c2.logical_output)
     c2.logical_output.replace_all_uses_with(whole)
     pos = {node: i for i, node in enumerate(gm.graph.nodes)}
-    roots = {c.start, *c.waits, *c.layout_nodes, c.logical_output, *inside, c2.start, *c2.waits,
-             *c2.layout_nodes, c2.logical_output}
+    roots = {
+        c.start,
+        *c.waits,
+        *c.layout_nodes,
+        c.logical_output,
+        *inside,
+        c2.start,
+        *c2.waits,
+        *c2.layout_nodes,
+        c2.logical_output,
+    }
     rewrite.erase_dead(gm, sorted(roots, key=pos.__getitem__))
     if any(not getattr(x, "_erased", False) for x in (c.start, *c.waits, c2.start, *c2.waits)):
-        raise RuntimeError(f"expert_exchange_partition: {c.name} / {c2.name} still have users after the rewrite")
+        raise RuntimeError(
+            f"expert_exchange_partition: {c.name} / {c2.name} still have users after the rewrite"
+        )
     return dispatched + combines
 
 
@@ -613,9 +758,15 @@ def apply_exchange_partition(ctx: PassContext, c: Collective, plan: ExchangePlan
     """Rewrite ``ctx.gm`` as ``plan`` says; returns the chunk exchanges' start nodes (dispatches,
     then combines). Raises ValueError if the plan does not match the graph."""
     best = plan_exchange_partition(ctx, c, plan.chunks, units=plan.units)
-    if isinstance(best, str) or best[0].chain != plan.chain or best[0].combine != plan.combine \
-            or best[0].sizes != plan.sizes:
-        raise ValueError(f"plan for {c.name} does not match the graph: {best if isinstance(best, str) else best[0]}")
+    if (
+        isinstance(best, str)
+        or best[0].chain != plan.chain
+        or best[0].combine != plan.combine
+        or best[0].sizes != plan.sizes
+    ):
+        raise ValueError(
+            f"plan for {c.name} does not match the graph: {best if isinstance(best, str) else best[0]}"
+        )
     _, chain, c2, split2 = best
     return _emit(ctx.gm, rewrite.fake_mode_of(ctx.gm), chain, c2, split2, plan.units)
 
@@ -656,9 +807,18 @@ class ExpertExchangePartition(GraphPass):
             counts["exchanges_partitioned"] += 1
             counts["chunk_collectives"] += len(starts)
             counts["chain_ops"] += len(plan.chain)
-            decisions.append({"collective": plan.dispatch, "combine": plan.combine, "dim": plan.dim,
-                              "blocks": plan.blocks, "chunks": plan.chunks, "sizes": list(plan.sizes),
-                              "granularity": plan.granularity, "decision": plan.describe()})
+            decisions.append(
+                {
+                    "collective": plan.dispatch,
+                    "combine": plan.combine,
+                    "dim": plan.dim,
+                    "blocks": plan.blocks,
+                    "chunks": plan.chunks,
+                    "sizes": list(plan.sizes),
+                    "granularity": plan.granularity,
+                    "decision": plan.describe(),
+                }
+            )
         for node in [n for n in ctx.gm.graph.nodes if n.op == "call_function" and n.target in MOE_OPS]:
             token_plan = plan_token_chunks(ctx, node)
             if isinstance(token_plan, str):
@@ -667,9 +827,15 @@ class ExpertExchangePartition(GraphPass):
             _set_chunks(node, token_plan.chunks)
             changed = True
             counts["moe_ops_chunked"] = counts.get("moe_ops_chunked", 0) + 1
-            decisions.append({"collective": node.name, "chunks": token_plan.chunks, "dim": 0,
-                              "decision": f"{node.name}: dropless exchange cut into {token_plan.chunks} token "
-                                          f"chunks inside the op ({token_plan.why})"})
+            decisions.append(
+                {
+                    "collective": node.name,
+                    "chunks": token_plan.chunks,
+                    "dim": 0,
+                    "decision": f"{node.name}: dropless exchange cut into {token_plan.chunks} token "
+                    f"chunks inside the op ({token_plan.why})",
+                }
+            )
         if changed:
             ctx.gm.graph.lint()
             ctx.gm.recompile()

@@ -147,7 +147,7 @@ def _interleave(x: torch.Tensor, n: int, d: int) -> torch.Tensor:
     cat_j piece_{j·N+r}(x): piece index j·N+r moves to r·N+j."""
     shape = list(x.shape)
     k = shape[d] // (n * n)
-    y = x.reshape(shape[:d] + [n, n, k] + shape[d + 1:]).transpose(d, d + 1)
+    y = x.reshape(shape[:d] + [n, n, k] + shape[d + 1 :]).transpose(d, d + 1)
     return y.reshape(shape)
 
 
@@ -225,7 +225,9 @@ def _scatter_everywhere(send: torch.Tensor, dim: int, order: tuple, group: str) 
     size = len(order)
     everyone = list(range(size))
     unit = send.shape[dim] // size
-    got = c10d_functional.wait_tensor(M2MS(send, dim, [unit] * (size * size), everyone, everyone, size, group))
+    got = c10d_functional.wait_tensor(
+        M2MS(send, dim, [unit] * (size * size), everyone, everyone, size, group)
+    )
     return _chunks(got, size, dim)
 
 
@@ -258,8 +260,9 @@ def _across_a2a_rs(w, s, c, op, d, rank_at, order, group):
     got = _scatter_everywhere(send, s, order, group)
     at = {r: j for j, r in enumerate(order)}
     flat = [g.unsqueeze(0) for g in got]  # reduce over a new leading dim, whatever d is
-    return torch.cat([_reduce_parts([flat[at[rank_at[k][i]]] for k in range(n1)], op).squeeze(0)
-                      for i in range(n2)], c)
+    return torch.cat(
+        [_reduce_parts([flat[at[rank_at[k][i]]] for k in range(n1)], op).squeeze(0) for i in range(n2)], c
+    )
 
 
 def _across_ag_ag(x, d1, d2, rank_at, order, group):
@@ -368,10 +371,15 @@ def _check_pair(p: Pair, ctx: Optional[PassContext] = None) -> tuple[Optional[st
     else:
         if a.group.ranks is None or b.group.ranks is None:
             unknown = " and ".join(repr(g.name) for g in (a.group, b.group) if g.ranks is None)
-            return f"groups differ (names {a.group.name!r} vs {b.group.name!r}; ranks of {unknown} unknown)", None
+            return (
+                f"groups differ (names {a.group.name!r} vs {b.group.name!r}; ranks of {unknown} unknown)",
+                None,
+            )
         if (a.kind, b.kind) not in _ACROSS:
-            return (f"groups differ in members ({a.group.describe()} vs {b.group.describe()}) and the pair has no "
-                    "fused form across groups"), None
+            return (
+                f"groups differ in members ({a.group.describe()} vs {b.group.describe()}) and the pair has no "
+                "fused form across groups"
+            ), None
         found = _across(p, ctx)
         if isinstance(found, str):
             return f"groups differ in members ({a.group.describe()} vs {b.group.describe()}): {found}", None
@@ -512,32 +520,60 @@ def _check_a2a_rs(a, b, n):
 # the same group-rank order, so which chunk each rank sends and receives is unchanged.
 _FUSIONS: dict[tuple[CollectiveKind, CollectiveKind], Fusion] = {
     (K.REDUCE_SCATTER, K.ALL_GATHER): Fusion(
-        "fused_rs_ag", _check_rs_ag,
-        lambda a, b, n: (_fused_rs_ag, (a.reduce_op, a.logical_dim, b.logical_dim, n, a.group.name))),
+        "fused_rs_ag",
+        _check_rs_ag,
+        lambda a, b, n: (_fused_rs_ag, (a.reduce_op, a.logical_dim, b.logical_dim, n, a.group.name)),
+    ),
     (K.ALL_GATHER, K.REDUCE_SCATTER): Fusion(
-        "fused_ag_rs", _check_ag_rs,
-        lambda a, b, n: (_fused_ag_rs, (b.reduce_op, a.logical_dim, b.logical_dim, n, a.group.name))),
+        "fused_ag_rs",
+        _check_ag_rs,
+        lambda a, b, n: (_fused_ag_rs, (b.reduce_op, a.logical_dim, b.logical_dim, n, a.group.name)),
+    ),
     (K.ALL_GATHER, K.ALL_GATHER): Fusion(
-        "fused_ag_ag", _check_ag_ag,
-        lambda a, b, n: (_fused_ag_ag, (a.logical_dim, b.logical_dim, n, a.group.name))),
+        "fused_ag_ag",
+        _check_ag_ag,
+        lambda a, b, n: (_fused_ag_ag, (a.logical_dim, b.logical_dim, n, a.group.name)),
+    ),
     (K.ALL_GATHER, K.ALL_TO_ALL): Fusion(
-        "fused_ag_a2a", _check_ag_a2a,
-        lambda a, b, n: (_fused_ag_a2a, (a.logical_dim, b.logical_dim, b.logical_concat_dim, n, a.group.name))),
+        "fused_ag_a2a",
+        _check_ag_a2a,
+        lambda a, b, n: (
+            _fused_ag_a2a,
+            (a.logical_dim, b.logical_dim, b.logical_concat_dim, n, a.group.name),
+        ),
+    ),
     (K.ALL_TO_ALL, K.ALL_TO_ALL): Fusion(
-        "fused_a2a_a2a", _check_a2a_a2a,
-        lambda a, b, n: (_fused_a2a_a2a, (a.logical_dim, a.logical_concat_dim, b.logical_dim,
-                                          b.logical_concat_dim, n, a.group.name))),
+        "fused_a2a_a2a",
+        _check_a2a_a2a,
+        lambda a, b, n: (
+            _fused_a2a_a2a,
+            (a.logical_dim, a.logical_concat_dim, b.logical_dim, b.logical_concat_dim, n, a.group.name),
+        ),
+    ),
     (K.REDUCE_SCATTER, K.ALL_TO_ALL): Fusion(
-        "fused_rs_a2a", _check_rs_a2a,
-        lambda a, b, n: (_fused_rs_a2a, (a.reduce_op, a.logical_dim, b.logical_dim, b.logical_concat_dim, n,
-                                         a.group.name))),
+        "fused_rs_a2a",
+        _check_rs_a2a,
+        lambda a, b, n: (
+            _fused_rs_a2a,
+            (a.reduce_op, a.logical_dim, b.logical_dim, b.logical_concat_dim, n, a.group.name),
+        ),
+    ),
     (K.ALL_TO_ALL, K.ALL_GATHER): Fusion(
-        "fused_a2a_ag", _check_a2a_ag,
-        lambda a, b, n: (_fused_a2a_ag, (a.logical_dim, a.logical_concat_dim, b.logical_dim, n, a.group.name))),
+        "fused_a2a_ag",
+        _check_a2a_ag,
+        lambda a, b, n: (
+            _fused_a2a_ag,
+            (a.logical_dim, a.logical_concat_dim, b.logical_dim, n, a.group.name),
+        ),
+    ),
     (K.ALL_TO_ALL, K.REDUCE_SCATTER): Fusion(
-        "fused_a2a_rs", _check_a2a_rs,
-        lambda a, b, n: (_fused_a2a_rs, (a.logical_dim, a.logical_concat_dim, b.reduce_op, b.logical_dim, n,
-                                         a.group.name))),
+        "fused_a2a_rs",
+        _check_a2a_rs,
+        lambda a, b, n: (
+            _fused_a2a_rs,
+            (a.logical_dim, a.logical_concat_dim, b.reduce_op, b.logical_dim, n, a.group.name),
+        ),
+    ),
 }
 FUSION_KEYS = tuple(f.key for f in _FUSIONS.values())
 
@@ -601,21 +637,50 @@ def _check_across_rs_rs(a, b, grid):
 # at the TP+EP and SP+EP transitions of Table 2, and its transpose, which the backward runs).
 _ACROSS: dict[tuple[CollectiveKind, CollectiveKind], AcrossFusion] = {
     (K.ALL_GATHER, K.ALL_TO_ALL): AcrossFusion(
-        "m2ms_ag_a2a", lambda a, b: (a, b), _check_across_ag_a2a,
-        lambda a, b, w: (_across_ag_a2a, (a.logical_dim, b.logical_dim, b.logical_concat_dim, w.grid.rank_at,
-                                          w.order, w.group_name))),
+        "m2ms_ag_a2a",
+        lambda a, b: (a, b),
+        _check_across_ag_a2a,
+        lambda a, b, w: (
+            _across_ag_a2a,
+            (a.logical_dim, b.logical_dim, b.logical_concat_dim, w.grid.rank_at, w.order, w.group_name),
+        ),
+    ),
     (K.ALL_TO_ALL, K.REDUCE_SCATTER): AcrossFusion(
-        "m2ms_a2a_rs", lambda a, b: (b, a), _check_across_a2a_rs,
-        lambda a, b, w: (_across_a2a_rs, (a.logical_dim, a.logical_concat_dim, b.reduce_op, b.logical_dim,
-                                          w.grid.rank_at, w.order, w.group_name))),
+        "m2ms_a2a_rs",
+        lambda a, b: (b, a),
+        _check_across_a2a_rs,
+        lambda a, b, w: (
+            _across_a2a_rs,
+            (
+                a.logical_dim,
+                a.logical_concat_dim,
+                b.reduce_op,
+                b.logical_dim,
+                w.grid.rank_at,
+                w.order,
+                w.group_name,
+            ),
+        ),
+    ),
     # the same bytes in one collective on the plane instead of one per dim
     (K.ALL_GATHER, K.ALL_GATHER): AcrossFusion(
-        "plane_ag_ag", lambda a, b: (a, b), _check_across_ag_ag,
-        lambda a, b, w: (_across_ag_ag, (a.logical_dim, b.logical_dim, w.grid.rank_at, w.order, w.group_name))),
+        "plane_ag_ag",
+        lambda a, b: (a, b),
+        _check_across_ag_ag,
+        lambda a, b, w: (
+            _across_ag_ag,
+            (a.logical_dim, b.logical_dim, w.grid.rank_at, w.order, w.group_name),
+        ),
+    ),
     (K.REDUCE_SCATTER, K.REDUCE_SCATTER): AcrossFusion(
-        "plane_rs_rs", lambda a, b: (a, b), _check_across_rs_rs,
-        lambda a, b, w: (_across_rs_rs, (a.reduce_op, a.logical_dim, b.logical_dim, w.grid.rank_at, w.order,
-                                         w.group_name))),
+        "plane_rs_rs",
+        lambda a, b: (a, b),
+        _check_across_rs_rs,
+        lambda a, b, w: (
+            _across_rs_rs,
+            (a.reduce_op, a.logical_dim, b.logical_dim, w.grid.rank_at, w.order, w.group_name),
+        ),
+    ),
 }
 ACROSS_KEYS = tuple(f.key for f in _ACROSS.values())
 
@@ -630,8 +695,10 @@ def _across(p: Pair, ctx: Optional[PassContext]) -> "Across | str":
         return grid
     found = ctx.group_with_members(grid.ranks)
     if found is None:
-        return (f"no process group spans their plane (ranks {','.join(map(str, grid.ranks))}); "
-                "commfuse creates none while compiling")
+        return (
+            f"no process group spans their plane (ranks {','.join(map(str, grid.ranks))}); "
+            "commfuse creates none while compiling"
+        )
     name, order = found
     return Across(grid, name, tuple(order))
 

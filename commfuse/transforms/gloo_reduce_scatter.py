@@ -149,15 +149,19 @@ def why_not(c: Collective) -> Optional[str]:
     if val is None:
         return "input has no tensor metadata"
     if val.device.type != "cpu":
-        return (f"input on {val.device.type}: not a gloo collective (a CUDA tensor runs on NCCL, "
-                "which has a native reduce_scatter)")
+        return (
+            f"input on {val.device.type}: not a gloo collective (a CUDA tensor runs on NCCL, "
+            "which has a native reduce_scatter)"
+        )
     return None
 
 
 def why_not_backend(ctx: PassContext) -> Optional[str]:
     if ctx.topology is not None and ctx.cost.backend != "gloo":
-        return (f"topology {ctx.topology.name!r} is priced as {ctx.cost.backend}, which has a native "
-                "reduce_scatter ((N-1)/N of the input per rank): nothing to gain")
+        return (
+            f"topology {ctx.topology.name!r} is priced as {ctx.cost.backend}, which has a native "
+            "reduce_scatter ((N-1)/N of the input per rank): nothing to gain"
+        )
     return None
 
 
@@ -185,10 +189,17 @@ def predict(ctx: PassContext, c: Collective) -> Prediction:
     rs = model.collective(c)
     size = concrete(c.input_bytes) or 0
     a2a = model.collectives.time(K.ALL_TO_ALL, size, c.group.size, ranks=c.group.ranks).time_us
-    template = rewrite.trace(replacement, [c.start.args[0]], (c.reduce_op, c.group.size, c.group.name),
-                             rewrite.fake_mode_of(ctx.gm))
-    local = sum(model.compute_time_us(n) for n in template.graph.nodes
-                if n.op == "call_function" and collective_spec(n.target) is None and not is_wait(n.target))
+    template = rewrite.trace(
+        replacement,
+        [c.start.args[0]],
+        (c.reduce_op, c.group.size, c.group.name),
+        rewrite.fake_mode_of(ctx.gm),
+    )
+    local = sum(
+        model.compute_time_us(n)
+        for n in template.graph.nodes
+        if n.op == "call_function" and collective_spec(n.target) is None and not is_wait(n.target)
+    )
     return Prediction(rs.time_us, _in_graph(model, a2a), local, rs.algorithm)
 
 
@@ -197,8 +208,14 @@ def apply(ctx: PassContext, c: Collective) -> fx.Node:
     (wait,) = c.waits
     x = c.start.args[0]
     anchor = c.start.prev
-    out = rewrite.splice(ctx.gm, replacement, [x], consts=(c.reduce_op, c.group.size, c.group.name),
-                         before=c.start, meta_from=c.start)
+    out = rewrite.splice(
+        ctx.gm,
+        replacement,
+        [x],
+        consts=(c.reduce_op, c.group.size, c.group.name),
+        before=c.start,
+        meta_from=c.start,
+    )
     spliced, n = [], anchor.next
     while n is not c.start:
         spliced.append(n)
@@ -206,7 +223,7 @@ def apply(ctx: PassContext, c: Collective) -> fx.Node:
     new_wait = next(m for m in spliced if m.op == "call_function" and is_wait(m.target))
     # Everything from the new wait on reads only the all_to_all's result: it moves to where
     # the reduce_scatter's wait was, so the wait stays where the scheduler put it.
-    for m in spliced[spliced.index(new_wait):]:
+    for m in spliced[spliced.index(new_wait) :]:
         wait.prepend(m)
     wait.replace_all_uses_with(out)
     rewrite.erase_dead(ctx.gm, [wait])
@@ -237,23 +254,40 @@ class GlooReduceScatter(GraphPass):
                 refusals.append(f"{c.name}: reduce_scatter kept: {why}")
                 continue
             p = predict(ctx, c)
-            decisions.append({
-                "collective": c.name, "group": c.group.name, "group_size": c.group.size, "reduce_op": c.reduce_op,
-                "dtype": str(c.dtype), "input_bytes": concrete(c.input_bytes),
-                "topology": ctx.topology.name if ctx.topology is not None else f"default:{DEFAULT_GLOO_TOPOLOGY.name}",
-                "reduce_scatter_us": round(p.reduce_scatter_us, 3), "reduce_scatter_algorithm": p.algorithm,
-                "all_to_all_us": round(p.all_to_all_us, 3), "local_sum_us": round(p.local_sum_us, 3),
-                "replacement_us": round(p.replacement_us, 3), "lowered": p.faster,
-            })
+            decisions.append(
+                {
+                    "collective": c.name,
+                    "group": c.group.name,
+                    "group_size": c.group.size,
+                    "reduce_op": c.reduce_op,
+                    "dtype": str(c.dtype),
+                    "input_bytes": concrete(c.input_bytes),
+                    "topology": ctx.topology.name
+                    if ctx.topology is not None
+                    else f"default:{DEFAULT_GLOO_TOPOLOGY.name}",
+                    "reduce_scatter_us": round(p.reduce_scatter_us, 3),
+                    "reduce_scatter_algorithm": p.algorithm,
+                    "all_to_all_us": round(p.all_to_all_us, 3),
+                    "local_sum_us": round(p.local_sum_us, 3),
+                    "replacement_us": round(p.replacement_us, 3),
+                    "lowered": p.faster,
+                }
+            )
             if not p.faster:
-                refusals.append(f"{c.name}: reduce_scatter kept: cost model: all_to_all {p.all_to_all_us:.1f} us + "
-                                f"local sum {p.local_sum_us:.1f} us, not faster than gloo's reduce_scatter "
-                                f"({p.algorithm}) {p.reduce_scatter_us:.1f} us")
+                refusals.append(
+                    f"{c.name}: reduce_scatter kept: cost model: all_to_all {p.all_to_all_us:.1f} us + "
+                    f"local sum {p.local_sum_us:.1f} us, not faster than gloo's reduce_scatter "
+                    f"({p.algorithm}) {p.reduce_scatter_us:.1f} us"
+                )
                 continue
             apply(ctx, c)
             lowered += 1
         if lowered:
             ctx.gm.graph.lint()
             ctx.gm.recompile()
-        return PassResult(changed=lowered > 0, counts={"lowered": lowered, "kept": len(candidates) - lowered},
-                          refusals=refusals, decisions=decisions)
+        return PassResult(
+            changed=lowered > 0,
+            counts={"lowered": lowered, "kept": len(candidates) - lowered},
+            refusals=refusals,
+            decisions=decisions,
+        )

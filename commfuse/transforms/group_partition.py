@@ -113,10 +113,14 @@ class GroupPlan:
         return self.hierarchical_us < self.flat_us
 
     def describe(self) -> str:
-        seq = ", ".join(f"{lv.kind}[{'intra' if lv.group == self.intra_group else 'inter'} {lv.size}]"
-                        for lv in self.levels)
-        return (f"{self.kind} dim {self.dim} on {self.nodes}x{self.local} -> {self.order}: {seq}; "
-                f"predicted {self.hierarchical_us:.1f} us vs flat {self.flat_us:.1f} us")
+        seq = ", ".join(
+            f"{lv.kind}[{'intra' if lv.group == self.intra_group else 'inter'} {lv.size}]"
+            for lv in self.levels
+        )
+        return (
+            f"{self.kind} dim {self.dim} on {self.nodes}x{self.local} -> {self.order}: {seq}; "
+            f"predicted {self.hierarchical_us:.1f} us vs flat {self.flat_us:.1f} us"
+        )
 
 
 # --------------------------------------------------------------------------- rewrites
@@ -125,7 +129,7 @@ def _swap_blocks(y: torch.Tensor, d: int, p: int, q: int) -> torch.Tensor:
     """Along d, y is p blocks of q blocks of s: return q blocks of p blocks (block (x, y) -> (y, x))."""
     shape = list(y.shape)
     s = shape[d] // (p * q)
-    y = y.reshape(shape[:d] + [p, q, s] + shape[d + 1:]).transpose(d, d + 1)
+    y = y.reshape(shape[:d] + [p, q, s] + shape[d + 1 :]).transpose(d, d + 1)
     return y.reshape(shape)
 
 
@@ -173,14 +177,22 @@ def _a2a_inter_first(x, d, a, b, intra, inter):
 
 
 _BODIES = {
-    (K.ALL_GATHER, "inter_first"): _ag_inter_first, (K.ALL_GATHER, "intra_first"): _ag_intra_first,
-    (K.REDUCE_SCATTER, "intra_first"): _rs_intra_first, (K.REDUCE_SCATTER, "inter_first"): _rs_inter_first,
-    (K.ALL_REDUCE, "intra_first"): _ar_intra_first, (K.ALL_REDUCE, "inter_first"): _ar_inter_first,
-    (K.ALL_TO_ALL, "intra_first"): _a2a_intra_first, (K.ALL_TO_ALL, "inter_first"): _a2a_inter_first,
+    (K.ALL_GATHER, "inter_first"): _ag_inter_first,
+    (K.ALL_GATHER, "intra_first"): _ag_intra_first,
+    (K.REDUCE_SCATTER, "intra_first"): _rs_intra_first,
+    (K.REDUCE_SCATTER, "inter_first"): _rs_inter_first,
+    (K.ALL_REDUCE, "intra_first"): _ar_intra_first,
+    (K.ALL_REDUCE, "inter_first"): _ar_inter_first,
+    (K.ALL_TO_ALL, "intra_first"): _a2a_intra_first,
+    (K.ALL_TO_ALL, "inter_first"): _a2a_inter_first,
 }
 # (kind, order) -> how many times the local reorder reads and writes the whole buffer
-_REORDERS = {(K.ALL_GATHER, "inter_first"): 1, (K.REDUCE_SCATTER, "intra_first"): 1,
-             (K.ALL_TO_ALL, "intra_first"): 2, (K.ALL_TO_ALL, "inter_first"): 2}
+_REORDERS = {
+    (K.ALL_GATHER, "inter_first"): 1,
+    (K.REDUCE_SCATTER, "intra_first"): 1,
+    (K.ALL_TO_ALL, "intra_first"): 2,
+    (K.ALL_TO_ALL, "inter_first"): 2,
+}
 
 
 # --------------------------------------------------------------------------- planning
@@ -198,8 +210,10 @@ def _shape_and_dim(c: Collective, first_level: int) -> Union[tuple[tuple, int], 
         shape, d = c.input_shapes[0], c.logical_dim
     elif c.kind is K.REDUCE_SCATTER:
         src = c.logical_input if c.logical_input is not None else c.inputs[0]
-        shape, d = (tuple(src.meta["val"].shape) if isinstance(src.meta.get("val"), torch.Tensor) else None,
-                    c.logical_dim)
+        shape, d = (
+            tuple(src.meta["val"].shape) if isinstance(src.meta.get("val"), torch.Tensor) else None,
+            c.logical_dim,
+        )
     else:
         shape = c.input_shapes[0]
         if not _static(shape):
@@ -235,12 +249,16 @@ def why_not(ctx: PassContext, c: Collective) -> Optional[str]:
         return lay
     sg = ctx.session.subgroups_of(c.group.ranks)
     if sg is None:
-        return (f"sub-groups not set up for group {c.group.name} (ranks {list(c.group.ranks)}): call "
-                "commfuse.setup(topology=..., mesh=... or groups=...) on every rank before compiling")
+        return (
+            f"sub-groups not set up for group {c.group.name} (ranks {list(c.group.ranks)}): call "
+            "commfuse.setup(topology=..., mesh=... or groups=...) on every rank before compiling"
+        )
     intra, inter = mesh_blocks(tuple(c.group.ranks), *lay)
     if (sg.nodes, sg.local) != lay or sg.intra not in intra or sg.inter not in inter:
-        return (f"sub-groups of group {c.group.name} were set up as {sg.nodes}x{sg.local}, "
-                f"the topology gives {lay[0]}x{lay[1]}")
+        return (
+            f"sub-groups of group {c.group.name} were set up as {sg.nodes}x{sg.local}, "
+            f"the topology gives {lay[0]}x{lay[1]}"
+        )
     return None
 
 
@@ -251,7 +269,9 @@ def _flat_us(model, kind: K, size: int, n: int, ranks) -> float:
     return model.time(kind, size, n, ranks=ranks, algorithm=best).time_us
 
 
-def plan_group_partition(ctx: PassContext, c: Collective, order: Optional[str] = None) -> Union[GroupPlan, str]:
+def plan_group_partition(
+    ctx: PassContext, c: Collective, order: Optional[str] = None
+) -> Union[GroupPlan, str]:
     """The hierarchical plan for ``c`` (``order`` None: the cheaper one), or why there is none.
 
     Pure: reads the graph, the topology and the session, changes nothing. The plan is
@@ -269,7 +289,7 @@ def plan_group_partition(ctx: PassContext, c: Collective, order: Optional[str] =
     extra = est.runtime.collective_in_graph_us
     flat = _flat_us(est.collectives, c.kind, size, n, c.group.ranks) + extra
     plans, reasons = [], []
-    for o in ([order] if order else ORDERS):
+    for o in [order] if order else ORDERS:
         first = b if (o == "intra_first") else a
         sd = _shape_and_dim(c, first)
         if isinstance(sd, str):
@@ -277,12 +297,29 @@ def plan_group_partition(ctx: PassContext, c: Collective, order: Optional[str] =
             continue
         _, d = sd
         lv = _levels(c.kind, o, size, a, b, (sg.intra_name, sg.intra), (sg.inter_name, sg.inter))
-        levels = tuple(Level(k.value, g, gsize, msg, est.collectives.time(k, msg, gsize, ranks=ranks).time_us + extra)
-                       for k, g, gsize, ranks, msg in lv)
+        levels = tuple(
+            Level(k.value, g, gsize, msg, est.collectives.time(k, msg, gsize, ranks=ranks).time_us + extra)
+            for k, g, gsize, ranks, msg in lv
+        )
         # each reorder reads and writes the whole gathered / scattered / exchanged buffer once
         reorder = _REORDERS.get((c.kind, o), 0) * 2 * size / (ctx.topology.memory_bandwidth_GBps * 1e3)
-        plans.append(GroupPlan(c.name, c.kind.value, o, d, a, b, sg.intra_name, sg.inter_name, c.reduce_op, levels,
-                               reorder, flat, sum(lv.predicted_us for lv in levels) + reorder))
+        plans.append(
+            GroupPlan(
+                c.name,
+                c.kind.value,
+                o,
+                d,
+                a,
+                b,
+                sg.intra_name,
+                sg.inter_name,
+                c.reduce_op,
+                levels,
+                reorder,
+                flat,
+                sum(lv.predicted_us for lv in levels) + reorder,
+            )
+        )
     if not plans:
         return "; ".join(dict.fromkeys(reasons))
     return min(plans, key=lambda p: (p.hierarchical_us, p.order))
@@ -297,11 +334,17 @@ def _levels(kind: K, order: str, size: int, a: int, b: int, intra, inter) -> lis
     if kind is K.ALL_GATHER:  # second level gathers everything; the first 1/size_of_second of it
         return [(K.ALL_GATHER, lo[0], lo[1], lo[2], size // hi[1]), (K.ALL_GATHER, hi[0], hi[1], hi[2], size)]
     if kind is K.REDUCE_SCATTER:
-        return [(K.REDUCE_SCATTER, lo[0], lo[1], lo[2], size), (K.REDUCE_SCATTER, hi[0], hi[1], hi[2], size // lo[1])]
+        return [
+            (K.REDUCE_SCATTER, lo[0], lo[1], lo[2], size),
+            (K.REDUCE_SCATTER, hi[0], hi[1], hi[2], size // lo[1]),
+        ]
     if kind is K.ALL_TO_ALL:  # both levels exchange the whole buffer
         return [(K.ALL_TO_ALL, lo[0], lo[1], lo[2], size), (K.ALL_TO_ALL, hi[0], hi[1], hi[2], size)]
-    return [(K.REDUCE_SCATTER, lo[0], lo[1], lo[2], size), (K.ALL_REDUCE, hi[0], hi[1], hi[2], size // lo[1]),
-            (K.ALL_GATHER, lo[0], lo[1], lo[2], size)]
+    return [
+        (K.REDUCE_SCATTER, lo[0], lo[1], lo[2], size),
+        (K.ALL_REDUCE, hi[0], hi[1], hi[2], size // lo[1]),
+        (K.ALL_GATHER, lo[0], lo[1], lo[2], size),
+    ]
 
 
 # --------------------------------------------------------------------------- applying
@@ -351,13 +394,30 @@ class GroupPartition(GraphPass):
     # Families with top-k routers are left out: a regrouped bf16 sum before a router flips routing
     # decisions (outputs differ by O(1) although equal in float64); the families kept exercise every
     # kind the pass rewrites, on the world and on strided groups.
-    fuzz = FuzzSpec(generators=("tp", "sp", "fsdp", "pp", "coalesced"), world_sizes=(8,), scaled_tolerance=True, topology=Topology(
-        name="fuzz-2x4", num_nodes=2, ranks_per_node=4, intra_node_bandwidth_GBps=100.0, inter_node_bandwidth_GBps=1.0,
-        intra_node_latency_us=1.0, inter_node_latency_us=5.0, collective_launch_us=0.1))
+    fuzz = FuzzSpec(
+        generators=("tp", "sp", "fsdp", "pp", "coalesced"),
+        world_sizes=(8,),
+        scaled_tolerance=True,
+        topology=Topology(
+            name="fuzz-2x4",
+            num_nodes=2,
+            ranks_per_node=4,
+            intra_node_bandwidth_GBps=100.0,
+            inter_node_bandwidth_GBps=1.0,
+            intra_node_latency_us=1.0,
+            inter_node_latency_us=5.0,
+            collective_launch_us=0.1,
+        ),
+    )
 
     def run(self, ctx: PassContext) -> PassResult:
-        counts = {"partitioned": 0, "inter_first": 0, "intra_first": 0, "predicted_flat_us": 0,
-                  "predicted_hierarchical_us": 0}
+        counts = {
+            "partitioned": 0,
+            "inter_first": 0,
+            "intra_first": 0,
+            "predicted_flat_us": 0,
+            "predicted_hierarchical_us": 0,
+        }
         refusals: list[str] = []
         decisions: list[dict] = []
         for c in list(ctx.ir.collectives):
@@ -373,12 +433,23 @@ class GroupPartition(GraphPass):
             counts[plan.order] += 1
             counts["predicted_flat_us"] += round(plan.flat_us)
             counts["predicted_hierarchical_us"] += round(plan.hierarchical_us)
-            decisions.append({"collective": c.name, "kind": plan.kind, "group": c.group.name, "order": plan.order,
-                              "dim": plan.dim, "mesh": [plan.nodes, plan.local],
-                              "sequence": [[lv.kind, lv.group] for lv in plan.levels],
-                              "message_bytes": [lv.message_bytes for lv in plan.levels],
-                              "predicted_flat_us": plan.flat_us, "predicted_hierarchical_us": plan.hierarchical_us})
+            decisions.append(
+                {
+                    "collective": c.name,
+                    "kind": plan.kind,
+                    "group": c.group.name,
+                    "order": plan.order,
+                    "dim": plan.dim,
+                    "mesh": [plan.nodes, plan.local],
+                    "sequence": [[lv.kind, lv.group] for lv in plan.levels],
+                    "message_bytes": [lv.message_bytes for lv in plan.levels],
+                    "predicted_flat_us": plan.flat_us,
+                    "predicted_hierarchical_us": plan.hierarchical_us,
+                }
+            )
         if counts["partitioned"]:
             ctx.gm.graph.lint()
             ctx.gm.recompile()
-        return PassResult(changed=counts["partitioned"] > 0, counts=counts, refusals=refusals, decisions=decisions)
+        return PassResult(
+            changed=counts["partitioned"] > 0, counts=counts, refusals=refusals, decisions=decisions
+        )

@@ -76,11 +76,21 @@ from commfuse.transforms.workload_partition import DEFAULT_CHUNKS, _Builder, cut
 aten = torch.ops.aten
 _A2A = torch.ops._c10d_functional.all_to_all_single.default
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-_CASTS = {aten._to_copy.default, aten.clone.default, aten.alias.default, aten.contiguous.default,
-          torch.ops.prims.convert_element_type.default}
+_CASTS = {
+    aten._to_copy.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.contiguous.default,
+    torch.ops.prims.convert_element_type.default,
+}
 _ELEMENTWISE = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor}
-_FRESH = {aten.new_zeros.default, aten.new_empty.default, aten.zeros.default, aten.empty.memory_format,
-          aten.full.default}
+_FRESH = {
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.zeros.default,
+    aten.empty.memory_format,
+    aten.full.default,
+}
 _EXACT_CONTRACTION = {torch.float32, torch.float64}
 _GROUPED_MM = aten._grouped_mm.default
 _MM = aten.mm.default
@@ -143,8 +153,10 @@ class Plan:
 
     def describe(self) -> str:
         mats = sum(s.kind.startswith("matmul") for s in self.steps)
-        return (f"{self.collective.name}: {self.chunks} column blocks of the hidden dim with a {self.direction} "
-                f"chain of {len(self.steps)} ops ({mats} matmuls)")
+        return (
+            f"{self.collective.name}: {self.chunks} column blocks of the hidden dim with a {self.direction} "
+            f"chain of {len(self.steps)} ops ({mats} matmuls)"
+        )
 
 
 def _matmul_out(node: fx.Node, carrier: fx.Node, dim: int) -> Optional[Step]:
@@ -185,8 +197,13 @@ def _consumer_step(node: fx.Node, carrier: fx.Node, dim: int) -> Optional[Step]:
         return Step(node, dim, "same")
     if t is aten.index.Tensor and node.args[0] is carrier:
         idx = node.args[1]
-        if dim != 0 and len(idx) == 1 and isinstance(idx[0], fx.Node) and _val(idx[0]) is not None \
-                and _val(idx[0]).dim() == 1:
+        if (
+            dim != 0
+            and len(idx) == 1
+            and isinstance(idx[0], fx.Node)
+            and _val(idx[0]) is not None
+            and _val(idx[0]).dim() == 1
+        ):
             return Step(node, dim, "same")
         return None
     if t in _TRANSPOSES and node.args[0] is carrier and _val(carrier).dim() == 2:
@@ -220,10 +237,20 @@ def consumer_plan(c: Collective, k: int) -> Plan | str:
             if step.kind in ("same", "transpose"):
                 frontier.append(u)
     if not any(s.kind.startswith("matmul") for s in steps):
-        low = [u.name for s in [Step(root, 1, "same"), *steps] for u in s.node.users
-               if u.target in (_GROUPED_MM, _MM) and _dtype(s.node) not in _EXACT_CONTRACTION]
-        why = (f" (the matmuls {', '.join(low)} contract over the hidden dim in a low-precision dtype, whose partial "
-               "sums would each be rounded)") if low else ""
+        low = [
+            u.name
+            for s in [Step(root, 1, "same"), *steps]
+            for u in s.node.users
+            if u.target in (_GROUPED_MM, _MM) and _dtype(s.node) not in _EXACT_CONTRACTION
+        ]
+        why = (
+            (
+                f" (the matmuls {', '.join(low)} contract over the hidden dim in a low-precision dtype, whose partial "
+                "sums would each be rounded)"
+            )
+            if low
+            else ""
+        )
         return f"consumer: no matmul reads the exchanged rows column block by column block{why}"
     # matmul results are put back together by the steps themselves; views/casts read outside
     # the chain are concatenated
@@ -239,8 +266,9 @@ def consumer_plan(c: Collective, k: int) -> Plan | str:
     return Plan(c, "consumer", k, steps, outside=outside, hoist=hoist)
 
 
-def _late_inputs(side: list[fx.Node], root: fx.Node, chain_nodes: set[fx.Node],
-                 order: dict[fx.Node, int]) -> list[fx.Node] | str:
+def _late_inputs(
+    side: list[fx.Node], root: fx.Node, chain_nodes: set[fx.Node], order: dict[fx.Node, int]
+) -> list[fx.Node] | str:
     """The nodes after ``root`` that the chain's side inputs need, in graph order, or why they
     cannot all be computed before the chain (they read the chain, or are not pure)."""
     late: set[fx.Node] = set()
@@ -251,13 +279,20 @@ def _late_inputs(side: list[fx.Node], root: fx.Node, chain_nodes: set[fx.Node],
             continue
         if n in chain_nodes or n is root:
             return f"a matmul's other operand ({n.name}) is computed from the exchanged rows"
-        if n.op != "call_function" or rewrite.mutates(n) or collective_spec(n.target) is not None \
-                or is_wait(n.target):
+        if (
+            n.op != "call_function"
+            or rewrite.mutates(n)
+            or collective_spec(n.target) is not None
+            or is_wait(n.target)
+        ):
             return f"a matmul's other operand needs {n.name}, which cannot move before the chain"
         late.add(n)
         # the wait itself too: an operand read from the exchanged rows cannot move before the chain
-        todo.extend(a for a in n.all_input_nodes if (a is root or order[a] > order[root]) and not
-                    (a is root and _reads_rows(n)))
+        todo.extend(
+            a
+            for a in n.all_input_nodes
+            if (a is root or order[a] > order[root]) and not (a is root and _reads_rows(n))
+        )
     return sorted(late, key=order.__getitem__)
 
 
@@ -303,8 +338,14 @@ def _producer_step(node: fx.Node, dim: int) -> Step | str:
         return f"{node.name}: an element-wise op with a broadcast operand"
     if t is aten.index_put.default:
         base, idx = node.args[0], node.args[1]
-        if (isinstance(base, fx.Node) and base.target in _FRESH and len(base.users) == 1 and dim != 0
-                and len(idx) == 1 and isinstance(idx[0], fx.Node)):
+        if (
+            isinstance(base, fx.Node)
+            and base.target in _FRESH
+            and len(base.users) == 1
+            and dim != 0
+            and len(idx) == 1
+            and isinstance(idx[0], fx.Node)
+        ):
             return Step(node, dim, "index_put")
         return f"{node.name}: index_put into a buffer that is not fresh or is indexed on the cut dim"
     return f"{node.name} ({getattr(t, '__name__', t)}) is not cut column by column"
@@ -411,7 +452,7 @@ def _replay(em: _Emit, step: Step, env: dict[fx.Node, fx.Node], k: int, i: int) 
         lead = [sub(base.args[0])] if base.target in (aten.new_zeros.default, aten.new_empty.default) else []
         size_args = list(base.args[len(lead)])
         size_args[step.dim] = _val(base).shape[step.dim] // k
-        fresh = em(base.target, *lead, size_args, *base.args[len(lead) + 1:], **base.kwargs)
+        fresh = em(base.target, *lead, size_args, *base.args[len(lead) + 1 :], **base.kwargs)
         return em(n.target, fresh, n.args[1], env[n.args[2]], *n.args[3:], **n.kwargs)
     raise AssertionError(step.kind)
 
@@ -536,8 +577,15 @@ class HiddenExchangePartition(GraphPass):
             counts["exchanges_partitioned"] += 1
             counts["chunk_collectives"] += len(starts)
             counts["chain_ops"] += len(plan.steps)
-            decisions.append({"collective": name, "direction": plan.direction, "chunks": plan.chunks, "dim": 1,
-                              "decision": plan.describe() + (f" ({plan.why})" if plan.why else "")})
+            decisions.append(
+                {
+                    "collective": name,
+                    "direction": plan.direction,
+                    "chunks": plan.chunks,
+                    "dim": 1,
+                    "decision": plan.describe() + (f" ({plan.why})" if plan.why else ""),
+                }
+            )
         if changed:
             ctx.gm.graph.lint()
             ctx.gm.recompile()
@@ -575,8 +623,11 @@ class HiddenExchangePartition(GraphPass):
             return "; ".join(dict.fromkeys(reasons))
         t, plan = best
         if t >= whole:
-            return (f"predicted slower than the whole exchange: {plan.chunks} blocks {t:.1f} us, whole "
-                    f"{whole:.1f} us (the fastest count of 2..{ctx.config.max_chunks})")
-        plan.why = f"predicted {t:.1f} us, whole {whole:.1f} us, the fastest count of 2..{ctx.config.max_chunks}"
+            return (
+                f"predicted slower than the whole exchange: {plan.chunks} blocks {t:.1f} us, whole "
+                f"{whole:.1f} us (the fastest count of 2..{ctx.config.max_chunks})"
+            )
+        plan.why = (
+            f"predicted {t:.1f} us, whole {whole:.1f} us, the fastest count of 2..{ctx.config.max_chunks}"
+        )
         return plan
-

@@ -57,44 +57,66 @@ class LagomTune(GraphPass):
     # values must be bitwise equal and the collective sequence untouched. Fuzzed under a GPU topology
     # (DGX-H100 figures, 2 nodes x 2 ranks: intra- and inter-node groups) so the search really runs on
     # every family's collectives (a CPU topology makes it a no-op).
-    fuzz = FuzzSpec(exact=True, keeps_collective_order=True, world_sizes=(4,), topology=Topology(
-        **{**PRESETS["dgx-h100"], "name": "fuzz-gpu-2x2", "num_nodes": 2, "ranks_per_node": 2}))
+    fuzz = FuzzSpec(
+        exact=True,
+        keeps_collective_order=True,
+        world_sizes=(4,),
+        topology=Topology(
+            **{**PRESETS["dgx-h100"], "name": "fuzz-gpu-2x2", "num_nodes": 2, "ranks_per_node": 2}
+        ),
+    )
 
     def run(self, ctx: PassContext) -> PassResult:
         topo = ctx.topology
         if topo is None:
-            return PassResult(False, refusals=["no topology (Config.topology or commfuse.setup): no cost model to "
-                                               "tune communicator settings against"])
+            return PassResult(
+                False,
+                refusals=[
+                    "no topology (Config.topology or commfuse.setup): no cost model to "
+                    "tune communicator settings against"
+                ],
+            )
         if not topo.is_gpu:
-            return PassResult(False, {"collectives_tuned": 0}, decisions=[{
-                "note": f"topology {topo.name!r} is a CPU/gloo topology (num_sms == 0): gloo has no per-collective "
-                        "communicator settings (channels, chunk, threads); nothing tuned, graph unchanged"}])
+            return PassResult(
+                False,
+                {"collectives_tuned": 0},
+                decisions=[
+                    {
+                        "note": f"topology {topo.name!r} is a CPU/gloo topology (num_sms == 0): gloo has no per-collective "
+                        "communicator settings (channels, chunk, threads); nothing tuned, graph unchanged"
+                    }
+                ],
+            )
         ir = ctx.ir
         if not ir.collectives:
-            return PassResult(False, {"collectives_tuned": 0}, decisions=[{"note": "no collectives: nothing to tune"}])
+            return PassResult(
+                False, {"collectives_tuned": 0}, decisions=[{"note": "no collectives: nothing to tune"}]
+            )
         est = ctx.cost.model
         assert est is not None
         pool = session_pool(ctx)
         res = lagom_search(ctx.gm, est, pool=pool, max_evaluations=ctx.config.lagom_max_evaluations, ir=ir)
-        decisions: list[dict] = [{
-            "summary": "lagom",
-            "graph": ctx.graph_kind,
-            "predicted_makespan_default_us": res.makespan_default_us,
-            "predicted_makespan_us": res.makespan_us,
-            "predicted_speedup": res.speedup,
-            "default": asdict(res.default) if res.default else None,
-            "chosen": asdict(res.chosen) if res.chosen else None,
-            "evaluations": res.evaluations,
-            "brute_force_combinations": res.brute_force_combinations,
-            "kept_default": res.kept_default,
-            "budget_exhausted": res.budget_exhausted,
-            "pool": None if pool is None else [list(c) for c in pool.ctas],
-            "extra_communicators": dict(res.extra_communicators),
-            "extra_memory_bytes_estimate": res.extra_memory_bytes,
-            "memory_formula": MEMORY_FORMULA,
-            "notes": list(res.notes),
-            "trace": [asdict(s) for s in res.trace],
-        }]
+        decisions: list[dict] = [
+            {
+                "summary": "lagom",
+                "graph": ctx.graph_kind,
+                "predicted_makespan_default_us": res.makespan_default_us,
+                "predicted_makespan_us": res.makespan_us,
+                "predicted_speedup": res.speedup,
+                "default": asdict(res.default) if res.default else None,
+                "chosen": asdict(res.chosen) if res.chosen else None,
+                "evaluations": res.evaluations,
+                "brute_force_combinations": res.brute_force_combinations,
+                "kept_default": res.kept_default,
+                "budget_exhausted": res.budget_exhausted,
+                "pool": None if pool is None else [list(c) for c in pool.ctas],
+                "extra_communicators": dict(res.extra_communicators),
+                "extra_memory_bytes_estimate": res.extra_memory_bytes,
+                "memory_formula": MEMORY_FORMULA,
+                "notes": list(res.notes),
+                "trace": [asdict(s) for s in res.trace],
+            }
+        ]
         tuned = pooled = 0
         by_name = {c.name: c for c in ir.collectives}
         for c in ir.collectives:
@@ -107,9 +129,21 @@ class LagomTune(GraphPass):
             if s.pool_group_alias:
                 pooled += 1
             default_us, chosen_us = res.comm_time_us.get(name, (None, None))
-            decisions.append({"collective": name, "kind": c.kind.value, "group": c.group.name,
-                              "setting": s.to_meta(), "predicted_comm_us_default": default_us,
-                              "predicted_comm_us": chosen_us})
-        counts = {"collectives": len(ir.collectives), "settings_written": len(res.settings),
-                  "collectives_tuned": tuned, "pool_group_settings": pooled, "evaluations": res.evaluations}
+            decisions.append(
+                {
+                    "collective": name,
+                    "kind": c.kind.value,
+                    "group": c.group.name,
+                    "setting": s.to_meta(),
+                    "predicted_comm_us_default": default_us,
+                    "predicted_comm_us": chosen_us,
+                }
+            )
+        counts = {
+            "collectives": len(ir.collectives),
+            "settings_written": len(res.settings),
+            "collectives_tuned": tuned,
+            "pool_group_settings": pooled,
+            "evaluations": res.evaluations,
+        }
         return PassResult(False, counts, decisions=decisions)

@@ -72,7 +72,9 @@ class _Emitter:
     def __init__(self, gm: fx.GraphModule, anchor: fx.Node, meta_from: fx.Node) -> None:
         self.graph, self.last, self.meta_from = gm.graph, anchor, meta_from
         self.mode = _fake_mode(gm)
-        self.key = "example_value" if "example_value" in meta_from.meta or "val" not in meta_from.meta else "val"
+        self.key = (
+            "example_value" if "example_value" in meta_from.meta or "val" not in meta_from.meta else "val"
+        )
 
     def __call__(self, target: Callable[..., Any], *args: Any) -> fx.Node:
         with self.graph.inserting_after(self.last):
@@ -110,7 +112,9 @@ def _rewrite(gm: fx.GraphModule, m: Match) -> Optional[str]:
         if cap_factor is None:
             return f"no capacity_factor gives capacity {m.capacity} for {tokens_per_group} tokens"
     emit = _Emitter(gm, anchor, m.outs[0])
-    weights = [emit(torch.transpose, w, -2, -1) if t else w for w, t in zip(m.weights, m.transposed, strict=True)]
+    weights = [
+        emit(torch.transpose, w, -2, -1) if t else w for w, t in zip(m.weights, m.transposed, strict=True)
+    ]
     op = emit(MOE_LAYER, x, info.w, *weights, m.top_k, cap_factor, m.token_groups, m.group_name)
     out = emit(operator.getitem, op, 0)
 
@@ -197,10 +201,12 @@ def _erase_unused_helpers(g: fx.Graph, keep: list[fx.Node]) -> None:
             if n.users or n in keep or n.op not in ("call_function", "call_method"):
                 continue
             name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-            pure = n.op == "call_method" and n.target in ("float", "to", "transpose", "t", "repeat", "view",
-                                                           "reshape") or \
-                n.op == "call_function" and (n.target in (operator.getitem, torch.arange, torch.transpose)
-                                             or name in ("arange",))
+            pure = (
+                n.op == "call_method"
+                and n.target in ("float", "to", "transpose", "t", "repeat", "view", "reshape")
+                or n.op == "call_function"
+                and (n.target in (operator.getitem, torch.arange, torch.transpose) or name in ("arange",))
+            )
             if pure:
                 g.erase_node(n)
                 changed = True
@@ -212,7 +218,8 @@ class MoERecognition(GraphPass):
     stage = Stage.PRE_AUTOGRAD
     # MoE recognition rewrites the Dynamo (torch-level) graph before AOTAutograd (stage
     # PRE_AUTOGRAD); the fuzzer generates and checks ATen joint graphs, on which the pass never runs.
-    fuzz = FuzzSpec(not_fuzzed="runs on the torch-level Dynamo graph before AOTAutograd, and the fuzzer generates ATen joint graphs "
+    fuzz = FuzzSpec(
+        not_fuzzed="runs on the torch-level Dynamo graph before AOTAutograd, and the fuzzer generates ATen joint graphs "
         "where that stage never runs, so a registration would check nothing. Covered instead by "
         "tests/test_moe_recognition.py: randomised layer shapes / top-k / capacity / EP degrees recognised and "
         "compared with eager in one process (test_random_variants_match_eager), both styles on 4 gloo ranks "
@@ -220,7 +227,8 @@ class MoERecognition(GraphPass):
         "recognition by meaning by randomised independently written layers (GShard einsum, sort-based dropless, "
         "Hugging Face expert loop; test_random_independent_variants_match_eager) and the same three on 4 gloo "
         "ranks. "
-        "The op it emits is fuzzed through the moe_layer family (collective_motion, chimera).")
+        "The op it emits is fuzzed through the moe_layer family (collective_motion, chimera)."
+    )
 
     def run(self, ctx: PassContext) -> PassResult:
         gm = ctx.gm
@@ -269,9 +277,11 @@ def _mode_refusal(mode: str, tokens: fx.Node) -> Optional[str]:
     if mode == "off":
         return "Config.moe_recognition='off'"
     if mode == "auto" and not _from_parallel_compute(tokens):
-        return ("its tokens do not come from tensor/sequence-parallel compute, so motion has nothing to move "
-                "and the op's backward would send more bytes than the layer's own "
-                "(Config.moe_recognition='always' rewrites anyway)")
+        return (
+            "its tokens do not come from tensor/sequence-parallel compute, so motion has nothing to move "
+            "and the op's backward would send more bytes than the layer's own "
+            "(Config.moe_recognition='always' rewrites anyway)"
+        )
     return None
 
 
@@ -298,7 +308,9 @@ def _rewrite_by_meaning(gm: fx.GraphModule, m: MeaningMatch) -> Optional[str]:
     emit = _Emitter(gm, anchor, m.out)
     weights = [w.build(lambda n: n, emit) for w in m.weights]
     router_w = emit(torch.transpose, r.weight, 0, 1) if r.weight_transposed else r.weight
-    op = emit(MOE_LAYER, m.tokens, router_w, *weights, r.top_k, m.capacity_factor, m.token_groups, m.group_name)
+    op = emit(
+        MOE_LAYER, m.tokens, router_w, *weights, r.top_k, m.capacity_factor, m.token_groups, m.group_name
+    )
     out = emit(operator.getitem, op, 0)
     if static_shape(m.out) != static_shape(m.tokens):
         out = emit(torch.reshape, out, static_shape(m.out))

@@ -79,8 +79,12 @@ from commfuse.transforms.sink_waits import SinkWaits
 log = logging.getLogger(__name__)
 
 # An all_to_all's tree has the group level only (no substitute form, no workload chain yet).
-SEARCHED_KINDS = (CollectiveKind.ALL_GATHER, CollectiveKind.REDUCE_SCATTER, CollectiveKind.ALL_REDUCE,
-                  CollectiveKind.ALL_TO_ALL)
+SEARCHED_KINDS = (
+    CollectiveKind.ALL_GATHER,
+    CollectiveKind.REDUCE_SCATTER,
+    CollectiveKind.ALL_REDUCE,
+    CollectiveKind.ALL_TO_ALL,
+)
 GROUP_SCHEMES = ("flat", "inter_first", "intra_first")
 # A leaf must beat the current graph by this fraction of its makespan to be applied:
 # below it the simulator's rounding, not the schedule, decides.
@@ -99,7 +103,12 @@ class Scheme:
         return self == Scheme()
 
     def complexity(self) -> tuple[int, int, int, int]:
-        return (self.chunks, int(self.sizes is not None), int(self.group != "flat"), int(self.primitive != "keep"))
+        return (
+            self.chunks,
+            int(self.sizes is not None),
+            int(self.group != "flat"),
+            int(self.primitive != "keep"),
+        )
 
     def describe(self) -> str:
         parts = [] if self.primitive == "keep" else [self.primitive]
@@ -170,10 +179,16 @@ def group_granularity(ctx: PassContext, c: Collective) -> tuple[Optional[Scheme]
     costs = chunking.GroupCosts(
         cost_inter=sum(lv.predicted_us for lv in gplan.levels if lv.group == gplan.inter_group),
         cost_intra=sum(lv.predicted_us for lv in gplan.levels if lv.group == gplan.intra_group),
-        inter_size=gplan.nodes, intra_size=gplan.local)
-    op = chunking.operation_level_plan(comp, est.collective(c).time_us,
-                                       chunking.independent_compute_us(ctx.gm, ctx.ir, c, est),
-                                       ctx.config.max_chunks, group=costs)
+        inter_size=gplan.nodes,
+        intra_size=gplan.local,
+    )
+    op = chunking.operation_level_plan(
+        comp,
+        est.collective(c).time_us,
+        chunking.independent_compute_us(ctx.gm, ctx.ir, c, est),
+        ctx.config.max_chunks,
+        group=costs,
+    )
     why = f"Algorithm 1: {op.why}, granularity {', '.join(f'{g:.3g}' for g in op.granularity)}"
     if op.first is None or op.num_chunks < 2:
         return None, why
@@ -192,13 +207,16 @@ def leaves_for(ctx: PassContext, c: Collective) -> list[Scheme]:
     """The leaves of ``c``'s partition tree whose first step is feasible, simplest first."""
     prim, group, work = _building_blocks()
     forms = ["keep"] + list(prim.substitute_forms(c))
-    groups = ["flat"] + [g for g in GROUP_SCHEMES[1:] if not isinstance(group.plan_group_partition(ctx, c, order=g), str)]
+    groups = ["flat"] + [
+        g for g in GROUP_SCHEMES[1:] if not isinstance(group.plan_group_partition(ctx, c, order=g), str)
+    ]
     counts = chunk_candidates(ctx.config.max_chunks)
     suggested, _ = work.operation_level_chunks(ctx, c)  # Centauri Algorithm 1's count joins the candidates
     if suggested is not None and suggested not in counts:
         counts = sorted(counts + [suggested])
-    chunks = [k for k in counts
-              if k == 1 or not isinstance(work.plan_workload_partition(ctx, c, chunks=k), str)]
+    chunks = [
+        k for k in counts if k == 1 or not isinstance(work.plan_workload_partition(ctx, c, chunks=k), str)
+    ]
     leaves = [Scheme(f, g, k) for k in chunks for g in groups for f in forms]
     # Algorithm 1 on the group-partitioned collective: its level order and (uneven) granularity
     picked, _ = group_granularity(ctx, c) if len(groups) > 1 else (None, "")
@@ -234,13 +252,24 @@ def apply_scheme(ctx: PassContext, c: Collective, scheme: Scheme) -> None:
     prim, group, work = _building_blocks()
     starts = [c.start]
     if scheme.chunks > 1:
-        starts = _step(ctx, c, work.plan_workload_partition, work.apply_workload_partition, chunks=scheme.chunks,
-                       granularity=scheme.sizes)
+        starts = _step(
+            ctx,
+            c,
+            work.plan_workload_partition,
+            work.apply_workload_partition,
+            chunks=scheme.chunks,
+            granularity=scheme.sizes,
+        )
     if scheme.primitive != "keep":
         new: list[fx.Node] = []
         for cc in _collectives_at(ctx, starts):
-            new += _step(ctx, cc, prim.plan_primitive_substitution, prim.apply_primitive_substitution,
-                         form=scheme.primitive)
+            new += _step(
+                ctx,
+                cc,
+                prim.plan_primitive_substitution,
+                prim.apply_primitive_substitution,
+                form=scheme.primitive,
+            )
         starts = new
     if scheme.group != "flat":
         for cc in _collectives_at(ctx, starts):
@@ -346,7 +375,12 @@ class CentauriPartition(GraphPass):
     # The partition search composes the three above (workload -> primitive -> group per leaf) and keeps
     # the leaf the simulator prices cheapest, on the group-partition fuzz topology (sub-groups set up
     # by check.py): tolerance compare scaled like its building blocks.
-    fuzz = FuzzSpec(generators=("tp", "sp", "fsdp", "mixed"), world_sizes=(8,), scaled_tolerance=True, topology=GroupPartition.fuzz.topology)
+    fuzz = FuzzSpec(
+        generators=("tp", "sp", "fsdp", "mixed"),
+        world_sizes=(8,),
+        scaled_tolerance=True,
+        topology=GroupPartition.fuzz.topology,
+    )
 
     def run(self, ctx: PassContext) -> PassResult:
         why = graph_refusal(ctx, "the simulated costs, and the scheme chosen for a collective,")
@@ -364,8 +398,10 @@ class CentauriPartition(GraphPass):
             if c is None:
                 continue
             if budget <= 0:
-                refusals.append(f"search budget ({ctx.config.partition_search_budget} leaves) spent: "
-                                f"{len(names) - i} collective(s) from {name} on kept as they are")
+                refusals.append(
+                    f"search budget ({ctx.config.partition_search_budget} leaves) spent: "
+                    f"{len(names) - i} collective(s) from {name} on kept as they are"
+                )
                 break
             best, best_score, scored, infeasible = None, current, 0, []
             leaves = leaves_for(ctx, c)
@@ -376,9 +412,13 @@ class CentauriPartition(GraphPass):
                 if phase is None:
                     anchor = best or Scheme()
                     forms = {s.primitive for s in leaves} - {"keep"}
-                    phase = [s for s in leaves if s.primitive in forms
-                             and (s.group, s.chunks, s.sizes) in {("flat", 1, None),
-                                                                  (anchor.group, anchor.chunks, anchor.sizes)}]
+                    phase = [
+                        s
+                        for s in leaves
+                        if s.primitive in forms
+                        and (s.group, s.chunks, s.sizes)
+                        in {("flat", 1, None), (anchor.group, anchor.chunks, anchor.sizes)}
+                    ]
                 for scheme in phase:
                     if scheme.is_identity:
                         continue
@@ -394,9 +434,12 @@ class CentauriPartition(GraphPass):
                     if s.makespan_us < best_score.makespan_us - MIN_GAIN * max(current.makespan_us, 1e-9):
                         best, best_score = scheme, s
             if best is None:
-                refusals.append(f"{name}: kept ({scored} scheme(s) scored, none predicted faster than "
-                                f"{current.makespan_us:.1f} us" + (f"; infeasible: {'; '.join(infeasible)}"
-                                                                   if infeasible else "") + ")")
+                refusals.append(
+                    f"{name}: kept ({scored} scheme(s) scored, none predicted faster than "
+                    f"{current.makespan_us:.1f} us"
+                    + (f"; infeasible: {'; '.join(infeasible)}" if infeasible else "")
+                    + ")"
+                )
                 continue
             sizes, granularity = [], ""
             if best.chunks > 1:
@@ -406,15 +449,31 @@ class CentauriPartition(GraphPass):
                     granularity = group_granularity(ctx, c)[1]
             apply_scheme(ctx, c, best)
             changed += 1
-            decisions.append(asdict(Decision(
-                collective=name, kind=c.kind.value, group=c.group.name, scheme=best.describe(),
-                leaves_scored=scored, makespan_before_us=current.makespan_us,
-                makespan_after_us=best_score.makespan_us, exposed_before_us=current.exposed_comm_us,
-                exposed_after_us=best_score.exposed_comm_us, peak_memory_before=current.peak_memory_bytes,
-                peak_memory_after=best_score.peak_memory_bytes, chunk_sizes=sizes, granularity=granularity)))
+            decisions.append(
+                asdict(
+                    Decision(
+                        collective=name,
+                        kind=c.kind.value,
+                        group=c.group.name,
+                        scheme=best.describe(),
+                        leaves_scored=scored,
+                        makespan_before_us=current.makespan_us,
+                        makespan_after_us=best_score.makespan_us,
+                        exposed_before_us=current.exposed_comm_us,
+                        exposed_after_us=best_score.exposed_comm_us,
+                        peak_memory_before=current.peak_memory_bytes,
+                        peak_memory_after=best_score.peak_memory_bytes,
+                        chunk_sizes=sizes,
+                        granularity=granularity,
+                    )
+                )
+            )
             current = best_score
-        counts = {"collectives_searched": len(names), "collectives_partitioned": changed,
-                  "leaves_scored": ctx.config.partition_search_budget - budget}
+        counts = {
+            "collectives_searched": len(names),
+            "collectives_partitioned": changed,
+            "leaves_scored": ctx.config.partition_search_budget - budget,
+        }
         return PassResult(changed=changed > 0, counts=counts, refusals=refusals, decisions=decisions)
 
 
@@ -423,4 +482,3 @@ def predicted(ctx: PassContext) -> Optional[Score]:
     if ctx.cost.model is None:
         return None
     return score_graph(_copy_context(ctx))
-

@@ -79,11 +79,11 @@ SCALABLE_FORM: dict[CollectiveKind, str] = {
 # Table 2's non-scalable column: never generated; asking for one by name is refused with this reason.
 NON_SCALABLE: dict[str, str] = {
     "reduce+broadcast": "all_reduce as reduce + broadcast is not scalable: two rooted phases in series double "
-                        "the latency term and push the whole buffer through the root's link (Centauri Table 2)",
+    "the latency term and push the whole buffer through the root's link (Centauri Table 2)",
     "reduce+scatter": "reduce_scatter as reduce + scatter is not scalable: the reduce and the scatter run in "
-                      "series (twice the latency) and the root handles the whole buffer (Centauri Table 2)",
+    "series (twice the latency) and the root handles the whole buffer (Centauri Table 2)",
     "gather+broadcast": "all_gather as gather + broadcast is not scalable: every shard funnels through one root, "
-                        "whose link carries N shards twice (root contention grows with N; Centauri Table 2)",
+    "whose link carries N shards twice (root contention grows with N; Centauri Table 2)",
 }
 REDUCE_OPS = ("sum", "avg", "max", "min")
 # Without a topology (Config.topology / commfuse.setup) the pass still decides, from this
@@ -103,8 +103,10 @@ class PrimitivePlan:
     substitute_us: float  # predicted time of the substitute's collectives (+ local selection adds)
 
     def describe(self) -> str:
-        return (f"{self.collective}: {self.kind.value} -> {self.form} (dim {self.dim}, {self.group_size} ranks; "
-                f"predicted {self.substitute_us:.1f} us vs {self.original_us:.1f} us)")
+        return (
+            f"{self.collective}: {self.kind.value} -> {self.form} (dim {self.dim}, {self.group_size} ranks; "
+            f"predicted {self.substitute_us:.1f} us vs {self.original_us:.1f} us)"
+        )
 
 
 # --------------------------------------------------------------------------- feasibility
@@ -200,7 +202,9 @@ def predict(ctx: PassContext, c: Collective, form: str) -> tuple[float, float]:
     original = model.collective(c).time_us
     in_bytes = concrete(c.input_bytes) or 0
     if form == RS_AG:  # RS of the buffer (total input), AG back to it (total output)
-        sub = _collective_us(model, K.REDUCE_SCATTER, in_bytes, c) + _collective_us(model, K.ALL_GATHER, in_bytes, c)
+        sub = _collective_us(model, K.REDUCE_SCATTER, in_bytes, c) + _collective_us(
+            model, K.ALL_GATHER, in_bytes, c
+        )
     elif form == ROOTED_BROADCASTS:  # N broadcasts of one shard each
         sub = n * _collective_us(model, K.BROADCAST, in_bytes, c)
     else:  # N reduces of one slice each, then N-1 adds (read 2, write 1) of the output
@@ -215,8 +219,9 @@ def _form_dim(c: Collective, form: str) -> int:
     return c.logical_dim if c.logical_dim is not None else 0
 
 
-def plan_primitive_substitution(ctx: PassContext, c: Collective, form: Optional[str] = None
-                                ) -> PrimitivePlan | str:
+def plan_primitive_substitution(
+    ctx: PassContext, c: Collective, form: Optional[str] = None
+) -> PrimitivePlan | str:
     """Decide ``c``'s substitution without touching the graph; a str is the refusal reason.
 
     ``form=None``: the scalable form of ``c``'s kind, only if the cost model predicts it
@@ -229,10 +234,19 @@ def plan_primitive_substitution(ctx: PassContext, c: Collective, form: Optional[
     chosen = SCALABLE_FORM[c.kind]
     original, sub = predict(ctx, c, chosen)
     if form is None and not sub < original:
-        return (f"cost model: {chosen} predicted {sub:.1f} us, not faster than the {c.kind.value} "
-                f"({original:.1f} us)")
-    return PrimitivePlan(collective=c.name, kind=c.kind, form=chosen, dim=_form_dim(c, chosen),
-                         group_size=c.group.size, original_us=original, substitute_us=sub)
+        return (
+            f"cost model: {chosen} predicted {sub:.1f} us, not faster than the {c.kind.value} "
+            f"({original:.1f} us)"
+        )
+    return PrimitivePlan(
+        collective=c.name,
+        kind=c.kind,
+        form=chosen,
+        dim=_form_dim(c, chosen),
+        group_size=c.group.size,
+        original_us=original,
+        substitute_us=sub,
+    )
 
 
 # --------------------------------------------------------------------------- rewrites
@@ -293,8 +307,14 @@ def _apply_broadcasts(ctx: PassContext, c: Collective, plan: PrimitivePlan) -> l
     shuffle = match_gather_shuffle(wait, n)  # from the live graph: an earlier rewrite may have changed it
     dim, target = (shuffle.dim, shuffle.outer) if shuffle is not None else (0, wait)
     anchor = wait.prev
-    out = rewrite.splice(ctx.gm, _broadcasts_body, [c.start.args[0]], consts=(dim, n, c.group.name),
-                         before=wait, meta_from=c.start)
+    out = rewrite.splice(
+        ctx.gm,
+        _broadcasts_body,
+        [c.start.args[0]],
+        consts=(dim, n, c.group.name),
+        before=wait,
+        meta_from=c.start,
+    )
     starts = _spliced_starts(anchor.next, wait)
     target.replace_all_uses_with(out)
     rewrite.erase_dead(ctx.gm, [target])
@@ -309,8 +329,9 @@ def _apply_reduces(ctx: PassContext, c: Collective, plan: PrimitivePlan) -> list
     # Chunk the logical input along the scatter dim directly (no dim-0 copy for the shuffle).
     x, dim = (shuffle.outer, shuffle.dim) if shuffle is not None else (src, 0)
     anchor = wait.prev
-    out = rewrite.splice(ctx.gm, _reduces_body, [x], consts=(dim, n, c.reduce_op, c.group.name),
-                         before=wait, meta_from=c.start)
+    out = rewrite.splice(
+        ctx.gm, _reduces_body, [x], consts=(dim, n, c.reduce_op, c.group.name), before=wait, meta_from=c.start
+    )
     starts = _spliced_starts(anchor.next, wait)
     _pin_saved(starts)
     wait.replace_all_uses_with(out)
@@ -322,7 +343,9 @@ def apply_primitive_substitution(ctx: PassContext, c: Collective, plan: Primitiv
     """Rewrite ``c`` as ``plan`` says; returns the start nodes of the replacing collectives in
     graph order. No lint / recompile / IR invalidation: the caller does that."""
     if plan.collective != c.name or plan.kind is not c.kind:
-        raise ValueError(f"plan for {plan.collective} ({plan.kind.value}) applied to {c.name} ({c.kind.value})")
+        raise ValueError(
+            f"plan for {plan.collective} ({plan.kind.value}) applied to {c.name} ({c.kind.value})"
+        )
     if plan.form == RS_AG:
         return _apply_rs_ag(ctx, c)
     if plan.form == ROOTED_BROADCASTS:
@@ -347,15 +370,22 @@ def substitute_all(ctx: PassContext, *, force: bool) -> PassResult:
             continue
         apply_primitive_substitution(ctx, c, plan)
         counts[plan.form] += 1
-        decisions.append({"collective": plan.collective, "kind": plan.kind.value, "form": plan.form,
-                          "dim": plan.dim, "group_size": plan.group_size,
-                          "original_us": round(plan.original_us, 3), "substitute_us": round(plan.substitute_us, 3)})
+        decisions.append(
+            {
+                "collective": plan.collective,
+                "kind": plan.kind.value,
+                "form": plan.form,
+                "dim": plan.dim,
+                "group_size": plan.group_size,
+                "original_us": round(plan.original_us, 3),
+                "substitute_us": round(plan.substitute_us, 3),
+            }
+        )
     changed = any(counts.values())
     if changed:
         ctx.gm.graph.lint()
         ctx.gm.recompile()
-    return PassResult(changed=changed, counts=counts, refusals=refusals,
-                      decisions=decisions)
+    return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=decisions)
 
 
 class PrimitiveSubstitution(GraphPass):
@@ -372,4 +402,3 @@ class PrimitiveSubstitution(GraphPass):
 
     def run(self, ctx: PassContext) -> PassResult:
         return substitute_all(ctx, force=False)
-

@@ -67,14 +67,26 @@ BUILTIN_PASSES: tuple[Type[GraphPass], ...] = (
 # bucketing first would make bigger messages that the memory budget then keeps from being prefetched.
 # gloo_reduce_scatter runs last: it lowers each (bucketed) gloo reduce_scatter where the schedule
 # issued and waited it, so it must see the final order (a no-op on NCCL topologies).
-DEFAULT_PIPELINE: tuple[str, ...] = ("moe_recognition", "accumulate_gradient_sync", "chimera", "schedule_overlap",
-                                     "bucket_collectives", "sink_waits", "gloo_reduce_scatter")
+DEFAULT_PIPELINE: tuple[str, ...] = (
+    "moe_recognition",
+    "accumulate_gradient_sync",
+    "chimera",
+    "schedule_overlap",
+    "bucket_collectives",
+    "sink_waits",
+    "gloo_reduce_scatter",
+)
 
 # Config(dhelix=True): the fused train-step graph is ordered by the strand interleaving alone; bucketing
 # (it would merge the two strands' collectives) and wait sinking (the plan's barriers place the waits)
 # stay out.
-DHELIX_PIPELINE: tuple[str, ...] = ("moe_recognition", "accumulate_gradient_sync", "chimera", "dhelix_interleave",
-                                    "gloo_reduce_scatter")
+DHELIX_PIPELINE: tuple[str, ...] = (
+    "moe_recognition",
+    "accumulate_gradient_sync",
+    "chimera",
+    "dhelix_interleave",
+    "gloo_reduce_scatter",
+)
 
 
 _BUILTIN: dict[str, Type[GraphPass]] = {p.name: p for p in BUILTIN_PASSES}
@@ -109,5 +121,12 @@ def get_pass(name: str) -> GraphPass:
     return passes[name]()
 
 
-__all__ = ["BUILTIN_PASSES", "DEFAULT_PIPELINE", "DHELIX_PIPELINE", "available_passes", "get_pass", "register_pass",
-           "unregister_pass"]
+__all__ = [
+    "BUILTIN_PASSES",
+    "DEFAULT_PIPELINE",
+    "DHELIX_PIPELINE",
+    "available_passes",
+    "get_pass",
+    "register_pass",
+    "unregister_pass",
+]

@@ -72,8 +72,14 @@ from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.schedule.cpsat import refine_windows, solver_missing
 from commfuse.schedule.layer_level import backward_layers, chain_of, preferred_order
-from commfuse.schedule.list_scheduler import (Priority, ScheduleProblem, apply_order, build_problem, list_schedule,
-                                              max_inflight)
+from commfuse.schedule.list_scheduler import (
+    Priority,
+    ScheduleProblem,
+    apply_order,
+    build_problem,
+    list_schedule,
+    max_inflight,
+)
 from commfuse.schedule.model_level import best_grouping, grouped_order, grouping_costs, microbatch_graph
 
 # Picker settings tried, in this order (the first of equal makespans wins). The memory-aware one
@@ -112,8 +118,11 @@ def candidate_name(label: str) -> str:
 
 
 def _summary(r: SimResult) -> dict:
-    return {"makespan_us": round(float(r.makespan_us), 3), "exposed_comm_us": round(float(r.exposed_comm_us), 3),
-            "peak_memory_bytes": int(r.peak_memory_bytes)}
+    return {
+        "makespan_us": round(float(r.makespan_us), 3),
+        "exposed_comm_us": round(float(r.exposed_comm_us), 3),
+        "peak_memory_bytes": int(r.peak_memory_bytes),
+    }
 
 
 class ScheduleOverlap(GraphPass):
@@ -139,8 +148,10 @@ class ScheduleOverlap(GraphPass):
         prob = build_problem(ctx.gm, sim, ir)
         original = list(range(prob.size))
         before = sim.simulate(record=False)
-        mem_limit = max(cfg.schedule_memory_budget * before.peak_memory_bytes,
-                        before.peak_memory_bytes + (cfg.schedule_memory_headroom_bytes or 0))
+        mem_limit = max(
+            cfg.schedule_memory_budget * before.peak_memory_bytes,
+            before.peak_memory_bytes + (cfg.schedule_memory_headroom_bytes or 0),
+        )
         inflight_limit = cfg.schedule_max_inflight_bytes
 
         def score(order: list[int]) -> SimResult:
@@ -149,8 +160,9 @@ class ScheduleOverlap(GraphPass):
         def acceptable(order: list[int], r: SimResult) -> bool:
             if r.peak_memory_bytes > mem_limit:
                 return False
-            if inflight_limit is not None and max_inflight(prob, order) > max(inflight_limit,
-                                                                                 max_inflight(prob, original)):
+            if inflight_limit is not None and max_inflight(prob, order) > max(
+                inflight_limit, max_inflight(prob, original)
+            ):
                 return False
             return True
 
@@ -168,11 +180,21 @@ class ScheduleOverlap(GraphPass):
                     r = score(res.order)
                     ok = acceptable(res.order, r)
                     label = (f"{pname}:" if pname != "input" else "") + pr.describe()
-                    tried.append({"priority": label, "inflight_cap": cap, **_summary(r), "within_limits": ok,
-                                  "deferred_inflight": res.deferred_inflight, "deferred_memory": res.deferred_memory,
-                                  "forced": res.forced})
+                    tried.append(
+                        {
+                            "priority": label,
+                            "inflight_cap": cap,
+                            **_summary(r),
+                            "within_limits": ok,
+                            "deferred_inflight": res.deferred_inflight,
+                            "deferred_memory": res.deferred_memory,
+                            "forced": res.forced,
+                        }
+                    )
                     if ok and (best is None or r.makespan_us < best.result.makespan_us):
-                        best = Candidate(problem, res.order, r, label + (f",cap={cap}" if cap != inflight_limit else ""))
+                        best = Candidate(
+                            problem, res.order, r, label + (f",cap={cap}" if cap != inflight_limit else "")
+                        )
                     if ok or r.peak_memory_bytes <= mem_limit:
                         break
                     # Over the memory budget: buffers issued early stay live across the input order's
@@ -197,10 +219,15 @@ class ScheduleOverlap(GraphPass):
         # graphs or sizes, their chains could differ between ranks (and hang them), so only the
         # input's collective order is scheduled around.
         local = None if self.force_layer_level else rank_local_reason(ir.collectives, ctx.gm)
-        want_layer = self.force_layer_level or (cfg.schedule_layer_level and bool(ir.backward_nodes)
-                                                and local is None)
-        want_model = cfg.schedule_model_level and not self.force_layer_level and local is None and any(
-            microbatch_of(n) is not None for n in ctx.gm.graph.nodes)
+        want_layer = self.force_layer_level or (
+            cfg.schedule_layer_level and bool(ir.backward_nodes) and local is None
+        )
+        want_model = (
+            cfg.schedule_model_level
+            and not self.force_layer_level
+            and local is None
+            and any(microbatch_of(n) is not None for n in ctx.gm.graph.nodes)
+        )
         # the problem without a collective chain: the levels build their preferred orders on it
         free = build_problem(ctx.gm, sim, ir, chain=()) if want_layer or want_model else None
         if want_layer:
@@ -208,8 +235,9 @@ class ScheduleOverlap(GraphPass):
             if lprob is not None:
                 problems.append(("layer", lprob))
         if want_model:
-            mprob, model_info = _model_level_problem(ctx.gm, sim, ir, free, cfg.model_level_memory_bytes, judge,
-                                                     cfg.model_level_brute_force)
+            mprob, model_info = _model_level_problem(
+                ctx.gm, sim, ir, free, cfg.model_level_memory_bytes, judge, cfg.model_level_brute_force
+            )
             if mprob is not None:
                 problems.append((f"model:L={model_info['eq2']['L']}", mprob))
         best: Optional[Candidate] = None
@@ -221,9 +249,15 @@ class ScheduleOverlap(GraphPass):
                 own = found
             if found is not None and (best is None or found.result.makespan_us < best.result.makespan_us):
                 best = found
-        decision: dict = {"graph": ctx.graph_kind, "estimator": est_name, "nodes": prob.size,
-                          "segments": len(prob.segments), "collectives": len(prob.collectives),
-                          "input": _summary(before), "greedy": tried}
+        decision: dict = {
+            "graph": ctx.graph_kind,
+            "estimator": est_name,
+            "nodes": prob.size,
+            "segments": len(prob.segments),
+            "collectives": len(prob.collectives),
+            "input": _summary(before),
+            "greedy": tried,
+        }
         if local is not None:
             decision["levels_skipped"] = f"{local}: the collective order is kept as the input has it"
         if layer_info is not None:
@@ -236,42 +270,59 @@ class ScheduleOverlap(GraphPass):
             cpsat_info["why"] = missing
         if best is not None and cpsat_info["enabled"]:
             order, r, cpsat_info = refine_windows(
-                best.problem, sim, best.order, best.result, max_nodes=cfg.schedule_cpsat_max_nodes,
-                det_time_s=cfg.schedule_cpsat_time_limit_s, acceptable=acceptable, memory_limit=mem_limit)
+                best.problem,
+                sim,
+                best.order,
+                best.result,
+                max_nodes=cfg.schedule_cpsat_max_nodes,
+                det_time_s=cfg.schedule_cpsat_time_limit_s,
+                acceptable=acceptable,
+                memory_limit=mem_limit,
+            )
             cpsat_info["greedy_makespan_us"] = round(float(best.result.makespan_us), 3)
             if r.makespan_us < best.result.makespan_us:
                 best = Candidate(best.problem, order, r, best.label + "+cpsat")
         decision["cpsat"] = cpsat_info
         refusals: list[str] = []
         if not problems:
-            refusals.append("no layer has a layer-level choice (collectives of other kinds or roles): order kept")
+            refusals.append(
+                "no layer has a layer-level choice (collectives of other kinds or roles): order kept"
+            )
         elif best is None:
             refusals.append("every greedy order exceeds the memory budget or the in-flight limit: order kept")
         elif best.result.makespan_us > before.makespan_us and not self.force_layer_level:
-            refusals.append(f"best order predicted slower ({float(best.result.makespan_us):.1f} us) than the input's "
-                            f"({float(before.makespan_us):.1f} us): order kept")
+            refusals.append(
+                f"best order predicted slower ({float(best.result.makespan_us):.1f} us) than the input's "
+                f"({float(before.makespan_us):.1f} us): order kept"
+            )
             best = None
         changed = best is not None and best.order != original
         decision["kept"] = best.label if changed else "input"
         decision["winner"] = candidate_name(best.label) if changed else "input"
         # commfuse's own picker (the list scheduler on the input order, no CP-SAT, no level's order),
         # reported on its own whichever candidate wins
-        decision["own_picker"] = ({"candidate": candidate_name(own.label), **_summary(own.result)} if own is not None
-                                  else {"candidate": None, "within_limits": False})
+        decision["own_picker"] = (
+            {"candidate": candidate_name(own.label), **_summary(own.result)}
+            if own is not None
+            else {"candidate": None, "within_limits": False}
+        )
         decision["output"] = _summary(best.result) if changed else decision["input"]
         counts = {"collectives": len(prob.collectives)}
         if changed:
             assert best is not None
             counts.update(_moves(prob, best.order))
             if best.problem is not prob:
-                counts["collectives_reordered"] = sum(a != b for a, b in zip(prob.collectives, best.problem.collectives, strict=True))
+                counts["collectives_reordered"] = sum(
+                    a != b for a, b in zip(prob.collectives, best.problem.collectives, strict=True)
+                )
             _check_collective_order(best.problem, best.order)
             apply_order(ctx.gm, [prob.nodes[i] for i in best.order])
         return PassResult(changed=changed, counts=counts, refusals=refusals, decisions=[decision])
 
 
-def _layer_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleProblem, every_node: bool = False
-                         ) -> tuple[Optional[ScheduleProblem], dict]:
+def _layer_level_problem(
+    gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleProblem, every_node: bool = False
+) -> tuple[Optional[ScheduleProblem], dict]:
     """The backward's layer-level problem (Eq. 1): chain and baseline order from each layer's choice."""
     layers = backward_layers(free, ir, every_node=every_node)
     info: dict = {"layers": [lay.describe() for lay in layers]}
@@ -283,8 +334,15 @@ def _layer_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleP
     return build_problem(gm, sim, ir, chain=chain_of(free, order), baseline=order), info
 
 
-def _model_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleProblem, memory: Optional[int],
-                         judge, brute_force: bool) -> tuple[Optional[ScheduleProblem], Optional[dict]]:
+def _model_level_problem(
+    gm: fx.GraphModule,
+    sim: Simulator,
+    ir,
+    free: ScheduleProblem,
+    memory: Optional[int],
+    judge,
+    brute_force: bool,
+) -> tuple[Optional[ScheduleProblem], Optional[dict]]:
     """A train-step graph's model-level problem (Eq. 2): micro-batches in groups of the solved L.
     With ``brute_force`` every L is also scheduled and judged, to check Eq. 2 against."""
     g = microbatch_graph(free)
@@ -293,11 +351,18 @@ def _model_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleP
     x = grouping_costs(free, ir, g, memory)
     sol = best_grouping(x)
     group = sol.l2 if ir.backward_nodes else sol.l1
-    info: dict = {"phase": "backward" if ir.backward_nodes else "forward", "microbatches": x.microbatches,
-                  "layers": len(g.layers), "inputs_us_bytes": {k: round(float(v), 3) for k, v in
-                                                               (("C_AG", x.c_ag), ("C_RS", x.c_rs), ("C_fw", x.c_fw),
-                                                                ("C_bw", x.c_bw), ("m", x.m))},
-                  "memory_M": memory, "eq2": {"L1": sol.l1, "L2": sol.l2, "T_us": round(sol.t, 3), "L": group}}
+    info: dict = {
+        "phase": "backward" if ir.backward_nodes else "forward",
+        "microbatches": x.microbatches,
+        "layers": len(g.layers),
+        "inputs_us_bytes": {
+            k: round(float(v), 3)
+            for k, v in (("C_AG", x.c_ag), ("C_RS", x.c_rs), ("C_fw", x.c_fw), ("C_bw", x.c_bw), ("m", x.m))
+        },
+        "memory_M": memory,
+        "eq2": {"L1": sol.l1, "L2": sol.l2, "T_us": round(sol.t, 3), "L": group},
+    }
+
     def problem_for(k: int) -> ScheduleProblem:
         # L = 1 is the order the graph was captured in (one micro-batch after the other). The
         # collectives keep the input's issue order: the grouping only says which compute the
@@ -316,6 +381,7 @@ def _model_level_problem(gm: fx.GraphModule, sim: Simulator, ir, free: ScheduleP
 
 def _moves(p: ScheduleProblem, order: list[int]) -> dict[str, int]:
     """How many collectives were issued, and waits placed, after fewer / more compute nodes."""
+
     def compute_before(seq: list[int]) -> dict[int, int]:
         out, k = {}, 0
         for i in seq:

@@ -66,10 +66,14 @@ class SinkWaits(GraphPass):
                 continue
             target.prepend(w)
             moved += 1
-        refusals = [f"{skipped_inplace} wait(s) of in-place collectives left in place"] if skipped_inplace else []
+        refusals = (
+            [f"{skipped_inplace} wait(s) of in-place collectives left in place"] if skipped_inplace else []
+        )
         return PassResult(changed=moved > 0, counts={"waits_sunk": moved}, refusals=refusals)
 
 
-def _first_mutation_between(start: int, end: int, mutations: list[int], by_pos: dict[int, fx.Node]) -> fx.Node | None:
+def _first_mutation_between(
+    start: int, end: int, mutations: list[int], by_pos: dict[int, fx.Node]
+) -> fx.Node | None:
     i = bisect.bisect_right(mutations, start)
     return by_pos[mutations[i]] if i < len(mutations) and mutations[i] < end else None

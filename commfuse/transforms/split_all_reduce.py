@@ -72,8 +72,14 @@ def split_one(ctx: PassContext, c: Collective) -> None:
 
     # The start's live argument, not the IR's record: an earlier split in the same run may
     # have replaced this all_reduce's input (a chain of all_reduces).
-    out = rewrite.splice(ctx.gm, body, [c.start.args[0]], consts=(c.reduce_op, d, n, c.group.name),
-                         before=wait, meta_from=c.start)
+    out = rewrite.splice(
+        ctx.gm,
+        body,
+        [c.start.args[0]],
+        consts=(c.reduce_op, d, n, c.group.name),
+        before=wait,
+        meta_from=c.start,
+    )
     wait.replace_all_uses_with(out)
     rewrite.erase_dead(ctx.gm, [wait])
 

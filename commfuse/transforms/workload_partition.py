@@ -113,14 +113,20 @@ class WorkloadPlan:
         cost = ""
         if self.compute_us is not None and self.comm_us is not None:
             cost = f", chain {self.compute_us:.1f} us vs collective {self.comm_us:.1f} us"
-        extra = "".join([", partial sums added" if self.reduction else "",
-                         ", rank-interleaved" if self.interleaved else ""])
+        extra = "".join(
+            [
+                ", partial sums added" if self.reduction else "",
+                ", rank-interleaved" if self.interleaved else "",
+            ]
+        )
         sizes = f" of sizes {list(self.extents)}" if self.extents else ""
         if self.sizes:
             sizes += f" (uneven, {':'.join(map(str, self.sizes))})"
         note = f"; {self.note}" if self.note else ""
-        return (f"{self.collective}: {self.chunks} chunks{sizes} along dim {self.dim} with a {self.direction} "
-                f"chain of {len(self.chain)} ops{extra}{cost}{note}")
+        return (
+            f"{self.collective}: {self.chunks} chunks{sizes} along dim {self.dim} with a {self.direction} "
+            f"chain of {len(self.chain)} ops{extra}{cost}{note}"
+        )
 
 
 # ---------------------------------------------------------------------------- planning
@@ -139,8 +145,10 @@ def cuttable_reason(c: Collective) -> Optional[str]:
 
 def _why_not(ctx: PassContext, c: Collective) -> Optional[str]:
     if c.kind is CollectiveKind.ALL_TO_ALL:
-        return ("all_to_all: not implemented here (an MoE dispatch -> expert compute -> combine exchange is cut by "
-                "expert_exchange_partition)")
+        return (
+            "all_to_all: not implemented here (an MoE dispatch -> expert compute -> combine exchange is cut by "
+            "expert_exchange_partition)"
+        )
     if c.kind not in SUPPORTED:
         return f"{c.kind.value} is not partitioned (all_gather, reduce_scatter, all_reduce only)"
     why = cuttable_reason(c)
@@ -173,7 +181,9 @@ def operation_level_chunks(ctx: PassContext, c: Collective) -> tuple[Optional[in
     probe = _best_chain(ctx, c, DEFAULT_CHUNKS)
     comp = probe[0].compute_us if not isinstance(probe, str) and probe[0].compute_us is not None else 0.0
     comm = est.collective(c).time_us
-    plan = operation_level_plan(comp, comm, independent_compute_us(ctx.gm, ctx.ir, c, est), ctx.config.max_chunks)
+    plan = operation_level_plan(
+        comp, comm, independent_compute_us(ctx.gm, ctx.ir, c, est), ctx.config.max_chunks
+    )
     return (plan.num_chunks if plan.num_chunks > 1 else None), plan.why
 
 
@@ -206,8 +216,12 @@ def _summarise(reasons: list[str], k: int, shape) -> str:
     return "; ".join(dict.fromkeys(per_dim + whole))
 
 
-def plan_workload_partition(ctx: PassContext, c: Collective, chunks: Optional[int] = None,
-                            granularity: Optional[Sequence[float]] = None) -> WorkloadPlan | str:
+def plan_workload_partition(
+    ctx: PassContext,
+    c: Collective,
+    chunks: Optional[int] = None,
+    granularity: Optional[Sequence[float]] = None,
+) -> WorkloadPlan | str:
     """The best workload partition of ``c`` into ``chunks`` (default ``Config.workload_chunks``;
     when that is None, Centauri's Algorithm 1 count, lowered until a chain divides; at most
     ``Config.max_chunks``), or why there is none. ``granularity``: uneven chunks instead, in
@@ -225,7 +239,9 @@ def _fmt(units: Sequence[int]) -> str:
     return ":".join(map(str, units))
 
 
-def _planned_uneven(ctx: PassContext, c: Collective, granularity: Sequence[float]) -> tuple[WorkloadPlan, Chain] | str:
+def _planned_uneven(
+    ctx: PassContext, c: Collective, granularity: Sequence[float]
+) -> tuple[WorkloadPlan, Chain] | str:
     """Chunks in the proportions ``granularity``. Every value of a chain is cut into ``U`` equal
     units (the layout rules and divisibility of ``U`` even chunks) and chunk i takes ``units[i]``
     adjacent ones, so an uneven cut is valid wherever the even cut into ``U`` is: each chunk
@@ -249,8 +265,11 @@ def _planned_uneven(ctx: PassContext, c: Collective, granularity: Sequence[float
         if not isinstance(best, str):
             plan, chain = best
             if units != exact:
-                plan = replace(plan, note=f"granularity {_fmt(exact)} rounded to {_fmt(units)} "
-                                          f"({sum(exact)} units: {first_why})")
+                plan = replace(
+                    plan,
+                    note=f"granularity {_fmt(exact)} rounded to {_fmt(units)} "
+                    f"({sum(exact)} units: {first_why})",
+                )
             return plan, chain
         first_why = first_why or best
     want = _fmt(exact) if exact else ", ".join(f"{w:.3g}" for w in weights)
@@ -262,7 +281,9 @@ def _planned_uneven(ctx: PassContext, c: Collective, granularity: Sequence[float
     return replace(plan, note=f"granularity {want} not applied ({why}): {k} even chunks"), chain
 
 
-def _planned_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tuple[WorkloadPlan, Chain] | str:
+def _planned_chain(
+    ctx: PassContext, c: Collective, chunks: Optional[int]
+) -> tuple[WorkloadPlan, Chain] | str:
     if chunks is not None or ctx.config.workload_chunks is not None:
         return _best_chain(ctx, c, chunks)
     k, why = operation_level_chunks(ctx, c)
@@ -277,8 +298,9 @@ def _planned_chain(ctx: PassContext, c: Collective, chunks: Optional[int]) -> tu
     return f"Algorithm 1 ({why}): {first}"
 
 
-def _best_chain(ctx: PassContext, c: Collective, chunks: Optional[int],
-                sizes: Optional[tuple[int, ...]] = None) -> tuple[WorkloadPlan, Chain] | str:
+def _best_chain(
+    ctx: PassContext, c: Collective, chunks: Optional[int], sizes: Optional[tuple[int, ...]] = None
+) -> tuple[WorkloadPlan, Chain] | str:
     # Uneven: the chain is cut into sum(sizes) units (max_chunks bounds the chunks, not the units).
     k = sum(sizes) if sizes else _chunk_count(ctx, chunks)
     if k < 2:
@@ -301,19 +323,31 @@ def _best_chain(ctx: PassContext, c: Collective, chunks: Optional[int],
         covers = compute is not None and comm_us is not None and compute >= comm_us
         n_ops = len(ch.compute_nodes)
         main = (1, n_ops, size) if covers else (0, size, n_ops)
-        tie = (not ch.reduction, ch.in_split.blocks == 1 and ch.out_split.blocks == 1,
-               ch.direction == CONSUMER, -ch.dim)
+        tie = (
+            not ch.reduction,
+            ch.in_split.blocks == 1 and ch.out_split.blocks == 1,
+            ch.direction == CONSUMER,
+            -ch.dim,
+        )
         return main + tie, compute
 
     best = max(found, key=lambda ch: score(ch)[0])
     units = sizes or (1,) * k
     length = chains.static_shape(c.logical_output)[best.dim]
     return WorkloadPlan(
-        collective=c.name, kind=c.kind.value, direction=best.direction, dim=best.dim, chunks=len(units),
-        chain=best.node_names, reduction=best.reduction,
+        collective=c.name,
+        kind=c.kind.value,
+        direction=best.direction,
+        dim=best.dim,
+        chunks=len(units),
+        chain=best.node_names,
+        reduction=best.reduction,
         interleaved=best.in_split.blocks > 1 or best.out_split.blocks > 1,
-        compute_us=score(best)[1], comm_us=comm_us, sizes=tuple(sizes) if sizes else None,
-        extents=tuple(length // k * u for u in units)), best
+        compute_us=score(best)[1],
+        comm_us=comm_us,
+        sizes=tuple(sizes) if sizes else None,
+        extents=tuple(length // k * u for u in units),
+    ), best
 
 
 # ---------------------------------------------------------------------------- rewriting
@@ -332,7 +366,9 @@ class _Builder:
         with self.mode:
             return target(*fx.node.map_aggregate(args, val), **fx.node.map_aggregate(kwargs, val))
 
-    def call(self, target: Callable, args: tuple, meta_from: fx.Node, kwargs: Optional[dict] = None) -> fx.Node:
+    def call(
+        self, target: Callable, args: tuple, meta_from: fx.Node, kwargs: Optional[dict] = None
+    ) -> fx.Node:
         kwargs = kwargs or {}
         try:
             value = self._fake(target, args, kwargs)
@@ -366,7 +402,9 @@ class _Builder:
             out.append(g)
         return out
 
-    def take_chunk(self, x: fx.Node, split: Split, sizes: tuple[int, ...], i: int, meta_from: fx.Node) -> fx.Node:
+    def take_chunk(
+        self, x: fx.Node, split: Split, sizes: tuple[int, ...], i: int, meta_from: fx.Node
+    ) -> fx.Node:
         """Chunk i of x (layout :class:`chains.Split` over ``sum(sizes)`` units; chunk i takes
         ``sizes[i]`` adjacent units of every block)."""
         shape = list(x.meta["val"].shape)
@@ -375,13 +413,13 @@ class _Builder:
         q = size // (blocks * units)
         if blocks == 1:
             return self.call(aten.slice.Tensor, (x, d, lo * q, (lo + u) * q), meta_from)
-        grid = self.call(aten.view.default, (x, shape[:d] + [blocks, units, q] + shape[d + 1:]), meta_from)
+        grid = self.call(aten.view.default, (x, shape[:d] + [blocks, units, q] + shape[d + 1 :]), meta_from)
         if u == 1:
             piece = self.call(aten.select.int, (grid, d + 1, lo), meta_from)
         else:
             piece = self.call(aten.slice.Tensor, (grid, d + 1, lo, lo + u), meta_from)
         piece = self.contiguous(piece, meta_from)
-        return self.call(aten.view.default, (piece, shape[:d] + [blocks * u * q] + shape[d + 1:]), meta_from)
+        return self.call(aten.view.default, (piece, shape[:d] + [blocks * u * q] + shape[d + 1 :]), meta_from)
 
     def start(self, x: fx.Node, c: Collective, meta_from: fx.Node) -> fx.Node:
         """Issue c on one chunk of its logical input (DTensor's shuffle for a reduce_scatter
@@ -404,8 +442,9 @@ class _Builder:
             out = self.call(aten.cat.default, (self.pieces(out, c.group.size, 0, meta_from), g), meta_from)
         return out
 
-    def reassemble(self, parts: list[fx.Node], layout: Split | Partial, sizes: tuple[int, ...],
-                   original: fx.Node) -> fx.Node:
+    def reassemble(
+        self, parts: list[fx.Node], layout: Split | Partial, sizes: tuple[int, ...], original: fx.Node
+    ) -> fx.Node:
         """The whole value whose chunks (of ``sizes`` units) are ``parts``, laid out in memory as
         ``original``: concatenated (contiguous chunks), stacked (even) or concatenated per block
         (uneven) and flattened (rank-interleaved chunks), or added (partial sums; the mean of k
@@ -413,7 +452,10 @@ class _Builder:
         k, units, even = len(parts), sum(sizes), len(set(sizes)) == 1
         if isinstance(layout, Partial):
             if layout.how == "mean" and not even:  # a chunk's mean covers sizes[i] / units of the rows
-                parts = [self.call(aten.mul.Tensor, (p, u / units), original) for p, u in zip(parts, sizes, strict=True)]
+                parts = [
+                    self.call(aten.mul.Tensor, (p, u / units), original)
+                    for p, u in zip(parts, sizes, strict=True)
+                ]
             whole = parts[0]
             for p in parts[1:]:
                 whole = self.call(aten.add.Tensor, (whole, p), original)
@@ -433,20 +475,31 @@ class _Builder:
             pieces = []
             for p in parts:
                 shape = list(p.meta["val"].shape)
-                pieces.append(self.call(aten.view.default,
-                                        (p, shape[:d] + [blocks, shape[d] // blocks] + shape[d + 1:]), original))
+                pieces.append(
+                    self.call(
+                        aten.view.default,
+                        (p, shape[:d] + [blocks, shape[d] // blocks] + shape[d + 1 :]),
+                        original,
+                    )
+                )
             if even:
                 stacked = self.call(aten.stack.default, (pieces, d + 1), original)
                 full = list(stacked.meta["val"].shape)
-                whole = self.call(aten.view.default, (stacked, full[:d] + [full[d] * full[d + 1] * full[d + 2]]
-                                                      + full[d + 3:]), original)
+                whole = self.call(
+                    aten.view.default,
+                    (stacked, full[:d] + [full[d] * full[d + 1] * full[d + 2]] + full[d + 3 :]),
+                    original,
+                )
             else:  # block b of the whole is block b of chunk 0, then of chunk 1, ...
                 grid = self.call(aten.cat.default, (pieces, d + 1), original)
                 full = list(grid.meta["val"].shape)
-                whole = self.call(aten.view.default, (grid, full[:d] + [full[d] * full[d + 1]] + full[d + 2:]),
-                                  original)
+                whole = self.call(
+                    aten.view.default, (grid, full[:d] + [full[d] * full[d + 1]] + full[d + 2 :]), original
+                )
         if permuted:
-            whole = self.call(aten.permute.default, (whole, [order.index(i) for i in range(len(order))]), original)
+            whole = self.call(
+                aten.permute.default, (whole, [order.index(i) for i in range(len(order))]), original
+            )
         return self.with_layout_of(whole, original)
 
     def with_layout_of(self, whole: fx.Node, original: fx.Node) -> fx.Node:
@@ -461,8 +514,10 @@ class _Builder:
         dense = self.contiguous(p, original, force=True)
         out = self.call(aten.permute.default, (dense, [order.index(d) for d in range(want.dim())]), original)
         if not _same_strides(out.meta["val"], want):
-            raise RuntimeError(f"workload_partition: cannot give the reassembled {original.name} its strides "
-                               f"{tuple(want.stride())}")
+            raise RuntimeError(
+                f"workload_partition: cannot give the reassembled {original.name} its strides "
+                f"{tuple(want.stride())}"
+            )
         return out
 
 
@@ -473,7 +528,8 @@ def _dim_order(val: torch.Tensor) -> list[int]:
 
 def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
     return tuple(a.shape) == tuple(b.shape) and all(
-        sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape, strict=True) if n > 1)
+        sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape, strict=True) if n > 1
+    )
 
 
 class _Emitter(_Builder):
@@ -523,13 +579,16 @@ def _sizes(chain: Chain, sizes: Optional[tuple[int, ...]]) -> tuple[int, ...]:
     return sizes
 
 
-def _emit_consumer(gm: fx.GraphModule, mode: Any, chain: Chain, sizes: Optional[tuple[int, ...]] = None
-                   ) -> list[fx.Node]:
+def _emit_consumer(
+    gm: fx.GraphModule, mode: Any, chain: Chain, sizes: Optional[tuple[int, ...]] = None
+) -> list[fx.Node]:
     c, sizes = chain.collective, _sizes(chain, sizes)
     k = len(sizes)
     head = _Builder(gm, mode, c.start)
-    starts = [head.start(head.take_chunk(c.logical_input, chain.in_split, sizes, i, c.start), c, c.start)
-              for i in range(k)]
+    starts = [
+        head.start(head.take_chunk(c.logical_input, chain.in_split, sizes, i, c.start), c, c.start)
+        for i in range(k)
+    ]
     inside = {chain.root, *(s.node for s in chain.steps)}
     em = _Emitter(gm, mode, sizes, chain.anchor.next)
     envs = []
@@ -546,8 +605,9 @@ def _emit_consumer(gm: fx.GraphModule, mode: Any, chain: Chain, sizes: Optional[
     return starts
 
 
-def _emit_producer(gm: fx.GraphModule, mode: Any, chain: Chain, sizes: Optional[tuple[int, ...]] = None
-                   ) -> list[fx.Node]:
+def _emit_producer(
+    gm: fx.GraphModule, mode: Any, chain: Chain, sizes: Optional[tuple[int, ...]] = None
+) -> list[fx.Node]:
     c, sizes = chain.collective, _sizes(chain, sizes)
     k = len(sizes)
     em = _Emitter(gm, mode, sizes, c.start)
@@ -571,11 +631,14 @@ def apply_workload_partition(ctx: PassContext, c: Collective, plan: WorkloadPlan
     match the graph (e.g. it was made on another graph version)."""
     if plan.collective != c.name:
         raise ValueError(f"plan is for {plan.collective}, not {c.name}")
-    chain = chains.build_chain(c, plan.direction, plan.dim, plan.units, ctx.ir.dims, _facts(ctx),
-                               ctx.ir.backward_nodes)
+    chain = chains.build_chain(
+        c, plan.direction, plan.dim, plan.units, ctx.ir.dims, _facts(ctx), ctx.ir.backward_nodes
+    )
     if isinstance(chain, str) or chain.node_names != plan.chain:
         got = chain if isinstance(chain, str) else list(chain.node_names)
-        raise ValueError(f"plan for {c.name} does not match the graph: planned {list(plan.chain)}, found {got}")
+        raise ValueError(
+            f"plan for {c.name} does not match the graph: planned {list(plan.chain)}, found {got}"
+        )
     emit = _emit_consumer if chain.direction == CONSUMER else _emit_producer
     return emit(ctx.gm, rewrite.fake_mode_of(ctx.gm), chain, plan.sizes)
 
@@ -593,8 +656,14 @@ class WorkloadPartition(GraphPass):
     fuzz = FuzzSpec(generators=("tp", "sp", "fsdp", "mixed"), scaled_tolerance=True)
 
     def run(self, ctx: PassContext) -> PassResult:
-        counts = {"collectives_partitioned": 0, "chunk_collectives": 0, "chain_ops": 0,
-                  "consumer_chains": 0, "producer_chains": 0, "partial_sums": 0}
+        counts = {
+            "collectives_partitioned": 0,
+            "chunk_collectives": 0,
+            "chain_ops": 0,
+            "consumer_chains": 0,
+            "producer_chains": 0,
+            "partial_sums": 0,
+        }
         refusals: list[str] = []
         decisions: list[dict] = []
         pending = [c.name for c in ctx.ir.collectives]
@@ -645,9 +714,16 @@ class WorkloadPartition(GraphPass):
 
 def plan_decision(plan: WorkloadPlan) -> dict:
     """The report's record of one applied plan: the cut and the chunk sizes it chose."""
-    return {"collective": plan.collective, "kind": plan.kind, "direction": plan.direction, "dim": plan.dim,
-            "chunks": plan.chunks, "sizes": list(plan.extents),
-            "granularity": _fmt(plan.sizes) if plan.sizes else "even", "decision": plan.describe()}
+    return {
+        "collective": plan.collective,
+        "kind": plan.kind,
+        "direction": plan.direction,
+        "dim": plan.dim,
+        "chunks": plan.chunks,
+        "sizes": list(plan.extents),
+        "granularity": _fmt(plan.sizes) if plan.sizes else "even",
+        "decision": plan.describe(),
+    }
 
 
 @dataclass

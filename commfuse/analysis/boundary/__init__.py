@@ -57,8 +57,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from commfuse.analysis.boundary.layout import (LAYOUT_META_KEY, RULES, Boundary, BoundaryFusionOptions, BoundaryMap,
-                                               StageSide)
+from commfuse.analysis.boundary.layout import (
+    LAYOUT_META_KEY,
+    RULES,
+    Boundary,
+    BoundaryFusionOptions,
+    BoundaryMap,
+    StageSide,
+)
 from commfuse.analysis.boundary.matching import Env, Match, Site, sites
 from commfuse.analysis.boundary.replication import replicated_values
 from commfuse.analysis.boundary.rules.a2a_p2p import match_a2a_p2p
@@ -66,12 +72,23 @@ from commfuse.analysis.boundary.rules.ag_p2p import match_ag_p2p
 from commfuse.analysis.boundary.rules.ar_p2p import match_ar_p2p
 from commfuse.analysis.boundary.rules.p2p_a2a import match_p2p_a2a
 from commfuse.analysis.boundary.rules.p2p_ag import match_p2p_ag
-from commfuse.analysis.boundary.splicing import m2ms_traceable_across_stages, pipeline_trace_position, splice_autograd
-from commfuse.analysis.boundary.templates import fused_a2a_transfer, fused_allreduce_transfer, fused_gather_transfer
+from commfuse.analysis.boundary.splicing import (
+    m2ms_traceable_across_stages,
+    pipeline_trace_position,
+    splice_autograd,
+)
+from commfuse.analysis.boundary.templates import (
+    fused_a2a_transfer,
+    fused_allreduce_transfer,
+    fused_gather_transfer,
+)
 from commfuse.analysis.boundary.volume import OpBytes, RuleVolume, ring_bytes
 
 MATCHERS: dict[str, Callable[[Site, Env], "Match | str"]] = {
-    "ag_p2p": match_ag_p2p, "p2p_ag": match_p2p_ag, "a2a_p2p": match_a2a_p2p, "ar_p2p": match_ar_p2p,
+    "ag_p2p": match_ag_p2p,
+    "p2p_ag": match_p2p_ag,
+    "a2a_p2p": match_a2a_p2p,
+    "ar_p2p": match_ar_p2p,
     "p2p_a2a": match_p2p_a2a,
 }
 
@@ -80,8 +97,31 @@ MATCHERS: dict[str, Callable[[Site, Env], "Match | str"]] = {
 assert tuple(MATCHERS) == RULES, "commfuse.analysis.boundary: MATCHERS and RULES name different rules"
 
 
-__all__ = ["Boundary", "BoundaryFusionOptions", "BoundaryMap", "Env", "LAYOUT_META_KEY", "MATCHERS", "Match",
-           "OpBytes", "RULES", "RuleVolume", "Site", "StageSide", "fused_a2a_transfer", "fused_allreduce_transfer",
-           "fused_gather_transfer", "m2ms_traceable_across_stages", "match_a2a_p2p", "match_ag_p2p", "match_ar_p2p",
-           "match_p2p_a2a", "match_p2p_ag", "pipeline_trace_position", "replicated_values", "ring_bytes", "sites",
-           "splice_autograd"]
+__all__ = [
+    "Boundary",
+    "BoundaryFusionOptions",
+    "BoundaryMap",
+    "Env",
+    "LAYOUT_META_KEY",
+    "MATCHERS",
+    "Match",
+    "OpBytes",
+    "RULES",
+    "RuleVolume",
+    "Site",
+    "StageSide",
+    "fused_a2a_transfer",
+    "fused_allreduce_transfer",
+    "fused_gather_transfer",
+    "m2ms_traceable_across_stages",
+    "match_a2a_p2p",
+    "match_ag_p2p",
+    "match_ar_p2p",
+    "match_p2p_a2a",
+    "match_p2p_ag",
+    "pipeline_trace_position",
+    "replicated_values",
+    "ring_bytes",
+    "sites",
+    "splice_autograd",
+]

@@ -57,8 +57,13 @@ class BoundaryMap:
         for b, g in enumerate(layout.boundaries):
             src, dst = layout.boundary_pairs(b)
             sa, sb = layout.stages[b], layout.stages[b + 1]
-            bds[g.name] = Boundary(b, g.name, g.size, StageSide(b, sa.name, sa.size, tuple(src)),
-                                   StageSide(b + 1, sb.name, sb.size, tuple(dst)))
+            bds[g.name] = Boundary(
+                b,
+                g.name,
+                g.size,
+                StageSide(b, sa.name, sa.size, tuple(src)),
+                StageSide(b + 1, sb.name, sb.size, tuple(dst)),
+            )
         return cls(bds, layout.position, "layout", {g.name: s for s, g in enumerate(layout.stages)})
 
     @classmethod
@@ -74,7 +79,10 @@ class BoundaryMap:
             if n.op != "call_function" or n.target is not STAGE_TRANSFER_AUTOGRAD:
                 continue
             a = parse_stage_transfer(n)
-            if not a.group_name.startswith(BOUNDARY_PREFIX) or not a.group_name[len(BOUNDARY_PREFIX):].isdigit():
+            if (
+                not a.group_name.startswith(BOUNDARY_PREFIX)
+                or not a.group_name[len(BOUNDARY_PREFIX) :].isdigit()
+            ):
                 notes.append(f"{n.name}: group {a.group_name!r} is not a commfuse.pipeline boundary alias")
                 continue
             pairs.setdefault(a.group_name, set()).add((a.src, a.dst))
@@ -82,14 +90,21 @@ class BoundaryMap:
         bds: dict[str, Boundary] = {}
         for name, found in pairs.items():
             if len(found) != 1:  # e.g. a router weight sent back by p2p_a2a: which way is forward?
-                notes.append(f"{name}: transfers in more than one direction; without the pipeline layout "
-                             f"(gm.meta[{LAYOUT_META_KEY!r}]) the stage order is unknown, boundary left alone")
+                notes.append(
+                    f"{name}: transfers in more than one direction; without the pipeline layout "
+                    f"(gm.meta[{LAYOUT_META_KEY!r}]) the stage order is unknown, boundary left alone"
+                )
                 continue
-            (src, dst), = found
-            b = int(name[len(BOUNDARY_PREFIX):])
+            ((src, dst),) = found
+            b = int(name[len(BOUNDARY_PREFIX) :])
             if sizes[name] == len(src) + len(dst) and not set(src) & set(dst):
-                bds[name] = Boundary(b, name, sizes[name], StageSide(b, f"{STAGE_PREFIX}{b}", len(src), src),
-                                     StageSide(b + 1, f"{STAGE_PREFIX}{b + 1}", len(dst), dst))
+                bds[name] = Boundary(
+                    b,
+                    name,
+                    sizes[name],
+                    StageSide(b, f"{STAGE_PREFIX}{b}", len(src), src),
+                    StageSide(b + 1, f"{STAGE_PREFIX}{b + 1}", len(dst), dst),
+                )
         stage_groups = {s.group: s.stage for bd in bds.values() for s in (bd.a, bd.b)}
         return cls(bds, None, "graph", stage_groups), notes
 
@@ -128,7 +143,9 @@ class BoundaryFusionOptions:
             raise ValueError(f"BoundaryFusionOptions.rules: unknown rules {bad}; known: {list(RULES)}")
         for s in self.tp_stages:
             if isinstance(s, bool) or not isinstance(s, int) or s < 0:
-                raise ValueError(f"BoundaryFusionOptions.tp_stages: stage indices are non-negative ints, got {s!r}")
+                raise ValueError(
+                    f"BoundaryFusionOptions.tp_stages: stage indices are non-negative ints, got {s!r}"
+                )
         for s in self.replicated_inputs:
             if not isinstance(s, str):
                 raise ValueError(f"BoundaryFusionOptions.replicated_inputs: input names are str, got {s!r}")

@@ -32,8 +32,15 @@ aten = torch.ops.aten
 K = CollectiveKind
 
 # ops that only re-view a value (replayed on the receiving side after a fused transfer)
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
-          aten.unsqueeze.default, aten.squeeze.dim, aten.flatten.using_ints}
+_VIEWS = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.alias.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.flatten.using_ints,
+}
 
 
 @dataclass
@@ -56,8 +63,13 @@ class Match:
 class Env:
     """What the rules read: the graph, its IR, the boundary map, options and replication facts."""
 
-    def __init__(self, gm: fx.GraphModule, bmap: BoundaryMap, options: BoundaryFusionOptions,
-                 input_names: Optional[Sequence[str]] = None) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        bmap: BoundaryMap,
+        options: BoundaryFusionOptions,
+        input_names: Optional[Sequence[str]] = None,
+    ) -> None:
         self.gm, self.bmap, self.options = gm, bmap, options
         self.ir = CollectiveIR(gm)
         self._rep: dict[str, set] = {}
@@ -94,7 +106,9 @@ class Env:
 
     def replicated(self, group: str) -> set:
         if group not in self._rep:
-            self._rep[group] = replicated_values(self.gm, group, self.ir, self.bmap, self.replicated_placeholders)
+            self._rep[group] = replicated_values(
+                self.gm, group, self.ir, self.bmap, self.replicated_placeholders
+            )
         return self._rep[group]
 
 
@@ -102,8 +116,13 @@ def _view_chain_back(node: fx.Node, stop: Callable[[fx.Node], bool]) -> tuple[fx
     """Walk from ``node`` back through single-use view ops until ``stop``; returns the root
     and the views (root's user first)."""
     views: list[fx.Node] = []
-    while not stop(node) and node.op == "call_function" and node.target in _VIEWS and len(node.users) == 1 \
-            and isinstance(node.args[0], fx.Node):
+    while (
+        not stop(node)
+        and node.op == "call_function"
+        and node.target in _VIEWS
+        and len(node.users) == 1
+        and isinstance(node.args[0], fx.Node)
+    ):
         views.append(node)
         node = node.args[0]
     views.reverse()
@@ -175,18 +194,24 @@ def sites(gm: fx.GraphModule, bmap: BoundaryMap) -> tuple[list[Site], list[str]]
         if n.op != "call_function" or n.target not in (STAGE_TRANSFER_AUTOGRAD, STAGE_TRANSFER):
             continue
         if n.target is STAGE_TRANSFER:
-            notes.append(f"{n.name}: the asynchronous stage_transfer (a joint graph?) is left alone: boundary "
-                         "fusion rewrites the forward graph of commfuse.pipeline")
+            notes.append(
+                f"{n.name}: the asynchronous stage_transfer (a joint graph?) is left alone: boundary "
+                "fusion rewrites the forward graph of commfuse.pipeline"
+            )
             continue
         a = parse_stage_transfer(n)
         bd = bmap.boundaries.get(a.group_name)
         if bd is None:
             notes.append(f"{n.name}: group {a.group_name!r} is not a boundary of the pipeline")
         elif a.src == bd.b.boundary_ranks and a.dst == bd.a.boundary_ranks:
-            notes.append(f"{n.name}: a transfer from stage {bd.b.stage} back to stage {bd.a.stage} is left alone")
+            notes.append(
+                f"{n.name}: a transfer from stage {bd.b.stage} back to stage {bd.a.stage} is left alone"
+            )
         elif a.src != bd.a.boundary_ranks or a.dst != bd.b.boundary_ranks:
-            notes.append(f"{n.name}: pairs {list(a.src)} -> {list(a.dst)} do not pair the positions of stages "
-                         f"{bd.a.stage} and {bd.b.stage} ({list(bd.a.boundary_ranks)} -> {list(bd.b.boundary_ranks)})")
+            notes.append(
+                f"{n.name}: pairs {list(a.src)} -> {list(a.dst)} do not pair the positions of stages "
+                f"{bd.a.stage} and {bd.b.stage} ({list(bd.a.boundary_ranks)} -> {list(bd.b.boundary_ranks)})"
+            )
         else:
             out.append(Site(n, bd))
     return out, notes

@@ -22,8 +22,9 @@ from commfuse.pipeline.collectives import COPY_TO_GROUP, REDUCE_FROM_GROUP
 K = CollectiveKind
 
 
-def replicated_values(gm: fx.GraphModule, group: str, ir: CollectiveIR, bmap: BoundaryMap,
-                      replicated_placeholders: set) -> set:
+def replicated_values(
+    gm: fx.GraphModule, group: str, ir: CollectiveIR, bmap: BoundaryMap, replicated_placeholders: set
+) -> set:
     """Values proven identical on every rank of stage group ``group``: outputs of all_reduce /
     all_gather / broadcast and of commfuse.pipeline's ``reduce_from_group`` / ``copy_to_group``
     (Megatron's g and f: f marks a value every member holds) on that group, declared graph

@@ -35,6 +35,7 @@ def pipeline_trace_position(position: Optional[int]) -> Iterator[None]:
 def m2ms_traceable_across_stages() -> Optional[str]:
     """None when an m2ms between two disjoint rank sets traces with sender-side input and
     receiver-side output shapes (what a whole-pipeline graph needs), else the reason."""
+
     def f(x):
         return M2MS_AUTOGRAD(x, 0, [1, 1, 1, 1], [0, 1], [2, 3], 4, "commfuse.boundary_fusion.probe")
 
@@ -42,15 +43,25 @@ def m2ms_traceable_across_stages() -> Optional[str]:
         with pipeline_trace_position(0):
             gm = make_fx(f, tracing_mode="fake", pre_dispatch=True)(torch.empty(2, 3))
     except (ValueError, RuntimeError) as e:
-        return f"commfuse::m2ms cannot be traced across pipeline stages by this build ({type(e).__name__}: {e})"
+        return (
+            f"commfuse::m2ms cannot be traced across pipeline stages by this build ({type(e).__name__}: {e})"
+        )
     out = [n for n in gm.graph.nodes if n.target is M2MS_AUTOGRAD][0].meta["val"]
     if tuple(out.shape) != (2, 3):
         return f"commfuse::m2ms traced across stages gives shape {tuple(out.shape)}, expected (2, 3)"
     return None
 
 
-def splice_autograd(gm: fx.GraphModule, fn: Callable[..., Any], args: Sequence[fx.Node], *, consts: tuple,
-                    before: fx.Node, position: Optional[int], meta_from: Optional[fx.Node] = None) -> Any:
+def splice_autograd(
+    gm: fx.GraphModule,
+    fn: Callable[..., Any],
+    args: Sequence[fx.Node],
+    *,
+    consts: tuple,
+    before: fx.Node,
+    position: Optional[int],
+    meta_from: Optional[fx.Node] = None,
+) -> Any:
     """Insert ``fn(*args, *consts)`` before ``before``, traced pre-dispatch (autograd-level ops
     stay as they are: the joint graph derives their backward) in the graph's fake mode, as
     the pipeline traces: floating inputs require grad so ``detach`` is recorded."""
@@ -70,7 +81,9 @@ def splice_autograd(gm: fx.GraphModule, fn: Callable[..., Any], args: Sequence[f
     with pipeline_trace_position(position if position is not None else 0):
         if mode is not None:
             with mode:
-                vals = [v if isinstance(v, torch._subclasses.FakeTensor) else mode.from_tensor(v) for v in vals]
+                vals = [
+                    v if isinstance(v, torch._subclasses.FakeTensor) else mode.from_tensor(v) for v in vals
+                ]
                 tgm = make_fx(body, tracing_mode="real", pre_dispatch=True)(*vals)
         else:
             tgm = make_fx(body, tracing_mode="fake", pre_dispatch=True)(*vals)

@@ -39,8 +39,12 @@ class RuleVolume:
         return sum(o.bytes for o in self.after)
 
     def to_json(self) -> dict:
-        return {"before": [vars(o) for o in self.before], "after": [vars(o) for o in self.after],
-                "bytes_before": self.bytes_before, "bytes_after": self.bytes_after}
+        return {
+            "before": [vars(o) for o in self.before],
+            "after": [vars(o) for o in self.after],
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+        }
 
 
 def _nbytes(node: fx.Node) -> int:

@@ -31,8 +31,14 @@ from commfuse.ir import rewrite
 from commfuse.ir.kinds import CollectiveKind
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
-from commfuse.transforms.expert_exchange_partition import (_best, _emit, _plan, _uneven_cut, two_level_granularity,
-                                                           why_not_exchange)
+from commfuse.transforms.expert_exchange_partition import (
+    _best,
+    _emit,
+    _plan,
+    _uneven_cut,
+    two_level_granularity,
+    why_not_exchange,
+)
 from commfuse.transforms.group_partition import GroupPartition
 
 
@@ -44,8 +50,9 @@ class ExpertExchangePartitionForced(GraphPass):
     # group_partition's fuzz set-up (2 nodes x 4, sub-groups set up by check.py): the moe
     # family's capacity exchanges over the world span both nodes. Tolerance compare scaled by
     # magnitude, as for expert_exchange_partition.
-    fuzz = FuzzSpec(generators=("moe",), world_sizes=(8,), scaled_tolerance=True,
-                    topology=GroupPartition.fuzz.topology)
+    fuzz = FuzzSpec(
+        generators=("moe",), world_sizes=(8,), scaled_tolerance=True, topology=GroupPartition.fuzz.topology
+    )
 
     def run(self, ctx: PassContext) -> PassResult:
         refusals: list[str] = []
@@ -75,10 +82,21 @@ class ExpertExchangePartitionForced(GraphPass):
             _emit(ctx.gm, rewrite.fake_mode_of(ctx.gm), chain, c2, split2, units)
             gone.add(c2.name)
             ctx.invalidate()
-            decisions.append({"collective": plan.dispatch, "combine": plan.combine, "chunks": plan.chunks,
-                              "sizes": list(plan.sizes), "decision": plan.describe()})
+            decisions.append(
+                {
+                    "collective": plan.dispatch,
+                    "combine": plan.combine,
+                    "chunks": plan.chunks,
+                    "sizes": list(plan.sizes),
+                    "decision": plan.describe(),
+                }
+            )
         if decisions:
             ctx.gm.graph.lint()
             ctx.gm.recompile()
-        return PassResult(changed=bool(decisions), counts={"exchanges_cut_unevenly": len(decisions)},
-                          refusals=refusals, decisions=decisions)
+        return PassResult(
+            changed=bool(decisions),
+            counts={"exchanges_cut_unevenly": len(decisions)},
+            refusals=refusals,
+            decisions=decisions,
+        )

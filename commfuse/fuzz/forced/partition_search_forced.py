@@ -29,8 +29,15 @@ from __future__ import annotations
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
 from commfuse.transforms.group_partition import GroupPartition
-from commfuse.transforms.partition_search import (SEARCHED_KINDS, InfeasibleLeaf, _copy_context, apply_scheme,
-                                                   graph_refusal, group_granularity, work_plan)
+from commfuse.transforms.partition_search import (
+    SEARCHED_KINDS,
+    InfeasibleLeaf,
+    _copy_context,
+    apply_scheme,
+    graph_refusal,
+    group_granularity,
+    work_plan,
+)
 
 
 class CentauriPartitionForced(GraphPass):
@@ -41,8 +48,12 @@ class CentauriPartitionForced(GraphPass):
     # The search's fuzz set-up (2 nodes x 4, sub-groups set up by check.py), where Algorithm 1
     # picks uneven granularities (inter-first 1:3, or 4:1:3): tolerance compare scaled by magnitude,
     # as for its building blocks (sums regrouped over chunks and levels).
-    fuzz = FuzzSpec(generators=("tp", "sp", "fsdp", "mixed"), world_sizes=(8,), scaled_tolerance=True,
-                    topology=GroupPartition.fuzz.topology)
+    fuzz = FuzzSpec(
+        generators=("tp", "sp", "fsdp", "mixed"),
+        world_sizes=(8,),
+        scaled_tolerance=True,
+        topology=GroupPartition.fuzz.topology,
+    )
 
     def run(self, ctx: PassContext) -> PassResult:
         why = graph_refusal(ctx, "Algorithm 1's costs, and the chunks chosen,")
@@ -68,10 +79,22 @@ class CentauriPartitionForced(GraphPass):
                 continue
             plan = work_plan(ctx, c, scheme)
             apply_scheme(ctx, c, scheme)
-            decisions.append({"collective": name, "kind": c.kind.value, "group": c.group.name,
-                              "scheme": scheme.describe(), "chunk_sizes": list(plan.extents), "granularity": why})
+            decisions.append(
+                {
+                    "collective": name,
+                    "kind": c.kind.value,
+                    "group": c.group.name,
+                    "scheme": scheme.describe(),
+                    "chunk_sizes": list(plan.extents),
+                    "granularity": why,
+                }
+            )
         if decisions:
             ctx.gm.graph.lint()
             ctx.gm.recompile()
-        return PassResult(changed=bool(decisions), counts={"collectives_partitioned": len(decisions)},
-                          refusals=refusals, decisions=decisions)
+        return PassResult(
+            changed=bool(decisions),
+            counts={"collectives_partitioned": len(decisions)},
+            refusals=refusals,
+            decisions=decisions,
+        )

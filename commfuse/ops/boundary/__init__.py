@@ -15,8 +15,13 @@ from __future__ import annotations
 
 from commfuse.ops.boundary import cost, ir_view, semantics
 from commfuse.ops.boundary.m2ms import M2MS, M2MS_AUTOGRAD, M2MSArgs, m2ms, parse_m2ms
-from commfuse.ops.boundary.stage_transfer import (STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD, StageTransferArgs,
-                                                  parse_stage_transfer, stage_transfer)
+from commfuse.ops.boundary.stage_transfer import (
+    STAGE_TRANSFER,
+    STAGE_TRANSFER_AUTOGRAD,
+    StageTransferArgs,
+    parse_stage_transfer,
+    stage_transfer,
+)
 from commfuse.ops.boundary.trace import trace_as_rank, trace_position
 
 
@@ -26,6 +31,18 @@ def install() -> None:
     semantics.register()
 
 
-__all__ = ["M2MS", "M2MSArgs", "M2MS_AUTOGRAD", "STAGE_TRANSFER", "STAGE_TRANSFER_AUTOGRAD", "StageTransferArgs",
-           "install", "m2ms", "parse_m2ms", "parse_stage_transfer", "stage_transfer", "trace_as_rank",
-           "trace_position"]
+__all__ = [
+    "M2MS",
+    "M2MSArgs",
+    "M2MS_AUTOGRAD",
+    "STAGE_TRANSFER",
+    "STAGE_TRANSFER_AUTOGRAD",
+    "StageTransferArgs",
+    "install",
+    "m2ms",
+    "parse_m2ms",
+    "parse_stage_transfer",
+    "stage_transfer",
+    "trace_as_rank",
+    "trace_position",
+]

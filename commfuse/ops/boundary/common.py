@@ -38,8 +38,10 @@ def check_ranks(ranks: Sequence[int], arg: str, group_size: int, op: str) -> Non
     seen = set()
     for r in ranks:
         if not 0 <= r < group_size:
-            raise ValueError(f"{op}: {arg} holds rank {r}, outside the group of {group_size} ranks "
-                             f"(ranks are group ranks 0..{group_size - 1})")
+            raise ValueError(
+                f"{op}: {arg} holds rank {r}, outside the group of {group_size} ranks "
+                f"(ranks are group ranks 0..{group_size - 1})"
+            )
         if r in seen:
             raise ValueError(f"{op}: {arg} holds rank {r} twice; each rank may appear once")
         seen.add(r)
@@ -66,12 +68,15 @@ def resolve_group(group_name: str, group_size: int, op: str):
     if pg is None:
         raise RuntimeError(f"{op}: no process group named {group_name!r} in this process")
     if pg.size() != group_size:
-        raise RuntimeError(f"{op}: group {group_name!r} has {pg.size()} ranks, the graph says group_size "
-                           f"{group_size}")
+        raise RuntimeError(
+            f"{op}: group {group_name!r} has {pg.size()} ranks, the graph says group_size {group_size}"
+        )
     import torch.distributed as dist
 
     if dist.get_rank(pg) < 0:
-        raise RuntimeError(f"{op}: this process is not a member of group {group_name!r}; only its members call the op")
+        raise RuntimeError(
+            f"{op}: this process is not a member of group {group_name!r}; only its members call the op"
+        )
     return pg
 
 
@@ -107,5 +112,13 @@ def want_autograd(x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and x.requires_grad
 
 
-__all__ = ["as_rank_list", "check_group_size", "check_ranks", "group_name_and_size", "norm_dim",
-           "own_group_rank", "resolve_group", "want_autograd"]
+__all__ = [
+    "as_rank_list",
+    "check_group_size",
+    "check_ranks",
+    "group_name_and_size",
+    "norm_dim",
+    "own_group_rank",
+    "resolve_group",
+    "want_autograd",
+]

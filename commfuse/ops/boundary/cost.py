@@ -105,8 +105,9 @@ def traffic(pieces: Sequence[tuple[int, int, int]], node_of) -> dict[int, RankTr
     return {r: RankTraffic(r, **v) for r, v in acc.items()}
 
 
-def transfer_time_us(model, kind: CollectiveKind, pieces: Sequence[tuple[int, int, int]]
-                     ) -> tuple[float, int, dict[int, RankTraffic]]:
+def transfer_time_us(
+    model, kind: CollectiveKind, pieces: Sequence[tuple[int, int, int]]
+) -> tuple[float, int, dict[int, RankTraffic]]:
     """(time, largest bytes one rank sends, per-rank traffic) of concurrent point-to-point
     messages ``pieces`` (global ranks) under ``model`` (a :class:`~commfuse.costmodel.collectives.CollectiveModel`)."""
     t = model.topology

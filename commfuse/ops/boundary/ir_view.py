@@ -62,14 +62,16 @@ def _arg(a: tuple, k: dict, idx: int, name: str) -> Any:
 
 def _parse_m2ms(a: tuple, k: dict) -> CollectiveArgs:
     # m2ms(x, dim, splits, src, dst, group_size, group_name)
-    return CollectiveArgs((_arg(a, k, 0, "x"),), str(_arg(a, k, 6, "group_name")),
-                          group_size=int(_arg(a, k, 5, "group_size")))
+    return CollectiveArgs(
+        (_arg(a, k, 0, "x"),), str(_arg(a, k, 6, "group_name")), group_size=int(_arg(a, k, 5, "group_size"))
+    )
 
 
 def _parse_stage_transfer(a: tuple, k: dict) -> CollectiveArgs:
     # stage_transfer(x, src, dst, group_size, group_name)
-    return CollectiveArgs((_arg(a, k, 0, "x"),), str(_arg(a, k, 4, "group_name")),
-                          group_size=int(_arg(a, k, 3, "group_size")))
+    return CollectiveArgs(
+        (_arg(a, k, 0, "x"),), str(_arg(a, k, 4, "group_name")), group_size=int(_arg(a, k, 3, "group_size"))
+    )
 
 
 def _process_group_rank(group_name: str) -> Optional[int]:
@@ -163,8 +165,7 @@ def refine(c: Collective) -> None:
         c.extra["signature_shapes"] = (M2MS_OP, t.dim, t.src, t.dst, t.splits, other)
     else:
         c.logical_dim = c.logical_concat_dim = None
-        c.extra["signature_shapes"] = (STAGE_TRANSFER_OP, t.src, t.dst,
-                                       tuple(str(s) for s in c.input_shapes))
+        c.extra["signature_shapes"] = (STAGE_TRANSFER_OP, t.src, t.dst, tuple(str(s) for s in c.input_shapes))
     if t.position is None or t.unit_bytes is None:
         c.logged_bytes = c.wire_bytes = None
         c.extra["received_bytes"] = None
@@ -193,7 +194,9 @@ def register_boundary_op(op: Any, which: str, *, synchronous: bool = False) -> N
     if which == M2MS_OP:
         spec = CollectiveOpSpec(CollectiveKind.M2MS, _parse_m2ms, refine=refine, synchronous=synchronous)
     elif which == STAGE_TRANSFER_OP:
-        spec = CollectiveOpSpec(CollectiveKind.P2P, _parse_stage_transfer, refine=refine, synchronous=synchronous)
+        spec = CollectiveOpSpec(
+            CollectiveKind.P2P, _parse_stage_transfer, refine=refine, synchronous=synchronous
+        )
     else:
         raise ValueError(f"register_boundary_op: which must be 'm2ms' or 'stage_transfer', got {which!r}")
     _OPS[op] = which
@@ -208,5 +211,12 @@ def register() -> None:
     register_boundary_op(STAGE_TRANSFER_AUTOGRAD, STAGE_TRANSFER_OP, synchronous=True)
 
 
-__all__ = ["M2MS_OP", "STAGE_TRANSFER_OP", "BoundaryTransfers", "boundary_op_names", "register", "register_boundary_op",
-           "transfers_of"]
+__all__ = [
+    "M2MS_OP",
+    "STAGE_TRANSFER_OP",
+    "BoundaryTransfers",
+    "boundary_op_names",
+    "register",
+    "register_boundary_op",
+    "transfers_of",
+]

@@ -49,8 +49,16 @@ import torch
 from torch import Tensor
 
 from commfuse.core.torch_private import c10d_functional, register_work
-from commfuse.ops.boundary.common import (as_rank_list, check_group_size, check_ranks, group_name_and_size, norm_dim,
-                                          own_group_rank, resolve_group, want_autograd)
+from commfuse.ops.boundary.common import (
+    as_rank_list,
+    check_group_size,
+    check_ranks,
+    group_name_and_size,
+    norm_dim,
+    own_group_rank,
+    resolve_group,
+    want_autograd,
+)
 from commfuse.ops.boundary.p2p import BatchedWork, Transfer, issue_batched
 from commfuse.ops.boundary.trace import active_entry, reenter, traced_sides, tracing_as_other
 
@@ -65,14 +73,18 @@ def _check_splits(splits: Sequence[int], n_src: int, n_dst: int, op: str) -> tup
     if not isinstance(splits, (list, tuple)):
         raise ValueError(f"{op}: splits must be a list of ints, got {type(splits).__name__}")
     if len(splits) != n_src * n_dst:
-        raise ValueError(f"{op}: splits has {len(splits)} entries, expected len(src) * len(dst) = "
-                         f"{n_src} * {n_dst} = {n_src * n_dst} (the piece matrix, row-major)")
+        raise ValueError(
+            f"{op}: splits has {len(splits)} entries, expected len(src) * len(dst) = "
+            f"{n_src} * {n_dst} = {n_src * n_dst} (the piece matrix, row-major)"
+        )
     for k, s in enumerate(splits):
         if isinstance(s, bool) or not isinstance(s, int):
             raise ValueError(f"{op}: splits[{k}] must be an int, got {s!r}")
         if s < 0:
-            raise ValueError(f"{op}: splits[{k}] = {s} is negative (piece src[{k // n_dst}] -> dst[{k % n_dst}])")
-    return tuple(tuple(int(s) for s in splits[i * n_dst:(i + 1) * n_dst]) for i in range(n_src))
+            raise ValueError(
+                f"{op}: splits[{k}] = {s} is negative (piece src[{k // n_dst}] -> dst[{k % n_dst}])"
+            )
+    return tuple(tuple(int(s) for s in splits[i * n_dst : (i + 1) * n_dst]) for i in range(n_src))
 
 
 def _check_args(dim: int, ndim: int, splits, src, dst, group_size: int, op: str):
@@ -100,8 +112,11 @@ def _check_input_size(x_size: Any, d: int, mat, src, rank: int, op: str) -> None
     want = sum(_row(mat, src, rank))
     if x_size != want:
         who = "the traced rank (in no group)" if rank is None else f"group rank {rank}"
-        where = (f"{who} is src[{src.index(rank)}] and sends sum(splits row) = {want}"
-                 if rank in src else f"{who} is not in src, so it sends nothing (size 0)")
+        where = (
+            f"{who} is src[{src.index(rank)}] and sends sum(splits row) = {want}"
+            if rank in src
+            else f"{who} is not in src, so it sends nothing (size 0)"
+        )
         raise ValueError(f"{op}: x has size {x_size} along dim {d}, but {where}")
 
 
@@ -172,7 +187,9 @@ def parse_m2ms(node_or_args: Any, kwargs: Optional[dict] = None) -> M2MSArgs:
 
     if isinstance(node_or_args, fx.Node):
         if node_or_args.target not in (M2MS, M2MS_AUTOGRAD):
-            raise ValueError(f"parse_m2ms: node {node_or_args.name} calls {node_or_args.target}, not commfuse::m2ms")
+            raise ValueError(
+                f"parse_m2ms: node {node_or_args.name} calls {node_or_args.target}, not commfuse::m2ms"
+            )
         args, kwargs = node_or_args.args, dict(node_or_args.kwargs)
     else:
         args, kwargs = tuple(node_or_args), dict(kwargs or {})
@@ -196,8 +213,9 @@ def _unit_is_empty(shape: Sequence[int], d: int) -> bool:
     return any(int(s) == 0 for k, s in enumerate(shape) if k != d)
 
 
-def _issue(x: Tensor, dim: int, splits: list[int], src: list[int], dst: list[int], group_size: int,
-           group_name: str) -> tuple[Tensor, BatchedWork]:
+def _issue(
+    x: Tensor, dim: int, splits: list[int], src: list[int], dst: list[int], group_size: int, group_name: str
+) -> tuple[Tensor, BatchedWork]:
     """Start the scatter on this rank; returns the output (filled once the work is waited) and the work."""
     d, mat, src, dst = _check_args(dim, x.dim(), splits, src, dst, group_size, _OP)
     pg = resolve_group(group_name, group_size, _OP)
@@ -246,6 +264,7 @@ def _issue(x: Tensor, dim: int, splits: list[int], src: list[int], dst: list[int
     finish = None
     if not direct:
         if recvs:
+
             def finish() -> None:
                 out.copy_(stage.movedim(0, d))
         else:
@@ -253,20 +272,24 @@ def _issue(x: Tensor, dim: int, splits: list[int], src: list[int], dst: list[int
     return out, issue_batched(pg, sends, recvs, finish, keep_alive=(stage,))
 
 
-_M2MS_SCHEMA = "(Tensor x, int dim, int[] splits, int[] src, int[] dst, int group_size, str group_name) -> Tensor"
+_M2MS_SCHEMA = (
+    "(Tensor x, int dim, int[] splits, int[] src, int[] dst, int group_size, str group_name) -> Tensor"
+)
 
 
 @torch.library.custom_op("commfuse::m2ms", mutates_args=(), schema=_M2MS_SCHEMA)
-def m2ms_op(x: Tensor, dim: int, splits: list[int], src: list[int], dst: list[int], group_size: int,
-            group_name: str) -> Tensor:
+def m2ms_op(
+    x: Tensor, dim: int, splits: list[int], src: list[int], dst: list[int], group_size: int, group_name: str
+) -> Tensor:
     out, work = _issue(x, dim, splits, src, dst, group_size, group_name)
     register_work(out, work)
     return out
 
 
 @torch.library.custom_op("commfuse::m2ms_autograd", mutates_args=(), schema=_M2MS_SCHEMA)
-def m2ms_autograd_op(x: Tensor, dim: int, splits: list[int], src: list[int], dst: list[int], group_size: int,
-                     group_name: str) -> Tensor:
+def m2ms_autograd_op(
+    x: Tensor, dim: int, splits: list[int], src: list[int], dst: list[int], group_size: int, group_name: str
+) -> Tensor:
     out, work = _issue(x, dim, splits, src, dst, group_size, group_name)
     work.wait()
     return out
@@ -319,14 +342,18 @@ M2MS_AUTOGRAD = torch.ops.commfuse.m2ms_autograd.default
 
 def _flat_splits(splits: Any, n_src: int, n_dst: int) -> list[int]:
     if not isinstance(splits, (list, tuple)):
-        raise ValueError(f"m2ms: splits must be a matrix (list of len(src) rows of len(dst) ints) or its "
-                         f"row-major flattening, got {type(splits).__name__}")
+        raise ValueError(
+            f"m2ms: splits must be a matrix (list of len(src) rows of len(dst) ints) or its "
+            f"row-major flattening, got {type(splits).__name__}"
+        )
     if splits and all(isinstance(r, (list, tuple)) for r in splits):
         if len(splits) != n_src:
             raise ValueError(f"m2ms: splits has {len(splits)} rows, expected one per src rank ({n_src})")
         for i, r in enumerate(splits):
             if len(r) != n_dst:
-                raise ValueError(f"m2ms: splits row {i} has {len(r)} entries, expected one per dst rank ({n_dst})")
+                raise ValueError(
+                    f"m2ms: splits row {i} has {len(r)} entries, expected one per dst rank ({n_dst})"
+                )
         return [s for r in splits for s in r]
     if any(isinstance(r, (list, tuple)) for r in splits):
         raise ValueError("m2ms: splits mixes rows (lists) and numbers; give a matrix or a flat list")

@@ -51,8 +51,12 @@ class Transfer:
 class BatchedWork(dist.Work):
     """Several c10d works (and the buffers they use) that complete as one."""
 
-    def __init__(self, works: Sequence[Any], keep_alive: Sequence[Tensor] = (),
-                 finish: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        works: Sequence[Any],
+        keep_alive: Sequence[Tensor] = (),
+        finish: Optional[Callable[[], None]] = None,
+    ) -> None:
         super().__init__()
         self._works = list(works)
         self._keep = list(keep_alive)
@@ -75,9 +79,13 @@ class BatchedWork(dist.Work):
         return self._done or all(w.is_completed() for w in self._works)
 
 
-def issue_batched(pg, sends: Sequence[Transfer], recvs: Sequence[Transfer],
-                  finish: Optional[Callable[[], None]] = None,
-                  keep_alive: Sequence[Tensor] = ()) -> BatchedWork:
+def issue_batched(
+    pg,
+    sends: Sequence[Transfer],
+    recvs: Sequence[Transfer],
+    finish: Optional[Callable[[], None]] = None,
+    keep_alive: Sequence[Tensor] = (),
+) -> BatchedWork:
     """Post ``recvs`` then ``sends`` (in the given orders) on ``pg``; one work for all of them."""
     ops = [dist.P2POp(dist.irecv, t.tensor, group=pg, group_peer=t.peer) for t in recvs]
     ops += [dist.P2POp(dist.isend, t.tensor, group=pg, group_peer=t.peer) for t in sends]

@@ -59,8 +59,10 @@ def _parsed(call: RankCall, parse):
     except (ValueError, KeyError, IndexError) as e:
         raise _reject(call, e) from e
     if p.group_size != len(call.group):
-        raise CollectiveMismatchError(f"{call.where()}: the op says group_size {p.group_size} but group "
-                                      f"{call.group_name!r} has {len(call.group)} ranks {list(call.group)}")
+        raise CollectiveMismatchError(
+            f"{call.where()}: the op says group_size {p.group_size} but group "
+            f"{call.group_name!r} has {len(call.group)} ranks {list(call.group)}"
+        )
     return p
 
 
@@ -71,8 +73,9 @@ def m2ms(call: RankCall) -> P2PPlan:
     row, col = p.row(g), p.column(g)
     if x.size(d) != sum(row):
         where = f"is src[{p.src.index(g)}] and sends {sum(row)}" if g in p.src else "is not in src (size 0)"
-        raise CollectiveMismatchError(f"{call.where()}: x has size {x.size(d)} along dim {d}, but group rank {g} "
-                                      f"{where}")
+        raise CollectiveMismatchError(
+            f"{call.where()}: x has size {x.size(d)} along dim {d}, but group rank {g} {where}"
+        )
     xt = x.movedim(d, 0)
     rest = tuple(xt.shape[1:])
     pieces = list(xt.split(list(row), dim=0)) if row else []

@@ -41,8 +41,14 @@ import torch
 from torch import Tensor
 
 from commfuse.core.torch_private import c10d_functional, register_work
-from commfuse.ops.boundary.common import (as_rank_list, check_group_size, check_ranks, group_name_and_size,
-                                          resolve_group, want_autograd)
+from commfuse.ops.boundary.common import (
+    as_rank_list,
+    check_group_size,
+    check_ranks,
+    group_name_and_size,
+    resolve_group,
+    want_autograd,
+)
 from commfuse.ops.boundary.p2p import BatchedWork, Transfer, issue_batched
 
 _OP = "commfuse::stage_transfer"
@@ -52,7 +58,9 @@ def _check_args(src, dst, group_size: int, op: str) -> tuple[list[int], list[int
     check_group_size(group_size, op)
     src, dst = as_rank_list(src, "src", op), as_rank_list(dst, "dst", op)
     if len(src) != len(dst):
-        raise ValueError(f"{op}: src has {len(src)} ranks and dst {len(dst)}; they must pair up (src[i] -> dst[i])")
+        raise ValueError(
+            f"{op}: src has {len(src)} ranks and dst {len(dst)}; they must pair up (src[i] -> dst[i])"
+        )
     check_ranks(src, "src", group_size, op)
     check_ranks(dst, "dst", group_size, op)
     return src, dst
@@ -86,8 +94,10 @@ def parse_stage_transfer(node_or_args: Any, kwargs: Optional[dict] = None) -> St
 
     if isinstance(node_or_args, fx.Node):
         if node_or_args.target not in (STAGE_TRANSFER, STAGE_TRANSFER_AUTOGRAD):
-            raise ValueError(f"parse_stage_transfer: node {node_or_args.name} calls {node_or_args.target}, "
-                             "not commfuse::stage_transfer")
+            raise ValueError(
+                f"parse_stage_transfer: node {node_or_args.name} calls {node_or_args.target}, "
+                "not commfuse::stage_transfer"
+            )
         args, kwargs = node_or_args.args, dict(node_or_args.kwargs)
     else:
         args, kwargs = tuple(node_or_args), dict(kwargs or {})
@@ -97,7 +107,9 @@ def parse_stage_transfer(node_or_args: Any, kwargs: Optional[dict] = None) -> St
     return StageTransferArgs(x, tuple(src), tuple(dst), int(gsize), str(gname))
 
 
-def _issue(x: Tensor, src: list[int], dst: list[int], group_size: int, group_name: str) -> tuple[Tensor, BatchedWork]:
+def _issue(
+    x: Tensor, src: list[int], dst: list[int], group_size: int, group_name: str
+) -> tuple[Tensor, BatchedWork]:
     src, dst = _check_args(src, dst, group_size, _OP)
     pg = resolve_group(group_name, group_size, _OP)
     import torch.distributed as dist
@@ -132,8 +144,9 @@ def stage_transfer_op(x: Tensor, src: list[int], dst: list[int], group_size: int
 
 
 @torch.library.custom_op("commfuse::stage_transfer_autograd", mutates_args=(), schema=_ST_SCHEMA)
-def stage_transfer_autograd_op(x: Tensor, src: list[int], dst: list[int], group_size: int,
-                               group_name: str) -> Tensor:
+def stage_transfer_autograd_op(
+    x: Tensor, src: list[int], dst: list[int], group_size: int, group_name: str
+) -> Tensor:
     out, work = _issue(x, src, dst, group_size, group_name)
     work.wait()
     return out
@@ -177,5 +190,10 @@ def stage_transfer(x: Tensor, src: Any, dst: Any, group: Any) -> Tensor:
     return c10d_functional.wait_tensor.default(STAGE_TRANSFER(x, src_l, dst_l, size, name))
 
 
-__all__ = ["STAGE_TRANSFER", "STAGE_TRANSFER_AUTOGRAD", "StageTransferArgs", "parse_stage_transfer",
-           "stage_transfer"]
+__all__ = [
+    "STAGE_TRANSFER",
+    "STAGE_TRANSFER_AUTOGRAD",
+    "StageTransferArgs",
+    "parse_stage_transfer",
+    "stage_transfer",
+]

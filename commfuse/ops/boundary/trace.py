@@ -83,8 +83,9 @@ def _active(group_name: str) -> Optional[_Entry]:
     return None
 
 
-def traced_sides(group_name: str, src: Sequence[int], dst: Sequence[int],
-                 own_rank: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+def traced_sides(
+    group_name: str, src: Sequence[int], dst: Sequence[int], own_rank: Optional[int]
+) -> tuple[Optional[int], Optional[int]]:
     """The group ranks a fake kernel of an op sending from ``src`` to ``dst`` should act as,
     (input side, output side); None is "a rank in no group of that side".
 
@@ -98,10 +99,14 @@ def traced_sides(group_name: str, src: Sequence[int], dst: Sequence[int],
     if e.position is None:
         return None, None
     if e.position >= len(src) and e.position >= len(dst):
-        raise ValueError(f"trace_position: position {e.position} is outside src {list(src)} and dst "
-                         f"{list(dst)} of an op on group {group_name!r}")
-    return (int(src[e.position]) if e.position < len(src) else None,
-            int(dst[e.position]) if e.position < len(dst) else None)
+        raise ValueError(
+            f"trace_position: position {e.position} is outside src {list(src)} and dst "
+            f"{list(dst)} of an op on group {group_name!r}"
+        )
+    return (
+        int(src[e.position]) if e.position < len(src) else None,
+        int(dst[e.position]) if e.position < len(dst) else None,
+    )
 
 
 @contextmanager

@@ -28,9 +28,18 @@ from commfuse.ops.moe_layer.op import MOE_LAYER, MOE_LAYER_BACKWARD, MoeOperands
 from commfuse.ops.moe_layer.routing import capacity
 
 
-def transfers(x_shape: tuple[int, ...], elt: int, num_experts: int, n: int, top_k: int, capacity_factor: float,
-              token_groups: int, group_name: str, widths: dict[str, int], chunks: int = 1
-              ) -> list[EmbeddedTransfer]:
+def transfers(
+    x_shape: tuple[int, ...],
+    elt: int,
+    num_experts: int,
+    n: int,
+    top_k: int,
+    capacity_factor: float,
+    token_groups: int,
+    group_name: str,
+    widths: dict[str, int],
+    chunks: int = 1,
+) -> list[EmbeddedTransfer]:
     """The exchanges of one call on tokens ``x_shape``; ``widths``: values per row of each
     exchange, in issue order; ``chunks``: token chunks of a dropless call (one transfer per
     chunk and way, the chunks' rows as the kernel cuts them)."""
@@ -43,8 +52,11 @@ def transfers(x_shape: tuple[int, ...], elt: int, num_experts: int, n: int, top_
     if dropless:
         rows = tokens * top_k
         counts = experts * 8 * chunks  # int64 counts per expert and chunk, one exchange per call
-        out.append(EmbeddedTransfer(CollectiveKind.ALL_TO_ALL, group_name, n, counts, counts * (n - 1) // n,
-                                    "counts"))
+        out.append(
+            EmbeddedTransfer(
+                CollectiveKind.ALL_TO_ALL, group_name, n, counts, counts * (n - 1) // n, "counts"
+            )
+        )
     else:
         rows = experts * token_groups * capacity(capacity_factor, top_k, tokens // token_groups, experts)
     for what, width in widths.items():
@@ -53,8 +65,17 @@ def transfers(x_shape: tuple[int, ...], elt: int, num_experts: int, n: int, top_
             chunk_tokens = tokens // chunks + (1 if i < tokens % chunks else 0)
             logged = (rows if chunks == 1 else chunk_tokens * top_k) * width * elt
             label = what if chunks == 1 else f"{what} {i + 1}/{chunks}"
-            out.append(EmbeddedTransfer(CollectiveKind.ALL_TO_ALL, group_name, n, logged, logged * (n - 1) // n,
-                                        label, estimated=dropless))
+            out.append(
+                EmbeddedTransfer(
+                    CollectiveKind.ALL_TO_ALL,
+                    group_name,
+                    n,
+                    logged,
+                    logged * (n - 1) // n,
+                    label,
+                    estimated=dropless,
+                )
+            )
     return out
 
 
@@ -66,8 +87,12 @@ def backward_widths(hidden: int) -> dict[str, int]:
     return {"dispatch (token, grad, gate)": 2 * hidden + 1, "return (grad, gate grad)": hidden + 1}
 
 
-def node_transfers(node: fx.Node, x_shape: tuple[int, ...] | None = None, token_groups: int | None = None,
-                   chunks: int | None = None) -> list[EmbeddedTransfer]:
+def node_transfers(
+    node: fx.Node,
+    x_shape: tuple[int, ...] | None = None,
+    token_groups: int | None = None,
+    chunks: int | None = None,
+) -> list[EmbeddedTransfer]:
     """Transfers of a moe_layer / moe_layer_backward node; ``x_shape``, ``token_groups`` and
     ``chunks`` override the node's (what the same call would send on a token shard, or cut
     into that many token chunks)."""
@@ -81,9 +106,18 @@ def node_transfers(node: fx.Node, x_shape: tuple[int, ...] | None = None, token_
     num_experts = shape_of(router_w)[0]
     if not isinstance(num_experts, int) or not isinstance(shape_of(w1)[0], int):
         return []  # symbolic expert counts: the group size, and so the bytes, are unknown
-    return transfers(shape, x.meta["val"].element_size(), num_experts, num_experts // shape_of(w1)[0], ops.top_k,
-                     ops.capacity_factor, ops.token_groups if token_groups is None else token_groups,
-                     ops.group_name, widths, chunks)
+    return transfers(
+        shape,
+        x.meta["val"].element_size(),
+        num_experts,
+        num_experts // shape_of(w1)[0],
+        ops.top_k,
+        ops.capacity_factor,
+        ops.token_groups if token_groups is None else token_groups,
+        ops.group_name,
+        widths,
+        chunks,
+    )
 
 
 def chunks_of(node: fx.Node) -> int:

@@ -50,8 +50,13 @@ class Pending:
 
 
 class Exchange:
-    def __init__(self, a: Assignments, num_experts: int, group: Optional[dist.ProcessGroup],
-                 recv_counts: Optional[torch.Tensor] = None) -> None:
+    def __init__(
+        self,
+        a: Assignments,
+        num_experts: int,
+        group: Optional[dist.ProcessGroup],
+        recv_counts: Optional[torch.Tensor] = None,
+    ) -> None:
         """``recv_counts`` (dropless): the ``[source rank, local expert]`` counts when they were
         exchanged already (:func:`token_chunk_exchanges`); else they are exchanged here."""
         self.a = a
@@ -78,8 +83,12 @@ class Exchange:
         row_expert = torch.repeat_interleave(torch.arange(local).repeat(n), recv_counts.reshape(-1))
         self.by_expert = torch.argsort(row_expert, stable=True)
 
-    def _a2a(self, rows: torch.Tensor, out_splits: Optional[list[int]] = None,
-             in_splits: Optional[list[int]] = None) -> torch.Tensor:
+    def _a2a(
+        self,
+        rows: torch.Tensor,
+        out_splits: Optional[list[int]] = None,
+        in_splits: Optional[list[int]] = None,
+    ) -> torch.Tensor:
         """all_to_all along dim 0 (equal splits without split sizes); identity without a group."""
         out, work = _start_a2a(rows, self.group, out_splits, in_splits)
         if work is not None:
@@ -94,13 +103,17 @@ class Exchange:
             buf = rows.new_zeros(self.num_experts, a.slots_per_expert, width)
             buf[a.expert, a.slot] = rows
 
-            def by_expert_slots(recv: torch.Tensor) -> list[torch.Tensor]:  # [N * local, slots, W], source-major
+            def by_expert_slots(
+                recv: torch.Tensor,
+            ) -> list[torch.Tensor]:  # [N * local, slots, W], source-major
                 recv = recv.view(self.n, self.local, a.slots_per_expert, width).transpose(0, 1)
                 return list(recv.reshape(self.local, self.n * a.slots_per_expert, width).unbind(0))
 
             return Pending(*_start_a2a(buf, self.group), by_expert_slots)
-        return Pending(*_start_a2a(rows[self.order], self.group, self.recv_splits, self.send_splits),
-                       lambda recv: list(recv[self.by_expert].split(self.per_expert)))
+        return Pending(
+            *_start_a2a(rows[self.order], self.group, self.recv_splits, self.send_splits),
+            lambda recv: list(recv[self.by_expert].split(self.per_expert)),
+        )
 
     def to_experts(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """``rows [A, W]`` (one per assignment) -> per local expert ``[M_l, W]``."""
@@ -112,8 +125,10 @@ class Exchange:
         width = per_expert[0].shape[1]
         if a.slots_per_expert:
             back = torch.stack(per_expert).view(self.local, self.n, a.slots_per_expert, width).transpose(0, 1)
-            return Pending(*_start_a2a(back.reshape(self.num_experts, a.slots_per_expert, width), self.group),
-                           lambda ret: ret[a.expert, a.slot])
+            return Pending(
+                *_start_a2a(back.reshape(self.num_experts, a.slots_per_expert, width), self.group),
+                lambda ret: ret[a.expert, a.slot],
+            )
         grouped = torch.cat(per_expert)
         recv_order = torch.empty_like(grouped)
         recv_order[self.by_expert] = grouped
@@ -123,15 +138,21 @@ class Exchange:
             out[self.order] = sent_back
             return out
 
-        return Pending(*_start_a2a(recv_order, self.group, self.send_splits, self.recv_splits), in_assignment_order)
+        return Pending(
+            *_start_a2a(recv_order, self.group, self.send_splits, self.recv_splits), in_assignment_order
+        )
 
     def to_tokens(self, per_expert: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`to_experts`: per-local-expert rows -> ``[A, W]``."""
         return self.start_to_tokens(per_expert).wait()
 
 
-def _start_a2a(rows: torch.Tensor, group: Optional[dist.ProcessGroup], out_splits: Optional[list[int]] = None,
-               in_splits: Optional[list[int]] = None) -> tuple[torch.Tensor, Any]:
+def _start_a2a(
+    rows: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    out_splits: Optional[list[int]] = None,
+    in_splits: Optional[list[int]] = None,
+) -> tuple[torch.Tensor, Any]:
     """Issue an all_to_all along dim 0 (equal splits without split sizes): ``(output, work)``;
     without a group the rows themselves and no work."""
     if group is None:
@@ -139,8 +160,14 @@ def _start_a2a(rows: torch.Tensor, group: Optional[dist.ProcessGroup], out_split
     shape = rows.shape if out_splits is None else (sum(out_splits), *rows.shape[1:])
     out = rows.new_empty(shape)
     work = dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group, async_op=True)
-    announce("all_to_all", group.group_name, rows.numel() * rows.element_size(), out.numel() * out.element_size(),
-             work, "commfuse::moe_layer")
+    announce(
+        "all_to_all",
+        group.group_name,
+        rows.numel() * rows.element_size(),
+        out.numel() * out.element_size(),
+        work,
+        "commfuse::moe_layer",
+    )
     return out, work
 
 
@@ -154,14 +181,18 @@ def token_chunks(a: Assignments, tokens: int, chunks: int) -> list[Assignments]:
     out, start = [], 0
     for size in torch.arange(tokens).tensor_split(chunks):
         stop = start + size.numel() * per_token
-        out.append(Assignments(a.token[start:stop], a.expert[start:stop], a.choice[start:stop],
-                               a.slot[start:stop], 0))
+        out.append(
+            Assignments(
+                a.token[start:stop], a.expert[start:stop], a.choice[start:stop], a.slot[start:stop], 0
+            )
+        )
         start = stop
     return out
 
 
-def token_chunk_exchanges(parts: list[Assignments], num_experts: int, group: Optional[dist.ProcessGroup]
-                          ) -> list[Exchange]:
+def token_chunk_exchanges(
+    parts: list[Assignments], num_experts: int, group: Optional[dist.ProcessGroup]
+) -> list[Exchange]:
     """One dropless :class:`Exchange` per chunk of assignments; the per-expert counts of all
     chunks travel in one all_to_all (``[k, E]`` counts, each rank receiving its experts' rows)."""
     n = 1 if group is None else dist.get_world_size(group)

@@ -66,8 +66,9 @@ def swiglu(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
 
 # The VJPs are written out: inside a custom op's kernel the autograd dispatch key is
 # excluded, so torch.autograd cannot be used there.
-def swiglu_vjp(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, g: Tensor
-               ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+def swiglu_vjp(
+    x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, g: Tensor
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
     """``(y, dx, (dw1, dw3, dw2))`` of ``y = swiglu(x)`` for output gradient ``g``."""
     a, b = x @ w1, x @ w3
     sig = torch.sigmoid(a)
@@ -79,8 +80,17 @@ def swiglu_vjp(x: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, g: Tensor
     return hidden @ w2, da @ w1.t() + db @ w3.t(), (x.t() @ da, x.t() @ db, hidden.t() @ g)
 
 
-def router_vjp(x: Tensor, router_w: Tensor, logits: Tensor, probs: Tensor, gates: Tensor, experts: Tensor,
-               grad_gates: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor) -> tuple[Tensor, Tensor]:
+def router_vjp(
+    x: Tensor,
+    router_w: Tensor,
+    logits: Tensor,
+    probs: Tensor,
+    gates: Tensor,
+    experts: Tensor,
+    grad_gates: Tensor,
+    grad_probs_sum: Tensor,
+    grad_z_sum: Tensor,
+) -> tuple[Tensor, Tensor]:
     """``(dx, drouter_w)`` through logits -> softmax -> top-k (renormalised) gates, the
     probability sums and the z-loss sum, given that forward's values."""
     top_k = experts.shape[-1]
@@ -97,11 +107,15 @@ def router_vjp(x: Tensor, router_w: Tensor, logits: Tensor, probs: Tensor, gates
 
 def _check(x: Tensor, router_w: Tensor, w1: Tensor, top_k: int, group_size: int) -> None:
     if x.dim() < 1 or router_w.dim() != 2 or x.shape[-1] != router_w.shape[1]:
-        raise ValueError(f"moe_layer: x must be [..., H] and router_w [E, H]; got {tuple(x.shape)}, "
-                         f"{tuple(router_w.shape)}")
+        raise ValueError(
+            f"moe_layer: x must be [..., H] and router_w [E, H]; got {tuple(x.shape)}, "
+            f"{tuple(router_w.shape)}"
+        )
     if w1.shape[0] * group_size != router_w.shape[0]:
-        raise ValueError(f"moe_layer: {router_w.shape[0]} experts over {group_size} ranks needs "
-                         f"{router_w.shape[0] // group_size} local experts, w1 has {w1.shape[0]}")
+        raise ValueError(
+            f"moe_layer: {router_w.shape[0]} experts over {group_size} ranks needs "
+            f"{router_w.shape[0] // group_size} local experts, w1 has {w1.shape[0]}"
+        )
     if not 1 <= top_k <= router_w.shape[0]:
         raise ValueError(f"moe_layer: top_k={top_k} out of range for {router_w.shape[0]} experts")
 
@@ -120,8 +134,9 @@ def token_chunk_count(chunks: int, capacity_factor: float) -> int:
     return max(1, chunks) if capacity_factor <= 0 else 1
 
 
-def _exchanges(a: Assignments, tokens: int, num_experts: int, group: Optional[dist.ProcessGroup], chunks: int
-               ) -> list[Exchange]:
+def _exchanges(
+    a: Assignments, tokens: int, num_experts: int, group: Optional[dist.ProcessGroup], chunks: int
+) -> list[Exchange]:
     if chunks == 1:
         return [Exchange(a, num_experts, group)]
     return token_chunk_exchanges(token_chunks(a, tokens, chunks), num_experts, group)
@@ -136,8 +151,18 @@ def _pipelined(exchanges: list[Exchange], rows: list[Tensor], experts_fn) -> Ten
     return torch.cat([b.wait() for b in back])
 
 
-def moe_forward(x: Tensor, router_w: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, top_k: int,
-                capacity_factor: float, token_groups: int, group_name: str, chunks: int = 1):
+def moe_forward(
+    x: Tensor,
+    router_w: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+    top_k: int,
+    capacity_factor: float,
+    token_groups: int,
+    group_name: str,
+    chunks: int = 1,
+):
     group = resolve_group(group_name)
     _check(x, router_w, w1, top_k, 1 if group is None else dist.get_world_size(group))
     shape, x = x.shape, x.reshape(-1, x.shape[-1])
@@ -145,16 +170,30 @@ def moe_forward(x: Tensor, router_w: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
     chunks = token_chunk_count(chunks, capacity_factor)
     exchanges = _exchanges(a, x.shape[0], router_w.shape[0], group, chunks)
     rows = x[a.token].split([ex.a.token.numel() for ex in exchanges])
-    y = _pipelined(exchanges, rows, lambda received: [swiglu(r, w1[e], w3[e], w2[e])
-                                                      for e, r in enumerate(received)])  # [A, H]
+    y = _pipelined(
+        exchanges, rows, lambda received: [swiglu(r, w1[e], w3[e], w2[e]) for e, r in enumerate(received)]
+    )  # [A, H]
     gate = gates[a.token, a.choice].to(x.dtype)
     out = torch.zeros_like(x).index_add_(0, a.token, y * gate.unsqueeze(1))
     return (out.view(shape), *router_statistics(logits, probs, experts))
 
 
-def moe_backward(grad_out: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor, x: Tensor, router_w: Tensor,
-                 w1: Tensor, w3: Tensor, w2: Tensor, top_k: int, capacity_factor: float, token_groups: int,
-                 group_name: str, expert_grad_scale: float, chunks: int = 1):
+def moe_backward(
+    grad_out: Tensor,
+    grad_probs_sum: Tensor,
+    grad_z_sum: Tensor,
+    x: Tensor,
+    router_w: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+    top_k: int,
+    capacity_factor: float,
+    token_groups: int,
+    group_name: str,
+    expert_grad_scale: float,
+    chunks: int = 1,
+):
     group = resolve_group(group_name)
     shape, h = x.shape, x.shape[-1]
     x, grad_out = x.reshape(-1, h), grad_out.reshape(-1, h)
@@ -168,7 +207,7 @@ def moe_backward(grad_out: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor, x
     def expert_vjps(received: list[Tensor]) -> list[Tensor]:
         back = []
         for e, rows in enumerate(received):
-            xe, ge, gate_e = rows[:, :h], rows[:, h:2 * h], rows[:, 2 * h:]
+            xe, ge, gate_e = rows[:, :h], rows[:, h : 2 * h], rows[:, 2 * h :]
             y, gx, gw = swiglu_vjp(xe, w1[e], w3[e], w2[e], ge * gate_e)
             for acc, g in zip(grads_w, gw, strict=True):
                 acc[e] += g * expert_grad_scale  # summed over token chunks
@@ -186,9 +225,18 @@ def moe_backward(grad_out: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor, x
 
 # -- registration as custom ops --------------------------------------------------
 @torch.library.custom_op("commfuse::moe_layer", mutates_args=())
-def moe_layer(x: Tensor, router_w: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, top_k: int,
-              capacity_factor: float, token_groups: int, group_name: str, chunks: int = 1
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def moe_layer(
+    x: Tensor,
+    router_w: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+    top_k: int,
+    capacity_factor: float,
+    token_groups: int,
+    group_name: str,
+    chunks: int = 1,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return moe_forward(x, router_w, w1, w3, w2, top_k, capacity_factor, token_groups, group_name, chunks)
 
 
@@ -200,12 +248,38 @@ def _(x, router_w, w1, w3, w2, top_k, capacity_factor, token_groups, group_name,
 
 
 @torch.library.custom_op("commfuse::moe_layer_backward", mutates_args=())
-def moe_layer_backward(grad_out: Tensor, grad_probs_sum: Tensor, grad_z_sum: Tensor, x: Tensor, router_w: Tensor,
-                       w1: Tensor, w3: Tensor, w2: Tensor, top_k: int, capacity_factor: float,
-                       token_groups: int, group_name: str, expert_grad_scale: float, chunks: int = 1
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return moe_backward(grad_out, grad_probs_sum, grad_z_sum, x, router_w, w1, w3, w2, top_k,
-                        capacity_factor, token_groups, group_name, expert_grad_scale, chunks)
+def moe_layer_backward(
+    grad_out: Tensor,
+    grad_probs_sum: Tensor,
+    grad_z_sum: Tensor,
+    x: Tensor,
+    router_w: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+    top_k: int,
+    capacity_factor: float,
+    token_groups: int,
+    group_name: str,
+    expert_grad_scale: float,
+    chunks: int = 1,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return moe_backward(
+        grad_out,
+        grad_probs_sum,
+        grad_z_sum,
+        x,
+        router_w,
+        w1,
+        w3,
+        w2,
+        top_k,
+        capacity_factor,
+        token_groups,
+        group_name,
+        expert_grad_scale,
+        chunks,
+    )
 
 
 @moe_layer_backward.register_fake
@@ -227,8 +301,19 @@ def _backward(ctx, grad_out, grad_probs_sum, grad_top1, grad_z_sum):
     e = router_w.shape[0]
     grad_probs_sum = x.new_zeros(e, dtype=torch.float32) if grad_probs_sum is None else grad_probs_sum
     grad_z_sum = x.new_zeros((), dtype=torch.float32) if grad_z_sum is None else grad_z_sum
-    grads = moe_layer_backward(grad_out.contiguous(), grad_probs_sum, grad_z_sum, x, router_w, w1, w3, w2,
-                               *ctx.attrs, 1.0, ctx.chunks)
+    grads = moe_layer_backward(
+        grad_out.contiguous(),
+        grad_probs_sum,
+        grad_z_sum,
+        x,
+        router_w,
+        w1,
+        w3,
+        w2,
+        *ctx.attrs,
+        1.0,
+        ctx.chunks,
+    )
     return (*grads, None, None, None, None, None)
 
 
@@ -283,13 +368,17 @@ class MoeOperands:
         """The operands of ``node``, a call of either op (positional or keyword arguments);
         TypeError for any other node."""
         if node.op != "call_function" or node.target not in MOE_OPS:
-            raise TypeError(f"{node.name} ({node.op} {node.target}) is not a call of commfuse::moe_layer "
-                            "or commfuse::moe_layer_backward")
+            raise TypeError(
+                f"{node.name} ({node.op} {node.target}) is not a call of commfuse::moe_layer "
+                "or commfuse::moe_layer_backward"
+            )
         schema = node.target._schema.arguments
         unknown = sorted(set(node.kwargs) - {a.name for a in schema})
         if len(node.args) > len(schema) or unknown:
-            raise TypeError(f"{node.name}: {len(node.args)} positional arguments and keywords {unknown} do "
-                            f"not fit {node.target}'s schema {list(arg_names(node.target))}")
+            raise TypeError(
+                f"{node.name}: {len(node.args)} positional arguments and keywords {unknown} do "
+                f"not fit {node.target}'s schema {list(arg_names(node.target))}"
+            )
         values = {}
         for i, a in enumerate(schema):
             if i < len(node.args):
@@ -309,6 +398,8 @@ class MoeOperands:
         schema = self.op._schema.arguments
         values = [getattr(self, a.name) for a in schema]
         end = len(values)
-        while end and schema[end - 1].has_default_value() and values[end - 1] == schema[end - 1].default_value:
+        while (
+            end and schema[end - 1].has_default_value() and values[end - 1] == schema[end - 1].default_value
+        ):
             end -= 1
         return tuple(values[:end])

@@ -103,7 +103,7 @@ def assign(experts: torch.Tensor, num_experts: int, capacity_factor: float, toke
     # [G, k, T_g, E] one-hot, ordered choice-major so that a cumsum over (choice, token)
     # gives every first choice a slot before any second choice.
     onehot = F.one_hot(experts.reshape(token_groups, per_group, k), num_experts).permute(0, 2, 1, 3)
-    position = (onehot.reshape(token_groups, k * per_group, num_experts).cumsum(dim=1) - 1)
+    position = onehot.reshape(token_groups, k * per_group, num_experts).cumsum(dim=1) - 1
     position = (position.reshape(onehot.shape) * onehot).sum(-1)  # [G, k, T_g]
     slot = position.permute(0, 2, 1).reshape(tokens, k)  # back to [T, k]
     kept = slot < cap
@@ -113,8 +113,9 @@ def assign(experts: torch.Tensor, num_experts: int, capacity_factor: float, toke
     return Assignments(tok[kept], experts[kept], ch[kept], (group * cap + slot)[kept], token_groups * cap)
 
 
-def router_statistics(logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def router_statistics(
+    logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sums over tokens the auxiliary losses need, as float32:
     ``probs_sum [E]`` (sum of router probabilities), ``top1_count [E]`` (tokens whose
     first choice is e), ``z_sum []`` (sum of squared log-partition, ST-MoE's z-loss).

@@ -77,7 +77,9 @@ def _named(names: tuple[str, ...], a: tuple, k: dict) -> dict[str, Any]:
 def _parse(names: tuple[str, ...]):
     def parse(a: tuple, k: dict) -> CollectiveArgs:
         v = _named(names, a, k)
-        tensors = tuple(v[n] for n in names if n not in _ATTRS and n not in ("group_name", "expert_grad_scale", "chunks"))
+        tensors = tuple(
+            v[n] for n in names if n not in _ATTRS and n not in ("group_name", "expert_grad_scale", "chunks")
+        )
         g = v["group_name"]
         return CollectiveArgs(tensors, g if isinstance(g, str) else str(getattr(g, "group_name", g)))
 
@@ -100,29 +102,44 @@ def _check_members(calls: list[RankCall], vals: list[dict[str, Any]]) -> tuple[i
         r = v["router_w"]
         if r.shape != r0.shape or r.dtype != r0.dtype or not _same_bits(r, r0):
             desc = [f"{tuple(t.shape)}/{t.dtype}" for t in routers]
-            raise _mismatch(calls, f"router_w differs between ranks (first difference: {c.where()}; "
-                                   f"every rank of the expert-parallel group must hold the same router weight; "
-                                   f"shapes {desc})")
+            raise _mismatch(
+                calls,
+                f"router_w differs between ranks (first difference: {c.where()}; "
+                f"every rank of the expert-parallel group must hold the same router weight; "
+                f"shapes {desc})",
+            )
     xs = [v["x"] for v in vals]
     if any(x.dtype != xs[0].dtype or x.dim() != 2 or x.shape[1] != xs[0].shape[1] for x in xs):
-        raise _mismatch(calls, f"token inputs x differ in dtype or hidden size between ranks: "
-                               f"{[f'{tuple(x.shape)}/{x.dtype}' for x in xs]}")
+        raise _mismatch(
+            calls,
+            f"token inputs x differ in dtype or hidden size between ranks: "
+            f"{[f'{tuple(x.shape)}/{x.dtype}' for x in xs]}",
+        )
     for name in ("w1", "w3", "w2"):
         ws = [v[name] for v in vals]
         if any(w.shape != ws[0].shape or w.dtype != ws[0].dtype for w in ws):
-            raise _mismatch(calls, f"expert weights {name} differ in shape/dtype between ranks: "
-                                   f"{[f'{tuple(w.shape)}/{w.dtype}' for w in ws]}")
+            raise _mismatch(
+                calls,
+                f"expert weights {name} differ in shape/dtype between ranks: "
+                f"{[f'{tuple(w.shape)}/{w.dtype}' for w in ws]}",
+            )
     n, e, local = len(calls), r0.shape[0] if r0.dim() == 2 else -1, vals[0]["w1"].shape[0]
     if r0.dim() != 2 or local * n != e:
-        raise _mismatch(calls, f"router_w {tuple(r0.shape)} has {e} experts but the {n} ranks hold "
-                               f"{local} local experts each (need E = {n} x local experts)")
+        raise _mismatch(
+            calls,
+            f"router_w {tuple(r0.shape)} has {e} experts but the {n} ranks hold "
+            f"{local} local experts each (need E = {n} x local experts)",
+        )
     cf, k, tg = vals[0]["capacity_factor"], vals[0]["top_k"], vals[0]["token_groups"]
     if cf > 0 and n > 1:
         slots = [tg * capacity(cf, k, x.shape[0] // max(int(tg), 1), e) for x in xs]
         if any(s != slots[0] for s in slots):
-            raise _mismatch(calls, f"capacity buffers differ between ranks ({slots} slots per expert for "
-                                   f"{[x.shape[0] for x in xs]} tokens): the op exchanges them with equal-split "
-                                   f"all_to_alls, so every rank must route the same number of tokens")
+            raise _mismatch(
+                calls,
+                f"capacity buffers differ between ranks ({slots} slots per expert for "
+                f"{[x.shape[0] for x in xs]} tokens): the op exchanges them with equal-split "
+                f"all_to_alls, so every rank must route the same number of tokens",
+            )
     return e, local
 
 
@@ -141,8 +158,10 @@ def _run(call: RankCall, fn, *args):
     try:
         return fn(*args)
     except (ValueError, IndexError, RuntimeError) as e:
-        raise ReferenceSemanticsError(f"{call.where()} on group {call.group_name!r} {list(call.group)}: the op "
-                                      f"fails on this rank's arguments: {e}") from e
+        raise ReferenceSemanticsError(
+            f"{call.where()} on group {call.group_name!r} {list(call.group)}: the op "
+            f"fails on this rank's arguments: {e}"
+        ) from e
 
 
 def moe_layer_semantics(calls: list[RankCall]) -> list[Any]:
@@ -151,8 +170,20 @@ def moe_layer_semantics(calls: list[RankCall]) -> list[Any]:
     w1, w3, w2 = _full(vals, "w1"), _full(vals, "w3"), _full(vals, "w2")
     out = []
     for c, v in zip(calls, vals, strict=True):
-        res = _run(c, moe_ops.moe_forward, v["x"], v["router_w"], w1, w3, w2, v["top_k"], v["capacity_factor"],
-                   v["token_groups"], "", v["chunks"])
+        res = _run(
+            c,
+            moe_ops.moe_forward,
+            v["x"],
+            v["router_w"],
+            w1,
+            w3,
+            w2,
+            v["top_k"],
+            v["capacity_factor"],
+            v["token_groups"],
+            "",
+            v["chunks"],
+        )
         out.append(tuple(res))
     return out
 
@@ -162,14 +193,33 @@ def moe_layer_backward_semantics(calls: list[RankCall]) -> list[Any]:
     _, local = _check_members(calls, vals)
     for c, v in zip(calls, vals, strict=True):
         if v["grad_out"].shape != v["x"].shape:
-            raise _mismatch(calls, f"{c.where()}: grad_out {tuple(v['grad_out'].shape)} does not match x "
-                                   f"{tuple(v['x'].shape)}")
+            raise _mismatch(
+                calls,
+                f"{c.where()}: grad_out {tuple(v['grad_out'].shape)} does not match x {tuple(v['x'].shape)}",
+            )
     w1, w3, w2 = _full(vals, "w1"), _full(vals, "w3"), _full(vals, "w2")
     per_rank = []
     for c, v in zip(calls, vals, strict=True):
-        per_rank.append(_run(c, moe_ops.moe_backward, v["grad_out"], v["grad_probs_sum"], v["grad_z_sum"], v["x"],
-                             v["router_w"], w1, w3, w2, v["top_k"], v["capacity_factor"], v["token_groups"], "",
-                             1.0, v["chunks"]))
+        per_rank.append(
+            _run(
+                c,
+                moe_ops.moe_backward,
+                v["grad_out"],
+                v["grad_probs_sum"],
+                v["grad_z_sum"],
+                v["x"],
+                v["router_w"],
+                w1,
+                w3,
+                w2,
+                v["top_k"],
+                v["capacity_factor"],
+                v["token_groups"],
+                "",
+                1.0,
+                v["chunks"],
+            )
+        )
     # expert gradients: the sum over members (group-rank order) of each member's full-expert gradients
     summed = []
     for k in (2, 3, 4):
@@ -181,16 +231,29 @@ def moe_layer_backward_semantics(calls: list[RankCall]) -> list[Any]:
     for j, (v, g) in enumerate(zip(vals, per_rank, strict=True)):
         sl = slice(j * local, (j + 1) * local)
         scale = v["expert_grad_scale"]
-        experts = [(s[sl] * scale).to(v[name].dtype) for s, name in zip(summed, ("w1", "w3", "w2"), strict=True)]
+        experts = [
+            (s[sl] * scale).to(v[name].dtype) for s, name in zip(summed, ("w1", "w3", "w2"), strict=True)
+        ]
         out.append((g[0].clone(), g[1].clone(), *experts))
     return out
 
 
 def register() -> None:
     """Both MoE ops' semantics with the reference interpreter (called by :func:`commfuse.ops.install`)."""
-    register_sync_op(MOE_LAYER, _parse(_FWD_NAMES), moe_layer_semantics, replicated=(_FWD_NAMES.index("router_w"),),
-                     replace=True)
-    register_sync_op(MOE_LAYER_BACKWARD, _parse(_BWD_NAMES), moe_layer_backward_semantics,
-                     replicated=(_BWD_NAMES.index("router_w"),), replace=True)
+    register_sync_op(
+        MOE_LAYER,
+        _parse(_FWD_NAMES),
+        moe_layer_semantics,
+        replicated=(_FWD_NAMES.index("router_w"),),
+        replace=True,
+    )
+    register_sync_op(
+        MOE_LAYER_BACKWARD,
+        _parse(_BWD_NAMES),
+        moe_layer_backward_semantics,
+        replicated=(_BWD_NAMES.index("router_w"),),
+        replace=True,
+    )
+
 
 __all__ = ["moe_layer_backward_semantics", "moe_layer_semantics", "register"]

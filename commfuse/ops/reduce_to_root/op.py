@@ -51,11 +51,19 @@ ROOTED_REDUCE_OPS = ("sum", "product", "max", "min", "band", "bor", "bxor")
 def _dist_op(name: str):
     import torch.distributed as dist
 
-    ops = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT, "max": dist.ReduceOp.MAX,
-           "min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR,
-           "bxor": dist.ReduceOp.BXOR}
+    ops = {
+        "sum": dist.ReduceOp.SUM,
+        "product": dist.ReduceOp.PRODUCT,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+        "band": dist.ReduceOp.BAND,
+        "bor": dist.ReduceOp.BOR,
+        "bxor": dist.ReduceOp.BXOR,
+    }
     if name not in ops:
-        raise ValueError(f"commfuse::reduce_to_root: reduce_op must be one of {ROOTED_REDUCE_OPS}, got {name!r}")
+        raise ValueError(
+            f"commfuse::reduce_to_root: reduce_op must be one of {ROOTED_REDUCE_OPS}, got {name!r}"
+        )
     return ops[name]
 
 
@@ -68,10 +76,14 @@ def reduce_to_root(x: Tensor, root: int, reduce_op: str, group_size: int, group_
     if pg is None:
         raise RuntimeError(f"commfuse::reduce_to_root: no process group named {group_name!r} in this process")
     if pg.size() != group_size:
-        raise RuntimeError(f"commfuse::reduce_to_root: group {group_name!r} has {pg.size()} ranks, "
-                           f"the graph says group_size {group_size}")
+        raise RuntimeError(
+            f"commfuse::reduce_to_root: group {group_name!r} has {pg.size()} ranks, "
+            f"the graph says group_size {group_size}"
+        )
     if not 0 <= root < group_size:
-        raise ValueError(f"commfuse::reduce_to_root: root {root} is not a group rank of a group of {group_size}")
+        raise ValueError(
+            f"commfuse::reduce_to_root: root {root} is not a group rank of a group of {group_size}"
+        )
     buf = x.clone(memory_format=torch.contiguous_format)
     work = dist.reduce(buf, op=op, group=pg, async_op=True, group_dst=root)
     # Non-roots get the additive identity, never the backend's scratch (see module docstring).
@@ -93,8 +105,13 @@ def _kw(a: tuple, k: dict, idx: int, name: str):
 
 
 def _parse(a: tuple, k: dict) -> CollectiveArgs:
-    return CollectiveArgs((a[0],), str(_kw(a, k, 4, "group_name")), group_size=_kw(a, k, 3, "group_size"),
-                          reduce_op=_kw(a, k, 2, "reduce_op"), src_or_dst=_kw(a, k, 1, "root"))
+    return CollectiveArgs(
+        (a[0],),
+        str(_kw(a, k, 4, "group_name")),
+        group_size=_kw(a, k, 3, "group_size"),
+        reduce_op=_kw(a, k, 2, "reduce_op"),
+        src_or_dst=_kw(a, k, 1, "root"),
+    )
 
 
 def register() -> None:

@@ -21,8 +21,16 @@ Notation (A, B, SA, SB, T, n, ``x_i``, ``chunk_i``, ``M(v, d, S)``): :mod:`commf
 
 from __future__ import annotations
 
-from commfuse.analysis.boundary.matching import (Env, Match, Site, _erase_transfer, _replay_views, _sent_collective,
-                                                 _single_use_chain, _uniform)
+from commfuse.analysis.boundary.matching import (
+    Env,
+    Match,
+    Site,
+    _erase_transfer,
+    _replay_views,
+    _sent_collective,
+    _single_use_chain,
+    _uniform,
+)
 from commfuse.analysis.boundary.splicing import splice_autograd
 from commfuse.analysis.boundary.templates import fused_a2a_transfer
 from commfuse.analysis.boundary.volume import OpBytes, RuleVolume, _nbytes, ring_bytes
@@ -51,18 +59,41 @@ def match_a2a_p2p(site: Site, env: Env) -> Match | str:
         return f"split dim {s} of size {L} is not divisible by {n}"
     splits = _uniform(n, n, L // n)
     vol = RuleVolume(
-        (OpBytes("all_to_all", bd.a.stage, ring_bytes("all_to_all", n, _nbytes(x))),
-         OpBytes("stage_transfer", bd.a.stage, _nbytes(y))),
-        (OpBytes("m2ms", bd.a.stage, _nbytes(x)),))
+        (
+            OpBytes("all_to_all", bd.a.stage, ring_bytes("all_to_all", n, _nbytes(x))),
+            OpBytes("stage_transfer", bd.a.stage, _nbytes(y)),
+        ),
+        (OpBytes("m2ms", bd.a.stage, _nbytes(x)),),
+    )
 
     def apply() -> None:
-        out = splice_autograd(env.gm, fused_a2a_transfer, [x], before=t, position=env.bmap.position,
-                              consts=(s, cdim, n, splits, list(bd.a.boundary_ranks), list(bd.b.boundary_ranks),
-                                      bd.group_size, bd.group), meta_from=t)
+        out = splice_autograd(
+            env.gm,
+            fused_a2a_transfer,
+            [x],
+            before=t,
+            position=env.bmap.position,
+            consts=(
+                s,
+                cdim,
+                n,
+                splits,
+                list(bd.a.boundary_ranks),
+                list(bd.b.boundary_ranks),
+                bd.group_size,
+                bd.group,
+            ),
+            meta_from=t,
+        )
         _erase_transfer(env.gm, t, _replay_views(env.gm, out, views, t))
 
-    return Match("a2a_p2p", site, apply, vol,
-                 f"{c.name} (all_to_all {s}->{cdim} on {bd.a.group}) + {t.name} -> m2ms dim {s}")
+    return Match(
+        "a2a_p2p",
+        site,
+        apply,
+        vol,
+        f"{c.name} (all_to_all {s}->{cdim} on {bd.a.group}) + {t.name} -> m2ms dim {s}",
+    )
 
 
 __all__ = ["match_a2a_p2p"]

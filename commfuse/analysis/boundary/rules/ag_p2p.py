@@ -22,8 +22,16 @@ Notation (A, B, SA, SB, T, n, ``x_i``, ``chunk_i``, ``M(v, d, S)``): :mod:`commf
 
 from __future__ import annotations
 
-from commfuse.analysis.boundary.matching import (Env, Match, Site, _erase_transfer, _replay_views, _sent_collective,
-                                                 _single_use_chain, _uniform)
+from commfuse.analysis.boundary.matching import (
+    Env,
+    Match,
+    Site,
+    _erase_transfer,
+    _replay_views,
+    _sent_collective,
+    _single_use_chain,
+    _uniform,
+)
 from commfuse.analysis.boundary.splicing import splice_autograd
 from commfuse.analysis.boundary.templates import fused_gather_transfer
 from commfuse.analysis.boundary.volume import OpBytes, RuleVolume, _nbytes, ring_bytes
@@ -46,18 +54,40 @@ def match_ag_p2p(site: Site, env: Env) -> Match | str:
     size = shape_of(x)[d]  # the docstring's l
     splits = _uniform(n, bd.b.size, size)
     vol = RuleVolume(
-        (OpBytes("all_gather", bd.a.stage, ring_bytes("all_gather", n, _nbytes(x))),
-         OpBytes("stage_transfer", bd.a.stage, _nbytes(y))),
-        (OpBytes("m2ms", bd.a.stage, bd.b.size * _nbytes(x)),))
+        (
+            OpBytes("all_gather", bd.a.stage, ring_bytes("all_gather", n, _nbytes(x))),
+            OpBytes("stage_transfer", bd.a.stage, _nbytes(y)),
+        ),
+        (OpBytes("m2ms", bd.a.stage, bd.b.size * _nbytes(x)),),
+    )
 
     def apply() -> None:
-        out = splice_autograd(env.gm, fused_gather_transfer, [x], before=t, position=env.bmap.position,
-                              consts=(d, bd.b.size, splits, list(bd.a.boundary_ranks), list(bd.b.boundary_ranks),
-                                      bd.group_size, bd.group), meta_from=t)
+        out = splice_autograd(
+            env.gm,
+            fused_gather_transfer,
+            [x],
+            before=t,
+            position=env.bmap.position,
+            consts=(
+                d,
+                bd.b.size,
+                splits,
+                list(bd.a.boundary_ranks),
+                list(bd.b.boundary_ranks),
+                bd.group_size,
+                bd.group,
+            ),
+            meta_from=t,
+        )
         _erase_transfer(env.gm, t, _replay_views(env.gm, out, views, t))
 
-    return Match("ag_p2p", site, apply, vol,
-                 f"{c.name} (all_gather dim {d} on {bd.a.group}) + {t.name} -> m2ms dim {d}")
+    return Match(
+        "ag_p2p",
+        site,
+        apply,
+        vol,
+        f"{c.name} (all_gather dim {d} on {bd.a.group}) + {t.name} -> m2ms dim {d}",
+    )
 
 
 __all__ = ["match_ag_p2p"]

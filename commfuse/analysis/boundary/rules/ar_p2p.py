@@ -81,17 +81,23 @@ def match_ar_p2p(site: Site, env: Env) -> Match | str:
         for k in (0, 1):
             inner, other = node.args[k], node.args[1 - k]
             if isinstance(other, fx.Node) and other in rep:
-                out += [(g, [node, *adds], [other, *res], [k == 1, *left]) for g, adds, res, left in walk(inner)]
+                out += [
+                    (g, [node, *adds], [other, *res], [k == 1, *left]) for g, adds, res, left in walk(inner)
+                ]
         return out
 
     # the candidate whose reduced value feeds only the sum that reaches the transfer (the last g)
     candidates = walk(y)
-    found = next((c for c in candidates if _single_use_chain([c[0], *reversed(c[1])], t)),
-                 candidates[0] if candidates else None)
+    found = next(
+        (c for c in candidates if _single_use_chain([c[0], *reversed(c[1])], t)),
+        candidates[0] if candidates else None,
+    )
     if found is None:
         if isinstance(y, fx.Node) and y.target is aten.add.Tensor:
-            return ("the transferred value is not g (reduce_from_group) plus residuals proven replicated over "
-                    f"{bd.a.group} (declare TP inputs with replicated_inputs)")
+            return (
+                "the transferred value is not g (reduce_from_group) plus residuals proven replicated over "
+                f"{bd.a.group} (declare TP inputs with replicated_inputs)"
+            )
         return "the transferred value is not a reduce_from_group (all_reduce) result"
     node, chain, residuals, plan = found
     g = node
@@ -99,8 +105,10 @@ def match_ar_p2p(site: Site, env: Env) -> Match | str:
     if gname != bd.a.group or gsize != bd.a.size:
         return f"{g.name} reduces over {gname!r} (size {gsize}), not the sending stage {bd.a.group!r}"
     if bd.b.stage not in env.options.tp_stages:
-        return (f"stage {bd.b.stage} is not declared tensor-parallel (BoundaryFusionOptions.tp_stages): the "
-                "fused form needs every rank of it to hold the same gradient of the received activation")
+        return (
+            f"stage {bd.b.stage} is not declared tensor-parallel (BoundaryFusionOptions.tp_stages): the "
+            "fused form needs every rank of it to hold the same gradient of the received activation"
+        )
     if env.bmap.position is None:
         return "this rank's position is unknown (give the pipeline layout)"
     chain.reverse()
@@ -120,28 +128,51 @@ def match_ar_p2p(site: Site, env: Env) -> Match | str:
     splits = _diag(n, size)
     yb = _nbytes(y)
     vol = RuleVolume(
-        (OpBytes("all_reduce", bd.a.stage, ring_bytes("all_reduce", n, _nbytes(h))),
-         OpBytes("stage_transfer", bd.a.stage, yb)),
-        (OpBytes("reduce_scatter", bd.a.stage, ring_bytes("reduce_scatter", n, _nbytes(h))),
-         OpBytes("m2ms", bd.a.stage, yb // n),
-         OpBytes("all_gather", bd.b.stage, ring_bytes("all_gather", n, yb // n))))
+        (
+            OpBytes("all_reduce", bd.a.stage, ring_bytes("all_reduce", n, _nbytes(h))),
+            OpBytes("stage_transfer", bd.a.stage, yb),
+        ),
+        (
+            OpBytes("reduce_scatter", bd.a.stage, ring_bytes("reduce_scatter", n, _nbytes(h))),
+            OpBytes("m2ms", bd.a.stage, yb // n),
+            OpBytes("all_gather", bd.b.stage, ring_bytes("all_gather", n, yb // n)),
+        ),
+    )
     ga = StageGroup(bd.a.group, n, tuple(range(n)))
     gb = StageGroup(bd.b.group, n, tuple(range(n)))
 
     def fn(h, *res):
-        return fused_allreduce_transfer(h, *res, d=d, n=n, p=env.bmap.position, plan=tuple(plan), splits=splits,
-                                        src=list(bd.a.boundary_ranks), dst=list(bd.b.boundary_ranks),
-                                        gsize=bd.group_size, gname=bd.group, group_a=ga, group_b=gb)
+        return fused_allreduce_transfer(
+            h,
+            *res,
+            d=d,
+            n=n,
+            p=env.bmap.position,
+            plan=tuple(plan),
+            splits=splits,
+            src=list(bd.a.boundary_ranks),
+            dst=list(bd.b.boundary_ranks),
+            gsize=bd.group_size,
+            gname=bd.group,
+            group_a=ga,
+            group_b=gb,
+        )
 
     def apply() -> None:
-        out = splice_autograd(env.gm, fn, [h, *residuals], before=t, position=env.bmap.position, consts=(),
-                              meta_from=t)
+        out = splice_autograd(
+            env.gm, fn, [h, *residuals], before=t, position=env.bmap.position, consts=(), meta_from=t
+        )
         _erase_transfer(env.gm, t, out)
 
     res = f" + {len(residuals)} replicated residual(s)" if residuals else ""
-    return Match("ar_p2p", site, apply, vol,
-                 f"{g.name} (all_reduce on {bd.a.group}){res} + {t.name} -> reduce_scatter dim {d} + diagonal m2ms "
-                 f"+ all_gather on {bd.b.group}")
+    return Match(
+        "ar_p2p",
+        site,
+        apply,
+        vol,
+        f"{g.name} (all_reduce on {bd.a.group}){res} + {t.name} -> reduce_scatter dim {d} + diagonal m2ms "
+        f"+ all_gather on {bd.b.group}",
+    )
 
 
 __all__ = ["match_ar_p2p"]

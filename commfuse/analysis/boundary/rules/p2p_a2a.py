@@ -209,15 +209,20 @@ def match_p2p_a2a(site: Site, env: Env) -> Match | str:
     others = [u for u in t.users if u not in mset]
     if others:
         users = ", ".join(u.name for u in others)
-        return (f"the transferred activation has other users on stage {bd.b.stage} ({users}, e.g. a residual): the "
-                "stage transfer must stay, so moving the router cannot pay")
+        return (
+            f"the transferred activation has other users on stage {bd.b.stage} ({users}, e.g. a residual): the "
+            "stage transfer must stay, so moving the router cannot pay"
+        )
     if env.input_stage is None:
         return "the graph's input names are unknown (needed to tell which values belong to which stage)"
     if any(u not in a2a_nodes for u in c.logical_input.users):
         return f"the all_to_all's input {c.logical_input.name} has other users"
     # what B needs from M after the all_to_all: the cheapest cut (bytes) that lets it recompute them
-    sinks = {n for n in movable if n is not c.logical_input and any(u not in mset and u not in a2a_nodes
-                                                                     for u in n.users)}
+    sinks = {
+        n
+        for n in movable
+        if n is not c.logical_input and any(u not in mset and u not in a2a_nodes for u in n.users)
+    }
     big = 1 << 62
 
     def cap(n: fx.Node) -> int:
@@ -233,8 +238,10 @@ def match_p2p_a2a(site: Site, env: Env) -> Match | str:
     if any(caps[n] >= big for n in cut):
         return "what stage B needs from the router region cannot be sent (not a static tensor)"
     if t in cut:
-        return (f"stage {bd.b.stage} needs the whole transferred activation after the all_to_all: the stage transfer "
-                "must stay")
+        return (
+            f"stage {bd.b.stage} needs the whole transferred activation after the all_to_all: the stage transfer "
+            "must stay"
+        )
     send = [n for n in movable if n in cut]
     # A runs every node of M that the dispatch or a sent value needs
     need = set()
@@ -253,11 +260,13 @@ def match_p2p_a2a(site: Site, env: Env) -> Match | str:
                 return f"{a.name}, read by the router region, depends on inputs of stages {sorted(stages, key=str)}"
             b_inputs.append(a)
     if b_inputs and not env.options.reverse_transfers:
-        return (f"moving the router sends {', '.join(a.name for a in b_inputs)} from stage {bd.b.stage} to stage "
-                f"{bd.a.stage} every micro-batch (and the gradient back): forward and backward messages then share "
-                f"the stage {bd.b.stage} -> {bd.a.stage} channel, which commfuse.pipeline's runner orders correctly "
-                "under GPipe only (1F1B interleaves them differently on the two ends); allow it with "
-                "BoundaryFusionOptions(reverse_transfers=True) when the pipeline runs GPipe")
+        return (
+            f"moving the router sends {', '.join(a.name for a in b_inputs)} from stage {bd.b.stage} to stage "
+            f"{bd.a.stage} every micro-batch (and the gradient back): forward and backward messages then share "
+            f"the stage {bd.b.stage} -> {bd.a.stage} channel, which commfuse.pipeline's runner orders correctly "
+            "under GPipe only (1F1B interleaves them differently on the two ends); allow it with "
+            "BoundaryFusionOptions(reverse_transfers=True) when the pipeline runs GPipe"
+        )
     if bd.a.size != bd.b.size:
         return f"stages of {bd.a.size} and {bd.b.size} ranks"
     x, s, cdim, n = c.logical_input, c.logical_dim, c.logical_concat_dim, bd.a.size
@@ -265,11 +274,16 @@ def match_p2p_a2a(site: Site, env: Env) -> Match | str:
         return f"{c.name}'s input is dynamic or its split dim is not divisible by {n}"
     splits = _uniform(n, n, shape_of(x)[s] // n)
     vol = RuleVolume(
-        (OpBytes("stage_transfer", bd.a.stage, _nbytes(y)),
-         OpBytes("all_to_all", bd.b.stage, ring_bytes("all_to_all", n, _nbytes(x)))),
-        (OpBytes("m2ms", bd.a.stage, _nbytes(x)),
-         *[OpBytes("stage_transfer", bd.b.stage, _nbytes(a)) for a in b_inputs],
-         *[OpBytes("stage_transfer", bd.a.stage, _nbytes(e)) for e in send]))
+        (
+            OpBytes("stage_transfer", bd.a.stage, _nbytes(y)),
+            OpBytes("all_to_all", bd.b.stage, ring_bytes("all_to_all", n, _nbytes(x))),
+        ),
+        (
+            OpBytes("m2ms", bd.a.stage, _nbytes(x)),
+            *[OpBytes("stage_transfer", bd.b.stage, _nbytes(a)) for a in b_inputs],
+            *[OpBytes("stage_transfer", bd.a.stage, _nbytes(e)) for e in send],
+        ),
+    )
     fwd_pairs = (list(bd.a.boundary_ranks), list(bd.b.boundary_ranks), bd.group_size, bd.group)
     back_pairs = (list(bd.b.boundary_ranks), list(bd.a.boundary_ranks), bd.group_size, bd.group)
 
@@ -279,28 +293,42 @@ def match_p2p_a2a(site: Site, env: Env) -> Match | str:
         at = min([c.start, *c.layout_nodes], key=order.__getitem__)
         mapping: dict[fx.Node, fx.Node] = {t: y}
         for a in b_inputs:  # B's values the region reads, sent to A (their gradients come back)
-            mapping[a] = splice_autograd(gm, _transfer_template, [a], consts=back_pairs, before=at, position=pos,
-                                         meta_from=t)
+            mapping[a] = splice_autograd(
+                gm, _transfer_template, [a], consts=back_pairs, before=at, position=pos, meta_from=t
+            )
         for nd in on_a:  # the region, on A
             with gm.graph.inserting_before(at):
                 new = gm.graph.node_copy(nd, lambda arg: mapping.get(arg, arg))
             new.meta.update(nd.meta)
             mapping[nd] = new
-        out = splice_autograd(gm, fused_a2a_transfer, [mapping[x]], before=at, position=pos, meta_from=t,
-                              consts=(s, cdim, n, splits, *fwd_pairs))
+        out = splice_autograd(
+            gm,
+            fused_a2a_transfer,
+            [mapping[x]],
+            before=at,
+            position=pos,
+            meta_from=t,
+            consts=(s, cdim, n, splits, *fwd_pairs),
+        )
         c.logical_output.replace_all_uses_with(out)
         for e in send:  # B recomputes what it needs from these
-            te = splice_autograd(gm, _transfer_template, [mapping[e]], consts=fwd_pairs, before=at, position=pos,
-                                 meta_from=t)
+            te = splice_autograd(
+                gm, _transfer_template, [mapping[e]], consts=fwd_pairs, before=at, position=pos, meta_from=t
+            )
             e.replace_all_uses_with(te, delete_user_cb=lambda u: u is not te)  # noqa: B023 - called during the replace
         rewrite.erase_dead(gm, [c.logical_output])
         rewrite.erase_dead(gm, [nd for nd in reversed(movable) if not nd._erased] + [t])
         _stable_toposort(gm)  # B's recomputation (before the all_to_all in graph order) follows its inputs
 
     moved = f"; {len(b_inputs)} value(s) sent back, {len(send)} forward" if b_inputs or send else ""
-    return Match("p2p_a2a", site, apply, vol,
-                 f"{t.name} + {len(on_a)} router/dispatch nodes + {c.name} (all_to_all {s}->{cdim} on "
-                 f"{bd.b.group}) -> region on stage {bd.a.stage} + m2ms dim {s}{moved}")
+    return Match(
+        "p2p_a2a",
+        site,
+        apply,
+        vol,
+        f"{t.name} + {len(on_a)} router/dispatch nodes + {c.name} (all_to_all {s}->{cdim} on "
+        f"{bd.b.group}) -> region on stage {bd.a.stage} + m2ms dim {s}{moved}",
+    )
 
 
 __all__ = ["match_p2p_a2a"]

@@ -47,23 +47,42 @@ def match_p2p_ag(site: Site, env: Env) -> Match | str:
     own = {c.start, *c.layout_nodes}
     others = [u for u in t.users if u not in own]
     if others and env.bmap.position is None:
-        return ("the transferred value has other users on the receiving stage and this rank's position is "
-                "unknown (give the pipeline layout)")
+        return (
+            "the transferred value has other users on the receiving stage and this rank's position is "
+            "unknown (give the pipeline layout)"
+        )
     y, d, n = t.args[0], c.logical_dim, bd.b.size
     if shape_of(y) != shape_of(t) or not _static(y):
         return "the transfer's input and output shapes differ or are dynamic"
     size = shape_of(y)[d]  # the docstring's l
     splits = _uniform(bd.a.size, n, size)
     vol = RuleVolume(
-        (OpBytes("stage_transfer", bd.a.stage, _nbytes(y)),
-         OpBytes("all_gather", bd.b.stage, ring_bytes("all_gather", n, _nbytes(t)))),
-        (OpBytes("m2ms", bd.a.stage, n * _nbytes(y)),))
+        (
+            OpBytes("stage_transfer", bd.a.stage, _nbytes(y)),
+            OpBytes("all_gather", bd.b.stage, ring_bytes("all_gather", n, _nbytes(t))),
+        ),
+        (OpBytes("m2ms", bd.a.stage, n * _nbytes(y)),),
+    )
 
     def apply() -> None:
         gm = env.gm
-        out = splice_autograd(gm, fused_gather_transfer, [y], before=t, position=env.bmap.position,
-                              consts=(d, n, splits, list(bd.a.boundary_ranks), list(bd.b.boundary_ranks),
-                                      bd.group_size, bd.group), meta_from=t)
+        out = splice_autograd(
+            gm,
+            fused_gather_transfer,
+            [y],
+            before=t,
+            position=env.bmap.position,
+            consts=(
+                d,
+                n,
+                splits,
+                list(bd.a.boundary_ranks),
+                list(bd.b.boundary_ranks),
+                bd.group_size,
+                bd.group,
+            ),
+            meta_from=t,
+        )
         gathered = c.logical_output
         gathered.replace_all_uses_with(out)
         if others:  # the own chunk of the gathered value is this position's transferred value
@@ -77,8 +96,13 @@ def match_p2p_ag(site: Site, env: Env) -> Match | str:
         rewrite.erase_dead(gm, [t])
 
     extra = f" (other users read chunk {env.bmap.position} of it)" if others else ""
-    return Match("p2p_ag", site, apply, vol,
-                 f"{t.name} + {c.name} (all_gather dim {d} on {bd.b.group}) -> m2ms dim {d}{extra}")
+    return Match(
+        "p2p_ag",
+        site,
+        apply,
+        vol,
+        f"{t.name} + {c.name} (all_gather dim {d} on {bd.b.group}) -> m2ms dim {d}{extra}",
+    )
 
 
 __all__ = ["match_p2p_ag"]
