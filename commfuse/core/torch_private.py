@@ -323,20 +323,6 @@ def extract_fwd_bwd_modules(
     return _extract_fwd_bwd_modules(joint, saved_values, [], **kwargs)
 
 
-def symint_hint(x) -> Optional[int]:
-    """The hint (example value) of a SymInt, None when it has none (unbacked).
-
-    Semi-private: `torch.fx.experimental.symbolic_shapes`, whose names changed: torch 2.13 has
-    ``has_guarding_hint`` / ``guarding_hint_or_throw``, earlier releases ``has_hint`` / ``hint_int``."""
-    from torch.fx.experimental import symbolic_shapes as ss
-
-    has = getattr(ss, "has_guarding_hint", None) or getattr(ss, "has_hint", None)
-    get = getattr(ss, "guarding_hint_or_throw", None) or getattr(ss, "hint_int", None)
-    if has is None or get is None:  # another rename: sizes unknown, as for an unbacked symbol
-        return None
-    return int(get(x)) if has(x) else None
-
-
 def is_tangent_placeholder(node: torch.fx.Node) -> bool:
     """AOTAutograd's naming of a joint graph's tangent inputs.
 
