@@ -202,9 +202,11 @@ class CommfuseBackend:
         entries = group_entries(record, as_written)
         if not entries:  # no collective on a group whose ranks are known: nothing to agree on
             return compiled
-        session = current_session().fingerprint()
+        # Ranks compare this, so it leaves out the process groups' names (each rank names its own).
+        session = current_session().fingerprint(rank_invariant=True)
+        layout = _layout_digest(pipeline, rank_invariant=True)
         digest = hashlib.sha256(
-            f"{self.config.cache_key(pipeline.topology)}:{session}:{_layout_digest(pipeline)}".encode()
+            f"{self.config.cache_key(pipeline.topology)}:{session}:{layout}".encode()
         ).hexdigest()[:16]
         summary = {
             **self.config.model_dump(
@@ -221,7 +223,7 @@ class CommfuseBackend:
             ),
             "topology (in use)": pipeline.topology.model_dump(mode="json") if pipeline.topology else None,
             "session": session,
-            "mesh layout": _layout_digest(pipeline),
+            "mesh layout": layout,
         }
         rank, timeout_s = dist.get_rank(), self.config.agreement_timeout_s
 
@@ -473,9 +475,18 @@ def _warn_lowering_failed(kind: str, e: Exception, instead: str) -> None:
     log.debug("commfuse: lowering of the %s graph failed", kind, exc_info=True)
 
 
-def _layout_digest(pipeline: Pipeline) -> str:
-    """The groups' roles and the mesh blocks the pipeline decides from, as a short digest."""
-    payload = {"roles": sorted(pipeline.group_roles.items()), "partitions": pipeline.partitions}
+def _layout_digest(pipeline: Pipeline, *, rank_invariant: bool = False) -> str:
+    """The groups' roles and the mesh blocks the pipeline decides from, as a short digest.
+    ``rank_invariant`` keeps only what every rank knows alike: the roles without the groups'
+    names (each rank names its own groups) and the number of mesh partitions (a rank learns the
+    blocks of a DTensor mesh from its own slices, so their listing differs between ranks)."""
+    if rank_invariant:
+        payload: dict = {
+            "roles": sorted(pipeline.group_roles.values()),
+            "partitions": len(pipeline.partitions),
+        }
+    else:
+        payload = {"roles": sorted(pipeline.group_roles.items()), "partitions": pipeline.partitions}
     return hashlib.sha256(json.dumps(payload, default=str).encode()).hexdigest()[:16]
 
 

@@ -130,12 +130,15 @@ class Session:
     def subgroups_of(self, parent: Sequence[int]) -> Optional[SubGroups]:
         return self.subgroups.get(tuple(parent))
 
-    def fingerprint(self) -> str:
-        """What compiled graphs depend on in this session, the same on every rank: the roles it
-        declared, the sub-group aliases and the blocks they stand for, the communicator pool plan
-        (not this rank's own sub-groups, which differ per rank under one alias)."""
+    def fingerprint(self, *, rank_invariant: bool = False) -> str:
+        """What compiled graphs depend on in this session: the roles it declared, the sub-group
+        aliases and the blocks they stand for, the communicator pool plan (not this rank's own
+        sub-groups, which differ per rank under one alias). ``rank_invariant``: the roles without
+        the process groups' names, which differ between ranks (each rank names only the mesh
+        groups it belongs to), for what ranks compare with each other."""
+        roles = sorted(self.group_roles.values()) if rank_invariant else sorted(self.group_roles.items())
         payload = {
-            "roles": sorted(self.group_roles.items()),
+            "roles": roles,
             "aliases": sorted(
                 (name, [list(b) for b in blocks]) for name, blocks in self.alias_blocks.items()
             ),

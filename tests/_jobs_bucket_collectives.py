@@ -41,8 +41,12 @@ def simple_fsdp_matches_eager(mode: str) -> dict[str, Any]:
     # Every rank holds the same batch: the memory budget may count its activations (by default it
     # counts only what every rank shares, tests/test_same_decision.py).
     be = commfuse.backend(
-        commfuse.Config(passes=["bucket_collectives", "sink_waits"], inner_compiler="eager", strict=True,
-                        uniform_batches=True)
+        commfuse.Config(
+            passes=["bucket_collectives", "sink_waits"],
+            inner_compiler="eager",
+            strict=True,
+            uniform_batches=True,
+        )
     )
     got = train_step_outputs(model, inputs, backend=be, steps=2, lr=0.05, loss_fn=loss)
     assert_close_tree(got, ref, dtype=torch.float32, msg=f"{mode} rank {rank}")
