@@ -329,7 +329,9 @@ def moe_graphs():
 
 def _scored(gm, topo, passes, **cfg):
     gm = _copy(gm)
-    config = commfuse.Config(passes=passes, topology=topo, strict=True, **cfg)
+    # every rank routes the same tokens: the expert compute is priced (by default it is not,
+    # tests/test_same_decision.py)
+    config = commfuse.Config(passes=passes, topology=topo, strict=True, uniform_batches=True, **cfg)
     commfuse.optimize(gm, config)
     return score_graph(PassContext(gm, config, topology=topo))
 
