@@ -143,6 +143,8 @@ def test_generator_covers_every_op_and_family():
         seen |= {o["op"] for o in p.ops}
         per_rank += p.per_rank
         joint += p.joint
+    for i in range(20):  # a family drawn only when named brings an op of its own (contract_rows)
+        seen |= {o["op"] for o in generate_program(random.Random(f"cov:{i}"), family="uneven_batch").ops}
     assert seen == set(OPS), sorted(set(OPS) - seen)
     assert per_rank and joint
     for fam in FAMILIES:
@@ -815,3 +817,116 @@ def test_moe_family_dropless_exchange_gives_hidden_exchange_partition_both_chain
             assert puts == [1, 2], puts
         res = check_program(p, [pipe], check_ir=True)
     assert res.ok and res.pipelines_changed == [pipe.name], [f.headline() for f in res.failures]
+
+
+# -- the uneven_batch family ------------------------------------------------------------------
+def test_uneven_batch_family_gives_every_rank_a_local_batch_of_its_own():
+    """uneven_batch programs (#40): the activations' dim 0 is each rank's own local batch (one rank
+    at 1 and the others at 16, random sizes, or the same on every rank as the control), so every
+    program is one graph per rank; the collectives read only values whose size every rank shares
+    (parameters, their shards, batch reductions, weight-gradient-like contractions), so the
+    programs trace and run on the reference; the family is drawn only when named."""
+    from commfuse.fuzz.generator import BATCH_ROWS, FAMILY_WEIGHTS
+
+    assert "uneven_batch" in FAMILIES and "uneven_batch" not in FAMILY_WEIGHTS
+    seen_ops, kinds, checked = set(), set(), 0
+    for i in range(40):
+        p = program_for(40, i, family="uneven_batch")
+        rows = p.inputs[0]["rows"]
+        assert p.per_rank and len(rows) == p.world_size and set(rows) <= set(BATCH_ROWS), rows
+        assert p.inputs[0]["shape"][0] == max(rows)
+        assert Program.from_json(json.loads(p.dumps())).dumps() == p.dumps()
+        kinds.add("equal" if len(set(rows)) == 1 else "one at 1" if sorted(rows)[:2] == [1, 16] else "uneven")
+        seen_ops |= {o["op"] for o in p.ops}
+        if checked < 4 and len(set(rows)) > 1:
+            res = check_program(p, [])
+            assert res.ok, [f.headline() for f in res.failures]
+            graphs = prepare_graphs(p)
+            assert len({tuple(_placeholder_shapes(g)) for g in graphs}) > 1, "ranks trace their own sizes"
+            checked += 1
+    assert kinds == {"equal", "one at 1", "uneven"}, kinds
+    assert {"all_gather", "reduce_scatter", "all_reduce", "contract_rows", "reduce", "moe_layer"} <= seen_ops
+
+
+def prepare_graphs(p: Program) -> list:
+    from commfuse.fuzz.check import prepare
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return prepare(p, []).traced.graphs
+
+
+def _placeholder_shapes(gm) -> list:
+    return [tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+# Programs of seed 40 on which a pipeline that prices every rank's own compute diverges: 14 (ranks
+# at 16, 16, 1, 16: collectives of different sizes) and 26 (16, 1, 16, 16: a deadlock).
+UNEVEN_BATCH_DIVERGING = (14, 26)
+
+
+def test_uneven_batch_programs_catch_a_pipeline_that_prices_local_batches(monkeypatch):
+    """The family's oracle has teeth: with ``Config.uniform_batches=True`` (every compute shape
+    priced, so each rank decides from its own local batch, as commfuse did before #40) the default
+    pipeline's collectives no longer match between the ranks of these programs, which the
+    reference reports (a size mismatch or a deadlock); with the default config they pass."""
+    import commfuse.fuzz.check as check
+
+    programs = [program_for(40, i, family="uneven_batch") for i in UNEVEN_BATCH_DIVERGING]
+    pipe = [check.default_pipeline()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for p in programs:
+            res = check_program(p, pipe)
+            assert res.ok, [f.headline() for f in res.failures]
+        plain = check.PipelineSpec.config
+        monkeypatch.setattr(
+            check.PipelineSpec,
+            "config",
+            lambda self, roles=None: plain(self, roles).model_copy(update={"uniform_batches": True}),
+        )
+        for p in programs:
+            res = check_program(p, pipe)
+            assert [f.kind for f in res.failures] == ["reference_error"], [f.headline() for f in res.failures]
+            assert re.search(r"CollectiveMismatchError|DeadlockError", res.failures[0].message)
+
+
+@pytest.mark.slow(
+    reason="8 uneven_batch programs of 2-8 ranks through the default pipeline, every rank's graph (~20 s)"
+)
+def test_uneven_batch_programs_pass_the_default_pipeline():
+    """A slice of the family through the default pipeline (the one that decides from costs): every
+    rank's graph is optimised on its own, and the ranks' values equal the unoptimised program's.
+    Every pass alone on the family, and a thousand programs: the campaign in docs/reliability.md."""
+    from commfuse.fuzz.check import default_pipeline
+
+    rep = run_campaign(8, 40, family="uneven_batch", pipelines=[default_pipeline()], shrink_failures=False)
+    assert rep.programs == 8 and rep.generator_errors == 0, rep.summary()
+    assert not rep.failures, rep.summary() + "\n\n" + "\n\n".join(b.failure.message[:3000] for b in rep.bugs)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow(reason="uneven_batch programs through commfuse's runtime on gloo rank pools")
+def test_uneven_batch_programs_run_through_the_default_executor(rank_pool_2, rank_pool_4):
+    """Every rank traces the program at its own local batch, runs the default pipeline on its own
+    graph, lowers it to the runtime and runs it on real gloo groups: no hang, no size error, and
+    the values equal the reference's run of the unoptimised program (programs 14 and 26 are those
+    on which pricing local batches diverges; 19 and 35 joint, 34 an MoE layer on each rank's own
+    tokens)."""
+    from commfuse.fuzz.execute import check_executed
+
+    programs = [program_for(40, i, family="uneven_batch") for i in (*UNEVEN_BATCH_DIVERGING, 19, 34, 35)]
+    assert {p.world_size for p in programs} == {2, 4}
+    failures = [
+        (p, f)
+        for p in programs
+        if (
+            f := check_executed(
+                p, rank_pool_2 if p.world_size == 2 else rank_pool_4, compile_regions=False, timeout=120
+            )
+        )
+        is not None
+    ]
+    assert not failures, "\n\n".join(
+        f"{f.pipeline} {f.kind}: {f.message[:2000]}\n{p.dumps()}" for p, f in failures
+    )

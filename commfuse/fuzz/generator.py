@@ -25,6 +25,14 @@ either equate or tell apart: the same ranks in the same order under two names (a
 group-rank order, or the two dims of a 2-D mesh. The family is not in the ordinary mix
 (:data:`FAMILY_WEIGHTS`): a campaign draws it in a slot of its own
 (:func:`commfuse.fuzz.targets.program_for`), so every other program of a seed stays what it was.
+
+``uneven_batch`` programs are data parallel with a local batch of its own on every rank (token-budget
+packing, an uneven last batch): the activations' dim 0 differs between ranks (``rows`` of an
+input, :data:`BATCH_VARY`), so the program is one graph per rank whose compute shapes differ while
+its collectives -- on parameters, parameter shards, their gradients and batch reductions -- agree
+in size. Every rank optimises its own graph, so a pass that decided from a rank's local sizes
+shows up as mismatched collectives (the reference) or a hang (the executor). Drawn only when
+named, like ``group_pairs``.
 """
 
 from __future__ import annotations
@@ -162,10 +170,31 @@ FAMILIES: dict[str, dict[str, float]] = {
         "all_reduce": 1,
         "mutate": 0.5,
     },
+    # data parallel with a different local batch on every rank (see the module docstring; drawn
+    # only when named)
+    "uneven_batch": {
+        "fsdp_linear": 4,
+        "matmul": 2,
+        "linear": 1,
+        "unary": 2,
+        "residual": 1,
+        "layer_norm": 1,
+        "softmax": 0.5,
+        "view": 1,
+        "batch_reduce": 2,
+        "batch_contract": 2,
+        "all_reduce": 2,
+        "reduce_scatter": 2,
+        "all_gather": 1,
+        "coalesced": 1,
+        "broadcast": 0.5,
+        "moe_layer": 1,
+        "mutate": 0.5,
+    },
 }
-# Families a program without a given family is drawn from. A family left out (``group_pairs``) is
-# generated only when named: campaigns give it a slot of its own (targets.program_for), so adding
-# it changed no program of an existing seed.
+# Families a program without a given family is drawn from. A family left out (``group_pairs``,
+# ``uneven_batch``) is generated only when named: campaigns give ``group_pairs`` a slot of its own
+# (targets.program_for), so adding it changed no program of an existing seed.
 FAMILY_WEIGHTS = {
     "mixed": 6,
     "tp": 1,
@@ -177,13 +206,19 @@ FAMILY_WEIGHTS = {
     "moe_layer": 0.6,
 }
 MAX_NUMEL = 4096
+# Val.vary of a data-parallel batch: dim 0 is this rank's local batch (uneven_batch). Not an
+# uneven all_to_all's id (those count from 1 and have an entry in _Gen.vary_info).
+BATCH_VARY = 0
+# local batch sizes an uneven_batch rank draws from (1: Dynamo's specialised size, as in #40's probe)
+BATCH_ROWS = (1, 2, 3, 5, 8, 16)
 
 
 @dataclass
 class Val:
     name: str
     shape: tuple  # rank 0's shape (for varying values only dim 0 differs between ranks)
-    vary: Optional[int] = None  # id of the uneven all_to_all it came from; None: same shape on all ranks
+    # id of the uneven all_to_all it came from, or BATCH_VARY; None: the same shape on all ranks
+    vary: Optional[int] = None
     bounded: bool = False  # |x| <= ~1 (products of it across ranks stay small)
     grad: bool = True  # depends differentiably on the inputs (joint programs)
     is_input: bool = False
@@ -338,14 +373,45 @@ class _Gen:
         self.counter += 1
         return f"{prefix}{self.counter}"
 
-    def new_input(self, shape: tuple, init: str = "act", replicated: bool = False) -> Val:
+    def new_input(
+        self, shape: tuple, init: str = "act", replicated: bool = False, rows: Optional[list[int]] = None
+    ) -> Val:
+        """A program input; ``rows``: every rank's local batch (dim 0), ``shape`` then holds the
+        largest, so size bounds hold on every rank."""
         name = self.new_name("x" if init == "act" else "w")
         self.prog.inputs.append(
-            {"name": name, "shape": list(shape), "init": init, **({"replicated": True} if replicated else {})}
+            {
+                "name": name,
+                "shape": list(shape),
+                "init": init,
+                **({"replicated": True} if replicated else {}),
+                **({"rows": list(rows)} if rows is not None else {}),
+            }
         )
-        v = Val(name, tuple(shape), is_input=True, step=self.step, bounded=init in ("bias",), root=name)
+        v = Val(
+            name,
+            tuple(shape),
+            is_input=True,
+            step=self.step,
+            bounded=init in ("bias",),
+            root=name,
+            vary=BATCH_VARY if rows is not None else None,
+        )
         self.vals.append(v)
         return v
+
+    def batch_rows(self) -> list[int]:
+        """Every rank's local batch: one rank far below the others (#40's 1 and 64), random sizes,
+        or the same on every rank (the control)."""
+        rng, n = self.rng, self.n
+        kind = rng.choice(["one_small", "one_small", "random", "random", "equal"])
+        if kind == "equal":
+            return [rng.choice(BATCH_ROWS)] * n
+        if kind == "one_small":
+            rows = [BATCH_ROWS[-1]] * n
+            rows[rng.randrange(n)] = 1
+            return rows
+        return [rng.choice(BATCH_ROWS) for _ in range(n)]
 
     # -- helpers -----------------------------------------------------------------------
     def pick(self, pred: Callable[[Val], bool] = lambda v: True, *, recent: bool = True) -> Optional[Val]:
@@ -499,6 +565,30 @@ class _Gen:
             )
         )
 
+    def b_batch_reduce(self) -> bool:
+        """A reduction over the local batch (dim 0 of a batch-varying value: a batch statistic, a
+        loss term): its size is the same on every rank, so collectives may read it."""
+        x = self.pick(lambda v: v.vary == BATCH_VARY)
+        if x is None:
+            return False
+        outs = self.emit("reduce", [x], fn=self.rng.choice(["sum", "mean", "amax"]), dim=0)
+        if outs:
+            outs[0].vary = None
+        return bool(outs)
+
+    def b_batch_contract(self) -> bool:
+        """Two batch-varying values contracted over every dim but the last (``a^T b`` over the
+        local tokens, as a weight gradient is): a ``[H, K]`` result of the same size on every
+        rank, scaled so that sums over 16 rows stay small."""
+        a = self.pick(lambda v: v.vary == BATCH_VARY)
+        if a is None:
+            return False
+        b = self.pick(lambda v: v.vary == BATCH_VARY and v.shape[:-1] == a.shape[:-1]) or a
+        outs = self.emit("contract_rows", [a, b])
+        if outs:
+            outs[0].vary = None
+        return bool(outs)
+
     def b_view(self) -> bool:
         x = self.pick(lambda v: len(v.shape) >= 2)
         r = len(x.shape)
@@ -611,7 +701,7 @@ class _Gen:
         return bool(outs)
 
     def b_combine(self) -> bool:
-        x = self.pick(lambda v: v.vary is not None)
+        x = self.pick(lambda v: v.vary in self.vary_info)
         return x is not None and self._combine_of(x)
 
     def b_broadcast(self) -> bool:
@@ -956,7 +1046,12 @@ class _Gen:
         replicated input, or a shard all_gathered on the EP group (provably replicated)."""
         rng = self.rng
         x = self.pick(
-            lambda v: v.vary is None and len(v.shape) >= 2 and not (v.is_input and v.name[0] == "w")
+            lambda v: (
+                v.vary in (None, BATCH_VARY)
+                and (v.vary is None or self.prog.family == "uneven_batch")
+                and len(v.shape) >= 2
+                and not (v.is_input and v.name[0] == "w")
+            )
         )
         if x is None:
             return False
@@ -974,6 +1069,10 @@ class _Gen:
         if not y:
             return False
         gather_dim = rng.randrange(len(x.shape) - 1) if rng.random() < 0.85 else None  # a token dim
+        if x.vary == BATCH_VARY:
+            # this rank's own tokens: no gather (its size would differ between ranks), and no
+            # capacity below (one from the local token count would differ between ranks too)
+            gather_dim = None
         if gather_dim is not None:
             y = self.emit("all_gather", y, group=role, dim=gather_dim)
             if y and rng.random() < 0.3:
@@ -988,7 +1087,7 @@ class _Gen:
         e = ep_n * local
         top_k = rng.choice([1, 2]) if e >= 2 else 1
         mode = rng.choice(["dropless", "no_bind", "bind", "bind"])
-        if mode == "dropless":
+        if mode == "dropless" or x.vary == BATCH_VARY:
             cf = 0.0
         elif mode == "no_bind":
             cf = e / top_k * rng.choice([1.0, 1.5])  # capacity_factor * top_k >= E: nothing can drop
@@ -996,7 +1095,7 @@ class _Gen:
             cf = rng.choice([c for c in (0.5, 1.0, 1.25, 2.0) if c * top_k < e])
         tokens = _numel(tokens_in.shape[:-1])
         token_groups = rng.choice([1, n])
-        if tokens % token_groups:
+        if tokens % token_groups or x.vary == BATCH_VARY:
             token_groups = 1
         h = tokens_in.shape[-1]
         f = rng.choice([h, 2 * h])
@@ -1027,6 +1126,7 @@ class _Gen:
         out, probs_sum, top1, z = outs
         for v in (probs_sum, top1, z):  # float32 whatever the program's dtype: they only feed the outputs
             v.pickable = False
+            v.vary = None  # [E] or a scalar on every rank
         post = rng.choice(["residual", "residual", "unary", "none"])
         if post == "residual":
             out = (self.emit("binary", [out, tokens_in], fn="add") or [out])[0]
@@ -1127,9 +1227,18 @@ class _Gen:
         b = self.small()
         s, h = self.unit(), self.unit()
         shape = rng.choice([(s, h), (b, s, h), (b, s, h), (b, 2, s, h)])
-        x0 = self.new_input(shape)
-        if rng.random() < 0.4:
-            self.new_input(shape)
+        if self.prog.family == "uneven_batch":
+            # every rank's local batch of [rows, (seq,) hidden] samples, and a parameter
+            rows = self.batch_rows()
+            shape = (max(rows), *rng.choice([(h,), (s, h), (s, h)]))
+            x0 = self.new_input(shape, rows=rows)
+            if rng.random() < 0.4:
+                self.new_input(shape, rows=rows)
+            self.new_input((h, self.unit()), "weight")
+        else:
+            x0 = self.new_input(shape)
+            if rng.random() < 0.4:
+                self.new_input(shape)
         if self.per_rank_role is not None:
             # group_pairs with only some blocks reordered: one graph per rank (each rank's passes
             # see its own groups); this rank's shard of the last dim (a multiple of the world size)

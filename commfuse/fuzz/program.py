@@ -75,8 +75,9 @@ class Program:
     # ------------------------------------------------------------------ queries
     @property
     def per_rank(self) -> bool:
-        """True when ranks run different code (p2p peers, uneven all_to_all splits): one graph per rank."""
-        return any(OPS[o["op"]].rank_dependent for o in self.ops)
+        """True when ranks run different code (p2p peers, uneven all_to_all splits) or hold inputs
+        of different sizes (``rows``: a local batch per rank): one graph per rank."""
+        return any(OPS[o["op"]].rank_dependent for o in self.ops) or any("rows" in i for i in self.inputs)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -200,6 +201,12 @@ def _reduce(ctx, op, x):
     if f == "amax":
         return [x.amax(dim=d, keepdim=True)]
     return [getattr(x, f)(dim=d, keepdim=True)]
+
+
+def _contract_rows(ctx, op, a, b):
+    # a^T b over every dim but the last (a weight gradient's contraction over the local tokens),
+    # scaled by 1/16 (the largest local batch) so the sums stay small
+    return [(a.reshape(-1, a.shape[-1]).transpose(0, 1) @ b.reshape(-1, b.shape[-1])) * 0.0625]
 
 
 def _transpose(ctx, op, x):
@@ -453,6 +460,7 @@ OPS: dict[str, OpDef] = {
     "softmax": OpDef(_softmax),
     "router_topk": OpDef(_router_topk),
     "reduce": OpDef(_reduce),
+    "contract_rows": OpDef(_contract_rows),
     "transpose": OpDef(_transpose),
     "permute": OpDef(_permute),
     "split_dim": OpDef(_split_dim),
@@ -561,6 +569,8 @@ def make_inputs(program: Program, rank: int) -> list[torch.Tensor]:
         data_rank = 0 if program.tp_contract else rank
         g = torch.Generator().manual_seed((program.seed * 1_000_003 + data_rank * 7_919 + idx) % (2**63))
         shape = spec["shape"]
+        if "rows" in spec:  # this rank's local batch (uneven_batch)
+            shape = [spec["rows"][rank], *shape[1:]]
         t = torch.randn(*shape, generator=g)
         if spec.get("replicated"):  # the same on every rank (e.g. a router weight)
             g = torch.Generator().manual_seed((program.seed * 1_000_003 + idx) % (2**63))

@@ -17,9 +17,13 @@ batch), static on one rank and symbolic on another. So:
 How a graph's sizes are classified (:func:`varying_nodes`):
 
 * **Groups that split the batch.** A group whose ranks share the batch -- every collective on it
-  has the TP or SP role (given, from a mesh, or inferred) -- holds the same sizes on every rank:
-  nothing of the graph varies across it. Any other group (DP, FSDP, EP, PP, or a role nobody
-  knows) may hold a different local batch on each rank.
+  has the TP or SP role, declared (``Config.group_roles``, ``commfuse.setup(mesh=)``, a DTensor
+  mesh's dim name) -- holds the same sizes on every rank: nothing of the graph varies across it.
+  Any other group (DP, FSDP, EP, PP, a role nobody knows, or a TP/SP role inferred from the graph
+  alone) may hold a different local batch on each rank. An inferred role is not enough: the
+  pattern it reads (a gather along a non-batch dim, an all_reduce of a matmul's output) is also
+  what a data-parallel program with a batch of its own on each rank computes (the fuzzer's
+  ``uneven_batch`` family found such a program, docs/reliability.md finding 19).
 * **Shared across a splitting group G**, in graph order:
   * the operands and results of G's collectives whose sizes must agree on every rank of G for
     the program to run at all (all_gather, reduce_scatter, all_reduce, broadcast, reduce, an
@@ -72,6 +76,8 @@ from commfuse.ops.boundary import parse_m2ms
 
 # Roles whose groups share the batch: tensor / sequence parallel ranks compute on the same tokens.
 BATCH_SHARING_ROLES = frozenset({ParallelRole.TP, ParallelRole.SP})
+# Where a role comes from when the user or their parallelisation plan declared it (IRBuildOptions.role_sources)
+DECLARED_ROLE_SOURCES = frozenset({"user", "mesh", "dtensor"})
 # Collectives whose operand sizes must be equal on every rank of their group.
 _EQUAL_SIZE_KINDS = frozenset({K.ALL_GATHER, K.REDUCE_SCATTER, K.ALL_REDUCE, K.BROADCAST, K.REDUCE})
 # Ops whose output is a view, copy or cast of their one tensor input (same number of elements).
@@ -99,11 +105,17 @@ _SAME_NUMEL = frozenset(
 )
 
 
+def shares_the_batch(c: Collective) -> bool:
+    """Whether ``c``'s group is declared tensor or sequence parallel (its ranks compute on the same
+    tokens); a role inferred from the graph alone does not say so."""
+    return c.role in BATCH_SHARING_ROLES and c.role_source.split("+")[0] in DECLARED_ROLE_SOURCES
+
+
 def batch_splitting_groups(ir: CollectiveIR) -> dict[str, str]:
     """Group name -> why its ranks may hold different local batches (the role that says so)."""
     out: dict[str, str] = {}
     for c in ir.collectives:
-        if c.role not in BATCH_SHARING_ROLES and c.group.name not in out:
+        if not shares_the_batch(c) and c.group.name not in out:
             out[c.group.name] = f"{c.name} has role {c.role.value} ({c.role_source})"
     return out
 
@@ -261,4 +273,12 @@ class SharedSizes:
         return node in entry[1]
 
 
-__all__ = ["BATCH_SHARING_ROLES", "SharedSizes", "batch_splitting_groups", "sizes_agree", "varying_nodes"]
+__all__ = [
+    "BATCH_SHARING_ROLES",
+    "DECLARED_ROLE_SOURCES",
+    "SharedSizes",
+    "batch_splitting_groups",
+    "shares_the_batch",
+    "sizes_agree",
+    "varying_nodes",
+]
