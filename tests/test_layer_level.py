@@ -103,7 +103,9 @@ def test_parts_of_a_tp_fsdp_layer(tp_fsdp):
 def test_schedule_overlap_keeps_the_layer_order_when_it_is_faster(tp_fsdp):
     gm, roles = tp_fsdp
     before = fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    # Activation first keeps x_full and dx live together (+80 MiB): allow it here.
+    # Activation first keeps x_full and dx live together (+80 MiB): allow it here. The same batch
+    # on every rank: the layer order's gain is compute it overlaps, which the FSDP group's ranks
+    # share only then (by default only what every rank shares is priced, tests/test_same_decision.py)
     commfuse.optimize(
         gm,
         commfuse.Config(
@@ -112,6 +114,7 @@ def test_schedule_overlap_keeps_the_layer_order_when_it_is_faster(tp_fsdp):
             strict=True,
             group_roles=roles,
             schedule_memory_budget=2.0,
+            uniform_batches=True,
         ),
         graph_kind="backward",
     )
