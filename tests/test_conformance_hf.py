@@ -104,14 +104,16 @@ def qwen3_moe_checkpoint(tmp_path_factory):
     return str(path)
 
 
-def _trains_like_eager_and_rewrites(results):
+def _trains_like_eager_and_rewrites(results, *, collectives_change: bool = True):
     for rank, r in enumerate(results):
         assert len(r["loss"]) == len(MOE_SHAPES)
         assert_close_tree(r["loss"], r["ref_loss"], rtol=1e-4, atol=1e-5, msg=f"loss on rank {rank}")
         assert_close_tree(r["grads"], r["ref_grads"], rtol=1e-4, atol=1e-5, msg=f"gradients on rank {rank}")
         assert {"forward", "backward"} <= set(r["graphs"]), r["graphs"]
         assert r["warnings"] == [], r["warnings"]
-        assert r["passes_changed"] and r["collectives"] != r["collectives_before"], r
+        assert r["passes_changed"], r
+        if collectives_change:
+            assert r["collectives"] != r["collectives_before"], r
         for graph, before, after in r["wire_bytes"]:  # never more bytes on the wire
             if isinstance(before, int) and isinstance(after, int):
                 assert after <= before, f"rank {rank}, {graph} graph: {before} -> {after} wire bytes"
@@ -135,5 +137,8 @@ def test_hf_qwen3_moe_expert_parallel_trains_like_eager(rank_pool_2, qwen3_moe_c
     results = rank_pool_2.run(
         hf_trains_like_eager, qwen3_moe_checkpoint, {"tp_size": 2, "ep_size": 2}, MOE_SHAPES, timeout=600
     )
-    _trains_like_eager_and_rewrites(results)
+    # The default config prices only what every rank of the expert group shares (its ranks may
+    # hold different local batches, docs/architecture.md "The rule"), so nothing is bucketed here;
+    # the scheduler still reorders the issue (passes_changed). uniform_batches=True prices the rest.
+    _trains_like_eager_and_rewrites(results, collectives_change=False)
     assert results[0]["collectives_before"].get("all_to_all", 0) > 0
