@@ -350,20 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="write the tables here")
     ap.add_argument("--from-json", type=Path, help="render a stored report instead of measuring")
     a = ap.parse_args(argv)
-    if a.from_json:
-        report = json.loads(a.from_json.read_text())["agreement_cost"]
-    else:
-        report = run_agreement_cost(reps=a.reps)
-    text = agreement_cost_tables(report)
-    print(text)
-    if a.json and not a.from_json:
-        from benchmarks.report import SCHEMA, environment
+    from benchmarks.report import stand_alone_report
 
-        doc = {"schema": SCHEMA, "environment": environment(), "agreement_cost": report}
-        a.json.write_text(json.dumps(doc, indent=1) + "\n")
-    if a.markdown:
-        a.markdown.write_text(text + "\n")
-    return 0
+    return stand_alone_report(
+        a, "agreement_cost", lambda: run_agreement_cost(reps=a.reps), agreement_cost_tables
+    )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ Caveats
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -302,20 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="write the table here")
     ap.add_argument("--from-json", type=Path, help="render a stored report instead of measuring")
     a = ap.parse_args(argv)
-    if a.from_json:
-        report = json.loads(a.from_json.read_text())["gloo_reduce_scatter"]
-    else:
-        report = run_gloo_reduce_scatter(warmup=a.warmup, reps=a.reps)
-    text = gloo_reduce_scatter_tables(report)
-    print(text)
-    if a.json and not a.from_json:
-        from benchmarks.report import SCHEMA, environment
+    from benchmarks.report import stand_alone_report
 
-        doc = {"schema": SCHEMA, "environment": environment(), "gloo_reduce_scatter": report}
-        a.json.write_text(json.dumps(doc, indent=1) + "\n")
-    if a.markdown:
-        a.markdown.write_text(text + "\n")
-    return 0
+    return stand_alone_report(
+        a,
+        "gloo_reduce_scatter",
+        lambda: run_gloo_reduce_scatter(warmup=a.warmup, reps=a.reps),
+        gloo_reduce_scatter_tables,
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ re-rendered (``python benchmarks/run.py --from-json out.json --plot DIR``).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -115,6 +116,21 @@ def environment() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------- tables
+
+
+def stand_alone_report(args: Any, key: str, measure: Any, render: Any) -> int:
+    """The tail of a stand-alone report script (``--json``, ``--markdown``, ``--from-json``):
+    measure (or read the stored report under ``key``), print ``render(report)``, write the JSON
+    with this machine's environment and the markdown tables."""
+    report = json.loads(args.from_json.read_text())[key] if args.from_json else measure()
+    text = render(report)
+    print(text)
+    if args.json and not args.from_json:
+        doc = {"schema": SCHEMA, "environment": environment(), key: report}
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    return 0
 
 
 def _rows(doc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
