@@ -508,7 +508,8 @@ class _Gen:
         x = self.pick(lambda v: len(v.shape) >= 2 or v.vary is None)
         k = x.shape[-1]
         reuse = self.pick(
-            lambda v: v.is_input and len(v.shape) == 2 and v.shape[0] == k and v is not x, recent=False
+            lambda v: v.is_input and v.vary is None and len(v.shape) == 2 and v.shape[0] == k and v is not x,
+            recent=False,
         )
         w = (
             reuse

@@ -35,8 +35,9 @@ How a graph's sizes are classified (:func:`varying_nodes`):
   * graph constants (``get_attr``), and the placeholders AOTAutograd marks as parameters or
     buffers;
   * a node whose inputs are all shared and whose size is not read from data (no unbacked
-    symbol); a node without inputs only when its value is 0-d (a factory such as
-    ``full([64, 16])`` may bake a batch size into a static graph).
+    symbol) nor an argument of the call (``SIZE_FROM_ARGUMENTS``: ``expand``, ``repeat``,
+    ``new_zeros``...); a node without inputs only when its value is 0-d (a factory such as
+    ``full([64, 16])`` may bake a batch size into a static graph, and so may an expand).
   Every other node -- the data, tangents and saved activations a graph takes as inputs and
   all compute that reads them -- may have different sizes on the ranks of G.
 * A graph's **varying nodes** are those that vary across any of its splitting groups: one
@@ -76,6 +77,20 @@ from commfuse.ops.boundary import parse_m2ms
 
 # Roles whose groups share the batch: tensor / sequence parallel ranks compute on the same tokens.
 BATCH_SHARING_ROLES = frozenset({ParallelRole.TP, ParallelRole.SP})
+# Ops whose output size is an argument of the call rather than a function of their inputs' sizes:
+# a static trace bakes this rank's sizes in (the backward of a mean over the local batch expands its
+# gradient back to [16, ...] on one rank and [1, ...] on another), so their results never count as
+# shared, whatever their inputs (docs/reliability.md, finding 20).
+SIZE_FROM_ARGUMENTS = frozenset(
+    {
+        torch.ops.aten.expand.default,
+        torch.ops.aten.repeat.default,
+        torch.ops.aten.new_zeros.default,
+        torch.ops.aten.new_ones.default,
+        torch.ops.aten.new_empty.default,
+        torch.ops.aten.new_full.default,
+    }
+)
 # Where a role comes from when the user or their parallelisation plan declared it (IRBuildOptions.role_sources)
 DECLARED_ROLE_SOURCES = frozenset({"user", "mesh", "dtensor"})
 # Collectives whose operand sizes must be equal on every rank of their group.
@@ -216,7 +231,11 @@ def _shared_across(gm: fx.GraphModule, ir: CollectiveIR, group: str) -> set[fx.N
         elif n.op == "call_function" or n.op == "call_method" or n.op == "call_module":
             v = n.meta.get("val")
             ins = n.all_input_nodes
-            if (all(i in shared for i in ins) if ins else _zero_dim(v)) and not _unbacked(v):
+            if (
+                (all(i in shared for i in ins) if ins else _zero_dim(v))
+                and not _unbacked(v)
+                and n.target not in SIZE_FROM_ARGUMENTS
+            ):
                 shared.add(n)
     return shared
 
@@ -276,6 +295,7 @@ class SharedSizes:
 __all__ = [
     "BATCH_SHARING_ROLES",
     "DECLARED_ROLE_SOURCES",
+    "SIZE_FROM_ARGUMENTS",
     "SharedSizes",
     "batch_splitting_groups",
     "shares_the_batch",

@@ -49,6 +49,7 @@ from commfuse.ir.graph_ir import resolve_group_info
 from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
 from commfuse.passmgr.context import PassContext
+from commfuse.passmgr.invariance import SIZE_FROM_ARGUMENTS, shares_the_batch
 
 PARTIAL_BUDGET = 0.25  # partial-sum all_reduces may cost at most this share of the gathers removed
 _VIEWLIKE = {
@@ -192,10 +193,15 @@ def plan_regions(
     moe_capacity_regroup: bool = False,
     rank: Optional[int] = None,
     crossing: Optional[Callable[[Collective, str], Optional[str]]] = None,
+    shares_batch: Callable[[str], bool] = lambda group: False,
 ) -> list[RegionPlan]:
     """The regions of every gathered group (``only_group``: of that one). ``crossing(seed, group)``:
     None when ``group`` crosses the seed collective's group as the dims of a mesh, else why not
-    (for ops that communicate on another group, e.g. the MoE op's expert exchange)."""
+    (for ops that communicate on another group, e.g. the MoE op's expert exchange).
+    ``shares_batch(group)``: the group is declared tensor / sequence parallel, so its ranks hold
+    the same sizes; otherwise no region grows through an op whose size is a call argument
+    (``SIZE_FROM_ARGUMENTS``), which may be this rank's own local batch there: the moved gather
+    would gather different sizes on different ranks (docs/reliability.md, finding 20)."""
     mutated = _mutated_roots(gm)
     by_group: dict[str, RegionPlan] = {}
     for c in collectives:
@@ -219,7 +225,7 @@ def plan_regions(
             moe_capacity_regroup,
             **({} if crossing is None else {"crossing": lambda g, seed=seed: crossing(seed, g)}),
         )
-        _grow(gm, plan, env)
+        _grow(gm, plan, env, shares_batch(plan.group))
         refusals.extend(
             f"group {plan.group}: {why}" for node, why in env.refusals.items() if node not in plan.ops
         )
@@ -227,7 +233,7 @@ def plan_regions(
     return plans
 
 
-def _grow(gm: fx.GraphModule, plan: RegionPlan, env: RuleEnv) -> None:
+def _grow(gm: fx.GraphModule, plan: RegionPlan, env: RuleEnv, shares_batch: bool) -> None:
     skip = {n for s in plan.seeds.values() for n in s.collective.layout_nodes}
     for node in gm.graph.nodes:
         if node in plan.seeds:
@@ -240,6 +246,13 @@ def _grow(gm: fx.GraphModule, plan: RegionPlan, env: RuleEnv) -> None:
             if lay is not None:
                 plan.ops[node] = None
                 plan.layout[node] = lay
+            continue
+        if not shares_batch and node.target in SIZE_FROM_ARGUMENTS:
+            if any(a in plan.layout for a in node.all_input_nodes):
+                env.refusals[node] = (
+                    f"{node.name}: its size is a call argument, which may be this rank's local batch "
+                    f"(group {plan.group} is not declared tensor or sequence parallel)"
+                )
             continue
         rule = local_rule(node, plan.state, env)
         if rule is None:
@@ -480,6 +493,7 @@ class CollectiveMotion(GraphPass):
                     moe_capacity_regroup=ctx.config.moe_capacity_regroup,
                     rank=ctx.rank,
                     crossing=lambda c, g: _crossing(ctx, c, g),
+                    shares_batch=lambda g: any(c.group.name == g and shares_the_batch(c) for c in colls),  # noqa: B023
                 ):
                     for members in _components(plan).values():
                         if self._apply_component(ctx, plan, members, totals, round_refusals):
