@@ -32,6 +32,7 @@ if _REPO_ROOT not in sys.path:
 import _global_state  # noqa: E402
 from commfuse.testing import RankPool, get_pool  # noqa: E402
 from commfuse.fuzz.forced import register_forced_passes  # noqa: E402
+from commfuse.config import CONFIG_ENV  # noqa: E402
 
 # The tests run the forced pass variants by name, as the fuzzer does; registered before any test,
 # so every test of the session sees the same pass table whichever files it collected.
@@ -115,16 +116,37 @@ def pytest_runtest_teardown(item):
         return (yield)
 
 
+# The suite's rank workers compile with the agreement net off (COMMFUSE_CONFIG in their
+# environment only, so compiles given no Config leave it out): the net compiles every frame a
+# second time, as written, and compiles the backward with the forward (4-rank MoE TP+EP test:
+# 88 s with it, 65 s without), while what these tests check is the passes against eager. The
+# net's own tests give their Config explicitly (tests/_jobs_agreement.py, tests/test_agreement.py)
+# and run it. A pool restarted after a crash spawns from this process's environment: net on.
+RANK_WORKER_CONFIG = '{"check_agreement": "off"}'
+
+
+def _suite_pool(world_size: int) -> RankPool:
+    prev = os.environ.get(CONFIG_ENV)
+    os.environ[CONFIG_ENV] = RANK_WORKER_CONFIG
+    try:
+        return get_pool(world_size)  # spawns the workers now, with this environment
+    finally:
+        if prev is None:
+            os.environ.pop(CONFIG_ENV, None)
+        else:
+            os.environ[CONFIG_ENV] = prev
+
+
 @pytest.fixture(scope="session")
 def rank_pool_2() -> RankPool:
     """A session-wide pool of 2 gloo ranks (see commfuse.tools.rank_pool)."""
-    return get_pool(2)
+    return _suite_pool(2)
 
 
 @pytest.fixture(scope="session")
 def rank_pool_4() -> RankPool:
     """A session-wide pool of 4 gloo ranks (see commfuse.tools.rank_pool)."""
-    return get_pool(4)
+    return _suite_pool(4)
 
 
 def pytest_collection_modifyitems(config, items):
