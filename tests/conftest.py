@@ -123,13 +123,20 @@ def pytest_runtest_teardown(item):
 # net's own tests give their Config explicitly (tests/_jobs_agreement.py, tests/test_agreement.py)
 # and run it. A pool restarted after a crash spawns from this process's environment: net on.
 RANK_WORKER_CONFIG = '{"check_agreement": "off"}'
+# A job given no timeout of its own may take this long before the pool calls it a hang: CI runs two
+# workers, each driving its own pools, on two cores, so a 4-rank compile that takes 117 s alone
+# (tests/test_partition_search.py::test_search_matches_eager_on_4_gloo_ranks) passes the pool's
+# default 120 s there. Tests of the timeout itself pass theirs (tests/test_harness.py).
+SUITE_JOB_TIMEOUT_S = 300.0
 
 
 def _suite_pool(world_size: int) -> RankPool:
     prev = os.environ.get(CONFIG_ENV)
     os.environ[CONFIG_ENV] = RANK_WORKER_CONFIG
     try:
-        return get_pool(world_size)  # spawns the workers now, with this environment
+        pool = get_pool(world_size)  # spawns the workers now, with this environment
+        pool.timeout_s = max(pool.timeout_s, SUITE_JOB_TIMEOUT_S)
+        return pool
     finally:
         if prev is None:
             os.environ.pop(CONFIG_ENV, None)
