@@ -106,11 +106,15 @@ def test_symbolic_trace_is_optimized_without_errors(sp_traces):
     sym, fake = sp_traces["symbolic"], sp_traces["fake"]
     assert sym["warnings"] == [] and all(err is None for *_, err in sym["passes"]), sym["passes"]
     assert [p[0] for p in sym["passes"]] == [p[0] for p in fake["passes"]]
-    # what does not price or size collectives decides as on static shapes
+    # what does not price or size collectives decides as on static shapes. schedule_overlap prices:
+    # the mesh has no dim names, so its group's SP role is only inferred and its ranks may hold
+    # different batches (docs/architecture.md "The rule"); what it may price then comes out
+    # differently on the symbolic trace (rank-invariant size hints) than on the static one, and so
+    # may its order (1 collective raised on the static trace, 0 on the symbolic one, 2026-11-29;
+    # ranks that mix static and symbolic graphs are what the agreement net is for).
     by_name = {p[0]: p for p in sym["passes"]}
     fake_by_name = {p[0]: p for p in fake["passes"]}
     assert by_name["chimera"] == fake_by_name["chimera"]
-    assert by_name["schedule_overlap"] == fake_by_name["schedule_overlap"]
     refusals = {p.name: p.refusals for p in commfuse.last_report(sym["gm"]).passes}
     assert any("symbolic" in r for r in refusals["bucket_collectives"]), refusals
     assert any("not static" in r for r in refusals["gloo_reduce_scatter"]), refusals
