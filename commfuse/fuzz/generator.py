@@ -209,7 +209,7 @@ MAX_NUMEL = 4096
 # Val.vary of a data-parallel batch: dim 0 is this rank's local batch (uneven_batch). Not an
 # uneven all_to_all's id (those count from 1 and have an entry in _Gen.vary_info).
 BATCH_VARY = 0
-# local batch sizes an uneven_batch rank draws from (1: Dynamo's specialised size, as in #40's probe)
+# local batch sizes an uneven_batch rank draws from (1: the size Dynamo specialises)
 BATCH_ROWS = (1, 2, 3, 5, 8, 16)
 
 
@@ -401,7 +401,7 @@ class _Gen:
         return v
 
     def batch_rows(self) -> list[int]:
-        """Every rank's local batch: one rank far below the others (#40's 1 and 64), random sizes,
+        """Every rank's local batch: one rank far below the others (1 and 16), random sizes,
         or the same on every rank (the control)."""
         rng, n = self.rng, self.n
         kind = rng.choice(["one_small", "one_small", "random", "random", "equal"])
@@ -1048,8 +1048,7 @@ class _Gen:
         rng = self.rng
         x = self.pick(
             lambda v: (
-                v.vary in (None, BATCH_VARY)
-                and (v.vary is None or self.prog.family == "uneven_batch")
+                (v.vary is None or (v.vary == BATCH_VARY and self.prog.family == "uneven_batch"))
                 and len(v.shape) >= 2
                 and not (v.is_input and v.name[0] == "w")
             )

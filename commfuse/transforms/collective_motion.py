@@ -44,7 +44,7 @@ from commfuse.analysis.mesh_grid import find_grid
 from commfuse.analysis.shard_layouts import Complete, Layout, LocalOp, RuleEnv, Sharded
 from commfuse.analysis.shard_rules import local_rule, value_bytes
 from commfuse.ir import rewrite
-from commfuse.ir.collective import Collective, ParallelRole
+from commfuse.ir.collective import Collective
 from commfuse.ir.graph_ir import resolve_group_info
 from commfuse.ir.kinds import CollectiveKind, collective_spec, is_wait
 from commfuse.passmgr.base import FuzzSpec, GraphPass, PassResult, Stage
@@ -443,12 +443,7 @@ def _tp_contract(ctx: PassContext, collectives: list[Collective], group: str) ->
 
     if not ctx.config.tp_inputs_replicated:
         return False
-    return any(
-        c.group.name == group
-        and c.role in (ParallelRole.TP, ParallelRole.SP)
-        and c.role_source.split("+")[0] in ("user", "mesh", "dtensor")
-        for c in collectives
-    )
+    return any(c.group.name == group and shares_the_batch(c) for c in collectives)
 
 
 class CollectiveMotion(GraphPass):
