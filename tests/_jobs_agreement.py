@@ -93,6 +93,7 @@ def planted_divergence_falls_back(plant: Optional[str], batches: tuple[int, ...]
         budget = 400 + [None, "pass", "config"].index(plant)
         be = commfuse.backend(
             commfuse.Config(
+                check_agreement="fallback",
                 passes=passes,
                 inner_compiler="eager",
                 agreement_timeout_s=60,
@@ -148,7 +149,7 @@ def inductor_cache_hit_on_rank0_only(cache_dir: str) -> dict:
 
     rank = dist.get_rank()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{cache_dir}/rank{rank}"
-    cfg = commfuse.Config(agreement_timeout_s=240, lowering="inductor")
+    cfg = commfuse.Config(check_agreement="fallback", agreement_timeout_s=240, lowering="inductor")
     results = {}
     with icfg.patch(fx_graph_cache=rank == 0), fcfg.patch(enable_autograd_cache=rank == 0):
         for rnd in (1, 2):
@@ -166,6 +167,7 @@ def inductor_cache_hit_on_rank0_only(cache_dir: str) -> dict:
 def _run_once(fn, *args, **config: Any) -> dict:
     """Compile ``fn`` with the default net and run it once: its result and the verdicts."""
     torch._dynamo.reset()
+    config = {"check_agreement": "fallback", **config}
     be = commfuse.backend(commfuse.Config(inner_compiler="eager", agreement_timeout_s=60, **config))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -258,7 +260,9 @@ def agreement_on_a_dropless_moe() -> dict:
     def inputs(step):
         return torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1000 * step + rank))
 
-    be = commfuse.backend(commfuse.Config(inner_compiler="eager", agreement_timeout_s=60))
+    be = commfuse.backend(
+        commfuse.Config(check_agreement="fallback", inner_compiler="eager", agreement_timeout_s=60)
+    )
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         torch._dynamo.reset()
         got = train_step_outputs(

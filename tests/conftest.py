@@ -30,9 +30,9 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 import _global_state  # noqa: E402
-from commfuse.testing import RankPool, get_pool  # noqa: E402
+from _jobs_suite import agreement_net_off_unless_asked  # noqa: E402
+from commfuse.testing import RankPool, get_pool, set_worker_initializer  # noqa: E402
 from commfuse.fuzz.forced import register_forced_passes  # noqa: E402
-from commfuse.config import CONFIG_ENV  # noqa: E402
 
 # The tests run the forced pass variants by name, as the fuzzer does; registered before any test,
 # so every test of the session sees the same pass table whichever files it collected.
@@ -116,13 +116,9 @@ def pytest_runtest_teardown(item):
         return (yield)
 
 
-# The suite's rank workers compile with the agreement net off (COMMFUSE_CONFIG in their
-# environment only, so compiles given no Config leave it out): the net compiles every frame a
-# second time, as written, and compiles the backward with the forward (4-rank MoE TP+EP test:
-# 88 s with it, 65 s without), while what these tests check is the passes against eager. The
-# net's own tests give their Config explicitly (tests/_jobs_agreement.py, tests/test_agreement.py)
-# and run it. A pool restarted after a crash spawns from this process's environment: net on.
-RANK_WORKER_CONFIG = '{"check_agreement": "off"}'
+# The suite's rank processes compile with the agreement net off unless a test's Config says
+# check_agreement (tests/_jobs_suite.py says why); installed before any pool is spawned.
+set_worker_initializer(agreement_net_off_unless_asked)
 # A job given no timeout of its own may take this long before the pool calls it a hang: CI runs two
 # workers, each driving its own pools, on two cores, so a 4-rank compile that takes 117 s alone
 # (tests/test_partition_search.py::test_search_matches_eager_on_4_gloo_ranks) passes the pool's
@@ -131,17 +127,9 @@ SUITE_JOB_TIMEOUT_S = 300.0
 
 
 def _suite_pool(world_size: int) -> RankPool:
-    prev = os.environ.get(CONFIG_ENV)
-    os.environ[CONFIG_ENV] = RANK_WORKER_CONFIG
-    try:
-        pool = get_pool(world_size)  # spawns the workers now, with this environment
-        pool.timeout_s = max(pool.timeout_s, SUITE_JOB_TIMEOUT_S)
-        return pool
-    finally:
-        if prev is None:
-            os.environ.pop(CONFIG_ENV, None)
-        else:
-            os.environ[CONFIG_ENV] = prev
+    pool = get_pool(world_size)
+    pool.timeout_s = max(pool.timeout_s, SUITE_JOB_TIMEOUT_S)
+    return pool
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,17 @@ from commfuse.testing import (
 # --------------------------------------------------------------------------
 
 
+def _job_agreement_settings() -> tuple[bool, str, str, str]:
+    """What the suite's worker initializer (tests/_jobs_suite.py) left in this rank process."""
+    import commfuse
+
+    installed = getattr(type(commfuse.backend()).__init__, "_suite_net_off", False)
+    unset = commfuse.backend(commfuse.Config(inner_compiler="eager")).config.check_agreement
+    asked = commfuse.backend(commfuse.Config(check_agreement="raise")).config.check_agreement
+    default = commfuse.backend().config.check_agreement
+    return installed, unset, asked, default
+
+
 def _job_rank_info() -> tuple[int, int, int]:
     # Rank 0 answers last, so rank order cannot come from arrival order.
     if dist.get_rank() == 0:
@@ -169,6 +180,19 @@ def test_planted_hang_times_out_and_pool_recovers(rank_pool_2: RankPool) -> None
     assert rank_pool_2.generation == generation + 1
     results = rank_pool_2.run(_job_all_reduce)
     assert [r[0].item() for r in results] == [3.0, 3.0]
+    # the restarted ranks ran the suite's worker initializer again
+    assert rank_pool_2.run(_job_agreement_settings) == [(True, "off", "raise", "off")] * 2
+
+
+@pytest.mark.multirank
+def test_suite_ranks_run_the_net_only_where_a_config_asks(rank_pool_2: RankPool) -> None:
+    """tests/conftest.py's worker initializer: a Config that leaves check_agreement unset compiles
+    without the agreement net in the suite's rank processes; one that says it keeps it. This
+    process (no initializer) keeps the product's default."""
+    import commfuse
+
+    assert rank_pool_2.run(_job_agreement_settings) == [(True, "off", "raise", "off")] * 2
+    assert commfuse.backend(commfuse.Config()).config.check_agreement == "fallback"
 
 
 @pytest.mark.slow(reason="waits out a rank stuck in a collective, then restarts the rank pool")

@@ -19,6 +19,7 @@ from commfuse.tools.rank_pool import (
     RankTimeout,
     RemoteError,
     get_pool,
+    set_worker_initializer,
     shutdown_all,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "fake_mesh",
     "fake_process_group",
     "get_pool",
+    "set_worker_initializer",
     "shutdown_all",
     "tolerances",
     "train_step_outputs",

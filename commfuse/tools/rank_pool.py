@@ -53,6 +53,7 @@ __all__ = [
     "RankTimeout",
     "RemoteError",
     "get_pool",
+    "set_worker_initializer",
     "shutdown_all",
 ]
 
@@ -66,6 +67,19 @@ _HEALTH_CHECK_TIMEOUT_S = 5.0
 _PARENT_POLL_S = 1.0
 # _read's answer for "alive, nothing to read yet".
 _NOTHING: tuple[Any, ...] = ("nothing",)
+# What every worker spawned from now on runs once after joining its group (set_worker_initializer).
+_WORKER_INITIALIZER: bytes | None = None
+
+
+def set_worker_initializer(fn: Callable[[], Any] | None) -> None:
+    """Make every rank process spawned from now on (by any pool of this process, restarts
+    included) call ``fn()`` once, after it joined its gloo group and before its first job:
+    settings a whole test session's ranks share, as multiprocessing.Pool's ``initializer``.
+    ``fn`` must be picklable by reference (a module-level function); an exception in it is
+    reported as the rank failing to start. None removes it. Pools already running keep what
+    they were spawned with."""
+    global _WORKER_INITIALIZER
+    _WORKER_INITIALIZER = None if fn is None else pickle.dumps(fn)
 
 
 # --------------------------------------------------------------------------
@@ -274,6 +288,7 @@ def _worker_main(
     pg_timeout_s: float,
     conn: multiprocessing.connection.Connection,
     parent_pid: int,
+    initializer: bytes | None = None,
 ) -> None:
     """Entry point of a rank process: init once, then serve jobs until told to stop."""
     # Ctrl-C reaches the whole process group; the parent handles it by tearing
@@ -287,6 +302,8 @@ def _worker_main(
     ).start()
     try:
         _init_worker(rank, world_size, store_path, pg_timeout_s)
+        if initializer is not None:
+            pickle.loads(initializer)()
     except BaseException as exc:  # noqa: BLE001
         _send(conn, ("init_err", rank, type(exc).__qualname__, str(exc), traceback.format_exc()))
         os._exit(1)
@@ -475,7 +492,15 @@ class RankPool:
             parent_conn, child_conn = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, store_path, pg_timeout_s, child_conn, os.getpid()),
+                args=(
+                    rank,
+                    self.world_size,
+                    store_path,
+                    pg_timeout_s,
+                    child_conn,
+                    os.getpid(),
+                    _WORKER_INITIALIZER,
+                ),
                 name=f"commfuse-rank{rank}-of-{self.world_size}",
                 daemon=True,  # multiprocessing's atexit terminates daemons
             )
