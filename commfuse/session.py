@@ -440,7 +440,10 @@ def resolved_roles(
 
 
 # Topologies detected in this process, by (world size, local world size, device name).
-_DETECTED: dict[tuple, Optional[Topology]] = {}
+_DETECTED: dict[Any, Optional[Topology]] = {}
+# The topology of the machine the job runs on, given by its launcher (a preset name, a JSON file
+# or a JSON object); read before anything is detected.
+TOPOLOGY_ENV = "COMMFUSE_TOPOLOGY"
 
 
 def _env_int(environ: dict, name: str) -> Optional[int]:
@@ -459,7 +462,8 @@ def _env_int(environ: dict, name: str) -> Optional[int]:
 def detected_topology(
     environ: Optional[dict] = None, world_size: Optional[int] = None, device_name: Optional[str] = None
 ) -> Optional[Topology]:
-    """`Topology.detect` from what torchrun gives every rank alike: ``LOCAL_WORLD_SIZE``, the world
+    """``COMMFUSE_TOPOLOGY``'s topology where the launcher gave one; else `Topology.detect` from
+    what torchrun gives every rank alike: ``LOCAL_WORLD_SIZE``, the world
     size (the default process group's, else ``WORLD_SIZE``) and the device name (CUDA device 0's,
     else "cpu"). None outside torchrun (no ``LOCAL_WORLD_SIZE``) or without a world size. A device
     that matches no preset gets the generic default (`Topology` field defaults; docs/costmodel.md)
@@ -471,6 +475,16 @@ def detected_topology(
     import torch.distributed as dist
 
     env = os.environ if environ is None else environ
+    given = env.get(TOPOLOGY_ENV, "").strip()
+    if given:
+        # what the launcher knows of the machine (commfuse emulate sets it): a preset name, a
+        # JSON file or a JSON object
+        if given not in _DETECTED:
+            try:
+                _DETECTED[given] = _as_topology(json.loads(given) if given.startswith("{") else given)
+            except (ValueError, ConfigError) as e:
+                raise ConfigError(f"environment variable {TOPOLOGY_ENV}: {e}") from None
+        return _DETECTED[given]
     local = _env_int(env, "LOCAL_WORLD_SIZE")
     if world_size is None:
         world_size = (

@@ -96,6 +96,7 @@ def test_top_level_help_lists_every_command_and_the_exit_statuses(capsys):
         "validate",
         "align",
         "profile-overlap",
+        "emulate",
     }
 
 

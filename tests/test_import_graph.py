@@ -47,7 +47,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "commfuse.passes",
         ),
     ),
-    ("tools", ("commfuse.tools", "commfuse.reports", "commfuse.trace", "commfuse.models")),
+    (
+        "tools",
+        ("commfuse.tools", "commfuse.reports", "commfuse.trace", "commfuse.models", "commfuse.emulate"),
+    ),
     ("harness", ("commfuse.testing", "commfuse.fuzz")),
     ("package", ("commfuse", "commfuse.__main__")),
 ]

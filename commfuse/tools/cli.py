@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 from commfuse._version import __version__
 from commfuse.core.errors import CommfuseError, InputFileError
 from commfuse.reports import cli as reports_cli
-from commfuse.tools import calibrate, demo, profile_overlap
+from commfuse.tools import calibrate, demo, emulate_cli, profile_overlap
 from commfuse.trace import cli as align_cli
 
 #: 128 + SIGPIPE: what a tool killed by SIGPIPE reports, so `set -o pipefail` scripts see the
@@ -123,6 +123,12 @@ COMMANDS: tuple[Command, ...] = (
         align_cli.add_arguments,
         align_cli.run,
         "no launch could be aligned with a kernel (the trace is still written)",
+    ),
+    Command(
+        "emulate",
+        "run a command's ranks on an emulated cluster network (namespaces, shaped links)",
+        emulate_cli.add_arguments,
+        emulate_cli.run,
     ),
     Command(
         "profile-overlap",

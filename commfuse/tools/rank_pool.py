@@ -32,10 +32,12 @@ import contextlib
 import dataclasses
 import datetime
 import faulthandler
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import shlex
 import shutil
 import signal
 import sys
@@ -345,6 +347,40 @@ def _health_check() -> int:
 # Parent side
 # --------------------------------------------------------------------------
 
+# Set by `commfuse emulate` for a command it runs once beside the ranks' network namespaces
+# (commfuse/emulate/netns.py, run_host): where each rank's namespace is.
+EMULATED_RANKS_ENV = "COMMFUSE_EMULATED_RANKS"
+
+
+def _emulated_places(world_size: int) -> list[dict] | None:
+    """Each rank's namespace under an emulated network, or None without one. A pool of another
+    size than the emulated cluster cannot be placed on it: an error, not plain loopback."""
+    raw = os.environ.get(EMULATED_RANKS_ENV)
+    if not raw:
+        return None
+    places = sorted(json.loads(raw), key=lambda p: p["rank"])
+    if len(places) != world_size:
+        raise RankPoolError(
+            f"a {world_size}-rank pool on an emulated network of {len(places)} ranks "
+            f"({EMULATED_RANKS_ENV}): start the emulated cluster with {world_size} ranks"
+        )
+    return places
+
+
+def _interpreter_in(place: dict, where: str) -> str:
+    """An executable that runs this Python in the rank's network namespace, on its core, with
+    gloo on its link (multiprocessing's spawn passes its arguments and descriptors through)."""
+    path = os.path.join(where, f"python-rank{place['rank']}")
+    pin = f"taskset -c {place['core']} " if place.get("core") is not None else ""
+    with open(path, "w") as f:
+        f.write(
+            "#!/bin/sh\n"
+            f"exec env GLOO_SOCKET_IFNAME={place['ifname']} {pin}"
+            f'nsenter --net=/proc/{place["pid"]}/ns/net -- {shlex.quote(sys.executable)} "$@"\n'
+        )
+    os.chmod(path, 0o755)
+    return path
+
 
 def _job_name(fn: Callable[..., Any]) -> str:
     module = getattr(fn, "__module__", None) or "?"
@@ -488,6 +524,7 @@ class RankPool:
         store_path = os.path.join(self._tmpdir, "store")
         pg_timeout_s = max(1.0, 0.9 * self.timeout_s)
         self._procs, self._conns = [], []
+        places = _emulated_places(self.world_size)
         for rank in range(self.world_size):
             parent_conn, child_conn = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(
@@ -504,7 +541,15 @@ class RankPool:
                 name=f"commfuse-rank{rank}-of-{self.world_size}",
                 daemon=True,  # multiprocessing's atexit terminates daemons
             )
-            proc.start()
+            if places is None:
+                proc.start()
+            else:
+                # spawn's interpreter is process-wide: this rank's, for this one start
+                self._ctx.set_executable(_interpreter_in(places[rank], self._tmpdir))
+                try:
+                    proc.start()
+                finally:
+                    self._ctx.set_executable(sys.executable)
             child_conn.close()  # so EOF is seen when the worker dies
             self._procs.append(proc)
             self._conns.append(parent_conn)
