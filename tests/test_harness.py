@@ -184,6 +184,24 @@ def test_planted_hang_times_out_and_pool_recovers(rank_pool_2: RankPool) -> None
     assert rank_pool_2.run(_job_agreement_settings) == [(True, "off", "raise", "off")] * 2
 
 
+@pytest.mark.slow(reason="replaces the pool's workers once")
+@pytest.mark.multirank
+def test_workers_whose_threads_piled_up_are_replaced_before_the_next_job(
+    rank_pool_2: RankPool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import commfuse.tools.rank_pool as rank_pool
+
+    generation, recycled, pids = rank_pool_2.generation, rank_pool_2.recycled, rank_pool_2.pids
+    monkeypatch.setattr(rank_pool, "MAX_WORKER_THREADS", 1)  # every worker holds more
+    results = rank_pool_2.run(_job_all_reduce)
+    assert [r[0].item() for r in results] == [3.0, 3.0]
+    assert rank_pool_2.recycled == recycled + 1 and rank_pool_2.generation == generation
+    assert not set(rank_pool_2.pids) & set(pids)
+    monkeypatch.setattr(rank_pool, "MAX_WORKER_THREADS", 10_000)
+    rank_pool_2.run(_job_all_reduce)
+    assert rank_pool_2.recycled == recycled + 1
+
+
 @pytest.mark.multirank
 def test_suite_ranks_run_the_net_only_where_a_config_asks(rank_pool_2: RankPool) -> None:
     """tests/conftest.py's worker initializer: a Config that leaves check_agreement unset compiles

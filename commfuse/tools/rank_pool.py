@@ -67,6 +67,8 @@ DEFAULT_FAILURE_GRACE_S = 3.0
 _HEALTH_CHECK_TIMEOUT_S = 5.0
 # How often a worker checks that its parent is still alive.
 _PARENT_POLL_S = 1.0
+# A worker holding more threads than this is replaced before the next job (RankPool.run).
+MAX_WORKER_THREADS = 48
 # _read's answer for "alive, nothing to read yet".
 _NOTHING: tuple[Any, ...] = ("nothing",)
 # What every worker spawned from now on runs once after joining its group (set_worker_initializer).
@@ -433,6 +435,8 @@ class RankPool:
         self._ready = False
         self._next_job_id = 0
         self._generation = 0
+        # times the workers were replaced because their threads piled up (not failures)
+        self.recycled = 0
         self._closed = False
         self._start()
 
@@ -440,7 +444,8 @@ class RankPool:
 
     @property
     def generation(self) -> int:
-        """How many times the worker processes were (re)started."""
+        """How many times the worker processes were started: once, plus each restart after a
+        failure or a hang (replacing workers whose threads piled up is counted in ``recycled``)."""
         return self._generation
 
     @property
@@ -474,6 +479,7 @@ class RankPool:
         with self._lock:
             if self._closed:
                 raise RankPoolError("the rank pool has been shut down")
+            self._recycle_if_threads_piled_up()
             self._ensure_ready()
             generation = self._generation
             limit = self.timeout_s if timeout is None else timeout
@@ -591,6 +597,24 @@ class RankPool:
     def _restart(self) -> None:
         self._teardown(graceful=False)
         self._start()
+
+    def _recycle_if_threads_piled_up(self) -> None:
+        """Fresh workers when one holds more than ``MAX_WORKER_THREADS`` threads. A gloo
+        process group keeps its threads after ``destroy_process_group`` (torch 2.13), so every
+        job that builds a mesh leaves some; a worker of a long test session held 128, and such
+        idle workers took 6% of a core each (the loops wake). Not a failure: ``generation``
+        counts restarts after failures only."""
+        if not self._ready or not sys.platform.startswith("linux"):
+            return
+        try:
+            most = max(len(os.listdir(f"/proc/{p.pid}/task")) for p in self._procs)
+        except OSError:  # a worker is gone: the next job finds out and restarts the pool
+            return
+        if most > MAX_WORKER_THREADS:
+            self._teardown(graceful=True)
+            self._start()
+            self._generation -= 1
+            self.recycled += 1
 
     def _teardown(self, *, graceful: bool) -> None:
         """Stop all workers and release their resources. Never blocks long."""
