@@ -24,7 +24,8 @@ EXAMPLES = ["llama_tp", "llama_tp_sp", "moe_ep", "moe_tp_ep", "moe_sp_ep_sp", "s
 # xdist_group here, not only from tests/conftest.py: the group conftest.py adds in its
 # pytest_collection_modifyitems comes after pytest-xdist's worker has read the marks (its hook
 # runs first), so without this mark the module's tests were dealt to both workers and each
-# recorded every example (the module fixture, about a minute, twice).
+# recorded every example (the module fixture, about a minute, twice). The mark did not keep them
+# together either on af5ae73; the fixture records lazily (below).
 pytestmark = [
     pytest.mark.slow(
         reason="records every example on 4 gloo ranks once (module fixture), then checks the reports"
@@ -33,15 +34,26 @@ pytestmark = [
 ]
 
 
+class _Recordings(dict):
+    """example -> (out dir, per-rank job results), each example recorded on 4 ranks the first
+    time a test asks for it: a CI run on commit af5ae73 still dealt this module's tests to both
+    workers (259 s and 252 s, each worker recording all six examples), so a worker records only
+    what its tests read. The llama_tp run also writes predicted timelines."""
+
+    def __init__(self, pool, tmp_path_factory) -> None:
+        super().__init__()
+        self.pool, self.tmp = pool, tmp_path_factory
+
+    def __missing__(self, name: str):
+        d = self.tmp.mktemp(name)
+        res = self.pool.run(record_example, name, str(d), 2, name == "llama_tp", timeout=300)
+        self[name] = (d, res)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def recorded(rank_pool_4, tmp_path_factory):
-    """example -> (out dir, per-rank job results); the llama_tp run also writes predicted timelines."""
-    out = {}
-    for name in EXAMPLES:
-        d = tmp_path_factory.mktemp(name)
-        res = rank_pool_4.run(record_example, name, str(d), 2, name == "llama_tp", timeout=300)
-        out[name] = (d, res)
-    return out
+    return _Recordings(rank_pool_4, tmp_path_factory)
 
 
 @pytest.mark.multirank
