@@ -95,12 +95,13 @@ def test_two_nodes_get_their_own_namespaces_addresses_and_torchrun_environment()
     keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
             "MASTER_PORT", "GLOO_SOCKET_IFNAME", "COMMFUSE_NETWORK"]  # fmt: skip
     script = (
-        "import json, os, socket; print('ENV', json.dumps({'env': [os.environ[k] for k in %r], "
-        "'ifs': sorted(i for _, i in socket.if_nameindex()), 'cores': sorted(os.sched_getaffinity(0))}))"
-        % keys
+        "import json, os, socket; os.write(1, ('ENV ' + json.dumps({'env': [os.environ[k] for k in %r], "
+        "'ifs': sorted(i for _, i in socket.if_nameindex()), 'cores': sorted(os.sched_getaffinity(0))}) "
+        "+ '\\n').encode())" % keys
     )
     out = _emulated(_spec(2, 2, check=True, tolerance=100.0), [sys.executable, "-c", script])
     assert out.returncode == 0, out.stderr
+    # one os.write per rank: the four share the pipe, and PYTHONUNBUFFERED splits a print in pieces
     rows = [json.loads(line[4:]) for line in out.stdout.splitlines() if line.startswith("ENV")]
     rows.sort(key=lambda row: int(row["env"][0]))
     cores = sorted(os.sched_getaffinity(0))
@@ -168,14 +169,14 @@ def _net_namespaces() -> set[int]:
 
 
 _ALL_REDUCE = """
-import torch, torch.distributed as dist
+import os, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 r = dist.get_rank()
 t = torch.arange(1 << 18, dtype=torch.float32) * (r + 1)
 dist.all_reduce(t)
 n = dist.get_world_size()
 ok = torch.equal(t, torch.arange(1 << 18, dtype=torch.float32) * (n * (n + 1) // 2))
-print("RESULT", r, ok, flush=True)
+os.write(1, f"RESULT {r} {ok}\n".encode())  # one write: the ranks share the pipe, unbuffered or not
 dist.destroy_process_group()
 """
 

@@ -72,7 +72,6 @@ def network_spec(
     pin: bool = True,
     python: Optional[str] = None,
     extra_env: Optional[dict] = None,
-    report: Optional[str] = None,
 ) -> dict:
     """What ``netns.py`` builds and runs (JSON-able)."""
     if nodes < 1 or ranks_per_node < 1:
@@ -96,7 +95,6 @@ def network_spec(
         "pin": pin,
         "python": python or sys.executable,
         "env": env,
-        "report": report,
     }
 
 
@@ -127,9 +125,13 @@ def check_can_emulate(privileged: Optional[bool] = None) -> None:
         )
 
 
+def _argv(spec: dict, command: Sequence[str], privileged: Optional[bool] = None) -> list[str]:
+    return [*unshare_command(privileged), spec["python"], NETNS_SCRIPT, json.dumps(spec), "--", *command]
+
+
 def exec_emulated(spec: dict, command: Sequence[str]) -> None:
     """Replace this process with the emulated cluster running ``command`` (does not return)."""
-    argv = [*unshare_command(), spec["python"], NETNS_SCRIPT, json.dumps(spec), "--", *command]
+    argv = _argv(spec, command)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvp(argv[0], argv)
@@ -139,5 +141,4 @@ def run_emulated(
     spec: dict, command: Sequence[str], *, privileged: Optional[bool] = None, **kw
 ) -> subprocess.CompletedProcess:
     """``command`` on the emulated cluster as a child process (tests, benchmarks)."""
-    argv = [*unshare_command(privileged), spec["python"], NETNS_SCRIPT, json.dumps(spec), "--", *command]
-    return subprocess.run(argv, **kw)
+    return subprocess.run(_argv(spec, command, privileged), **kw)

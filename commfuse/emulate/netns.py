@@ -342,9 +342,6 @@ def main(argv: list[str]) -> int:
         ranks = build(spec)
         if spec.get("check", True):
             rows = check_links(ranks, spec, spec.get("python", sys.executable))
-            if spec.get("report"):
-                with open(spec["report"], "w") as f:
-                    json.dump(rows, f)
             for row in rows:
                 print(f"commfuse emulate: link check {_describe(row)}", file=sys.stderr, flush=True)
     except NetworkError as e:

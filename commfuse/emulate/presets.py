@@ -54,7 +54,7 @@ class NetworkPreset:
 
     @property
     def scale(self) -> float:
-        return CPU_MATMUL_GFLOPS * 1e9 / (self.gpu_tflops * 1e12 * GPU_MFU)
+        return _scale(self.gpu_tflops)
 
     @property
     def two_level(self) -> bool:
@@ -79,8 +79,13 @@ def burst_bytes(rate_bps: float) -> int:
     return max(16 * 1024, int(rate_bps / 8 / 1000))
 
 
+def _scale(gpu_tflops: float) -> float:
+    """This machine's achieved matmul rate over the GPU's (the compute convention)."""
+    return CPU_MATMUL_GFLOPS * 1e9 / (gpu_tflops * 1e12 * GPU_MFU)
+
+
 def _preset(name: str, emulates: str, tflops: float, intra_GBps: float, inter_GBps: float) -> NetworkPreset:
-    scale = CPU_MATMUL_GFLOPS * 1e9 / (tflops * 1e12 * GPU_MFU)
+    scale = _scale(tflops)
     return NetworkPreset(
         name=name,
         emulates=emulates,

@@ -48,6 +48,9 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+# where `commfuse emulate` says each rank's network namespace is (netns.py's run_host)
+from commfuse.emulate.netns import RANKS_ENV
+
 __all__ = [
     "RankFailure",
     "RankPool",
@@ -349,22 +352,18 @@ def _health_check() -> int:
 # Parent side
 # --------------------------------------------------------------------------
 
-# Set by `commfuse emulate` for a command it runs once beside the ranks' network namespaces
-# (commfuse/emulate/netns.py, run_host): where each rank's namespace is.
-EMULATED_RANKS_ENV = "COMMFUSE_EMULATED_RANKS"
-
 
 def _emulated_places(world_size: int) -> list[dict] | None:
     """Each rank's namespace under an emulated network, or None without one. A pool of another
     size than the emulated cluster cannot be placed on it: an error, not plain loopback."""
-    raw = os.environ.get(EMULATED_RANKS_ENV)
+    raw = os.environ.get(RANKS_ENV)
     if not raw:
         return None
     places = sorted(json.loads(raw), key=lambda p: p["rank"])
     if len(places) != world_size:
         raise RankPoolError(
             f"a {world_size}-rank pool on an emulated network of {len(places)} ranks "
-            f"({EMULATED_RANKS_ENV}): start the emulated cluster with {world_size} ranks"
+            f"({RANKS_ENV}): start the emulated cluster with {world_size} ranks"
         )
     return places
 
