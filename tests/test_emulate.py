@@ -176,7 +176,7 @@ t = torch.arange(1 << 18, dtype=torch.float32) * (r + 1)
 dist.all_reduce(t)
 n = dist.get_world_size()
 ok = torch.equal(t, torch.arange(1 << 18, dtype=torch.float32) * (n * (n + 1) // 2))
-os.write(1, f"RESULT {r} {ok}\n".encode())  # one write: the ranks share the pipe, unbuffered or not
+os.write(1, f"RESULT {r} {ok}\\n".encode())  # one write: the ranks share the pipe, unbuffered or not
 dist.destroy_process_group()
 """
 
